@@ -1,0 +1,283 @@
+"""3xTF32 GEMM on mma.sync tensor cores: C[m, n] = sum_k A[m, k] * B[n, k], FP32-class accuracy.
+
+Algorithm. A (M, K) and B (N, K) are FP32, both K-major and contiguous. Each CTA owns a
+(tile_m, tile_n) output tile and one fixed K slice (split s of `splits`), streams
+(tile_m|tile_n, tile_k) tiles through a `stages`-deep cp.async ring in swizzled shared memory,
+and for every k-block of 8 splits each operand element x into big = x with the low 13 mantissa
+bits cleared and small = tf32_rna(x - big), then issues three `mma.sync.m16n8k8.tf32` into one
+FP32 accumulator, smallest terms first: small_a*big_b, big_a*small_b, big_a*big_b.
+
+Numeric contract (what makes it batch-invariant). The value of C[m, n] is a function of row m of
+A, row n of B, K and `splits` only: every element is accumulated k-block by k-block in increasing
+k inside its K slice, starting from +0; nothing depends on M, the tile shape, the stage count or
+where row m sits in its tile (an mma output element only sees its own A row). Different configs
+therefore give identical bits; `splits` is chosen by the caller from K alone.
+
+Epilogues (static): "partial" stores the raw slice sums to P[s, m, n] for a fixed-order fold
+(kernels/timestep_mlp.py); "bias" stores acc + bias[n]; "bias_silu" stores z = acc + bias[n] and
+h = silu(z) = z / (1 + exp(-z)) (splits must be 1 for the fused epilogues).
+
+Constraints: N % tile_n == 0, K % (splits * tile_k) == 0, tile_k a multiple of 8 (the swizzle
+atom takes 32 FP32 = 128 B rows), 16-byte aligned rows; M is arbitrary (rows predicated).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+EPILOGUES = ("partial", "bias", "bias_silu")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """CTA tile and pipeline shape. Never changes the bits of the result, only the speed."""
+
+    tile_m: int
+    tile_n: int
+    tile_k: int = 32
+    stages: int = 4
+    warps_m: int = 1
+    warps_n: int = 4
+
+    def __post_init__(self):
+        if self.tile_m % (16 * self.warps_m) or self.tile_n % (8 * self.warps_n):
+            raise ValueError(f"{self}: tile_m must divide by 16*warps_m and tile_n by 8*warps_n")
+        if self.tile_k not in (32, 64):
+            raise ValueError(f"{self}: tile_k must be 32 or 64 (128-byte swizzle rows)")
+        if self.stages < 3:
+            raise ValueError(f"{self}: the cp.async ring needs at least 3 stages")
+        threads = 32 * self.warps_m * self.warps_n
+        rows_per_pass = threads // (self.tile_k // 4)
+        if self.tile_m % rows_per_pass or self.tile_n % rows_per_pass:
+            raise ValueError(f"{self}: each cp.async pass covers {rows_per_pass} rows; tiles must divide by it")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    def smem_bytes(self) -> int:
+        return 4 * self.stages * self.tile_k * (self.tile_m + self.tile_n)
+
+
+TF32_BIG_MASK = -8192  # 0xffffe000: sign, exponent and the 10 TF32 mantissa bits
+
+
+@dsl_user_op
+def tf32_small(x: cutlass.Int32, big: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
+    """Bits of tf32_rna(x - big) for FP32 bit patterns x and big = x & TF32_BIG_MASK (x - big is exact)."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            cutlass.Int32.mlir_type,
+            [cutlass.Int32(x).ir_value(loc=loc, ip=ip), cutlass.Int32(big).ir_value(loc=loc, ip=ip)],
+            "{ .reg .f32 xf, bf, df; mov.b32 xf, $1; mov.b32 bf, $2; sub.rn.f32 df, xf, bf; "
+            "cvt.rna.tf32.f32 $0, df; }",
+            "=r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+class GemmTF32x3:
+    """One compiled GEMM: static config, epilogue, split count; M (and K when symbolic) at run time."""
+
+    def __init__(self, config: GemmConfig, epilogue: str, splits: int):
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"unknown epilogue {epilogue!r}; one of {EPILOGUES}")
+        if epilogue != "partial" and splits != 1:
+            raise ValueError("fused epilogues need the whole K in one CTA (splits=1)")
+        self.config = config
+        self.epilogue = epilogue
+        self.splits = splits
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor,
+                 mH: cute.Tensor, stream):
+        """mA (M, K), mB (N, K); mC is P (splits, M, N) for "partial", else (M, N) (z for bias_silu);
+        mBias (N,) and mH (M, N) are read/written only by the epilogues that name them."""
+        cfg = self.config
+        threads = cfg.threads
+        sA_layout = self._smem_layout(cfg.tile_m)
+        sB_layout = self._smem_layout(cfg.tile_n)
+        # 16-byte chunks of a 128-byte row XOR-ed with the row index mod 8: the mma fragment
+        # reads (8 rows x 4 columns per warp) hit 32 distinct banks, cp.async writes stay 16 B.
+        swizzle = cute.make_swizzle(3, 4, 3)
+
+        g2s_atom = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+            cutlass.Int32,
+            num_bits_per_copy=128,
+        )
+        chunks_per_row = cfg.tile_k // 4
+        g2s_threads = cute.make_layout((threads // chunks_per_row, chunks_per_row), stride=(chunks_per_row, 1))
+        tiled_copy_g2s = cute.make_tiled_copy_tv(g2s_atom, g2s_threads, cute.make_layout((1, 4)))
+
+        tiled_mma = cute.make_tiled_mma(
+            cute.nvgpu.warp.MmaTF32Op((16, 8, 8)),
+            cute.make_layout((cfg.warps_m, cfg.warps_n, 1)),
+            permutation_mnk=(cfg.warps_m * 16, cfg.warps_n * 8, 8),
+        )
+        m_tiles = (cute.size(mA, mode=[0]) + cfg.tile_m - 1) // cfg.tile_m
+        n_tiles = cute.size(mB, mode=[0]) // cfg.tile_n
+        self.kernel(mA, mB, mC, mBias, mH, sA_layout, sB_layout, swizzle, tiled_copy_g2s, tiled_mma).launch(
+            grid=[m_tiles, n_tiles, self.splits],
+            block=[threads, 1, 1],
+            stream=stream,
+        )
+
+    def _smem_layout(self, rows: int):
+        cfg = self.config
+        atom = cute.make_layout((8, 32), stride=(32, 1))
+        return cute.tile_to_shape(atom, (rows, cfg.tile_k, cfg.stages), (0, 1, 2))
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor,
+               sA_layout: cute.Layout, sB_layout: cute.Layout, swizzle: cute.Swizzle,
+               tiled_copy_g2s: cute.TiledCopy, tiled_mma: cute.TiledMma):
+        cfg = self.config
+        tidx, _, _ = cute.arch.thread_idx()
+        bid_m, bid_n, bid_s = cute.arch.block_idx()
+        rows_a = cute.size(mA, mode=[0])
+        k_tiles_per_split = cute.size(mA, mode=[1]) // (cfg.tile_k * self.splits)
+        k_tile_first = bid_s * k_tiles_per_split
+
+        if cutlass.const_expr(self.epilogue == "partial"):
+            mOut = mC[bid_s, None, None]
+        else:
+            mOut = mC
+
+        # The mma takes TF32 operands as 32-bit registers: move FP32 bit patterns as Int32.
+        mA_bits = cute.recast_tensor(mA, cutlass.Int32)
+        mB_bits = cute.recast_tensor(mB, cutlass.Int32)
+        gA = cute.local_tile(mA_bits, (cfg.tile_m, cfg.tile_k), (bid_m, None))  # (BM, BK, k_tiles)
+        gB = cute.local_tile(mB_bits, (cfg.tile_n, cfg.tile_k), (bid_n, None))  # (BN, BK, k_tiles)
+        cA = cute.local_tile(cute.make_identity_tensor(mA.shape), (cfg.tile_m, cfg.tile_k), (bid_m, None))
+        gC = cute.local_tile(mOut, (cfg.tile_m, cfg.tile_n), (bid_m, bid_n))
+        cC = cute.local_tile(cute.make_identity_tensor(mOut.shape), (cfg.tile_m, cfg.tile_n), (bid_m, bid_n))
+
+        @cute.struct
+        class SharedStorage:
+            a: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, cute.cosize(sA_layout)], 128]
+            b: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, cute.cosize(sB_layout)], 128]
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sA = storage.a.get_tensor(sA_layout, swizzle=swizzle)
+        sB = storage.b.get_tensor(sB_layout, swizzle=swizzle)
+
+        thr_g2s = tiled_copy_g2s.get_slice(tidx)
+        tAgA = thr_g2s.partition_S(gA)  # (CPY, CPY_M, CPY_K, k_tiles)
+        tAsA = thr_g2s.partition_D(sA)  # (CPY, CPY_M, CPY_K, stages)
+        tBgB = thr_g2s.partition_S(gB)
+        tBsB = thr_g2s.partition_D(sB)
+        tAcA = thr_g2s.partition_S(cA)
+
+        # Rows of A past M are never loaded (their smem stays zero); they only feed accumulator
+        # rows that the epilogue does not store.
+        tApA = cute.make_rmem_tensor(
+            cute.make_layout(
+                (tAgA.shape[0][1], cute.size(tAgA, mode=[1]), cute.size(tAgA, mode=[2])),
+                stride=(cute.size(tAgA, mode=[1]), 1, 0),
+            ),
+            cutlass.Boolean,
+        )
+        for rest_v in cutlass.range_constexpr(tApA.shape[0]):
+            for m in cutlass.range_constexpr(tApA.shape[1]):
+                tApA[rest_v, m, 0] = cute.elem_less(tAcA[(0, rest_v), m, 0, 0][0], rows_a)
+
+        tAsA.fill(0)
+        cute.arch.sync_threads()
+
+        # Prologue: fill stages - 1 slots of the ring.
+        for stage in cutlass.range_constexpr(cfg.stages - 1):
+            if stage < k_tiles_per_split:
+                cute.copy(tiled_copy_g2s, tAgA[None, None, None, k_tile_first + stage],
+                          tAsA[None, None, None, stage], pred=tApA)
+                cute.copy(tiled_copy_g2s, tBgB[None, None, None, k_tile_first + stage],
+                          tBsB[None, None, None, stage])
+            cute.arch.cp_async_commit_group()
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCgC = thr_mma.partition_C(gC)
+        tCcC = thr_mma.partition_C(cC)
+        tCrA = tiled_mma.make_fragment_A(tCsA[None, None, None, 0])
+        tCrB = tiled_mma.make_fragment_B(tCsB[None, None, None, 0])
+        acc = tiled_mma.make_fragment_C(tCgC)
+        acc.fill(0.0)
+
+        s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Int32, num_bits_per_copy=32)
+        s2r_A = cute.make_tiled_copy_A(s2r_atom, tiled_mma)
+        s2r_B = cute.make_tiled_copy_B(s2r_atom, tiled_mma)
+        thr_s2r_A = s2r_A.get_slice(tidx)
+        thr_s2r_B = s2r_B.get_slice(tidx)
+        tXsA = thr_s2r_A.partition_S(sA)
+        tXrA = thr_s2r_A.retile(tCrA)
+        tXsB = thr_s2r_B.partition_S(sB)
+        tXrB = thr_s2r_B.retile(tCrB)
+
+        a_big = cute.make_fragment_like(tCrA[None, None, 0])
+        a_small = cute.make_fragment_like(tCrA[None, None, 0])
+        b_big = cute.make_fragment_like(tCrB[None, None, 0])
+        b_small = cute.make_fragment_like(tCrB[None, None, 0])
+        k_blocks = cute.size(tCrA, mode=[2])
+
+        read_slot = 0
+        write_slot = cfg.stages - 1
+        for k_tile in range(k_tiles_per_split):
+            cute.arch.cp_async_wait_group(cfg.stages - 2)
+            cute.arch.sync_threads()
+            # Refill the slot consumed in the previous iteration (all threads are past it).
+            next_tile = k_tile + cfg.stages - 1
+            if next_tile < k_tiles_per_split:
+                cute.copy(tiled_copy_g2s, tAgA[None, None, None, k_tile_first + next_tile],
+                          tAsA[None, None, None, write_slot], pred=tApA)
+                cute.copy(tiled_copy_g2s, tBgB[None, None, None, k_tile_first + next_tile],
+                          tBsB[None, None, None, write_slot])
+            cute.arch.cp_async_commit_group()
+
+            cute.copy(s2r_A, tXsA[None, None, None, read_slot], tXrA)
+            cute.copy(s2r_B, tXsB[None, None, None, read_slot], tXrB)
+            for kb in cutlass.range_constexpr(k_blocks):
+                for i in cutlass.range_constexpr(cute.size(a_big)):
+                    x = tCrA[None, None, kb][i]
+                    big = x & TF32_BIG_MASK
+                    a_big[i] = big
+                    a_small[i] = tf32_small(x, big)
+                for i in cutlass.range_constexpr(cute.size(b_big)):
+                    x = tCrB[None, None, kb][i]
+                    big = x & TF32_BIG_MASK
+                    b_big[i] = big
+                    b_small[i] = tf32_small(x, big)
+                # Smallest terms first, one accumulator: the order is part of the contract.
+                cute.gemm(tiled_mma, acc, a_small, b_big, acc)
+                cute.gemm(tiled_mma, acc, a_big, b_small, acc)
+                cute.gemm(tiled_mma, acc, a_big, b_big, acc)
+
+            write_slot = read_slot
+            read_slot = read_slot + 1
+            if read_slot == cfg.stages:
+                read_slot = 0
+
+        cute.arch.cp_async_wait_group(0)
+
+        rows_c = cute.size(mOut, mode=[0])
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            coord = tCcC[i]
+            if cute.elem_less(coord[0], rows_c):
+                v = acc[i]
+                if cutlass.const_expr(self.epilogue == "partial"):
+                    tCgC[i] = v
+                else:
+                    z = v + mBias[coord[1]]
+                    tCgC[i] = z
+                    if cutlass.const_expr(self.epilogue == "bias_silu"):
+                        mH[coord] = z / (cutlass.Float32(1.0) + cute.math.exp(-z))
