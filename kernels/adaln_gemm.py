@@ -1,0 +1,572 @@
+"""The BF16 AdaLN projection GEMM family: forward, both backward GEMMs and their small helpers.
+
+The projection is `table = silu(temb).bf16 @ W^T + b` with W (N_out, D = 2688) BF16, N_out = 96768
+(block AdaLN) or 10752 (final AdaLN). Every GEMM here is one kernel, `_WarpMmaGemm`: a multistage
+cp.async (16-byte) global->shared pipeline, ldmatrix (transposed for MN-major operands) into
+registers, and the warp-level `mma.sync.m16n8k16` BF16 MMA with FP32 accumulators, which runs
+unchanged on sm_90a and sm_100a. C = A B^T with A (M, K) and B (N, K):
+
+| kernel | M | N | K | A | B | C |
+| --- | --- | --- | --- | --- | --- | --- |
+| adaln_proj_fwd | N_out | T | D | W (K-major) | a (K-major) | out^T + bias, BF16 |
+| adaln_proj_dgrad | D | T | N_out, split in `DGRAD_SPLITS` fixed chunks | W^T (M-major) | grad (K-major) | FP32 partials |
+| adaln_proj_wgrad | N_out | D | T | grad^T (M-major) | a (N-major) | dW, BF16 |
+
+Numeric contract (what makes the forward and d_temb batch-invariant): every output element is
+one FP32 accumulator fed by k16 MMA steps in ascending K order, the same for every T and every
+tile config (configs vary only the M/N tiles, the warp arrangement and the pipeline depth; bK
+only groups k16 steps per shared-memory stage). Rows beyond T are zero-filled in shared memory and
+never stored. The forward epilogue adds the bias in FP32 and rounds to BF16 once (cuBLAS's bias
+epilogue). d_temb sums the `DGRAD_SPLITS` FP32 partials in split order (`adaln_dtemb_fold`), so
+its order depends on N_out only. dW and db are reductions over T: deterministic (fixed order, no
+atomics), not batch-invariant by nature.
+
+Constraints: K-major operands need K % 8 == 0 (the copy vector runs along K); MN-major operand
+extents are multiples of 8; all pointers 16-byte aligned and all tensors contiguous.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+
+from h3cute.runtime import KernelSpec
+from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
+
+TEMB_WIDTH = 2688  # D: the time-embedding width, K of the forward GEMM
+BLOCK_OUT_FEATURES = 96768  # 18 AdaLN rows x 5376, the per-call block table
+FINAL_OUT_FEATURES = 10752  # shift | scale of the final AdaLN
+OUT_FEATURES = (BLOCK_OUT_FEATURES, FINAL_OUT_FEATURES)
+# d_temb = grad @ W reduces over N_out; it is split into this many fixed, equal K chunks so that
+# the whole GPU streams W even at T = 1. Never depends on T (batch invariance of d_temb).
+DGRAD_SPLITS = 12
+_MMA_SHAPE = (16, 8, 16)
+_COPY_BITS = 128
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """CTA tile (bm x bn x bk), warp grid (warps_m x warps_n) and cp.async pipeline depth."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps_m: int
+    warps_n: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    def check(self) -> None:
+        # The tiled MMA is (16 warps_m) x (16 warps_n) x 16 (two n8 atoms per warp so ldmatrix.x4
+        # feeds B); the CTA tile must be a whole number of those, and each gmem copy pass must fit.
+        assert self.bm % (16 * self.warps_m) == 0 and self.bn % (16 * self.warps_n) == 0, self
+        assert self.bk % 16 == 0 and self.stages >= 3, self
+        assert self.threads % (self.bk // 8) == 0 and self.threads // (self.bk // 8) <= min(self.bm, self.bn), self
+
+
+# Projection tiles, chosen by the launch code from T. Bits never depend on the choice (module
+# docstring); tests check that every config gives identical bits.
+CONFIGS = {
+    # T <= 16: memory-bound, streams W; small M tiles keep all 132 SMs busy to the end.
+    "skinny": GemmTile(bm=64, bn=16, bk=64, warps_m=4, warps_n=1, stages=5),
+    "skinny_m128": GemmTile(bm=128, bn=16, bk=64, warps_m=4, warps_n=1, stages=4),
+    "mid": GemmTile(bm=128, bn=64, bk=64, warps_m=2, warps_n=2, stages=4),
+    "wide": GemmTile(bm=128, bn=128, bk=64, warps_m=2, warps_n=2, stages=3),
+}
+# dW's K is T (usually tiny): a short bk wastes little on the zero-padded K tail.
+WGRAD_TILE = GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4)
+
+
+def config_for_rows(rows: int) -> str:
+    """The projection config the launch code uses for T rows (bits are the same for every config)."""
+    if rows <= 16:
+        return "skinny"
+    if rows <= 64:
+        return "mid"
+    return "wide"
+
+
+class _WarpMmaGemm:
+    """C = epilogue(A B^T): cp.async pipeline + ldmatrix + mma.sync m16n8k16, FP32 accumulators.
+
+    a_k_major / b_k_major say which of each operand's modes is contiguous. `epilogue` is
+    "bias_bf16" (C = bf16(acc + bias[m])), "f32" (C = acc) or "bf16" (C = bf16(acc)).
+    `k_splits` > 1 makes grid z walk fixed, equal chunks of the K tiles (C then has a split mode).
+    """
+
+    def __init__(self, tile: GemmTile, a_k_major: bool, b_k_major: bool, epilogue: str, k_splits: int = 1):
+        tile.check()
+        self.tile = tile
+        self.a_k_major = a_k_major
+        self.b_k_major = b_k_major
+        self.epilogue = epilogue
+        self.k_splits = k_splits
+        self.cta_tiler = (tile.bm, tile.bn, tile.bk)
+
+    # ----------------------------------------------------------------------------------- host
+    def _smem_layout(self, k_major: bool, mn: int):
+        """Stage-stacked smem layout in 8-row (or 8-column) atoms; XOR swizzle kills ldmatrix bank conflicts."""
+        bk = self.tile.bk
+        major_size = min(bk if k_major else mn, 64)  # elements along the contiguous mode, <= 128 B
+        swizzle = cute.make_swizzle(min(int(math.log2(major_size * 16 // _COPY_BITS)), 3), 4, 3)
+        if k_major:
+            atom = cute.make_layout((8, major_size), stride=(major_size, 1))
+        else:
+            atom = cute.make_layout((major_size, 8), stride=(1, major_size))
+        layout = cute.tile_to_shape(atom, (mn, bk, self.tile.stages), (0, 1, 2))
+        return layout, swizzle
+
+    def _gmem_copy(self, k_major: bool, mn: int):
+        """16-byte cp.async tiled copy whose thread order follows the contiguous mode."""
+        atom = cute.make_copy_atom(
+            cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+            cutlass.BFloat16,
+            num_bits_per_copy=_COPY_BITS,
+        )
+        vec = _COPY_BITS // 16
+        threads = self.tile.threads
+        if k_major:
+            along_k = self.tile.bk // vec
+            thr = cute.make_layout((threads // along_k, along_k), stride=(along_k, 1))
+            val = cute.make_layout((1, vec))
+        else:
+            along_mn = mn // vec
+            thr = cute.make_layout((along_mn, threads // along_mn), stride=(1, along_mn))
+            val = cute.make_layout((vec, 1))
+        return cute.make_tiled_copy_tv(atom, thr, val)
+
+    @cute.jit
+    def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
+        t = self.tile
+        sA_layout, sA_swizzle = self._smem_layout(self.a_k_major, t.bm)
+        sB_layout, sB_swizzle = self._smem_layout(self.b_k_major, t.bn)
+        copy_A = self._gmem_copy(self.a_k_major, t.bm)
+        copy_B = self._gmem_copy(self.b_k_major, t.bn)
+        mma_op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, _MMA_SHAPE)
+        tiled_mma = cute.make_tiled_mma(
+            mma_op,
+            cute.make_layout((t.warps_m, t.warps_n, 1)),
+            permutation_mnk=(16 * t.warps_m, 16 * t.warps_n, 16),
+        )
+        # grid x walks N fastest: CTAs resident together share their A (weight-sized) tile in L2.
+        grid = (
+            cute.ceil_div(cute.size(mB, mode=[0]), t.bn),
+            cute.ceil_div(cute.size(mA, mode=[0]), t.bm),
+            self.k_splits,
+        )
+        self.kernel(mA, mB, mC, mBias, sA_layout, sA_swizzle, sB_layout, sB_swizzle, copy_A, copy_B, tiled_mma).launch(
+            grid=grid, block=[t.threads, 1, 1], stream=stream
+        )
+
+    # --------------------------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        mBias: cute.Tensor,
+        sA_layout: cute.Layout,
+        sA_swizzle: cute.Swizzle,
+        sB_layout: cute.Layout,
+        sB_swizzle: cute.Swizzle,
+        copy_A: cute.TiledCopy,
+        copy_B: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+    ):
+        t = self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        n_tile, m_tile, split = cute.arch.block_idx()
+
+        # (bm, bk, k_tiles) / (bn, bk, k_tiles) views. The K tail (dW only: K = T) is handled by
+        # shifting the tiles back so the *first* tile is the partial one; its out-of-range K
+        # columns have negative coordinates and are never loaded (smem stays zero there).
+        gA = cute.local_tile(mA, (t.bm, t.bk), (m_tile, None))
+        gB = cute.local_tile(mB, (t.bn, t.bk), (n_tile, None))
+        residual_k = cute.size(mA, mode=[1]) - cutlass.Int32(t.bk) * cute.size(gA, mode=[2])
+        gA = cute.domain_offset((0, residual_k, 0), gA)
+        gB = cute.domain_offset((0, residual_k, 0), gB)
+        gA = cute.make_tensor(gA.iterator.align(16), gA.layout)
+        gB = cute.make_tensor(gB.iterator.align(16), gB.layout)
+        cA = cute.domain_offset((0, residual_k, 0), cute.local_tile(cute.make_identity_tensor(mA.shape), (t.bm, t.bk), (m_tile, None)))
+        cB = cute.domain_offset((0, residual_k, 0), cute.local_tile(cute.make_identity_tensor(mB.shape), (t.bn, t.bk), (n_tile, None)))
+
+        k_tile_count = cute.size(gA, mode=[2])
+        k_tile_first = cutlass.Int32(0)
+        if cutlass.const_expr(self.k_splits > 1):
+            # Fixed, equal chunks: the launch asserts K tiles divide evenly (no K tail with splits).
+            k_tile_count = k_tile_count // self.k_splits
+            k_tile_first = split * k_tile_count
+
+        @cute.struct
+        class SharedStorage:
+            a: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 16]
+            b: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 16]
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sA = storage.a.get_tensor(sA_layout, swizzle=sA_swizzle)
+        sB = storage.b.get_tensor(sB_layout, swizzle=sB_swizzle)
+
+        thr_copy_A = copy_A.get_slice(tidx)
+        thr_copy_B = copy_B.get_slice(tidx)
+        tAgA = thr_copy_A.partition_S(gA)
+        tAsA = thr_copy_A.partition_D(sA)
+        tBgB = thr_copy_B.partition_S(gB)
+        tBsB = thr_copy_B.partition_D(sB)
+        tAcA = thr_copy_A.partition_S(cA)
+        tBcB = thr_copy_B.partition_S(cB)
+
+        # M/N bound predicates, one per copy vector (MN extents of MN-major operands are
+        # multiples of 8, so a vector is either all in or all out); K bounds are checked per copy.
+        tApA = cute.make_rmem_tensor(
+            cute.make_layout(
+                (tAgA.shape[0][1], cute.size(tAgA, mode=[1]), cute.size(tAgA, mode=[2])),
+                stride=(cute.size(tAgA, mode=[1]), 1, 0),
+            ),
+            cutlass.Boolean,
+        )
+        tBpB = cute.make_rmem_tensor(
+            cute.make_layout(
+                (tBgB.shape[0][1], cute.size(tBgB, mode=[1]), cute.size(tBgB, mode=[2])),
+                stride=(cute.size(tBgB, mode=[1]), 1, 0),
+            ),
+            cutlass.Boolean,
+        )
+        for v in range(tApA.shape[0]):
+            for m in range(tApA.shape[1]):
+                tApA[v, m, 0] = cute.elem_less(tAcA[(0, v), m, 0, 0][0], mA.shape[0])
+        for v in range(tBpB.shape[0]):
+            for n in range(tBpB.shape[1]):
+                tBpB[v, n, 0] = cute.elem_less(tBcB[(0, v), n, 0, 0][0], mB.shape[0])
+
+        # Zero smem once: rows past T and the K tail are never loaded and must read as 0.
+        tAsA.fill(0)
+        tBsB.fill(0)
+        cute.arch.sync_threads()
+
+        num_stages = t.stages
+        k_tile_index = k_tile_first
+        # First tile: per-K-column bound check (only the dW GEMM ever has a partial tile).
+        for k in range(tApA.shape[2]):
+            if cute.elem_less(cutlass.Int32(-1), tAcA[0, 0, k, k_tile_index][1]):
+                cute.copy(copy_A, tAgA[None, None, k, k_tile_index], tAsA[None, None, k, 0], pred=tApA[None, None, k])
+        for k in range(tBpB.shape[2]):
+            if cute.elem_less(cutlass.Int32(-1), tBcB[0, 0, k, k_tile_index][1]):
+                cute.copy(copy_B, tBgB[None, None, k, k_tile_index], tBsB[None, None, k, 0], pred=tBpB[None, None, k])
+        k_tile_index = k_tile_index + 1
+        cute.arch.cp_async_commit_group()
+        for k_tile in range(1, num_stages - 1):
+            if k_tile == k_tile_count:
+                tApA.fill(0)
+                tBpB.fill(0)
+            cute.copy(copy_A, tAgA[None, None, None, k_tile_index], tAsA[None, None, None, k_tile], pred=tApA)
+            cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, k_tile], pred=tBpB)
+            k_tile_index = k_tile_index + 1
+            cute.arch.cp_async_commit_group()
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA[None, None, None, 0])
+        tCrB = tiled_mma.make_fragment_B(tCsB[None, None, None, 0])
+        gC_full = mC
+        if cutlass.const_expr(self.k_splits > 1):
+            gC_full = mC[None, None, split]
+        gC = cute.local_tile(gC_full, (t.bm, t.bn), (m_tile, n_tile))
+        cC = cute.local_tile(cute.make_identity_tensor(gC_full.shape), (t.bm, t.bn), (m_tile, n_tile))
+        tCgC = thr_mma.partition_C(gC)
+        tCcC = thr_mma.partition_C(cC)
+        acc = tiled_mma.make_fragment_C(tCgC)
+        acc.fill(0.0)
+
+        # ldmatrix (.trans for MN-major smem) into the MMA's register layout.
+        s2r_A = cute.make_tiled_copy_A(
+            cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(not self.a_k_major, 4), cutlass.BFloat16), tiled_mma
+        )
+        s2r_B = cute.make_tiled_copy_B(
+            cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(not self.b_k_major, 4), cutlass.BFloat16), tiled_mma
+        )
+        thr_s2r_A = s2r_A.get_slice(tidx)
+        thr_s2r_B = s2r_B.get_slice(tidx)
+        tCsA_view = thr_s2r_A.partition_S(sA)
+        tCrA_view = thr_s2r_A.retile(tCrA)
+        tCsB_view = thr_s2r_B.partition_S(sB)
+        tCrB_view = thr_s2r_B.retile(tCrB)
+
+        smem_read = 0
+        smem_write = num_stages - 1
+        tCsA_p = tCsA_view[None, None, None, smem_read]
+        tCsB_p = tCsB_view[None, None, None, smem_read]
+        num_k_block = cute.size(tCrA, mode=[2])
+        cute.arch.cp_async_wait_group(num_stages - 2)
+        cute.arch.sync_threads()
+        cute.copy(s2r_A, tCsA_p[None, None, 0], tCrA_view[None, None, 0])
+        cute.copy(s2r_B, tCsB_p[None, None, 0], tCrB_view[None, None, 0])
+
+        # Main loop: smem holds stages-1 tiles in flight; registers double-buffer k16 blocks.
+        # The MMAs consume k16 blocks strictly in ascending K order into one accumulator.
+        for k_tile in range(k_tile_count):
+            for k_block in cutlass.range(num_k_block, unroll_full=True):
+                if k_block == num_k_block - 1:
+                    tCsA_p = tCsA_view[None, None, None, smem_read]
+                    tCsB_p = tCsB_view[None, None, None, smem_read]
+                    cute.arch.cp_async_wait_group(num_stages - 2)
+                    cute.arch.sync_threads()
+                k_next = (k_block + 1) % num_k_block
+                cute.copy(s2r_A, tCsA_p[None, None, k_next], tCrA_view[None, None, k_next])
+                cute.copy(s2r_B, tCsB_p[None, None, k_next], tCrB_view[None, None, k_next])
+                if k_block == 0:
+                    if k_tile + num_stages - 1 < k_tile_count:
+                        cute.copy(copy_A, tAgA[None, None, None, k_tile_index], tAsA[None, None, None, smem_write], pred=tApA)
+                        cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, smem_write], pred=tBpB)
+                    k_tile_index = k_tile_index + 1
+                    cute.arch.cp_async_commit_group()
+                    smem_write = smem_read
+                    smem_read = smem_read + 1
+                    if smem_read == num_stages:
+                        smem_read = 0
+                cute.gemm(tiled_mma, acc, tCrA[None, None, k_block], tCrB[None, None, k_block], acc)
+        cute.arch.cp_async_wait_group(0)
+
+        # Epilogue straight from registers, element by element, bounds-checked on M and N.
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            coord = tCcC[i]
+            if cute.elem_less(coord, gC_full.shape):
+                if cutlass.const_expr(self.epilogue == "bias_bf16"):
+                    tCgC[i] = (acc[i] + mBias[coord[0]].to(cutlass.Float32)).to(cutlass.BFloat16)
+                elif cutlass.const_expr(self.epilogue == "bf16"):
+                    tCgC[i] = acc[i].to(cutlass.BFloat16)
+                else:
+                    tCgC[i] = acc[i]
+
+
+# ------------------------------------------------------------------------------ the projection
+def _fake(dtype, shape, stride_order=None):
+    return make_fake_compact_tensor(dtype, shape, stride_order=stride_order, assumed_align=16)
+
+
+def _build_fwd(arch: str, *, out_features: int, tile: GemmTile):
+    gemm = _WarpMmaGemm(tile, a_k_major=True, b_k_major=True, epilogue="bias_bf16")
+
+    @cute.jit
+    def adaln_proj_fwd(act: cute.Tensor, weight: cute.Tensor, bias: cute.Tensor, out: cute.Tensor, stream):
+        # out (T, N_out) seen as C (N_out, T): M-major, so the weight rows are the MMA's M.
+        out_t = cute.make_tensor(out.iterator, cute.select(out.layout, mode=[1, 0]))
+        gemm.launch(weight, act, out_t, bias, stream)
+
+    rows = cute.sym_int()
+    return compile_for(
+        arch,
+        adaln_proj_fwd,
+        _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.BFloat16, (out_features,)),
+        _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
+        env_stream(),
+    )
+
+
+def _build_dgrad(arch: str, *, out_features: int, tile: GemmTile):
+    assert out_features % (DGRAD_SPLITS * tile.bk) == 0, (out_features, tile)
+    gemm = _WarpMmaGemm(tile, a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS)
+
+    @cute.jit
+    def adaln_proj_dgrad(grad: cute.Tensor, weight: cute.Tensor, partial: cute.Tensor, stream):
+        # A = W^T (D, N_out), M-major; C = partial (splits, T, D) seen as (D, T, splits).
+        weight_t = cute.make_tensor(weight.iterator, cute.select(weight.layout, mode=[1, 0]))
+        partial_t = cute.make_tensor(partial.iterator, cute.select(partial.layout, mode=[2, 1, 0]))
+        gemm.launch(weight_t, grad, partial_t, grad, stream)
+
+    rows = cute.sym_int()
+    return compile_for(
+        arch,
+        adaln_proj_dgrad,
+        _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
+        _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB_WIDTH), (2, 1, 0)),
+        env_stream(),
+    )
+
+
+def _build_wgrad(arch: str, *, out_features: int):
+    gemm = _WarpMmaGemm(WGRAD_TILE, a_k_major=False, b_k_major=False, epilogue="bf16")
+
+    @cute.jit
+    def adaln_proj_wgrad(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, stream):
+        # dW[n, d] = sum_t grad[t, n] act[t, d]: A = grad^T (N_out, T), B = act^T (D, T), both MN-major.
+        grad_t = cute.make_tensor(grad.iterator, cute.select(grad.layout, mode=[1, 0]))
+        act_t = cute.make_tensor(act.iterator, cute.select(act.layout, mode=[1, 0]))
+        gemm.launch(grad_t, act_t, dweight, grad, stream)
+
+    rows = cute.sym_int()
+    return compile_for(
+        arch,
+        adaln_proj_wgrad,
+        _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
+        _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
+        env_stream(),
+    )
+
+
+# ---------------------------------------------------------------------------- elementwise helpers
+_EW_THREADS = 128
+
+
+@cute.jit
+def _sigmoid(x):
+    # Accurate exp (not ex2.approx): d_temb is held to 1e-5 relative error.
+    return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=False))
+
+
+@cute.kernel
+def _silu_cast_kernel(temb: cute.Tensor, act: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    col_block, row, _ = cute.arch.block_idx()
+    col = col_block * _EW_THREADS + tidx
+    if col < TEMB_WIDTH:
+        x = temb[row, col]
+        act[row, col] = (x * _sigmoid(x)).to(cutlass.BFloat16)
+
+
+def _build_silu_cast(arch: str, *, width: int):
+    assert width == TEMB_WIDTH
+
+    @cute.jit
+    def adaln_silu_cast(temb: cute.Tensor, act: cute.Tensor, stream):
+        """act = bf16(silu(temb)), SiLU in FP32 then one rounding (the GEMM's A operand)."""
+        grid = (cute.ceil_div(width, _EW_THREADS), cute.size(temb, mode=[0]), 1)
+        _silu_cast_kernel(temb, act).launch(grid=grid, block=[_EW_THREADS, 1, 1], stream=stream)
+
+    rows = cute.sym_int()
+    return compile_for(
+        arch,
+        adaln_silu_cast,
+        _fake(cutlass.Float32, (rows, width), (1, 0)),
+        _fake(cutlass.BFloat16, (rows, width), (1, 0)),
+        env_stream(),
+    )
+
+
+@cute.kernel
+def _dtemb_fold_kernel(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    col_block, row, _ = cute.arch.block_idx()
+    col = col_block * _EW_THREADS + tidx
+    if col < TEMB_WIDTH:
+        d_act = cutlass.Float32(0.0)
+        for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
+            d_act = d_act + partial[s, row, col]
+        x = temb[row, col]
+        sig = _sigmoid(x)
+        dtemb[row, col] = d_act * (sig + x * sig * (cutlass.Float32(1.0) - sig))
+
+
+def _build_dtemb_fold(arch: str, *, width: int):
+    assert width == TEMB_WIDTH
+
+    @cute.jit
+    def adaln_dtemb_fold(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, stream):
+        """dtemb = (sum over splits of the FP32 d_act partials, in split order) * silu'(temb)."""
+        grid = (cute.ceil_div(width, _EW_THREADS), cute.size(temb, mode=[0]), 1)
+        _dtemb_fold_kernel(partial, temb, dtemb).launch(grid=grid, block=[_EW_THREADS, 1, 1], stream=stream)
+
+    rows = cute.sym_int()
+    return compile_for(
+        arch,
+        adaln_dtemb_fold,
+        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, width), (2, 1, 0)),
+        _fake(cutlass.Float32, (rows, width), (1, 0)),
+        _fake(cutlass.Float32, (rows, width), (1, 0)),
+        env_stream(),
+    )
+
+
+_BIAS_COLS_PER_THREAD = 2
+
+
+@cute.kernel
+def _bias_grad_kernel(grad: cute.Tensor, dbias: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    col0 = (bidx * _EW_THREADS + tidx) * _BIAS_COLS_PER_THREAD
+    if col0 < cute.size(dbias):
+        rows = cute.size(grad, mode=[0])
+        acc0 = cutlass.Float32(0.0)
+        acc1 = cutlass.Float32(0.0)
+        for r in cutlass.range(rows, unroll=4):  # rows in ascending order, one FP32 sum per column
+            acc0 = acc0 + grad[r, col0].to(cutlass.Float32)
+            acc1 = acc1 + grad[r, col0 + 1].to(cutlass.Float32)
+        dbias[col0] = acc0.to(cutlass.BFloat16)
+        dbias[col0 + 1] = acc1.to(cutlass.BFloat16)
+
+
+def _build_bias_grad(arch: str, *, out_features: int):
+    assert out_features % _BIAS_COLS_PER_THREAD == 0
+
+    @cute.jit
+    def adaln_bias_grad(grad: cute.Tensor, dbias: cute.Tensor, stream):
+        """dbias = bf16(sum_t grad[t]) in FP32, rows in order."""
+        grid = (cute.ceil_div(out_features, _EW_THREADS * _BIAS_COLS_PER_THREAD), 1, 1)
+        _bias_grad_kernel(grad, dbias).launch(grid=grid, block=[_EW_THREADS, 1, 1], stream=stream)
+
+    rows = cute.sym_int()
+    return compile_for(
+        arch,
+        adaln_bias_grad,
+        _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
+        _fake(cutlass.BFloat16, (out_features,)),
+        env_stream(),
+    )
+
+
+_MMA_MARKERS = ("mma.sync.aligned.m16n8k16", ".bf16", "cp.async", "ldmatrix")
+_NO_ATOMICS = ("atom.", "red.")
+
+SPECS = [
+    KernelSpec(
+        name="adaln_proj_fwd",
+        build=_build_fwd,
+        variants=lambda arch: [dict(out_features=n, tile=tile) for n in OUT_FEATURES for tile in CONFIGS.values()],
+        ptx_markers=_MMA_MARKERS,
+        ptx_forbidden=_NO_ATOMICS,
+    ),
+    KernelSpec(
+        name="adaln_proj_dgrad",
+        build=_build_dgrad,
+        variants=lambda arch: [dict(out_features=n, tile=tile) for n in OUT_FEATURES for tile in CONFIGS.values()],
+        ptx_markers=_MMA_MARKERS + ("ldmatrix.sync.aligned.m8n8.x4.trans",),
+        ptx_forbidden=_NO_ATOMICS,
+    ),
+    KernelSpec(
+        name="adaln_proj_wgrad",
+        build=_build_wgrad,
+        variants=lambda arch: [dict(out_features=n) for n in OUT_FEATURES],
+        ptx_markers=_MMA_MARKERS + ("ldmatrix.sync.aligned.m8n8.x4.trans",),
+        ptx_forbidden=_NO_ATOMICS,
+    ),
+    KernelSpec(
+        name="adaln_silu_cast",
+        build=_build_silu_cast,
+        variants=lambda arch: [dict(width=TEMB_WIDTH)],
+        ptx_forbidden=("ex2.approx",) + _NO_ATOMICS,
+    ),
+    KernelSpec(
+        name="adaln_dtemb_fold",
+        build=_build_dtemb_fold,
+        variants=lambda arch: [dict(width=TEMB_WIDTH)],
+        ptx_forbidden=("ex2.approx",) + _NO_ATOMICS,
+    ),
+    KernelSpec(
+        name="adaln_bias_grad",
+        build=_build_bias_grad,
+        variants=lambda arch: [dict(out_features=n) for n in OUT_FEATURES],
+        ptx_forbidden=_NO_ATOMICS,
+    ),
+]
