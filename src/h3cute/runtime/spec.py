@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
+# Streaming multiprocessors per target GPU (H200, B200): persistent grids are sized from the arch,
+# never queried, so kernels compile without a GPU and a grid is the same on every GPU of one kind.
+SM_COUNT = {"sm_90a": 132, "sm_100a": 148}
 
 
 @dataclass(frozen=True)
@@ -40,3 +46,18 @@ def _canon(v: Any):
     if isinstance(v, (tuple, list)):
         return tuple(_canon(x) for x in v)
     raise TypeError(f"static kernel argument of type {type(v).__name__} is not allowed: {v!r}")
+
+
+def static_key(canon: tuple) -> str:
+    """The JSON text of a canonical static-argument tuple: how manifests and cache sidecars store it."""
+    return json.dumps(canon, separators=(",", ":"))
+
+
+def symbol_name(name: str, arch: str, canon: tuple, fingerprint: str) -> str:
+    """Exported C symbol of one compiled variant.
+
+    A valid C identifier, unique per (kernel, arch, static args, sources): many variants link into one
+    library, and libraries built from different sources never share a symbol within a process.
+    """
+    digest = hashlib.sha256(json.dumps([name, arch, static_key(canon), fingerprint]).encode()).hexdigest()
+    return f"h3_{re.sub(r'[^0-9A-Za-z_]', '_', name)}_{digest[:16]}"

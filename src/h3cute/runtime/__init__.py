@@ -1,0 +1,116 @@
+"""Kernel runtime: arch selection, compile → export → link, disk cache, prebuilt bundles, loading.
+
+`kernel(name, device, **static)` returns a `tvm_ffi.Function` that takes raw torch tensors and runs
+on torch's current stream. After the first call for a (name, device, static) it is one dict hit.
+The first call resolves, in order: the prebuilt bundle in `H3CUTE_PREBUILT` (no CuTe DSL needed),
+the disk cache in `H3CUTE_CACHE_DIR`, then a compile with the CuTe DSL into that cache.
+Importing this package does not import cutlass; `compile_for` (for kernel modules) does, on access.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .spec import SM_COUNT, SUPPORTED_ARCHS, KernelSpec, canonical_static
+
+__all__ = ["KernelSpec", "compile_for", "kernel", "kernel_for_arch", "arch_of", "SM_COUNT", "SUPPORTED_ARCHS",
+           "canonical_static"]
+
+log = logging.getLogger("h3cute.runtime")
+
+_by_call: dict = {}  # (name, device, static items) -> function: the hot path
+_by_arch: dict = {}  # (name, arch, canonical static) -> function
+_arch_of_device: dict = {}
+_resolve_lock = threading.RLock()
+
+
+def __getattr__(attr):
+    if attr == "compile_for":
+        from .dsl import compile_for
+
+        return compile_for
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
+def arch_of(device) -> str:
+    """Compile target of a CUDA device: capability 9.0 -> sm_90a, 10.x -> sm_100a."""
+    arch = _arch_of_device.get(device)
+    if arch is None:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) == (9, 0):
+            arch = "sm_90a"
+        elif major == 10:
+            arch = "sm_100a"
+        else:
+            raise RuntimeError(
+                f"GPU {torch.cuda.get_device_name(device)!r} has capability {major}.{minor}; h3cute kernels "
+                f"target {SUPPORTED_ARCHS} (capability 9.0 Hopper, 10.x Blackwell)"
+            )
+        _arch_of_device[device] = arch
+    return arch
+
+
+def kernel(name: str, device, **static):
+    """The compiled kernel `name` for `device` (a torch.device, index or string) and static args."""
+    key = (name, device, tuple(static.items()))
+    try:
+        return _by_call[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable static value (a list): take the canonical path every time
+        return kernel_for_arch(name, arch_of(device), **static)
+    fn = _by_call[key] = kernel_for_arch(name, arch_of(device), **static)
+    return fn
+
+
+def kernel_for_arch(name: str, arch: str, **static):
+    """The compiled kernel `name` for `arch` ("sm_90a" / "sm_100a") and static args."""
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported arch {arch!r}; h3cute targets {SUPPORTED_ARCHS}")
+    canon = canonical_static(static)
+    key = (name, arch, canon)
+    fn = _by_arch.get(key)
+    if fn is None:
+        with _resolve_lock:
+            fn = _by_arch.get(key)
+            if fn is None:
+                fn = _by_arch[key] = _resolve(name, arch, static, canon)
+    return fn
+
+
+def _resolve(name: str, arch: str, static: dict, canon: tuple):
+    from .sources import dsl_available
+
+    prebuilt = os.environ.get("H3CUTE_PREBUILT")
+    if prebuilt:
+        from .bundle import BundleMismatchError, open_bundle
+
+        try:
+            bundle = open_bundle(prebuilt)
+        except BundleMismatchError as e:
+            if not dsl_available():
+                raise
+            log.warning("%s; compiling with the CuTe DSL instead", e)
+        else:
+            fn = bundle.function(name, arch, canon)
+            if fn is not None:
+                return fn
+            if not dsl_available():
+                raise LookupError(
+                    f"prebuilt bundle {prebuilt} has no {arch} variant of {name} with static args {static}, "
+                    f"and the CuTe DSL is not installed to compile it; bundled variants: "
+                    f"{bundle.variants_of(name, arch)}"
+                )
+            log.warning("prebuilt bundle %s lacks %s %s %s; compiling it", prebuilt, name, arch, static)
+    if not dsl_available():
+        raise RuntimeError(
+            f"kernel {name} ({arch}) needs compiling but the CuTe DSL (nvidia-cutlass-dsl) is not installed; "
+            "set H3CUTE_PREBUILT to a prebuilt bundle (python -m h3cute build)"
+        )
+    from . import cache
+    from .sources import kernels_package
+
+    return cache.load_or_build(name, arch, static, lambda: kernels_package().get_spec(name))
