@@ -1,0 +1,2 @@
+"""`torch.ops.h3`: importing this package registers every H3 op (schemas in docs/ARCHITECTURE.md)."""
+from h3cute.ops import adaln, timestep  # noqa: F401  (registration)

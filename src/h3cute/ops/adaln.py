@@ -1,0 +1,462 @@
+"""The AdaLN ops of H3: `h3::adaln_projection`, `h3::adaln_row_gather`, `h3::norm_modulate`,
+`h3::gate_residual`, `h3::final_adaln_out` (each with its `_backward` op), and `adaln_indices`.
+
+Row layout: a packed sequence row s carries `timestep_indices[s]` (one of T distinct timesteps) and a
+modality tag in {0 video, 1 text, 2 audio}; `adaln_indices = ti * 3 + tag` addresses the (3T, ...) block
+tables, `ti` addresses the (T, ...) final-norm tables. Indices are never clamped: with `check_indices`
+a bad index raises, naming its row.
+
+Forward CPU impls are the diffusers replays (`h3cute.reference`, BF16 op for op). Backward CPU impls
+compute the true gradient in FP32 from the saved BF16/FP32 inputs and round each result once; reductions
+over rows (weight, bias, table gradients) accumulate in FP32 in a fixed order (`sum(0)`, `index_add_`,
+CPU matmul), so they are bitwise repeatable.
+"""
+import torch
+import torch.nn.functional as F
+
+from h3cute import reference
+from h3cute.ops import validate
+from h3cute.ops._library import LIB, define, resolve_launch
+from h3cute.ops.validate import BF16, BLOCK_CHUNKS, BLOCK_TABLE, F32, HIDDEN, MODALITIES, PROJECTION, TEMB
+
+_PROJECTION = resolve_launch("adaln_projection")
+_ROW_GATHER = resolve_launch("adaln_row_gather")
+_NORM_MODULATE = resolve_launch("norm_modulate")
+_GATE_RESIDUAL = resolve_launch("gate_residual")
+_FINAL = resolve_launch("final_adaln_out")
+
+
+def adaln_indices(timestep_indices: torch.Tensor, token_tags: torch.Tensor, num_timesteps: int) -> torch.Tensor:
+    """`timestep_indices * 3 + token_tags` after checking `0 <= ti < num_timesteps` and `tag in {0, 1, 2}`.
+
+    Both are (S,) int64 on one device; the errors name the first bad row. Syncs the device once per check.
+    """
+    op = "adaln_indices"
+    if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, int) or num_timesteps < 0:
+        raise ValueError(f"h3::{op}: num_timesteps must be an int >= 0, got {num_timesteps!r}")
+    d = timestep_indices.get_device()
+    validate.check_index_tensor(op, "timestep_indices", timestep_indices, d)
+    validate.check_index_tensor(op, "token_tags", token_tags, d)
+    if token_tags.shape != timestep_indices.shape:
+        raise ValueError(
+            f"h3::{op}: token_tags has shape {tuple(token_tags.shape)}, timestep_indices "
+            f"{tuple(timestep_indices.shape)}; they must agree"
+        )
+    validate.check_indices(op, "timestep_indices", timestep_indices, num_timesteps,
+                           f"num_timesteps = {num_timesteps}")
+    validate.check_indices(op, "token_tags", token_tags, MODALITIES, "tags are 0 video, 1 text, 2 audio")
+    return timestep_indices * MODALITIES + token_tags
+
+
+def _check_table_indices(op, idx, rows):
+    validate.check_indices(op, "adaln_indices", idx, rows, f"the table has {rows} rows: 3 per timestep")
+
+
+def _silu_grad(temb):
+    s = torch.sigmoid(temb)
+    return s * (1 + temb * (1 - s))
+
+
+def _projection_backward_fp32(dproj, temb, weight):
+    """Gradients of `linear(silu(temb).to(bf16), weight, bias)` for an FP32 upstream `dproj` (T, N)."""
+    act = F.silu(temb).to(BF16).float()
+    dweight = dproj.t() @ act
+    dbias = dproj.sum(0)
+    dtemb = (dproj @ weight.float()) * _silu_grad(temb)  # the BF16 cast passes the gradient through
+    return dtemb, dweight.to(BF16), dbias.to(BF16)
+
+
+def _modulate_backward_fp32(grad, x, weight, scale_rows, eps):
+    """Per-row gradients of `rms_norm(x, weight, eps) * (1 + scale_rows) + shift_rows`, all FP32.
+
+    Returns dx (FP32), dweight (FP32, summed over rows), the row-wise dshift and dscale.
+    """
+    g, x32, w = grad.float(), x.float(), weight.float()
+    rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+    xhat = x32 * rstd
+    dnormed = g * (1 + scale_rows)
+    dweight = (dnormed * xhat).sum(0)
+    dxhat = dnormed * w
+    dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    return dx, dweight, g, g * (xhat * w)
+
+
+def _table_sum(rows_grad, idx, table_rows):
+    """Sums per-row gradients into their table rows, FP32, in row order."""
+    return rows_grad.new_zeros((table_rows, rows_grad.shape[1])).index_add_(0, idx, rows_grad)
+
+
+# ---- adaln_projection ----------------------------------------------------------------------------------
+
+def _projection_cpu(temb, weight, bias):
+    validate.check_adaln_projection(temb, weight, bias)
+    return reference.adaln_projection_replay(temb, weight, bias)
+
+
+def _projection_cuda(temb, weight, bias):
+    validate.check_adaln_projection(temb, weight, bias)
+    if temb.shape[0] == 0:
+        return weight.new_empty((0, PROJECTION))
+    return _PROJECTION.forward(temb, weight, bias)
+
+
+def _projection_fake(temb, weight, bias):
+    validate.check_adaln_projection(temb, weight, bias)
+    return weight.new_empty((temb.shape[0], PROJECTION))
+
+
+def _projection_backward_cpu(grad, temb, weight):
+    validate.check_adaln_projection(temb, weight, None, grad=grad)
+    return _projection_backward_fp32(grad.float(), temb, weight)
+
+
+def _projection_backward_cuda(grad, temb, weight):
+    validate.check_adaln_projection(temb, weight, None, grad=grad)
+    if temb.shape[0] == 0:
+        return temb.new_empty((0, TEMB)), torch.zeros_like(weight), weight.new_zeros((PROJECTION,))
+    return _PROJECTION.backward(grad, temb, weight)
+
+
+def _projection_backward_fake(grad, temb, weight):
+    validate.check_adaln_projection(temb, weight, None, grad=grad)
+    return torch.empty_like(temb), torch.empty_like(weight), weight.new_empty((PROJECTION,))
+
+
+def _projection_setup_context(ctx, inputs, output):
+    temb, weight, _ = inputs
+    ctx.save_for_backward(temb, weight)
+
+
+def _projection_backward(ctx, grad):
+    temb, weight = ctx.saved_tensors
+    return torch.ops.h3.adaln_projection_backward(grad.contiguous(), temb, weight)
+
+
+define("adaln_projection(Tensor temb, Tensor weight, Tensor bias) -> Tensor", _projection_cpu, _projection_cuda)
+define(
+    "adaln_projection_backward(Tensor grad, Tensor temb, Tensor weight) "
+    "-> (Tensor dtemb, Tensor dweight, Tensor dbias)",
+    _projection_backward_cpu,
+    _projection_backward_cuda,
+)
+torch.library.register_fake("h3::adaln_projection", _projection_fake, lib=LIB)
+torch.library.register_fake("h3::adaln_projection_backward", _projection_backward_fake, lib=LIB)
+torch.library.register_autograd(
+    "h3::adaln_projection", _projection_backward, setup_context=_projection_setup_context, lib=LIB
+)
+
+
+# ---- adaln_row_gather ----------------------------------------------------------------------------------
+
+def _gather_cpu(table, adaln_indices, check_indices=True):
+    validate.check_adaln_row_gather(table, adaln_indices)
+    if check_indices:
+        _check_table_indices("adaln_row_gather", adaln_indices, table.shape[0])
+    return reference.adaln_row_gather_replay(table, adaln_indices)
+
+
+def _gather_cuda(table, adaln_indices, check_indices=True):
+    validate.check_adaln_row_gather(table, adaln_indices)
+    if check_indices:
+        _check_table_indices("adaln_row_gather", adaln_indices, table.shape[0])
+    if adaln_indices.shape[0] == 0:
+        return [table.new_empty((0, HIDDEN)) for _ in range(BLOCK_CHUNKS)]
+    return _ROW_GATHER.forward(table, adaln_indices, check_indices)
+
+
+def _gather_fake(table, adaln_indices, check_indices=True):
+    validate.check_adaln_row_gather(table, adaln_indices)
+    return [table.new_empty((adaln_indices.shape[0], HIDDEN)) for _ in range(BLOCK_CHUNKS)]
+
+
+def _gather_backward_cpu(grads, adaln_indices, table_rows):
+    validate.check_adaln_row_gather_backward(grads, adaln_indices, table_rows)
+    return torch.cat([_table_sum(g.float(), adaln_indices, table_rows) for g in grads], dim=1).to(BF16)
+
+
+def _gather_backward_cuda(grads, adaln_indices, table_rows):
+    validate.check_adaln_row_gather_backward(grads, adaln_indices, table_rows)
+    if adaln_indices.shape[0] == 0:
+        return grads[0].new_zeros((table_rows, BLOCK_TABLE))
+    return _ROW_GATHER.backward(grads, adaln_indices, table_rows)
+
+
+def _gather_backward_fake(grads, adaln_indices, table_rows):
+    validate.check_adaln_row_gather_backward(grads, adaln_indices, table_rows)
+    return grads[0].new_empty((table_rows, BLOCK_TABLE))
+
+
+def _gather_setup_context(ctx, inputs, output):
+    table, idx, _ = inputs
+    ctx.save_for_backward(idx)
+    ctx.table_rows = table.shape[0]
+
+
+def _gather_backward(ctx, grads):
+    (idx,) = ctx.saved_tensors
+    grads = [g.contiguous() for g in grads]
+    dtable = torch.ops.h3.adaln_row_gather_backward(grads, idx, ctx.table_rows)
+    # Tensor[]-output ops check the gradient tuple against the arguments as called (defaults not filled
+    # in): return one entry per argument the caller passed.
+    return (dtable, None, None)[: len(ctx.needs_input_grad)]
+
+
+define(
+    "adaln_row_gather(Tensor table, Tensor adaln_indices, bool check_indices=True) -> Tensor[]",
+    _gather_cpu,
+    _gather_cuda,
+)
+define(
+    "adaln_row_gather_backward(Tensor[] grads, Tensor adaln_indices, int table_rows) -> Tensor",
+    _gather_backward_cpu,
+    _gather_backward_cuda,
+)
+torch.library.register_fake("h3::adaln_row_gather", _gather_fake, lib=LIB)
+torch.library.register_fake("h3::adaln_row_gather_backward", _gather_backward_fake, lib=LIB)
+torch.library.register_autograd("h3::adaln_row_gather", _gather_backward, setup_context=_gather_setup_context, lib=LIB)
+
+
+# ---- norm_modulate -------------------------------------------------------------------------------------
+
+def _norm_modulate_cpu(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+    validate.check_norm_modulate(x, weight, shift, scale, adaln_indices, eps)
+    if check_indices:
+        _check_table_indices("norm_modulate", adaln_indices, shift.shape[0])
+    return reference.norm_modulate_replay(x, weight, shift, scale, adaln_indices, eps)
+
+
+def _norm_modulate_cuda(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+    validate.check_norm_modulate(x, weight, shift, scale, adaln_indices, eps)
+    if check_indices:
+        _check_table_indices("norm_modulate", adaln_indices, shift.shape[0])
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    return _NORM_MODULATE.forward(x, weight, shift, scale, adaln_indices, eps, check_indices)
+
+
+def _norm_modulate_fake(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+    validate.check_norm_modulate(x, weight, shift, scale, adaln_indices, eps)
+    return torch.empty_like(x)
+
+
+def _norm_modulate_backward_cpu(grad, x, weight, scale, adaln_indices, eps, table_rows):
+    validate.check_norm_modulate(x, weight, None, scale, adaln_indices, eps, grad=grad)
+    _check_rows("norm_modulate_backward", "scale", scale, table_rows)
+    dx, dweight, dshift_rows, dscale_rows = _modulate_backward_fp32(
+        grad, x, weight, scale.float().index_select(0, adaln_indices), eps
+    )
+    dshift = _table_sum(dshift_rows, adaln_indices, table_rows)
+    dscale = _table_sum(dscale_rows, adaln_indices, table_rows)
+    return dx.to(BF16), dweight.to(BF16), dshift.to(BF16), dscale.to(BF16)
+
+
+def _norm_modulate_backward_cuda(grad, x, weight, scale, adaln_indices, eps, table_rows):
+    validate.check_norm_modulate(x, weight, None, scale, adaln_indices, eps, grad=grad)
+    _check_rows("norm_modulate_backward", "scale", scale, table_rows)
+    if x.shape[0] == 0:
+        zeros = scale.new_zeros((table_rows, HIDDEN))
+        return torch.empty_like(x), torch.zeros_like(weight), zeros, zeros.clone()
+    return _NORM_MODULATE.backward(grad, x, weight, scale, adaln_indices, eps, table_rows)
+
+
+def _norm_modulate_backward_fake(grad, x, weight, scale, adaln_indices, eps, table_rows):
+    validate.check_norm_modulate(x, weight, None, scale, adaln_indices, eps, grad=grad)
+    _check_rows("norm_modulate_backward", "scale", scale, table_rows)
+    return (torch.empty_like(x), torch.empty_like(weight), scale.new_empty((table_rows, HIDDEN)),
+            scale.new_empty((table_rows, HIDDEN)))
+
+
+def _check_rows(op, name, table, table_rows):
+    if table.shape[0] != table_rows:
+        raise ValueError(f"h3::{op}: {name} has {table.shape[0]} rows but table_rows = {table_rows}")
+
+
+def _norm_modulate_setup_context(ctx, inputs, output):
+    x, weight, shift, scale, idx, eps, _ = inputs
+    ctx.save_for_backward(x, weight, scale, idx)
+    ctx.eps, ctx.table_rows = eps, shift.shape[0]
+
+
+def _norm_modulate_backward(ctx, grad):
+    x, weight, scale, idx = ctx.saved_tensors
+    dx, dweight, dshift, dscale = torch.ops.h3.norm_modulate_backward(
+        grad.contiguous(), x, weight, scale, idx, ctx.eps, ctx.table_rows
+    )
+    return dx, dweight, dshift, dscale, None, None, None
+
+
+define(
+    "norm_modulate(Tensor x, Tensor weight, Tensor shift, Tensor scale, Tensor adaln_indices, float eps=1e-05, "
+    "bool check_indices=True) -> Tensor",
+    _norm_modulate_cpu,
+    _norm_modulate_cuda,
+)
+define(
+    "norm_modulate_backward(Tensor grad, Tensor x, Tensor weight, Tensor scale, Tensor adaln_indices, float eps, "
+    "int table_rows) -> (Tensor dx, Tensor dweight, Tensor dshift, Tensor dscale)",
+    _norm_modulate_backward_cpu,
+    _norm_modulate_backward_cuda,
+)
+torch.library.register_fake("h3::norm_modulate", _norm_modulate_fake, lib=LIB)
+torch.library.register_fake("h3::norm_modulate_backward", _norm_modulate_backward_fake, lib=LIB)
+torch.library.register_autograd(
+    "h3::norm_modulate", _norm_modulate_backward, setup_context=_norm_modulate_setup_context, lib=LIB
+)
+
+
+# ---- gate_residual -------------------------------------------------------------------------------------
+
+def _gate_residual_cpu(residual, y, gate, adaln_indices, check_indices=True):
+    validate.check_gate_residual(residual, y, gate, adaln_indices)
+    if check_indices:
+        _check_table_indices("gate_residual", adaln_indices, gate.shape[0])
+    return reference.gate_residual_replay(residual, y, gate, adaln_indices)
+
+
+def _gate_residual_cuda(residual, y, gate, adaln_indices, check_indices=True):
+    validate.check_gate_residual(residual, y, gate, adaln_indices)
+    if check_indices:
+        _check_table_indices("gate_residual", adaln_indices, gate.shape[0])
+    if y.shape[0] == 0:
+        return torch.empty_like(y)
+    return _GATE_RESIDUAL.forward(residual, y, gate, adaln_indices, check_indices)
+
+
+def _gate_residual_fake(residual, y, gate, adaln_indices, check_indices=True):
+    validate.check_gate_residual(residual, y, gate, adaln_indices)
+    return torch.empty_like(y)
+
+
+def _gate_residual_backward_cpu(grad, y, gate, adaln_indices):
+    validate.check_gate_residual(None, y, gate, adaln_indices, grad=grad)
+    g = grad.float()
+    dy = g * gate.float().index_select(0, adaln_indices)
+    dgate = _table_sum(g * y.float(), adaln_indices, gate.shape[0])
+    return dy.to(BF16), dgate.to(BF16)
+
+
+def _gate_residual_backward_cuda(grad, y, gate, adaln_indices):
+    validate.check_gate_residual(None, y, gate, adaln_indices, grad=grad)
+    if y.shape[0] == 0:
+        return torch.empty_like(y), gate.new_zeros(gate.shape)
+    return _GATE_RESIDUAL.backward(grad, y, gate, adaln_indices)
+
+
+def _gate_residual_backward_fake(grad, y, gate, adaln_indices):
+    validate.check_gate_residual(None, y, gate, adaln_indices, grad=grad)
+    return torch.empty_like(y), gate.new_empty(gate.shape)
+
+
+def _gate_residual_setup_context(ctx, inputs, output):
+    _, y, gate, idx, _ = inputs
+    ctx.save_for_backward(y, gate, idx)
+
+
+def _gate_residual_backward(ctx, grad):
+    y, gate, idx = ctx.saved_tensors
+    grad = grad.contiguous()
+    dy, dgate = torch.ops.h3.gate_residual_backward(grad, y, gate, idx)
+    return grad, dy, dgate, None, None  # d residual is the upstream gradient itself
+
+
+define(
+    "gate_residual(Tensor residual, Tensor y, Tensor gate, Tensor adaln_indices, bool check_indices=True) -> Tensor",
+    _gate_residual_cpu,
+    _gate_residual_cuda,
+)
+define(
+    "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, Tensor adaln_indices) -> (Tensor dy, Tensor dgate)",
+    _gate_residual_backward_cpu,
+    _gate_residual_backward_cuda,
+)
+torch.library.register_fake("h3::gate_residual", _gate_residual_fake, lib=LIB)
+torch.library.register_fake("h3::gate_residual_backward", _gate_residual_backward_fake, lib=LIB)
+torch.library.register_autograd(
+    "h3::gate_residual", _gate_residual_backward, setup_context=_gate_residual_setup_context, lib=LIB
+)
+
+
+# ---- final_adaln_out -----------------------------------------------------------------------------------
+
+def _final_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+    if check_indices:
+        _check_timestep_indices(timestep_indices, temb.shape[0])
+    return reference.final_adaln_out_replay(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+
+
+def _final_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+    if check_indices:
+        _check_timestep_indices(timestep_indices, temb.shape[0])
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    return _FINAL.forward(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, check_indices)
+
+
+def _final_fake(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+    return torch.empty_like(x)
+
+
+def _check_timestep_indices(ti, num_timesteps):
+    validate.check_indices(
+        "final_adaln_out", "timestep_indices", ti, num_timesteps, f"temb has {num_timesteps} timestep rows"
+    )
+
+
+def _final_backward_cpu(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad)
+    shift, scale = reference.final_projection_replay(temb, proj_weight, proj_bias)
+    dx, dnorm_weight, dshift_rows, dscale_rows = _modulate_backward_fp32(
+        grad, x, norm_weight, scale.float().index_select(0, timestep_indices), eps
+    )
+    rows = temb.shape[0]
+    dproj = torch.cat(
+        [_table_sum(dshift_rows, timestep_indices, rows), _table_sum(dscale_rows, timestep_indices, rows)], dim=1
+    )
+    dtemb, dproj_weight, dproj_bias = _projection_backward_fp32(dproj, temb, proj_weight)
+    return dx.to(BF16), dnorm_weight.to(BF16), dtemb, dproj_weight, dproj_bias
+
+
+def _final_backward_cuda(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad)
+    if x.shape[0] == 0:
+        return (torch.empty_like(x), torch.zeros_like(norm_weight), torch.zeros_like(temb),
+                torch.zeros_like(proj_weight), torch.zeros_like(proj_bias))
+    return _FINAL.backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+
+
+def _final_backward_fake(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad)
+    return (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(temb),
+            torch.empty_like(proj_weight), torch.empty_like(proj_bias))
+
+
+def _final_setup_context(ctx, inputs, output):
+    x, norm_weight, temb, proj_weight, proj_bias, ti, eps, _ = inputs
+    ctx.save_for_backward(x, norm_weight, temb, proj_weight, proj_bias, ti)
+    ctx.eps = eps
+
+
+def _final_backward(ctx, grad):
+    grads = torch.ops.h3.final_adaln_out_backward(grad.contiguous(), *ctx.saved_tensors, ctx.eps)
+    return *grads, None, None, None
+
+
+define(
+    "final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, Tensor proj_bias, "
+    "Tensor timestep_indices, float eps=1e-05, bool check_indices=True) -> Tensor",
+    _final_cpu,
+    _final_cuda,
+)
+define(
+    "final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, "
+    "Tensor proj_bias, Tensor timestep_indices, float eps) "
+    "-> (Tensor dx, Tensor dnorm_weight, Tensor dtemb, Tensor dproj_weight, Tensor dproj_bias)",
+    _final_backward_cpu,
+    _final_backward_cuda,
+)
+torch.library.register_fake("h3::final_adaln_out", _final_fake, lib=LIB)
+torch.library.register_fake("h3::final_adaln_out_backward", _final_backward_fake, lib=LIB)
+torch.library.register_autograd("h3::final_adaln_out", _final_backward, setup_context=_final_setup_context, lib=LIB)

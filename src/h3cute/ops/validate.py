@@ -1,0 +1,217 @@
+"""Input checks for every `torch.ops.h3` op, shared by the CPU, CUDA and fake impls.
+
+Two tiers. `check_*` functions look only at tensor attributes (dtype, shape, strides, device): they cost
+no device sync and run on every call, fake tensors included. `check_*_values` functions read tensor
+contents (index ranges, timestep range, NaN): they sync the device, so the ops run them only when their
+`check_*` flag is true. Every message names the op, the argument, what was expected and what was given.
+
+H3 widths are fixed (a checkpoint property, not a tuning knob): hidden H = 5376, sinusoid F1 = 256,
+timestep-MLP hidden 5376, temb D = 2688, 3 modalities, 6 modulation chunks per block.
+"""
+import torch
+
+HIDDEN = 5376
+FREQ = 256
+MLP_HIDDEN = 5376
+TEMB = 2688
+MODALITIES = 3
+BLOCK_CHUNKS = 6
+BLOCK_TABLE = BLOCK_CHUNKS * HIDDEN  # 32256: one row of the (3T, 6H) modulation table
+PROJECTION = MODALITIES * BLOCK_TABLE  # 96768 = 18H: one block's adaln_projection output per timestep
+FINAL_PROJECTION = 2 * HIDDEN  # 10752: shift | scale of the final norm
+
+F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
+# Timesteps in these dtypes are widened exactly to FP32, as diffusers' `timesteps[:, None].float()` does.
+TIMESTEP_WIDENED = (torch.float16, torch.bfloat16, torch.float64)
+
+MLP_DTYPE_HINT = " (the H3 time_embedder is an FP32 module: do not cast its inputs or weights down)"
+TEMB_DTYPE_HINT = (
+    " (known defect: cast after SiLU, not before; pass the FP32 time_embedder output, the op casts "
+    "silu(temb) to BF16 itself)"
+)
+
+CONTIGUOUS, ROW_STRIDED = "contiguous", "row-strided"
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def check_tensor(op, name, t, dtype, shape, device, layout=CONTIGUOUS, hint=""):
+    """Checks one tensor's dtype, rank, fixed widths (ints in `shape`; strs name free dims), layout and device.
+
+    `ROW_STRIDED` accepts a 2-D view whose rows are unit-stride and do not overlap (row stride >= width),
+    such as a column chunk of the modulation table; `CONTIGUOUS` needs a dense tensor.
+    """
+    if t.dtype != dtype:
+        raise TypeError(f"h3::{op}: {name} must be {_name(dtype)}, got {_name(t.dtype)}{hint}")
+    if t.dim() != len(shape) or any(type(w) is int and g != w for g, w in zip(t.shape, shape)):
+        want = "(" + ", ".join(str(w) for w in shape) + ("," if len(shape) == 1 else "") + ")"
+        raise ValueError(f"h3::{op}: {name} must have shape {want}, got {tuple(t.shape)}")
+    if layout is CONTIGUOUS:
+        if not t.is_contiguous():
+            raise ValueError(
+                f"h3::{op}: {name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)} "
+                "(call .contiguous())"
+            )
+    elif t.stride(-1) != 1 or (t.shape[0] > 1 and t.stride(0) < t.shape[-1]):
+        raise ValueError(
+            f"h3::{op}: {name} must have unit-stride, non-overlapping rows (stride(-1) == 1, "
+            f"stride(0) >= {t.shape[-1]}), got strides {t.stride()}"
+        )
+    if t.get_device() != device:
+        raise ValueError(f"h3::{op}: {name} is on {t.device}, expected the device of the other inputs")
+
+
+def _rows(op, name, n, other, m):
+    if n != m:
+        raise ValueError(f"h3::{op}: {name} has {n} rows, {other} has {m}; they must agree")
+
+
+def _eps(op, eps):
+    if not eps > 0:  # also refuses NaN
+        raise ValueError(f"h3::{op}: eps must be > 0, got {eps}")
+
+
+def check_timestep_sinusoid(t):
+    op = "timestep_sinusoid"
+    if t.dim() != 1:
+        raise ValueError(f"h3::{op}: t must be 1-D (T,) timesteps in [0, 1], got shape {tuple(t.shape)}")
+    if t.dtype != F32 and t.dtype not in TIMESTEP_WIDENED:
+        raise TypeError(
+            f"h3::{op}: t must be a floating tensor of timesteps in [0, 1], got {_name(t.dtype)} "
+            "(integer timesteps 0..999 are the scaled-by-1000 convention: pass t / 1000 as float32)"
+        )
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"h3::{op}: t must be contiguous, got stride {t.stride()}")
+
+
+def check_timestep_values(t):
+    op = "timestep_sinusoid"
+    bad = ~((t >= 0) & (t <= 1))  # NaN compares false both ways, so it is bad too
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        v = float(t[i])
+        if v != v:
+            raise ValueError(f"h3::{op}: t[{i}] is NaN")
+        why = (
+            " (t looks scaled by 1000, the classic diffusers-scheduler convention; H3 takes t in [0, 1]: "
+            "divide by 1000)"
+            if v > 1
+            else ""
+        )
+        raise ValueError(f"h3::{op}: t must lie in [0, 1], got t[{i}] = {v}{why}")
+
+
+def check_indices(op, name, idx, rows, what):
+    """Value check: every index in [0, rows). Names the first bad row. Syncs the device."""
+    if idx.numel() == 0:
+        return
+    lo, hi = torch.aminmax(idx)
+    if int(lo) < 0 or int(hi) >= rows:
+        bad = (idx < 0) | (idx >= rows)
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(
+            f"h3::{op}: {name}[{i}] = {int(idx[i])} is outside [0, {rows}) ({what}); "
+            "indices are never clamped"
+        )
+
+
+def check_index_tensor(op, name, idx, device):
+    check_tensor(op, name, idx, I64, ("S",), device)
+
+
+def check_timestep_mlp(x, w1, b1, w2, b2, grad=None):
+    op = "timestep_mlp" if grad is None else "timestep_mlp_backward"
+    d = x.get_device()
+    check_tensor(op, "x", x, F32, ("T", FREQ), d, hint=MLP_DTYPE_HINT)
+    check_tensor(op, "w1", w1, F32, (MLP_HIDDEN, FREQ), d, hint=MLP_DTYPE_HINT)
+    check_tensor(op, "b1", b1, F32, (MLP_HIDDEN,), d, hint=MLP_DTYPE_HINT)
+    check_tensor(op, "w2", w2, F32, (TEMB, MLP_HIDDEN), d, hint=MLP_DTYPE_HINT)
+    if b2 is not None:
+        check_tensor(op, "b2", b2, F32, (TEMB,), d, hint=MLP_DTYPE_HINT)
+    if grad is not None:
+        check_tensor(op, "grad", grad, F32, ("T", TEMB), d)
+        _rows(op, "grad", grad.shape[0], "x", x.shape[0])
+
+
+def _check_temb_projection(op, temb, weight, bias, width, d):
+    check_tensor(op, "temb", temb, F32, ("T", TEMB), d, hint=TEMB_DTYPE_HINT)
+    check_tensor(op, "weight" if width == PROJECTION else "proj_weight", weight, BF16, (width, TEMB), d)
+    if bias is not None:
+        check_tensor(op, "bias" if width == PROJECTION else "proj_bias", bias, BF16, (width,), d)
+
+
+def check_adaln_projection(temb, weight, bias, grad=None):
+    op = "adaln_projection" if grad is None else "adaln_projection_backward"
+    d = temb.get_device()
+    _check_temb_projection(op, temb, weight, bias, PROJECTION, d)
+    if grad is not None:
+        check_tensor(op, "grad", grad, BF16, ("T", PROJECTION), d)
+        _rows(op, "grad", grad.shape[0], "temb", temb.shape[0])
+
+
+def check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=None):
+    op = "final_adaln_out" if grad is None else "final_adaln_out_backward"
+    d = x.get_device()
+    check_tensor(op, "x", x, BF16, ("S", HIDDEN), d)
+    check_tensor(op, "norm_weight", norm_weight, BF16, (HIDDEN,), d)
+    _check_temb_projection(op, temb, proj_weight, proj_bias, FINAL_PROJECTION, d)
+    check_index_tensor(op, "timestep_indices", timestep_indices, d)
+    _rows(op, "timestep_indices", timestep_indices.shape[0], "x", x.shape[0])
+    _eps(op, eps)
+    if grad is not None:
+        check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
+        _rows(op, "grad", grad.shape[0], "x", x.shape[0])
+
+
+def check_adaln_row_gather(table, adaln_indices):
+    op = "adaln_row_gather"
+    d = table.get_device()
+    check_tensor(op, "table", table, BF16, ("3T", BLOCK_TABLE), d, ROW_STRIDED)
+    check_index_tensor(op, "adaln_indices", adaln_indices, d)
+
+
+def check_adaln_row_gather_backward(grads, adaln_indices, table_rows):
+    op = "adaln_row_gather_backward"
+    if len(grads) != BLOCK_CHUNKS:
+        raise ValueError(f"h3::{op}: grads must hold {BLOCK_CHUNKS} tensors (one per chunk), got {len(grads)}")
+    d = adaln_indices.get_device()
+    check_index_tensor(op, "adaln_indices", adaln_indices, d)
+    for c, g in enumerate(grads):
+        check_tensor(op, f"grads[{c}]", g, BF16, ("S", HIDDEN), d)
+        _rows(op, f"grads[{c}]", g.shape[0], "adaln_indices", adaln_indices.shape[0])
+    if table_rows < 0:
+        raise ValueError(f"h3::{op}: table_rows must be >= 0, got {table_rows}")
+
+
+def check_norm_modulate(x, weight, shift, scale, adaln_indices, eps, grad=None):
+    op = "norm_modulate" if grad is None else "norm_modulate_backward"
+    d = x.get_device()
+    check_tensor(op, "x", x, BF16, ("S", HIDDEN), d)
+    check_tensor(op, "weight", weight, BF16, (HIDDEN,), d)
+    if shift is not None:
+        check_tensor(op, "shift", shift, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
+        _rows(op, "shift", shift.shape[0], "scale", scale.shape[0])
+    check_tensor(op, "scale", scale, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
+    check_index_tensor(op, "adaln_indices", adaln_indices, d)
+    _rows(op, "adaln_indices", adaln_indices.shape[0], "x", x.shape[0])
+    _eps(op, eps)
+    if grad is not None:
+        check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
+        _rows(op, "grad", grad.shape[0], "x", x.shape[0])
+
+
+def check_gate_residual(residual, y, gate, adaln_indices, grad=None):
+    op = "gate_residual" if grad is None else "gate_residual_backward"
+    d = y.get_device()
+    if residual is not None:
+        check_tensor(op, "residual", residual, BF16, ("S", HIDDEN), d)
+        _rows(op, "residual", residual.shape[0], "y", y.shape[0])
+    check_tensor(op, "y", y, BF16, ("S", HIDDEN), d)
+    check_tensor(op, "gate", gate, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
+    check_index_tensor(op, "adaln_indices", adaln_indices, d)
+    _rows(op, "adaln_indices", adaln_indices.shape[0], "y", y.shape[0])
+    if grad is not None:
+        check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
+        _rows(op, "grad", grad.shape[0], "y", y.shape[0])

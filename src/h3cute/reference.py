@@ -1,0 +1,129 @@
+"""Pure-PyTorch references for the H3 conditioning ops: FP64 goldens and diffusers op-for-op replays.
+
+`*_replay` reproduces diffusers 0.42.1 exactly: the same ops, in the same order, in the inputs' own
+dtypes (`Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` = `get_timestep_embedding`,
+`TimestepEmbedding`, `MiniMaxH3AdaLayerNormModulation`, `MiniMaxH3AdaLayerNormOut`, and the
+`index_select` modulation and gated residual of `MiniMaxH3TransformerBlock`). They are the CPU impls
+of `torch.ops.h3.*`; tests/test_diffusers_parity.py checks them bitwise against the real modules.
+
+`*_fp64` is the same math carried out entirely in FP64 (inputs widened, no intermediate rounding, the
+BF16 cast of `silu(temb)` included since it defines the op's input), returning FP64: the golden that
+accuracy is measured against. Differentiable, so FP64 gradients come from torch.autograd.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN = 5376
+FREQ_HALF = 128
+MAX_PERIOD = 10000
+BLOCK_CHUNKS = 6
+
+
+# ---- diffusers op-for-op replays -------------------------------------------------------------------
+
+def timestep_sinusoid_replay(t: torch.Tensor) -> torch.Tensor:
+    """`get_timestep_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=0)`: (T,) -> (T, 256) FP32."""
+    exponent = -math.log(MAX_PERIOD) * torch.arange(start=0, end=FREQ_HALF, dtype=torch.float32, device=t.device)
+    exponent = exponent / FREQ_HALF  # half_dim - downscale_freq_shift; diffusers' `scale * emb` with scale 1 is exact
+    emb = torch.exp(exponent)
+    emb = t[:, None].float() * emb[None, :]
+    emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=-1)
+    return torch.cat([emb[:, FREQ_HALF:], emb[:, :FREQ_HALF]], dim=-1)
+
+
+def timestep_mlp_replay(x, w1, b1, w2, b2):
+    """`TimestepEmbedding(256, 5376, out_dim=2688)`: linear_1 -> SiLU -> linear_2, FP32."""
+    return F.linear(F.silu(F.linear(x, w1, b1)), w2, b2)
+
+
+def adaln_projection_replay(temb, weight, bias):
+    """`MiniMaxH3AdaLayerNormModulation.linear(silu(temb).to(bf16))`: (T, 2688) FP32 -> (T, 96768) BF16."""
+    return F.linear(F.silu(temb).to(weight.dtype), weight, bias)
+
+
+def adaln_modulation_replay(temb, weight, bias):
+    """`MiniMaxH3AdaLayerNormModulation.forward`: the six (3T, 5376) chunks, shift_msa .. gate_mlp."""
+    return adaln_projection_replay(temb, weight, bias).view(-1, BLOCK_CHUNKS * HIDDEN).chunk(BLOCK_CHUNKS, dim=-1)
+
+
+def adaln_row_gather_replay(table, adaln_indices):
+    """The six `chunk.index_select(0, adaln_indices)` of a block: (3T, 6*5376) -> six (S, 5376)."""
+    return [c.index_select(0, adaln_indices) for c in table.chunk(BLOCK_CHUNKS, dim=-1)]
+
+
+def norm_modulate_replay(x, weight, shift, scale, adaln_indices, eps=1e-5):
+    """`norm(x) * (1.0 + scale.index_select(0, idx)) + shift.index_select(0, idx)` with `nn.RMSNorm`, BF16."""
+    normed = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return normed * (1.0 + scale.index_select(0, adaln_indices)) + shift.index_select(0, adaln_indices)
+
+
+def gate_residual_replay(residual, y, gate, adaln_indices):
+    """`residual + gate.index_select(0, idx) * y`, BF16."""
+    return residual + gate.index_select(0, adaln_indices) * y
+
+
+def final_projection_replay(temb, proj_weight, proj_bias):
+    """`MiniMaxH3AdaLayerNormOut`'s (shift, scale), each a (T, 5376) view of the (T, 10752) projection."""
+    return F.linear(F.silu(temb).to(proj_weight.dtype), proj_weight, proj_bias).chunk(2, dim=-1)
+
+
+def final_adaln_out_replay(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5):
+    """`MiniMaxH3AdaLayerNormOut.forward`: RMSNorm then per-row shift/scale from the timestep's row, BF16."""
+    shift, scale = final_projection_replay(temb, proj_weight, proj_bias)
+    return norm_modulate_replay(x, norm_weight, shift, scale, timestep_indices, eps)
+
+
+# ---- FP64 goldens ------------------------------------------------------------------------------------
+
+def _f64(*ts):
+    return [t.to(torch.float64) for t in ts]
+
+
+def _rms_norm_fp64(x, weight, eps):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight
+
+
+def _silu_bf16_fp64(temb):
+    # The op is defined on silu(temb) rounded to BF16; everything after that is exact FP64. The rounding
+    # is applied straight-through so that the FP64 gradient of temb is not itself rounded to BF16.
+    s = F.silu(temb.to(torch.float64))
+    return s + (s.to(torch.bfloat16).to(torch.float64) - s).detach()
+
+
+def timestep_sinusoid_fp64(t):
+    (t,) = _f64(t)
+    k = torch.arange(FREQ_HALF, dtype=torch.float64, device=t.device)
+    a = t[:, None] * torch.exp(-math.log(MAX_PERIOD) * k / FREQ_HALF)[None, :]
+    return torch.cat([torch.cos(a), torch.sin(a)], dim=-1)
+
+
+def timestep_mlp_fp64(x, w1, b1, w2, b2):
+    x, w1, b1, w2, b2 = _f64(x, w1, b1, w2, b2)
+    return F.linear(F.silu(F.linear(x, w1, b1)), w2, b2)
+
+
+def adaln_projection_fp64(temb, weight, bias):
+    weight, bias = _f64(weight, bias)
+    return F.linear(_silu_bf16_fp64(temb), weight, bias)
+
+
+def adaln_row_gather_fp64(table, adaln_indices):
+    (table,) = _f64(table)
+    return [c.index_select(0, adaln_indices) for c in table.chunk(BLOCK_CHUNKS, dim=-1)]
+
+
+def norm_modulate_fp64(x, weight, shift, scale, adaln_indices, eps=1e-5):
+    x, weight, shift, scale = _f64(x, weight, shift, scale)
+    return _rms_norm_fp64(x, weight, eps) * (1 + scale[adaln_indices]) + shift[adaln_indices]
+
+
+def gate_residual_fp64(residual, y, gate, adaln_indices):
+    residual, y, gate = _f64(residual, y, gate)
+    return residual + gate[adaln_indices] * y
+
+
+def final_adaln_out_fp64(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5):
+    shift, scale = adaln_projection_fp64(temb, proj_weight, proj_bias).chunk(2, dim=-1)
+    return norm_modulate_fp64(x, norm_weight, shift, scale, timestep_indices, eps)
