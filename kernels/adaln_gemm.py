@@ -69,8 +69,8 @@ class GemmTile:
         assert self.threads % (self.bk // 8) == 0 and self.threads // (self.bk // 8) <= min(self.bm, self.bn), self
 
 
-# Projection tiles, chosen by the launch code from T. Bits never depend on the choice (module
-# docstring); tests check that every config gives identical bits.
+# Projection tiles by name; launch/adaln_projection.py picks one from T. Bits never depend on the
+# choice (module docstring); tests check that every config gives identical bits.
 CONFIGS = {
     # T <= 16: memory-bound, streams W; small M tiles keep all 132 SMs busy to the end.
     "skinny": GemmTile(bm=64, bn=16, bk=64, warps_m=4, warps_n=1, stages=5),
@@ -80,15 +80,6 @@ CONFIGS = {
 }
 # dW's K is T (usually tiny): a short bk wastes little on the zero-padded K tail.
 WGRAD_TILE = GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4)
-
-
-def config_for_rows(rows: int) -> str:
-    """The projection config the launch code uses for T rows (bits are the same for every config)."""
-    if rows <= 16:
-        return "skinny"
-    if rows <= 64:
-        return "mid"
-    return "wide"
 
 
 class _WarpMmaGemm:
@@ -351,7 +342,8 @@ def _fake(dtype, shape, stride_order=None):
     return make_fake_compact_tensor(dtype, shape, stride_order=stride_order, assumed_align=16)
 
 
-def _build_fwd(arch: str, *, out_features: int, tile: GemmTile):
+def _build_fwd(arch: str, *, out_features: int, config: str):
+    tile = CONFIGS[config]
     gemm = _WarpMmaGemm(tile, a_k_major=True, b_k_major=True, epilogue="bias_bf16")
 
     @cute.jit
@@ -372,7 +364,8 @@ def _build_fwd(arch: str, *, out_features: int, tile: GemmTile):
     )
 
 
-def _build_dgrad(arch: str, *, out_features: int, tile: GemmTile):
+def _build_dgrad(arch: str, *, out_features: int, config: str):
+    tile = CONFIGS[config]
     assert out_features % (DGRAD_SPLITS * tile.bk) == 0, (out_features, tile)
     gemm = _WarpMmaGemm(tile, a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS)
 
@@ -421,8 +414,14 @@ _EW_THREADS = 128
 
 @cute.jit
 def _sigmoid(x):
-    # Accurate exp (not ex2.approx): d_temb is held to 1e-5 relative error.
+    # libdevice expf (fastmath off), as torch's CUDA SiLU uses; d_temb is held to 1e-5 relative error.
     return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=False))
+
+
+@cute.jit
+def _silu(x):
+    # torch's form, x / (1 + exp(-x)), one IEEE division.
+    return x / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=False))
 
 
 @cute.kernel
@@ -432,7 +431,7 @@ def _silu_cast_kernel(temb: cute.Tensor, act: cute.Tensor):
     col = col_block * _EW_THREADS + tidx
     if col < TEMB_WIDTH:
         x = temb[row, col]
-        act[row, col] = (x * _sigmoid(x)).to(cutlass.BFloat16)
+        act[row, col] = _silu(x).to(cutlass.BFloat16)
 
 
 def _build_silu_cast(arch: str, *, width: int):
@@ -527,20 +526,20 @@ def _build_bias_grad(arch: str, *, out_features: int):
 
 
 _MMA_MARKERS = ("mma.sync.aligned.m16n8k16", ".bf16", "cp.async", "ldmatrix")
-_NO_ATOMICS = ("atom.", "red.")
+_NO_ATOMICS = ("atom.", "red.global")  # deterministic: no atomics anywhere
 
 SPECS = [
     KernelSpec(
         name="adaln_proj_fwd",
         build=_build_fwd,
-        variants=lambda arch: [dict(out_features=n, tile=tile) for n in OUT_FEATURES for tile in CONFIGS.values()],
+        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in CONFIGS],
         ptx_markers=_MMA_MARKERS,
         ptx_forbidden=_NO_ATOMICS,
     ),
     KernelSpec(
         name="adaln_proj_dgrad",
         build=_build_dgrad,
-        variants=lambda arch: [dict(out_features=n, tile=tile) for n in OUT_FEATURES for tile in CONFIGS.values()],
+        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in CONFIGS],
         ptx_markers=_MMA_MARKERS + ("ldmatrix.sync.aligned.m8n8.x4.trans",),
         ptx_forbidden=_NO_ATOMICS,
     ),
@@ -555,13 +554,14 @@ SPECS = [
         name="adaln_silu_cast",
         build=_build_silu_cast,
         variants=lambda arch: [dict(width=TEMB_WIDTH)],
-        ptx_forbidden=("ex2.approx",) + _NO_ATOMICS,
+        ptx_markers=("cvt.rn.bf16.f32",),
+        ptx_forbidden=_NO_ATOMICS,
     ),
     KernelSpec(
         name="adaln_dtemb_fold",
         build=_build_dtemb_fold,
         variants=lambda arch: [dict(width=TEMB_WIDTH)],
-        ptx_forbidden=("ex2.approx",) + _NO_ATOMICS,
+        ptx_forbidden=_NO_ATOMICS,
     ),
     KernelSpec(
         name="adaln_bias_grad",

@@ -1,0 +1,71 @@
+"""Host side of `h3::adaln_projection` on CUDA: `table = linear(silu(temb).bf16, W, b)` and its backward.
+
+Kernels (kernels/adaln_gemm.py): `adaln_silu_cast` makes the GEMM operand a = bf16(silu(temb));
+`adaln_proj_fwd` computes out^T = W a^T + b with mma.sync m16n8k16 (W rows are the MMA's M, T its N).
+The backward recomputes a, then: `adaln_proj_dgrad` (grad @ W as `DGRAD_SPLITS` fixed-chunk FP32
+partials) + `adaln_dtemb_fold` (sum in split order, times silu'(temb), FP32: the BF16 cast passes the
+gradient through unrounded); `adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out); `adaln_bias_grad`
+(db = sum_t grad, FP32 in row order, BF16 out). No atomics: every result is bitwise repeatable.
+
+The tile config is picked from T (`config_for_rows`) purely for speed: every config runs the same
+k16 MMA sequence per output element, so the bits do not depend on it (tests check this). Used with
+out_features 96768 (this op) and 10752 (final_adaln_out's projection). No host syncs.
+"""
+from __future__ import annotations
+
+import torch
+
+from h3cute import runtime
+
+TEMB_WIDTH = 2688
+DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
+CONFIGS = ("skinny", "skinny_m128", "mid", "wide")  # names of kernels/adaln_gemm.CONFIGS
+
+
+def config_for_rows(rows: int) -> str:
+    """The fastest projection config for T rows; the choice never changes the bits."""
+    if rows <= 16:
+        return "skinny"
+    if rows <= 64:
+        return "mid"
+    return "wide"
+
+
+def silu_bf16(temb: torch.Tensor) -> torch.Tensor:
+    """(T, 2688) FP32 -> bf16(silu(temb)), SiLU in FP32 (the GEMM's activation operand)."""
+    act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
+    runtime.kernel("adaln_silu_cast", temb.device, width=TEMB_WIDTH)(temb, act)
+    return act
+
+
+def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config: str | None = None) -> torch.Tensor:
+    """(T, 2688) FP32 temb, (N, 2688) BF16 weight, (N,) BF16 bias -> (T, N) BF16, N in {96768, 10752}."""
+    rows, out_features = temb.shape[0], weight.shape[0]
+    out = torch.empty((rows, out_features), dtype=torch.bfloat16, device=temb.device)
+    if rows == 0:  # a zero-sized grid is not a valid launch
+        return out
+    act = silu_bf16(temb.contiguous())
+    fn = runtime.kernel("adaln_proj_fwd", temb.device, out_features=out_features,
+                        config=config or config_for_rows(rows))
+    fn(act, weight.contiguous(), bias.contiguous(), out)
+    return out
+
+
+def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, config: str | None = None):
+    """(T, N) BF16 grad -> (dtemb (T, 2688) FP32, dweight (N, 2688) BF16, dbias (N,) BF16)."""
+    rows, out_features = temb.shape[0], weight.shape[0]
+    device = temb.device
+    if rows == 0:
+        return temb.new_empty((0, TEMB_WIDTH)), torch.zeros_like(weight), weight.new_zeros((out_features,))
+    grad, temb, weight = grad.contiguous(), temb.contiguous(), weight.contiguous()
+    act = silu_bf16(temb)
+    partial = torch.empty((DGRAD_SPLITS, rows, TEMB_WIDTH), dtype=torch.float32, device=device)
+    runtime.kernel("adaln_proj_dgrad", device, out_features=out_features,
+                   config=config or config_for_rows(rows))(grad, weight, partial)
+    dtemb = torch.empty((rows, TEMB_WIDTH), dtype=torch.float32, device=device)
+    runtime.kernel("adaln_dtemb_fold", device, width=TEMB_WIDTH)(partial, temb, dtemb)
+    dweight = torch.empty_like(weight)
+    runtime.kernel("adaln_proj_wgrad", device, out_features=out_features)(grad, act, dweight)
+    dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
+    runtime.kernel("adaln_bias_grad", device, out_features=out_features)(grad, dbias)
+    return dtemb, dweight, dbias
