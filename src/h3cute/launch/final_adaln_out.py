@@ -1,0 +1,47 @@
+"""Host side of `h3::final_adaln_out` on CUDA: the final AdaLN projection, then RMSNorm + modulation.
+
+Forward: `proj = adaln_projection.forward(temb, W, b)` gives the (T, 10752) BF16 table (the same
+GEMM and numeric contract as the block projection, N = 10752); its halves are row-strided (T, 5376)
+views, shift first, that `norm_modulate.forward_rows` indexes by `timestep_indices` (no copy).
+Backward: the norm backward gives dx, d_norm_weight and the per-timestep table gradients
+d_shift, d_scale (deterministic fixed-order sums over the S rows, BF16); their concatenation is the
+projection's upstream gradient, and `adaln_projection.backward` gives d_temb, dW, db. The projection
+is recomputed in the backward (its scale half is needed; T x 10752 is cheap next to the S rows).
+"""
+from __future__ import annotations
+
+import torch
+
+from h3cute.launch import adaln_projection
+
+HIDDEN = 5376
+
+
+def _norm_modulate():
+    # Imported on first use so that this op keeps importing while the norm launcher is being written.
+    from h3cute.launch import norm_modulate
+
+    return norm_modulate
+
+
+def _shift_scale(temb, proj_weight, proj_bias):
+    proj = adaln_projection.forward(temb, proj_weight, proj_bias)
+    return proj[:, :HIDDEN], proj[:, HIDDEN:]
+
+
+def forward(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+    """(S, 5376) BF16 x -> rms_norm(x, nw) * (1 + scale[ti]) + shift[ti], BF16; indices already checked."""
+    shift, scale = _shift_scale(temb, proj_weight, proj_bias)
+    return _norm_modulate().forward_rows(x, norm_weight, shift, scale, timestep_indices, eps)
+
+
+def backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps):
+    """-> (dx, d_norm_weight, d_temb FP32, d_proj_weight BF16, d_proj_bias BF16)."""
+    rows = temb.shape[0]
+    _, scale = _shift_scale(temb, proj_weight, proj_bias)
+    dx, dnorm_weight, dshift, dscale = _norm_modulate().backward_rows(
+        grad, x, norm_weight, scale, timestep_indices, eps, rows
+    )
+    dproj = torch.cat([dshift, dscale], dim=1).to(torch.bfloat16)
+    dtemb, dproj_weight, dproj_bias = adaln_projection.backward(dproj, temb, proj_weight)
+    return dx, dnorm_weight, dtemb, dproj_weight, dproj_bias
