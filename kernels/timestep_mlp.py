@@ -1,0 +1,217 @@
+"""timestep_mlp kernels: temb = linear(silu(linear(x, w1, b1)), w2, b2) in FP32, forward and backward.
+
+Every GEMM is `GemmTF32x3` (kernels/gemm_tf32x3.py: 3xTF32 on mma.sync, C = A B^T, both operands
+K-major). The roles, with T the row count (symbolic in every compiled kernel):
+
+| role | C | A (M, K) | B (N, K) | K | epilogue |
+| --- | --- | --- | --- | --- | --- |
+| fc1 | z, h = silu(z) (T, 5376) | x (T, 256) | w1 | 256 | bias + SiLU, fused |
+| fc2 | temb partials (6, T, 2688) | h | w2 | 5376 | partial, folded + b2 |
+| fc2_dgrad | dh partials (3, T, 5376) | grad | w2^T | 2688 | partial, folded * silu'(z) |
+| fc1_dgrad | dx partials (6, T, 256) | dz | w1^T | 5376 | partial, folded |
+| fc2_wgrad | dW2 (2688, 5376) | grad^T | h^T | T padded to 32 | store |
+| fc1_wgrad | dW1 (5376, 256) | dz^T | x^T | T padded to 32 | store |
+
+Split-K is part of the numeric contract: K is cut into K_SLICE = 896-long slices (one slice when K
+is not a multiple of it), each summed from +0 in increasing k, and `timestep_mlp_fold` adds the
+slice partials in slice order, then the bias (or multiplies by silu'(z)). The slice count depends on
+K only, never on T or on the tile config, so forward outputs and dx are batch-invariant and every
+config gives the same bits. The weight-gradient GEMMs reduce over T (padded with zero rows) in one
+slice; db1/db2 are `timestep_mlp_rowsum` over the transposed operands: lane j sums elements j, j+32,
+... in order, then a fixed xor-butterfly across the warp. Deterministic, no atomics.
+
+SiLU: h = z / (1 + exp(-z)); silu'(z) = s (1 + z (1 - s)) with s = 1 / (1 + exp(-z)); exp is the
+precise expf (range reduction + ex2), division IEEE.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+from h3cute.kernels.gemm_tf32x3 import GemmConfig, GemmTF32x3
+from h3cute.runtime import KernelSpec
+from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
+
+SINUSOID_WIDTH = 256  # in_features of fc1
+HIDDEN = 5376  # fc1 out / fc2 in
+TEMB_WIDTH = 2688  # fc2 out
+K_SLICE = 896
+WGRAD_K_ALIGN = 32  # T is zero-padded to this for the weight-gradient GEMMs (tile_k divides it)
+FOLD_THREADS = 256
+ROWSUM_WARPS = 8
+
+# role -> (rows M or None for T, N, K or None for padded T, epilogue)
+ROLES = {
+    "fc1": (None, HIDDEN, SINUSOID_WIDTH, "bias_silu"),
+    "fc2": (None, TEMB_WIDTH, HIDDEN, "partial"),
+    "fc2_dgrad": (None, HIDDEN, TEMB_WIDTH, "partial"),
+    "fc1_dgrad": (None, SINUSOID_WIDTH, HIDDEN, "partial"),
+    "fc2_wgrad": (TEMB_WIDTH, HIDDEN, None, "partial"),
+    "fc1_wgrad": (HIDDEN, SINUSOID_WIDTH, None, "partial"),
+}
+FOLD_MODES = ("bias", "dsilu", "sum")
+
+
+def k_splits(k: int | None) -> int:
+    """Number of fixed K slices of a GEMM of depth k (None: the T-deep weight gradients, one slice)."""
+    if k is None or k % K_SLICE:
+        return 1
+    return k // K_SLICE
+
+
+def role_splits(role: str) -> int:
+    return k_splits(ROLES[role][2])
+
+
+# --- GEMMs -------------------------------------------------------------------------------------
+
+
+@cute.jit
+def _gemm_partial(gemm: cutlass.Constexpr, mA: cute.Tensor, mB: cute.Tensor, mP: cute.Tensor, stream):
+    gemm(mA, mB, mP, mP, mP, stream)  # no bias, no second output: mP stands in, never read
+
+
+@cute.jit
+def _gemm_bias_silu(gemm: cutlass.Constexpr, mA: cute.Tensor, mB: cute.Tensor, mBias: cute.Tensor,
+                    mZ: cute.Tensor, mH: cute.Tensor, stream):
+    gemm(mA, mB, mZ, mBias, mH, stream)
+
+
+def _compact(shape):
+    order = tuple(range(len(shape) - 1, -1, -1))
+    return make_fake_compact_tensor(cutlass.Float32, shape, stride_order=order, assumed_align=16)
+
+
+def build_gemm(arch: str, *, role: str, tile: tuple):
+    """tile = the GemmConfig fields in order (tile_m, tile_n, tile_k, stages, warps_m, warps_n)."""
+    rows, n, k, epilogue = ROLES[role]
+    config = GemmConfig(*tile)
+    splits = k_splits(k)
+    m_dim = cute.sym_int() if rows is None else rows
+    k_dim = cute.sym_int(divisibility=WGRAD_K_ALIGN) if k is None else k
+    if k is not None and k % (splits * config.tile_k):
+        raise ValueError(f"{role}: K={k} does not split into {splits} slices of whole {config.tile_k}-deep tiles")
+    if n % config.tile_n or (k is None and WGRAD_K_ALIGN % config.tile_k):
+        raise ValueError(f"{role}: tile {config} does not divide N={n} / the padded T")
+    gemm = GemmTF32x3(config, epilogue, splits)
+    mA, mB = _compact((m_dim, k_dim)), _compact((n, k_dim))
+    if epilogue == "partial":
+        return compile_for(arch, _gemm_partial, gemm, mA, mB, _compact((splits, m_dim, n)), env_stream())
+    return compile_for(arch, _gemm_bias_silu, gemm, mA, mB, _compact((n,)), _compact((m_dim, n)),
+                       _compact((m_dim, n)), env_stream())
+
+
+# --- fold: out = (P[0] + P[1] + ... + P[S-1]) (+ bias[n] | * silu'(z)) -------------------------
+
+
+@cute.kernel
+def _fold_kernel(mP: cute.Tensor, mAux: cute.Tensor, mOut: cute.Tensor, splits: cutlass.Constexpr,
+                 width: cutlass.Constexpr, mode: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    i = bidx * FOLD_THREADS + tidx
+    if i < mOut.shape[0] * width:
+        m = i // width
+        c = i - m * width
+        acc = mP[0, m, c]
+        for s in cutlass.range_constexpr(1, splits):
+            acc = acc + mP[s, m, c]
+        if cutlass.const_expr(mode == "bias"):
+            acc = acc + mAux[c]
+        if cutlass.const_expr(mode == "dsilu"):
+            z = mAux[m, c]
+            sig = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-z))
+            acc = acc * (sig * (cutlass.Float32(1.0) + z * (cutlass.Float32(1.0) - sig)))
+        mOut[m, c] = acc
+
+
+@cute.jit
+def _fold_launch(mP: cute.Tensor, mAux: cute.Tensor, mOut: cute.Tensor, stream, splits: cutlass.Constexpr,
+                 width: cutlass.Constexpr, mode: cutlass.Constexpr):
+    total = mOut.shape[0] * width
+    _fold_kernel(mP, mAux, mOut, splits, width, mode).launch(
+        grid=((total + FOLD_THREADS - 1) // FOLD_THREADS, 1, 1), block=(FOLD_THREADS, 1, 1), stream=stream
+    )
+
+
+def build_fold(arch: str, *, role: str, mode: str):
+    """Fold the split-K partials of `role`: "bias" (aux = bias (N,)), "dsilu" (aux = z (T, N)), "sum"."""
+    if mode not in FOLD_MODES:
+        raise ValueError(f"unknown fold mode {mode!r}; one of {FOLD_MODES}")
+    rows, n, k, _ = ROLES[role]
+    splits = k_splits(k)
+    m_dim = cute.sym_int()
+    aux = {"bias": (n,), "dsilu": (m_dim, n), "sum": (1,)}[mode]
+    return compile_for(arch, _fold_launch, _compact((splits, m_dim, n)), _compact(aux), _compact((m_dim, n)),
+                       env_stream(), splits, n, mode)
+
+
+# --- rowsum: out[r] = sum_k A[r, k] (bias gradients over the transposed, zero-padded rows) -------
+
+
+@cute.kernel
+def _rowsum_kernel(mA: cute.Tensor, mOut: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    lane = tidx % 32
+    row = bidx * ROWSUM_WARPS + tidx // 32
+    if row < mA.shape[0]:
+        acc = cutlass.Float32(0.0)
+        for j in range(mA.shape[1] // 32):
+            acc = acc + mA[row, j * 32 + lane]
+        for offset in cutlass.range_constexpr(5):
+            acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=16 >> offset)
+        if lane == 0:
+            mOut[row] = acc
+
+
+@cute.jit
+def _rowsum_launch(mA: cute.Tensor, mOut: cute.Tensor, stream):
+    rows = mA.shape[0]
+    _rowsum_kernel(mA, mOut).launch(
+        grid=((rows + ROWSUM_WARPS - 1) // ROWSUM_WARPS, 1, 1), block=(32 * ROWSUM_WARPS, 1, 1), stream=stream
+    )
+
+
+def build_rowsum(arch: str, *, rows: int):
+    cols = cute.sym_int(divisibility=WGRAD_K_ALIGN)
+    return compile_for(arch, _rowsum_launch, _compact((rows, cols)), _compact((rows,)), env_stream())
+
+
+# --- what the launcher may ask for --------------------------------------------------------------
+
+# Per role, the tiles the launch heuristic may pick (src/h3cute/launch/timestep_mlp.py chooses among
+# exactly these; all of them give identical bits). Tuple order = GemmConfig fields.
+GEMM_TILES = {
+    "fc1": ((16, 64, 32, 4, 1, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4)),
+    "fc2": ((16, 64, 32, 4, 1, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4)),
+    "fc2_dgrad": ((16, 64, 32, 4, 1, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4)),
+    "fc1_dgrad": ((16, 32, 32, 4, 1, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4)),
+    "fc2_wgrad": ((128, 128, 32, 3, 2, 4),),
+    "fc1_wgrad": ((64, 64, 32, 4, 2, 2),),
+}
+FOLDS = (("fc2", "bias"), ("fc2_dgrad", "dsilu"), ("fc1_dgrad", "sum"))
+
+
+SPECS = [
+    KernelSpec(
+        name="timestep_mlp_gemm",
+        build=build_gemm,
+        variants=lambda arch: [dict(role=r, tile=t) for r, tiles in GEMM_TILES.items() for t in tiles],
+        ptx_markers=("mma.sync.aligned.m16n8k8", ".tf32", "cvt.rna.tf32.f32", "cp.async"),
+        ptx_forbidden=("atom.", "red.global"),
+    ),
+    KernelSpec(
+        name="timestep_mlp_fold",
+        build=build_fold,
+        variants=lambda arch: [dict(role=r, mode=m) for r, m in FOLDS],
+        ptx_forbidden=("atom.", "red.global"),
+    ),
+    KernelSpec(
+        name="timestep_mlp_rowsum",
+        build=build_rowsum,
+        variants=lambda arch: [dict(rows=TEMB_WIDTH), dict(rows=HIDDEN)],
+        ptx_markers=("shfl.sync.bfly",),
+        ptx_forbidden=("atom.", "red.global"),
+    ),
+]

@@ -1,0 +1,147 @@
+"""Host side of `h3::timestep_mlp` (+ backward) on CUDA: allocate, pick a tile config, launch.
+
+Forward (3 launches): fc1 GEMM with bias + SiLU fused (z, h), fc2 GEMM into 6 fixed K-slice partials,
+fold (slice order, + b2). Backward (recomputes z, h with the forward's fc1 kernel: GEMM1 is 1/21 of
+the FLOPs, and the public op returns only temb): dh partials = grad w2 (3 slices), fold * silu'(z) ->
+dz; dx partials = dz w1 (6 slices), fold; dW2 = grad^T h and dW1 = dz^T x as T-deep GEMMs on
+transposed copies zero-padded to T_pad = ceil(T / 32) * 32; db2, db1 = row sums of grad^T, dz^T.
+The transposes (and w1^T, w2^T) are torch copies: data movement only, no arithmetic.
+
+Config choice may look at T (it changes only speed): every config in CONFIGS gives the same bits,
+because the summation order is fixed by K and the slice count (kernels/timestep_mlp.py). The op
+layer validates shapes/dtypes/devices; here inputs are contiguous FP32 on one CUDA device, T >= 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from h3cute import runtime
+
+SINUSOID_WIDTH = 256
+HIDDEN = 5376
+TEMB_WIDTH = 2688
+# K-slice counts of the split GEMMs: K // 896 (kernels/timestep_mlp.py: k_splits; a CPU test pins it).
+SPLITS = {"fc2": HIDDEN // 896, "fc2_dgrad": TEMB_WIDTH // 896, "fc1_dgrad": HIDDEN // 896}
+WGRAD_K_ALIGN = 32
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """A GemmConfig of kernels/gemm_tf32x3.py, field for field (passed to the kernel as a tuple)."""
+
+    tile_m: int
+    tile_n: int
+    tile_k: int = 32
+    stages: int = 4
+    warps_m: int = 1
+    warps_n: int = 4
+
+    def astuple(self) -> tuple:
+        return dataclasses.astuple(self)
+
+
+@dataclass(frozen=True)
+class MlpConfig:
+    """One tile per row-count-dependent GEMM (the weight-gradient GEMMs have one fixed tile each)."""
+
+    fc1: GemmTile
+    fc2: GemmTile
+    fc2_dgrad: GemmTile
+    fc1_dgrad: GemmTile
+
+
+_SMALL = GemmTile(16, 64, 32, 4, 1, 4)
+_MID = GemmTile(64, 64, 32, 4, 2, 2)
+_LARGE = GemmTile(128, 128, 32, 3, 2, 4)
+SMALL_T = MlpConfig(fc1=_SMALL, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=GemmTile(16, 32, 32, 4, 1, 4))
+MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID)
+LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE)
+CONFIGS = (SMALL_T, MID_T, LARGE_T)  # everything pick_config may return (and the harness may sweep)
+WGRAD_TILES = {"fc2_wgrad": _LARGE, "fc1_wgrad": _MID}
+
+
+def pick_config(num_rows: int) -> MlpConfig:
+    """Speed only: 16-row tiles while the weights stream (memory-bound), bigger tiles as T grows."""
+    if num_rows <= 16:
+        return SMALL_T
+    if num_rows <= 256:
+        return MID_T
+    return LARGE_T
+
+
+def _gemm(device, role: str, tile: GemmTile):
+    return runtime.kernel("timestep_mlp_gemm", device, role=role, tile=tile.astuple())
+
+
+def _fold(device, role: str, mode: str):
+    return runtime.kernel("timestep_mlp_fold", device, role=role, mode=mode)
+
+
+def _fc1(x, w1, b1, tile: GemmTile):
+    num_rows = x.shape[0]
+    z = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=x.device)
+    h = torch.empty_like(z)
+    _gemm(x.device, "fc1", tile)(x, w1, b1, z, h)
+    return z, h
+
+
+def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None) -> torch.Tensor:
+    """temb = silu(x w1^T + b1) w2^T + b2: x (T, 256), w1 (5376, 256), w2 (2688, 5376) -> (T, 2688)."""
+    num_rows = x.shape[0]
+    dev = x.device
+    out = torch.empty((num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
+    if num_rows == 0:
+        return out
+    cfg = config or pick_config(num_rows)
+    _, h = _fc1(x, w1, b1, cfg.fc1)
+    partials = torch.empty((SPLITS["fc2"], num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
+    _gemm(dev, "fc2", cfg.fc2)(h, w2, partials)
+    _fold(dev, "fc2", "bias")(partials, b2, out)
+    return out
+
+
+def _transpose_padded(a: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """(T, N) -> (N, T_pad) contiguous, the columns past T zero (they add +0 to every sum)."""
+    out = a.new_empty((a.shape[1], padded_rows))
+    out[:, : a.shape[0]].copy_(a.t())
+    out[:, a.shape[0]:].zero_()
+    return out
+
+
+def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None):
+    """(dx, dw1, db1, dw2, db2) of temb = timestep_mlp(x, w1, b1, w2, b2) for upstream `grad` (T, 2688)."""
+    num_rows = x.shape[0]
+    dev = x.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    if num_rows == 0:
+        return (torch.empty((0, SINUSOID_WIDTH), **f32), torch.zeros_like(w1), torch.zeros_like(b1),
+                torch.zeros_like(w2), torch.zeros((TEMB_WIDTH,), **f32))
+    cfg = config or pick_config(num_rows)
+    z, h = _fc1(x, w1, b1, cfg.fc1)
+
+    dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, HIDDEN), **f32)
+    _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, w2.t().contiguous(), dh_partials)
+    dz = torch.empty((num_rows, HIDDEN), **f32)
+    _fold(dev, "fc2_dgrad", "dsilu")(dh_partials, z, dz)
+
+    dx_partials = torch.empty((SPLITS["fc1_dgrad"], num_rows, SINUSOID_WIDTH), **f32)
+    _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, w1.t().contiguous(), dx_partials)
+    dx = torch.empty((num_rows, SINUSOID_WIDTH), **f32)
+    _fold(dev, "fc1_dgrad", "sum")(dx_partials, dx.new_empty((1,)), dx)
+
+    padded = -(-num_rows // WGRAD_K_ALIGN) * WGRAD_K_ALIGN
+    grad_t = _transpose_padded(grad, padded)
+    dz_t = _transpose_padded(dz, padded)
+    dw2 = torch.empty((1, TEMB_WIDTH, HIDDEN), **f32)
+    _gemm(dev, "fc2_wgrad", WGRAD_TILES["fc2_wgrad"])(grad_t, _transpose_padded(h, padded), dw2)
+    dw1 = torch.empty((1, HIDDEN, SINUSOID_WIDTH), **f32)
+    _gemm(dev, "fc1_wgrad", WGRAD_TILES["fc1_wgrad"])(dz_t, _transpose_padded(x, padded), dw1)
+
+    db2 = torch.empty((TEMB_WIDTH,), **f32)
+    runtime.kernel("timestep_mlp_rowsum", dev, rows=TEMB_WIDTH)(grad_t, db2)
+    db1 = torch.empty((HIDDEN,), **f32)
+    runtime.kernel("timestep_mlp_rowsum", dev, rows=HIDDEN)(dz_t, db1)
+    return dx, dw1[0], db1, dw2[0], db2
