@@ -58,7 +58,8 @@ def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor, rows_per_cta: cutlass.C
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = tidx % LANES
-    row = bidx * rows_per_cta + tidx // LANES
+    # 64-bit row: row * 256 overflows int32 from T = 2^23 on.
+    row = cutlass.Int64(bidx * rows_per_cta + tidx // LANES)
     if row < mT.shape[0]:
         t = mT[row]
         rCos = cute.make_rmem_tensor((VEC,), cutlass.Float32)
