@@ -9,9 +9,10 @@ diffusers `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` runs, i
 
 This kernel replays that sequence op for op inside one launch: the same FP32 constant, the same IEEE
 roundings (`mul.rn`, which ptxas may not contract into an FMA), and `cute.math.exp/sin/cos` with
-fastmath off, which lower to the libdevice precise paths (Cody-Waite reduction, Payne-Hanek fallback
-over `__cudart_i2opi_f`, no `sin.approx`/`cos.approx`), compiled without flush-to-zero so subnormal t
-behave as in torch. The frequency table is recomputed per thread (4 expf): no host table, no extra
+fastmath off, which lower to the libdevice precise paths, the same bitcode nvcc inlines for torch's
+`::exp`/`::sin`/`::cos` (3-term Cody-Waite reduction below |a| = 105615, Payne-Hanek above, no
+`sin.approx`/`cos.approx`; expf's only approximation is ex2.approx on a reduced argument), with
+__CUDA_FTZ off so subnormal t behave as in torch. The frequency table is recomputed per thread (4 expf): no host table, no extra
 argument, nothing that could drift from what torch's exp computes on the same GPU.
 
 Layout: one warp per row; lane j owns k = 4j..4j+3, so the cos half and the sin half of a row are each
@@ -22,9 +23,10 @@ Every row depends on its own t only, so the output is batch-invariant by constru
 from __future__ import annotations
 
 import math
+
 import cutlass
-import numpy as np
 import cutlass.cute as cute
+import numpy as np
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 from h3cute.runtime import KernelSpec

@@ -262,3 +262,13 @@ def test_runs_on_current_stream_without_host_sync():
 def test_repeatable():
     t = torch.rand(777, device="cuda")
     assert torch.equal(_bits(_op(t)), _bits(_op(t)))
+
+
+@gpu
+def test_rows_past_int32_byte_offsets():
+    # Row 2^21 starts at byte 2^31; rows past 2^23 at element 2^31 (an 8 GiB output): 64-bit offsets.
+    num_rows = (1 << 23) + 5
+    t = torch.rand(num_rows, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    out = _op(t, False)
+    for start in (0, (1 << 21) - 3, (1 << 23) - 3, num_rows - 64):
+        _assert_bitwise(out[start : start + 64], _replay(t[start : start + 64]))
