@@ -1,0 +1,257 @@
+"""norm_modulate: out = rms_norm(x, w, eps) * (1 + scale[idx]) + shift[idx], BF16, forward and backward.
+
+Forward (`norm_modulate_fwd`): one 256-thread CTA per row (kernels/rowwise.py). The row is read once
+with 16-byte loads and kept in registers; the shift/scale rows of idx[row] are gathered in the kernel
+(tables may be row-strided views, e.g. halves of the final layer's (T, 2H) projection); out is written
+once. Numerics replay the diffusers composition `F.rms_norm(x, (H,), w, eps) * (1 + scale[idx]) +
+shift[idx]` on CUDA op for op:
+    ss   = sum x^2 in torch's fused rms_norm order (rowwise.torch_sumsq), FP32
+    rstd = rsqrt.approx(ss / H + eps)             (div.rn; CUDA rsqrtf is rsqrt.approx.f32)
+    n    = bf16(w * (rstd * x))                   (torch: gamma * (rstd * x), one rounding)
+    a    = bf16(1 + scale);  m = bf16(n * a);  out = bf16(m + shift)
+so the output is bitwise the replay's wherever torch takes its vectorized fused path (BF16, H % 4 == 0,
+16-byte aligned rows). Each row depends only on itself, w and its table rows: batch-invariant.
+
+Backward, FP32 math as the CPU reference (h3cute.ops.adaln._modulate_backward_fp32), no rounding of
+1 + scale or of xhat * w:
+  `norm_modulate_bwd_rows`: one CTA per row: recomputes rstd exactly as the forward, dn = g * (1 + sc),
+      dxhat = dn * w, c = sum(dxhat * xhat) / H (fixed order, rowwise.block_sum),
+      dx = rstd * (dxhat - xhat * c); stores dx (BF16) and rstd (FP32 workspace for the next kernel).
+  `norm_modulate_bwd_params`: the deterministic column reduction (rowwise.py) producing FP32 partials of
+      dweight = sum dn * xhat, dshift[r] = sum g, dscale[r] = sum g * (xhat * w) per row group;
+      `rowwise_fold` finishes them. No atomics.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.cute.runtime import make_fake_tensor
+
+from h3cute.runtime import KernelSpec
+from h3cute.runtime.dsl import compile_for, env_stream
+
+from .rowwise import (COL_TILE, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, block_sum, fake_indices, fake_partials,
+                      fake_rows, fake_table, fake_vector, load_f32, round_bf16, row_range, row_slots, smem_vec,
+                      store_bf16, torch_sumsq, vec_view)
+
+HIDDEN = 5376
+
+
+@cute.jit
+def load_row(mT: cute.Tensor, base, tidx, width: cutlass.Constexpr):
+    """This thread's slots of a row (FP32 8-vectors; a partial last slot reads as zeros where absent)."""
+    num_vecs = width // VEC
+    vals = []
+    for k in cutlass.range_constexpr(row_slots(width)):
+        col = (tidx + k * ROW_THREADS) * VEC
+        if cutlass.const_expr((k + 1) * ROW_THREADS <= num_vecs):
+            vals.append(load_f32(mT, base + col))
+        else:
+            frag = cute.make_rmem_tensor((VEC,), Float32)
+            frag.fill(0.0)
+            if tidx < num_vecs - k * ROW_THREADS:
+                frag.store(load_f32(mT, base + col))
+            vals.append(frag.load())
+    return vals
+
+
+@cute.jit
+def row_rstd(xs, sRed: cute.Tensor, tidx, eps: Float32, width: cutlass.Constexpr):
+    ss = torch_sumsq(xs, sRed, tidx)
+    return cute.math.rsqrt(ss / Float32(width) + eps, approx=True)
+
+
+# ---- forward ---------------------------------------------------------------------------------------------
+
+@cute.kernel
+def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScale: cute.Tensor,
+                    mIdx: cute.Tensor, mOut: cute.Tensor, eps: Float32, width: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    row, _, _ = cute.arch.block_idx()
+    smem = cutlass.utils.SmemAllocator()
+    sRed = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
+    num_vecs = width // VEC
+    base = Int64(row) * width
+    r = Int64(mIdx[row])
+    xs = load_row(mX, base, tidx, width)
+    rstd = row_rstd(xs, sRed, tidx, eps, width)
+    shift_base = r * mShift.stride[0]
+    scale_base = r * mScale.stride[0]
+    for k in cutlass.range_constexpr(len(xs)):
+        vi = tidx + k * ROW_THREADS
+        if vi < num_vecs:
+            col = vi * VEC
+            normed = round_bf16(load_f32(mW, col) * (xs[k] * rstd))
+            gain = round_bf16(load_f32(mScale, scale_base + col) + 1.0)
+            store_bf16(mOut, base + col, round_bf16(normed * gain) + load_f32(mShift, shift_base + col))
+
+
+@cute.jit
+def _forward_launch(mX, mW, mShift, mScale, mIdx, mOut, eps: Float32, stream, width: cutlass.Constexpr):
+    _forward_kernel(mX, mW, mShift, mScale, mIdx, mOut, eps, width).launch(
+        grid=(mX.shape[0], 1, 1), block=(ROW_THREADS, 1, 1), stream=stream
+    )
+
+
+# ---- backward: dx (row-local) ----------------------------------------------------------------------------
+
+@cute.kernel
+def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: cute.Tensor, mIdx: cute.Tensor,
+                     mDx: cute.Tensor, mRstd: cute.Tensor, eps: Float32, width: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    row, _, _ = cute.arch.block_idx()
+    smem = cutlass.utils.SmemAllocator()
+    sRed = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
+    sDot = smem.allocate_tensor(Float32, cute.make_layout(ROW_THREADS // 32), byte_alignment=16)
+    num_vecs = width // VEC
+    base = Int64(row) * width
+    scale_base = Int64(mIdx[row]) * mScale.stride[0]
+    xs = load_row(mX, base, tidx, width)
+    gs = load_row(mG, base, tidx, width)
+    rstd = row_rstd(xs, sRed, tidx, eps, width)
+    dxhats = []
+    xhats = []
+    dot = Float32(0.0)
+    for k in cutlass.range_constexpr(len(xs)):
+        vi = tidx + k * ROW_THREADS
+        col = vi * VEC
+        if cutlass.const_expr((k + 1) * ROW_THREADS <= num_vecs):
+            dxhat = gs[k] * (load_f32(mScale, scale_base + col) + 1.0) * load_f32(mW, col)
+            xhat = xs[k] * rstd
+        else:  # partial slot: absent vectors contribute exact zeros
+            fDxhat = cute.make_rmem_tensor((VEC,), Float32)
+            fDxhat.fill(0.0)
+            fXhat = cute.make_rmem_tensor((VEC,), Float32)
+            fXhat.fill(0.0)
+            if vi < num_vecs:
+                fDxhat.store(gs[k] * (load_f32(mScale, scale_base + col) + 1.0) * load_f32(mW, col))
+                fXhat.store(xs[k] * rstd)
+            dxhat = fDxhat.load()
+            xhat = fXhat.load()
+        for i in cutlass.range_constexpr(VEC):
+            dot = cute.math.fma(dxhat[i], xhat[i], dot)
+        dxhats.append(dxhat)
+        xhats.append(xhat)
+    mean_dot = block_sum(dot, sDot, tidx) / Float32(width)
+    for k in cutlass.range_constexpr(len(xs)):
+        vi = tidx + k * ROW_THREADS
+        if vi < num_vecs:
+            store_bf16(mDx, base + vi * VEC, (dxhats[k] - xhats[k] * mean_dot) * rstd)
+    if tidx == 0:
+        mRstd[row] = rstd
+
+
+@cute.jit
+def _bwd_rows_launch(mG, mX, mW, mScale, mIdx, mDx, mRstd, eps: Float32, stream, width: cutlass.Constexpr):
+    _bwd_rows_kernel(mG, mX, mW, mScale, mIdx, mDx, mRstd, eps, width).launch(
+        grid=(mX.shape[0], 1, 1), block=(ROW_THREADS, 1, 1), stream=stream
+    )
+
+
+# ---- backward: dweight, dshift, dscale partials (column reduction) ----------------------------------------
+
+@cute.kernel
+def _bwd_params_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: cute.Tensor,
+                       mIdx: cute.Tensor, mRstd: cute.Tensor, mPartW: cute.Tensor, mPartShift: cute.Tensor,
+                       mPartScale: cute.Tensor, width: cutlass.Constexpr, cap: cutlass.Constexpr):
+    lane, _, _ = cute.arch.thread_idx()
+    tile, group, _ = cute.arch.block_idx()
+    smem = cutlass.utils.SmemAllocator()
+    sShift = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
+    sScale = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
+    col = tile * COL_TILE + lane * VEC
+    zero = cute.full((VEC,), 0.0, Float32)
+    for r in cutlass.range(cap):
+        smem_vec(sShift, r * COL_TILE + lane * VEC).store(zero)
+        smem_vec(sScale, r * COL_TILE + lane * VEC).store(zero)
+    w = load_f32(mW, col)
+    accW = cute.make_rmem_tensor((VEC,), Float32)
+    accW.fill(0.0)
+    begin, end = row_range(mX.shape[0], group, mPartW.shape[0])
+    for s in cutlass.range(begin, end, unroll=UNROLL):
+        r = Int64(mIdx[s])
+        off = Int64(s) * width + col
+        g = load_f32(mG, off)
+        xhat = load_f32(mX, off) * mRstd[s]
+        dn = g * (load_f32(mScale, r * mScale.stride[0] + col) + 1.0)
+        accW.store(accW.load() + dn * xhat)
+        acc_off = Int32(r) * COL_TILE + lane * VEC
+        aShift = smem_vec(sShift, acc_off)
+        aShift.store(aShift.load() + g)
+        aScale = smem_vec(sScale, acc_off)
+        aScale.store(aScale.load() + g * (xhat * w))
+    vec_view(mPartW, Int64(group) * mPartW.stride[0] + col).store(accW.load())
+    for r in cutlass.range(mScale.shape[0]):
+        src = r * COL_TILE + lane * VEC
+        vec_view(mPartShift, Int64(group) * mPartShift.stride[0] + Int64(r) * mPartShift.stride[1] + col).store(
+            smem_vec(sShift, src).load())
+        vec_view(mPartScale, Int64(group) * mPartScale.stride[0] + Int64(r) * mPartScale.stride[1] + col).store(
+            smem_vec(sScale, src).load())
+
+
+@cute.jit
+def _bwd_params_launch(mG, mX, mW, mScale, mIdx, mRstd, mPartW, mPartShift, mPartScale, stream,
+                       width: cutlass.Constexpr, cap: cutlass.Constexpr):
+    _bwd_params_kernel(mG, mX, mW, mScale, mIdx, mRstd, mPartW, mPartShift, mPartScale, width, cap).launch(
+        grid=(width // COL_TILE, mPartW.shape[0], 1), block=(32, 1, 1), stream=stream
+    )
+
+
+# ---- fake tensors and specs ------------------------------------------------------------------------------
+
+def _check_width(width):
+    if width % COL_TILE:
+        raise ValueError(f"norm_modulate kernels need a width divisible by {COL_TILE}, got {width}")
+
+
+def build_forward(arch: str, *, width: int):
+    _check_width(width)
+    s = cute.sym_int()
+    return compile_for(arch, _forward_launch, fake_rows(s, width), fake_vector(width), fake_table(width),
+                       fake_table(width), fake_indices(s), fake_rows(s, width), Float32(1e-5), env_stream(), width)
+
+
+def build_backward_rows(arch: str, *, width: int):
+    _check_width(width)
+    s = cute.sym_int()
+    return compile_for(arch, _bwd_rows_launch, fake_rows(s, width), fake_rows(s, width), fake_vector(width),
+                       fake_table(width), fake_indices(s), fake_rows(s, width), fake_vector(s, Float32),
+                       Float32(1e-5), env_stream(), width)
+
+
+def build_backward_params(arch: str, *, width: int, cap: int):
+    _check_width(width)
+    s, groups, table_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    part_w = make_fake_tensor(Float32, (groups, width), (cute.sym_int(divisibility=4), 1), assumed_align=16)
+    return compile_for(arch, _bwd_params_launch, fake_rows(s, width), fake_rows(s, width), fake_vector(width),
+                       fake_table(width, table_rows), fake_indices(s), fake_vector(s, Float32), part_w,
+                       fake_partials(groups, table_rows, width), fake_partials(groups, table_rows, width),
+                       env_stream(), width, cap)
+
+
+SPECS = [
+    KernelSpec(
+        name="norm_modulate_fwd",
+        build=build_forward,
+        variants=lambda arch: [dict(width=HIDDEN)],
+        # v4 loads/stores: 16-byte vectors; rsqrt.approx + div.rn: torch's rstd; cvt.rn.bf16x2: the roundings.
+        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "div.rn.f32", "cvt.rn.bf16x2.f32",
+                     "shfl.sync.bfly"),
+        ptx_forbidden=("atom.", "red.global", "red.shared"),
+    ),
+    KernelSpec(
+        name="norm_modulate_bwd_rows",
+        build=build_backward_rows,
+        variants=lambda arch: [dict(width=HIDDEN)],
+        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "shfl.sync.bfly"),
+        ptx_forbidden=("atom.", "red.global", "red.shared"),
+    ),
+    KernelSpec(
+        name="norm_modulate_bwd_params",
+        build=build_backward_params,
+        variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS],
+        ptx_markers=("ld.global.v4.b32", "ld.shared.v4.b32", "st.shared.v4.b32"),
+        ptx_forbidden=("atom.", "red.global", "red.shared"),
+    ),
+]

@@ -1,0 +1,211 @@
+"""Shared pieces of the H3 row kernels (norm_modulate, gate_residual, adaln_row_gather) and their fold kernel.
+
+Row kernels (forward, and norm_modulate's dx): one CTA of ROW_THREADS = 256 threads per row of width
+H (H % 8 == 0). Thread u owns the 16-byte vectors u, u + 256, u + 512, ... of the row (8 BF16 each),
+so every load and store is one coalesced `ld/st.global.v4.b32`; a 5376-wide row is 672 vectors, 2 or 3
+per thread, held in registers between the row reduction and the output. Row offsets are 64-bit
+(`row * H` is formed in Int64), so S * H may exceed 2^31.
+
+`torch_sumsq` reproduces, bit for bit, the FP32 sum of squares of torch's fused CUDA rms_norm
+(aten/src/ATen/native/cuda/layer_norm_kernel.cu, `vectorized_layer_norm_kernel<..., rms_norm=true>`,
+torch 2.8-2.11): a (32, 16) block, thread t accumulating `fma(x, x, acc)` over its 4-element chunks
+t, t + 512, t + 1024, ... in order, then a shfl_down tree over lanes (16, 8, 4, 2, 1) and a tree over
+warps (8, 4, 2, 1). Chunks 2u and 2u + 1 are the halves of our vector u, so our thread u carries
+torch threads 2u (low halves) and 2u + 1 (high halves) as two partials; xor-butterflies 8, 4, 2, 1
+inside each half-warp replay torch's offsets 16..2, adding the two partials replays offset 1 (FP32
+addition is commutative, so lane order inside a pair never matters), and 16 warp sums in shared memory
+replay the cross-warp tree. The result depends only on H.
+
+Cross-row reductions (parameter / table gradients) never use atomics: a fixed grid of
+(H / COL_TILE column tiles) x (row groups P, fixed per arch by the launcher) one-warp CTAs; CTA (c, p)
+walks its contiguous row range [p * ceil(S/P), ...) in row order, each lane owning 8 columns, adding
+into FP32 accumulators that only it touches (registers for per-column sums, shared memory
+[table_rows_cap, COL_TILE] for per-table-row sums, indexed by the row's idx), and writes one FP32
+partial per (p, table row, column). `rowwise_fold` then sums the P partials of each element in order
+p = 0..P-1 and rounds once to BF16. Results depend on (S, P, idx), never on timing.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.cute.runtime import make_fake_tensor
+
+from h3cute.runtime import KernelSpec
+from h3cute.runtime.dsl import compile_for, env_stream
+
+VEC = 8  # BF16 per 16-byte vector
+ROW_THREADS = 256  # threads per row CTA (the torch-order reduction is derived for exactly this)
+WARPS = ROW_THREADS // 32
+COL_TILE = 32 * VEC  # columns per reduction CTA: one warp, 8 columns per lane
+TABLE_ROWS_CAPS = (12, 24, 48)  # compiled table-row capacities of the reduction kernels
+MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]
+FOLD_THREADS = 128
+UNROLL = 4  # rows loaded ahead per reduction step (memory-level parallelism)
+
+
+def table_rows_cap(table_rows: int) -> int:
+    for cap in TABLE_ROWS_CAPS:
+        if table_rows <= cap:
+            return cap
+    raise ValueError(f"table has {table_rows} rows; the row kernels support at most {MAX_TABLE_ROWS}")
+
+
+def row_slots(width: int) -> int:
+    """Vectors per thread in a row CTA (the last slot is partial when width / 8 is not a multiple of 256)."""
+    if width % VEC:
+        raise ValueError(f"row width {width} is not a multiple of {VEC}")
+    return -(-(width // VEC) // ROW_THREADS)
+
+
+# ---- device helpers ------------------------------------------------------------------------------------
+
+@cute.jit
+def vec_view(t: cute.Tensor, offset):
+    """The 8 elements of `t` at flat element offset `offset` (a multiple of 8) as a 16-byte aligned tensor."""
+    ptr = cute.make_ptr(t.element_type, (t.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout(VEC))
+
+
+@cute.jit
+def load_f32(t: cute.Tensor, offset):
+    return vec_view(t, offset).load().to(Float32)
+
+
+@cute.jit
+def smem_vec(sT: cute.Tensor, offset):
+    """8 FP32 of shared memory at element offset `offset` (a multiple of 8): two 16-byte accesses."""
+    ptr = cute.make_ptr(Float32, (sT.iterator + offset).toint(), cute.AddressSpace.smem, assumed_align=32)
+    return cute.make_tensor(ptr, cute.make_layout(VEC))
+
+
+@cute.jit
+def store_bf16(t: cute.Tensor, offset, value):
+    vec_view(t, offset).store(value.to(BFloat16))
+
+
+@cute.jit
+def round_bf16(value):
+    """Round an FP32 vector to BF16 and widen it back: one torch BF16 op's result."""
+    return value.to(BFloat16).to(Float32)
+
+
+@cute.jit
+def torch_sumsq(xs, sRed: cute.Tensor, tidx):
+    """Sum of squares of a row held as `xs` (one FP32 8-vector per slot), in torch's fused rms_norm order.
+
+    `sRed`: 16 FP32 of shared memory. Every thread returns the same value.
+    """
+    lo = Float32(0.0)
+    hi = Float32(0.0)
+    for k in cutlass.range_constexpr(len(xs)):
+        for i in cutlass.range_constexpr(VEC // 2):
+            lo = cute.math.fma(xs[k][i], xs[k][i], lo)
+        for i in cutlass.range_constexpr(VEC // 2, VEC):
+            hi = cute.math.fma(xs[k][i], xs[k][i], hi)
+    for off in cutlass.range_constexpr(4):
+        lo = lo + cute.arch.shuffle_sync_bfly(lo, 8 >> off)
+        hi = hi + cute.arch.shuffle_sync_bfly(hi, 8 >> off)
+    lane = tidx % 32
+    if lane % 16 == 0:
+        sRed[tidx // 16] = lo + hi  # torch warp 2w (lane 0) and 2w + 1 (lane 16)
+    cute.arch.sync_threads()
+    w = [sRed[y] for y in range(16)]
+    for step in cutlass.range_constexpr(4):
+        half = 8 >> step
+        w = [w[y] + w[y + half] for y in range(half)]
+    return w[0]
+
+
+@cute.jit
+def block_sum(value: Float32, sRed: cute.Tensor, tidx):
+    """Sum of one FP32 per thread over the row CTA in a fixed order (xor butterfly, then warps 0..7)."""
+    for off in cutlass.range_constexpr(5):
+        value = value + cute.arch.shuffle_sync_bfly(value, 16 >> off)
+    if tidx % 32 == 0:
+        sRed[tidx // 32] = value
+    cute.arch.sync_threads()
+    total = sRed[0]
+    for wi in cutlass.range_constexpr(1, WARPS):
+        total = total + sRed[wi]
+    return total
+
+
+@cute.jit
+def row_range(num_rows, group, num_groups):
+    """Rows [begin, end) of reduction row group `group` out of `num_groups` (contiguous, ceil-sized)."""
+    per_group = (num_rows + num_groups - 1) // num_groups
+    begin = Int32(group) * per_group
+    end = cutlass.min(begin + per_group, num_rows)
+    return begin, end
+
+
+# ---- fake tensors for compiling (row count and table rows symbolic) ---------------------------------------
+
+def fake_rows(num_rows, width, dtype=BFloat16):
+    """(S, width) contiguous rows."""
+    return make_fake_tensor(dtype, (num_rows, width), (width, 1), assumed_align=16)
+
+
+def fake_table(width, table_rows=None):
+    """(R, width) BF16 table with any 16-byte aligned row stride (e.g. a half of a (T, 2H) tensor)."""
+    rows = cute.sym_int() if table_rows is None else table_rows
+    return make_fake_tensor(BFloat16, (rows, width), (cute.sym_int(divisibility=VEC), 1), assumed_align=16)
+
+
+def fake_vector(width, dtype=BFloat16):
+    return make_fake_tensor(dtype, (width,), (1,), assumed_align=16)
+
+
+def fake_indices(num_rows):
+    return make_fake_tensor(Int64, (num_rows,), (1,), assumed_align=8)
+
+
+def fake_partials(num_groups, table_rows, width):
+    """(P, R, width) FP32 partials: any 16-byte aligned group and table-row strides (views of one buffer)."""
+    return make_fake_tensor(Float32, (num_groups, table_rows, width),
+                            (cute.sym_int(divisibility=4), cute.sym_int(divisibility=4), 1), assumed_align=16)
+
+
+# ---- the fold: out[j] = bf16(sum_p partials[p, j]) -------------------------------------------------------
+
+@cute.kernel
+def _fold_kernel(mPart: cute.Tensor, mOut: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    v = bidx * FOLD_THREADS + tidx
+    num_vecs = mOut.shape[0] // VEC
+    if v < num_vecs:
+        col = Int64(v) * VEC
+        acc = cute.make_rmem_tensor((VEC,), Float32)
+        acc.fill(0.0)
+        for p in cutlass.range(mPart.shape[0]):
+            acc.store(acc.load() + vec_view(mPart, Int64(p) * mPart.stride[0] + col).load())
+        store_bf16(mOut, col, acc.load())
+
+
+@cute.jit
+def _fold_launch(mPart: cute.Tensor, mOut: cute.Tensor, stream):
+    num_vecs = mOut.shape[0] // VEC
+    _fold_kernel(mPart, mOut).launch(
+        grid=((num_vecs + FOLD_THREADS - 1) // FOLD_THREADS, 1, 1), block=(FOLD_THREADS, 1, 1), stream=stream
+    )
+
+
+def build_fold(arch: str):
+    num_groups, width = cute.sym_int(), cute.sym_int(divisibility=VEC)
+    # partials: (P, N) FP32, any 16-byte aligned row stride; out: (N,) BF16 contiguous.
+    mPart = make_fake_tensor(Float32, (num_groups, width), (cute.sym_int(divisibility=4), 1), assumed_align=16)
+    mOut = make_fake_tensor(BFloat16, (width,), (1,), assumed_align=16)
+    return compile_for(arch, _fold_launch, mPart, mOut, env_stream())
+
+
+SPECS = [
+    KernelSpec(
+        name="rowwise_fold",
+        build=build_fold,
+        variants=lambda arch: [dict()],
+        ptx_markers=("ld.global.v4", "st.global.v4.b32"),
+        ptx_forbidden=("atom.", "red.global", "red.shared"),
+    )
+]
