@@ -1,0 +1,280 @@
+"""timestep_mlp: the 3xTF32 contract on CPU (splits, configs, compiled code, numerics) and on the GPU.
+
+CPU: the launcher's split counts and tiles are exactly what the kernels were built for; every variant
+compiles for sm_90a and sm_100a with the three tf32 mma per k8 step and no atomics; a bit-level NumPy
+model of the big/small split meets the accuracy budget that plain TF32 misses.
+GPU (`-m gpu`): FP64 accuracy at the report sizes, bitwise batch invariance (row alone vs in batches
+straddling every tile edge, any position, poisoned neighbours), identical bits for every config,
+repeatable parameter gradients, poisoned (NaN-filled) output memory never leaking through.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from h3cute.launch import timestep_mlp as L
+
+F1, HIDDEN, D = 256, 5376, 2688
+REPORT_SIZES = (1, 3, 4, 64, 256, 2048)
+FWD_TOL, GRAD_TOL = 2e-6, 1e-5
+
+
+# ---- CPU: launcher <-> kernel contract ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def K():
+    from h3cute.kernels import timestep_mlp
+
+    return timestep_mlp
+
+
+def test_split_counts_match_the_kernels(K):
+    assert L.SPLITS == {r: K.role_splits(r) for r in L.SPLITS}
+    assert L.SPLITS == {"fc2": 6, "fc2_dgrad": 3, "fc1_dgrad": 6}
+    assert K.role_splits("fc1") == 1 and K.role_splits("fc2_wgrad") == 1
+    assert {r for r, _ in K.FOLDS} == set(L.SPLITS)
+
+
+def test_every_pickable_tile_is_a_built_variant(K):
+    from h3cute.kernels.gemm_tf32x3 import GemmConfig
+
+    assert [f.name for f in dataclasses.fields(L.GemmTile)] == [f.name for f in dataclasses.fields(GemmConfig)]
+    for cfg in L.CONFIGS:
+        for role in ("fc1", "fc2", "fc2_dgrad", "fc1_dgrad"):
+            assert getattr(cfg, role).astuple() in K.GEMM_TILES[role], (cfg, role)
+    for role, tile in L.WGRAD_TILES.items():
+        assert tile.astuple() in K.GEMM_TILES[role]
+    assert {L.pick_config(t) for t in range(1, 5000)} == set(L.CONFIGS)
+
+
+def test_gemm_config_rejects_tiles_the_kernel_cannot_run():
+    from h3cute.kernels.gemm_tf32x3 import GemmConfig
+
+    GemmConfig(16, 64)
+    for bad in (dict(tile_m=24, tile_n=64), dict(tile_m=16, tile_n=60), dict(tile_m=16, tile_n=64, tile_k=16),
+                dict(tile_m=16, tile_n=64, stages=2), dict(tile_m=16, tile_n=16, warps_n=4)):
+        with pytest.raises(ValueError):
+            GemmConfig(**bad)
+
+
+def _expected_mma_per_k_tile(tile):
+    tm, tn, tk, _, wm, wn = tile
+    return (tm // (16 * wm)) * (tn // (8 * wn)) * (tk // 8) * 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_every_variant_compiles_with_three_tf32_mma_per_step(K, arch):
+    from h3cute.runtime.dsl import compile_variant
+
+    for spec in K.SPECS:
+        for static in spec.variants(arch):
+            _, ptxs = compile_variant(spec, arch, static, keep_ptx=True)
+            ptx = "\n".join(ptxs)
+            assert f".target {arch}" in ptx
+            for marker in spec.ptx_markers:
+                assert marker in ptx, (spec.name, static, marker)
+            for bad in spec.ptx_forbidden:
+                assert bad not in ptx, (spec.name, static, bad)
+            if spec.name == "timestep_mlp_gemm":
+                # The mainloop body is emitted once: 3 mma per (m16, n8, k8) step of the warp tile.
+                n_mma = ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
+                assert n_mma == _expected_mma_per_k_tile(static["tile"]), (static, n_mma)
+                assert ".local" not in ptx, static
+
+
+# ---- CPU: the 3xTF32 numerics, bit for bit in NumPy ---------------------------------------------------
+
+
+def _big(x):
+    return (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _tf32_rna(x):
+    # Round the magnitude half away from zero at bit 13 (sign-magnitude: adding to the pattern does it).
+    return ((x.view(np.uint32) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def _mma_model_gemm(a, b, terms, k_slice=896):
+    """Per K slice, FP32 accumulation of each k8 step's exactly summed products (the best an mma can
+    do); then the slices are added in order in FP32, as the fold kernel does."""
+    out = np.zeros((a.shape[0], b.shape[0]), np.float32)
+    for s0 in range(0, a.shape[1], k_slice):
+        acc = np.zeros_like(out)
+        for k0 in range(s0, s0 + k_slice, 8):
+            step = np.zeros(acc.shape, np.float64)
+            for lhs, rhs in terms:
+                step += lhs[:, k0:k0 + 8].astype(np.float64) @ rhs[:, k0:k0 + 8].astype(np.float64).T
+            acc = (acc.astype(np.float64) + step).astype(np.float32)
+        out = out + acc
+    return out
+
+
+def test_split_is_exact_and_3xtf32_meets_the_fp32_budget_tf32_misses():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, HIDDEN)).astype(np.float32)
+    b = (rng.standard_normal((96, HIDDEN)) * HIDDEN ** -0.5).astype(np.float32)
+    a_big, b_big = _big(a), _big(b)
+    assert np.array_equal((a - a_big).astype(np.float64), a.astype(np.float64) - a_big.astype(np.float64))
+    a_small, b_small = _tf32_rna(a - a_big), _tf32_rna(b - b_big)
+    assert np.all(np.abs(a - a_big - a_small) <= np.abs(a) * 2.0 ** -21)
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    three = _mma_model_gemm(a, b, [(a_small, b_big), (a_big, b_small), (a_big, b_big)])
+    one = _mma_model_gemm(_tf32_rna(a), _tf32_rna(b), [(_tf32_rna(a), _tf32_rna(b))])
+    rel = lambda out: np.abs(out - ref).max() / np.abs(ref).max()  # noqa: E731
+    assert rel(three) <= FWD_TOL / 2, rel(three)
+    assert rel(one) > FWD_TOL * 10, rel(one)
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+
+
+def _params(seed=0, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed * 1000 + 7)
+    w1 = torch.randn(HIDDEN, F1, generator=g, device=device) * F1 ** -0.5
+    b1 = torch.randn(HIDDEN, generator=g, device=device) * 0.02
+    w2 = torch.randn(D, HIDDEN, generator=g, device=device) * HIDDEN ** -0.5
+    b2 = torch.randn(D, generator=g, device=device) * 0.02
+    return w1, b1, w2, b2
+
+
+def _randn(shape, seed):
+    return torch.randn(shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda")
+
+
+def _fp64(x, w1, b1, w2, b2, grad):
+    leaves = [t.double().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    xd, w1d, b1d, w2d, b2d = leaves
+    out = torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(xd, w1d, b1d)), w2d, b2d)
+    out.backward(grad.double())
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _rel(out, ref):
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _bits_equal(a, b):
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def _poison_allocator():
+    """Leave NaN in freed caching-allocator blocks so an output element the kernels miss shows up."""
+    junk = torch.full((1 << 28,), float("nan"), device="cuda")
+    del junk
+    for n in (1 << 20, 1 << 22, 1 << 24):
+        blocks = [torch.full((n,), float("nan"), device="cuda") for _ in range(4)]
+        del blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", REPORT_SIZES)
+def test_accuracy_against_fp64(num_rows):
+    w1, b1, w2, b2 = _params()
+    x = _randn((num_rows, F1), 11)
+    grad = _randn((num_rows, D), 9)
+    ref_out, (dx, dw1, db1, dw2, db2) = _fp64(x, w1, b1, w2, b2, grad)
+    _poison_allocator()
+    out = L.forward(x, w1, b1, w2, b2)
+    assert _rel(out, ref_out) <= FWD_TOL
+    _poison_allocator()
+    got = L.backward(grad, x, w1, b1, w2)
+    for name, g, r in zip(("dx", "dw1", "db1", "dw2", "db2"), got, (dx, dw1, db1, dw2, db2)):
+        assert g.shape == r.shape and g.dtype == torch.float32, name
+        assert _rel(g, r) <= GRAD_TOL, (name, _rel(g, r))
+
+
+@pytest.mark.gpu
+def test_op_and_autograd_match_the_launcher():
+    import h3cute  # noqa: F401  (registers torch.ops.h3)
+
+    w1, b1, w2, b2 = _params(1)
+    x = _randn((5, F1), 12)
+    grad = _randn((5, D), 13)
+    assert _bits_equal(torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2), L.forward(x, w1, b1, w2, b2))
+    leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    torch.ops.h3.timestep_mlp(*leaves).backward(grad)
+    dx, dw1, db1, dw2, db2 = L.backward(grad, x, w1, b1, w2)
+    for leaf, want in zip(leaves, (dx, dw1, db1, dw2, db2)):
+        assert leaf.grad is not None and _bits_equal(leaf.grad, want)
+
+
+# Batch sizes straddling every tile edge (16, 32, 64, 128 rows), the config switch points and the
+# weight-gradient padding (32).
+SWEEP = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300,
+         511, 512, 513, 1023, 1025, 2047, 2048, 2049)
+
+
+@pytest.mark.gpu
+def test_probe_rows_alone_equal_in_every_batch_size_and_position():
+    w1, b1, w2, b2 = _params(2)
+    probes = _randn((3, F1), 21)
+    probe_grads = _randn((3, D), 22)
+    alone = [L.forward(probes[i:i + 1], w1, b1, w2, b2) for i in range(3)]
+    alone_dx = [L.backward(probe_grads[i:i + 1], probes[i:i + 1], w1, b1, w2)[0] for i in range(3)]
+    for n in SWEEP:
+        x = _randn((n, F1), 1000 + n)
+        grad = _randn((n, D), 2000 + n)
+        positions = sorted({0, n // 2, n - 1})
+        for i, pos in enumerate(positions):
+            x[pos] = probes[i]
+            grad[pos] = probe_grads[i]
+        out = L.forward(x, w1, b1, w2, b2)
+        dx = L.backward(grad, x, w1, b1, w2)[0]
+        for i, pos in enumerate(positions):
+            assert _bits_equal(out[pos:pos + 1], alone[i]), (n, pos)
+            assert _bits_equal(dx[pos:pos + 1], alone_dx[i]), (n, pos)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (1, 17, 100, 300))
+def test_every_config_gives_identical_bits(num_rows):
+    w1, b1, w2, b2 = _params(3)
+    x = _randn((num_rows, F1), 31)
+    grad = _randn((num_rows, D), 32)
+    fwd = [L.forward(x, w1, b1, w2, b2, config=c) for c in L.CONFIGS]
+    bwd = [L.backward(grad, x, w1, b1, w2, config=c) for c in L.CONFIGS]
+    for c, out, grads in zip(L.CONFIGS[1:], fwd[1:], bwd[1:]):
+        assert _bits_equal(out, fwd[0]), c
+        for name, g, g0 in zip(("dx", "dw1", "db1", "dw2", "db2"), grads, bwd[0]):
+            assert _bits_equal(g, g0), (c, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poison", (float("nan"), float("inf"), 1e30))
+def test_poisoned_neighbours_leave_the_probe_row_alone(poison):
+    w1, b1, w2, b2 = _params(4)
+    probe, probe_grad = _randn((1, F1), 41), _randn((1, D), 42)
+    alone = L.forward(probe, w1, b1, w2, b2)
+    alone_dx = L.backward(probe_grad, probe, w1, b1, w2)[0]
+    for n, pos in ((2, 0), (17, 9), (130, 129), (300, 64)):
+        x = torch.full((n, F1), poison, device="cuda")
+        grad = torch.full((n, D), poison, device="cuda")
+        x[pos], grad[pos] = probe[0], probe_grad[0]
+        assert _bits_equal(L.forward(x, w1, b1, w2, b2)[pos:pos + 1], alone), (n, pos)
+        assert _bits_equal(L.backward(grad, x, w1, b1, w2)[0][pos:pos + 1], alone_dx), (n, pos)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (3, 257, 2048))
+def test_parameter_gradients_are_repeatable(num_rows):
+    w1, b1, w2, b2 = _params(5)
+    x = _randn((num_rows, F1), 51)
+    grad = _randn((num_rows, D), 52)
+    first = L.backward(grad, x, w1, b1, w2)
+    _poison_allocator()
+    second = L.backward(grad, x, w1, b1, w2)
+    for name, a, b in zip(("dx", "dw1", "db1", "dw2", "db2"), first, second):
+        assert _bits_equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_zero_rows():
+    w1, b1, w2, b2 = _params(6)
+    x = torch.empty((0, F1), device="cuda")
+    assert L.forward(x, w1, b1, w2, b2).shape == (0, D)
+    dx, dw1, db1, dw2, db2 = L.backward(torch.empty((0, D), device="cuda"), x, w1, b1, w2)
+    assert dx.shape == (0, F1) and not dw1.any() and not db1.any() and not dw2.any() and not db2.any()
