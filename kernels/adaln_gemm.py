@@ -326,7 +326,7 @@ class _WarpMmaGemm:
         cute.arch.cp_async_wait_group(0)
 
         # Epilogue straight from registers, element by element, bounds-checked on M and N.
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
             coord = tCcC[i]
             if cute.elem_less(coord, gC_full.shape):
                 if cutlass.const_expr(self.epilogue == "bias_bf16"):
@@ -526,7 +526,7 @@ def _build_bias_grad(arch: str, *, out_features: int):
 
 
 _MMA_MARKERS = ("mma.sync.aligned.m16n8k16", ".bf16", "cp.async", "ldmatrix")
-_NO_ATOMICS = ("atom.", "red.global")  # deterministic: no atomics anywhere
+_NO_ATOMICS = ("atom.", "\tred.")  # deterministic: no atomics anywhere
 
 SPECS = [
     KernelSpec(

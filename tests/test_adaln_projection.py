@@ -1,0 +1,279 @@
+"""adaln_projection: compile-time checks of the BF16 GEMM family (CPU) and its numeric contract (gpu).
+
+Contract (docs/adaln_projection.md): out = bf16(acc + b) with acc the FP32 sum of k16 mma.sync steps
+in ascending K order, the same for every T and every tile config; so a row's bytes never depend on
+the other rows, and every config gives identical bits. d_temb = (grad @ W in DGRAD_SPLITS fixed
+chunks, summed in order) * silu'(temb), FP32 (per-row, batch-invariant); dW, db deterministic.
+GPU comparisons are torch.equal on raw bits (NaN never passes); accuracy is max|out - ref| / max|ref|
+against the same math in FP64 (`h3cute.reference`).
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import h3cute  # noqa: F401  (registers torch.ops.h3)
+from h3cute import reference
+from h3cute.launch import adaln_projection as launch
+
+D = 2688
+N_BLOCK = 96768
+N_FINAL = 10752
+
+
+# ---- CPU: the kernel family compiles for both archs with the contract's instructions --------------------
+
+
+def _specs():
+    from h3cute.runtime.sources import kernels_package
+
+    specs = kernels_package().all_specs()
+    return {name: specs[name] for name in
+            ("adaln_proj_fwd", "adaln_proj_dgrad", "adaln_proj_wgrad", "adaln_silu_cast", "adaln_dtemb_fold",
+             "adaln_bias_grad")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_every_variant_compiles_with_its_ptx_markers(arch):
+    from h3cute.runtime.dsl import compile_variant
+
+    for name, spec in _specs().items():
+        for static in spec.variants(arch):
+            _, ptx = compile_variant(spec, arch, dict(static), keep_ptx=True)
+            text = "\n".join(ptx)
+            for marker in spec.ptx_markers:
+                assert marker in text, (name, static, arch, marker)
+            for bad in spec.ptx_forbidden:
+                assert bad not in text, (name, static, arch, bad)
+
+
+@pytest.mark.slow
+def test_gemm_ptx_is_warp_mma_only():
+    """One MMA instruction, BF16 in / FP32 accumulate, for every config: no wgmma, no tcgen05."""
+    import re
+
+    from h3cute.runtime.dsl import compile_variant
+
+    specs = _specs()
+    for name in ("adaln_proj_fwd", "adaln_proj_dgrad"):
+        for config in launch.CONFIGS:
+            _, ptx = compile_variant(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config), keep_ptx=True)
+            mmas = set(re.findall(r"(?:mma|wgmma)\.[\w.]+", "\n".join(ptx)))
+            assert mmas == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}, (name, config, mmas)
+
+
+def test_launch_and_kernel_agree_on_configs_and_splits():
+    from h3cute.runtime.sources import kernels_package
+
+    kernels_package()
+    import h3cute.kernels.adaln_gemm as k
+
+    assert tuple(k.CONFIGS) == launch.CONFIGS
+    assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS
+    assert k.TEMB_WIDTH == launch.TEMB_WIDTH == D
+    for n in k.OUT_FEATURES:
+        for tile in k.CONFIGS.values():
+            tile.check()
+            assert n % tile.bm == 0 and D % tile.bk == 0
+            assert n % (k.DGRAD_SPLITS * tile.bk) == 0 and D % tile.bm == 0
+        assert n % k.WGRAD_TILE.bm == 0 and D % k.WGRAD_TILE.bn == 0
+    for rows in (1, 8, 16, 17, 64, 65, 2048, 4096):
+        assert launch.config_for_rows(rows) in launch.CONFIGS
+
+
+def test_launch_modules_do_not_import_cutlass():
+    code = ("import sys, h3cute.launch.adaln_projection, h3cute.launch.final_adaln_out; "
+            "assert 'cutlass' not in sys.modules, 'launch imported cutlass'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- GPU -------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _params(n, seed=11):
+    g = _gen(seed)
+    w = (torch.randn((n, D), generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
+    b = (torch.randn((n,), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    return w, b
+
+
+@pytest.fixture(scope="module")
+def block_params():
+    return _params(N_BLOCK)
+
+
+def _temb(rows, seed):
+    return torch.randn((rows, D), generator=_gen(seed), device="cuda")
+
+
+def _rel_err(out, ref):
+    out = out.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def _bits(x):
+    return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+def _assert_same_bits(a, b, what):
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    if not torch.equal(_bits(a), _bits(b)):
+        bad = (_bits(a) != _bits(b)).nonzero()
+        raise AssertionError(f"{what}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}")
+
+
+def _fp64_grads(grad, temb, weight):
+    """FP64 dtemb, dW, db of linear(bf16(silu(temb)), W, b) (the BF16 cast passes the gradient through)."""
+    g, t, w = grad.double(), temb.double(), weight.double()
+    act = torch.nn.functional.silu(temb).to(torch.bfloat16).double()
+    s = torch.sigmoid(t)
+    return (g @ w) * (s * (1 + t * (1 - s))), g.t() @ act, g.sum(0)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 3, 4, 64, 256, 2048])
+def test_forward_accuracy(block_params, rows):
+    w, b = block_params
+    temb = _temb(rows, 100 + rows)
+    out = torch.ops.h3.adaln_projection(temb, w, b)
+    ref = reference.adaln_projection_fp64(temb, w, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, N_BLOCK)
+    assert _rel_err(out, ref) <= 2.5e-3  # one BF16 rounding (2^-9) of an FP32-accurate value
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 63, 64, 65, 129, 300])
+def test_every_config_gives_identical_bits(rows):
+    w, b = _params(N_FINAL, seed=rows)
+    temb = _temb(rows, 7 * rows)
+    outs = {c: launch.forward(temb, w, b, config=c) for c in launch.CONFIGS}
+    for c, out in outs.items():
+        _assert_same_bits(out, outs["skinny"], f"forward config {c} vs skinny, T={rows}")
+    grad = torch.randn((rows, N_FINAL), generator=_gen(rows), device="cuda").to(torch.bfloat16)
+    dtembs = {c: launch.backward(grad, temb, w, config=c)[0] for c in launch.CONFIGS}
+    for c, dtemb in dtembs.items():
+        _assert_same_bits(dtemb, dtembs["skinny"], f"dtemb config {c} vs skinny, T={rows}")
+
+
+@gpu
+def test_batch_invariance_forward_and_dtemb(block_params):
+    """Each row alone, in sub-batches of sizes straddling every tile boundary, reversed: identical bits."""
+    w, b = block_params
+    full_rows = 2048
+    temb = _temb(full_rows, 5)
+    # Adversarial neighbours: huge and tiny rows next to ordinary ones.
+    temb[1::7] *= 1e4
+    temb[2::11] *= 1e-4
+    grad = torch.randn((full_rows, N_BLOCK), generator=_gen(6), device="cuda").to(torch.bfloat16)
+    full = launch.forward(temb, w, b)
+    full_dtemb = launch.backward(grad, temb, w)[0]
+    sizes = sorted({*range(1, 10), 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1023, 1025,
+                    2047})
+    for size in sizes:
+        for start in {0, (full_rows - size) // 2, full_rows - size}:
+            sl = slice(start, start + size)
+            _assert_same_bits(launch.forward(temb[sl], w, b), full[sl], f"forward rows {start}+{size}")
+            _assert_same_bits(launch.backward(grad[sl], temb[sl], w)[0], full_dtemb[sl], f"dtemb rows {start}+{size}")
+    rev = torch.arange(full_rows - 1, -1, -1, device="cuda")
+    _assert_same_bits(launch.forward(temb[rev], w, b), full[rev], "forward reversed")
+    _assert_same_bits(launch.backward(grad[rev], temb[rev], w)[0], full_dtemb[rev], "dtemb reversed")
+    big = torch.cat([temb, temb])  # T = 4096, the full_vs_sub_batches size
+    _assert_same_bits(launch.forward(big, w, b)[full_rows:], full, "forward T=4096 second half")
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 3, 4, 31, 32, 33, 64, 256, 2048])
+def test_backward_accuracy(block_params, rows):
+    w, b = block_params
+    temb = _temb(rows, 200 + rows)
+    grad = torch.randn((rows, N_BLOCK), generator=_gen(9), device="cuda").to(torch.bfloat16)
+    dtemb, dw, db = torch.ops.h3.adaln_projection_backward(grad, temb, w)
+    ref_dtemb, ref_dw, ref_db = _fp64_grads(grad, temb, w)
+    assert dtemb.dtype == torch.float32 and dw.dtype == db.dtype == torch.bfloat16
+    assert _rel_err(dtemb, ref_dtemb) <= 1e-5
+    assert _rel_err(dw, ref_dw) <= 2.5e-3
+    assert _rel_err(db, ref_db) <= 2.5e-3
+
+
+@gpu
+def test_autograd_matches_backward_op(block_params):
+    w, b = block_params
+    temb = _temb(5, 3).requires_grad_()
+    wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+    out = torch.ops.h3.adaln_projection(temb, wl, bl)
+    grad = torch.randn(out.shape, generator=_gen(4), device="cuda").to(torch.bfloat16)
+    out.backward(grad)
+    dtemb, dw, db = torch.ops.h3.adaln_projection_backward(grad, temb.detach(), w)
+    _assert_same_bits(temb.grad, dtemb, "dtemb")
+    _assert_same_bits(wl.grad, dw, "dW")
+    _assert_same_bits(bl.grad, db, "db")
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 64, 2048])
+def test_params_repeatable(block_params, rows):
+    w, _ = block_params
+    temb = _temb(rows, 300 + rows)
+    grad = torch.randn((rows, N_BLOCK), generator=_gen(rows), device="cuda").to(torch.bfloat16)
+    first = launch.backward(grad, temb, w)
+    for _ in range(2):
+        for a, b_, name in zip(first, launch.backward(grad, temb, w), ("dtemb", "dW", "db")):
+            _assert_same_bits(a, b_, f"{name} T={rows}")
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 17, 33])
+def test_poisoned_outputs_are_fully_written(rows):
+    """Kernels called on NaN-filled outputs: every element written, nothing else touched."""
+    from h3cute import runtime
+
+    w, b = _params(N_FINAL, seed=2)
+    temb = _temb(rows, 8)
+    act = launch.silu_bf16(temb)
+    dev = temb.device
+    nan16 = float("nan")
+    pad = 4096  # guard elements after each output: must stay NaN
+    out = torch.full((rows * N_FINAL + pad,), nan16, dtype=torch.bfloat16, device=dev)
+    runtime.kernel("adaln_proj_fwd", dev, out_features=N_FINAL, config=launch.config_for_rows(rows))(
+        act, w, b, out[: rows * N_FINAL].view(rows, N_FINAL))
+    assert not out[: rows * N_FINAL].isnan().any() and out[rows * N_FINAL:].isnan().all()
+    _assert_same_bits(out[: rows * N_FINAL].view(rows, N_FINAL), launch.forward(temb, w, b), "poisoned forward")
+
+    grad = torch.randn((rows, N_FINAL), generator=_gen(1), device="cuda").to(torch.bfloat16)
+    part = torch.full((launch.DGRAD_SPLITS * rows * D + pad,), nan16, device=dev)
+    runtime.kernel("adaln_proj_dgrad", dev, out_features=N_FINAL, config="skinny")(
+        grad, w, part[: launch.DGRAD_SPLITS * rows * D].view(launch.DGRAD_SPLITS, rows, D))
+    assert not part[:-pad].isnan().any() and part[-pad:].isnan().all()
+    dw = torch.full((N_FINAL * D + pad,), nan16, dtype=torch.bfloat16, device=dev)
+    runtime.kernel("adaln_proj_wgrad", dev, out_features=N_FINAL)(grad, act, dw[:-pad].view(N_FINAL, D))
+    assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all()
+    db = torch.full((N_FINAL + pad,), nan16, dtype=torch.bfloat16, device=dev)
+    runtime.kernel("adaln_bias_grad", dev, out_features=N_FINAL)(grad, db[:-pad])
+    assert not db[:-pad].isnan().any() and db[-pad:].isnan().all()
+
+
+@gpu
+def test_nan_input_propagates():
+    w, b = _params(N_FINAL, seed=3)
+    temb = _temb(4, 9)
+    temb[2, 17] = float("nan")
+    out = launch.forward(temb, w, b)
+    assert out[2].isnan().all() and not out[[0, 1, 3]].isnan().any()
+
+
+@gpu
+def test_fresh_inputs_each_seed(block_params):
+    """Same accuracy on fresh random inputs (no luck from one draw)."""
+    w, b = block_params
+    for seed in range(3):
+        temb = _temb(8, 1000 + seed) * (1 + seed)
+        assert _rel_err(launch.forward(temb, w, b), reference.adaln_projection_fp64(temb, w, b)) <= 2.5e-3
