@@ -1,0 +1,117 @@
+"""`h3cute-bench` command line.
+
+  h3cute-bench prior-art --op OP|all [--quick] [--out FILE.json]
+      JSON report (the seeds' schema) + FILE.md summary + FILE_latency.png / FILE_invariance.png.
+      With --op all, FILE.json names a stem: one FILE_<op>.json per op.
+  h3cute-bench compare A.json B.json [--labels A B]
+  h3cute-bench sweep --op OP [--config NAME ...] [--full] [--out FILE.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from h3cute.bench.problems import OPS, PROBLEMS
+
+console = Console(stderr=True)
+
+
+def _log(msg: str) -> None:
+    console.log(msg)
+
+
+def _prior_art(args) -> int:
+    from h3cute.bench.prior_art import prior_art
+    ops = OPS if args.op == "all" else (args.op,)
+    for op in ops:
+        if args.out is None:
+            out = Path(f"h3_prior_art_{op}{'_quick' if args.quick else ''}.json")
+        elif args.op == "all":
+            out = args.out.with_name(f"{args.out.stem}_{op}.json")
+        else:
+            out = args.out
+        console.rule(f"prior art: {op}")
+        prior_art(op, args.quick, out, log=_log)
+    return 0
+
+
+def _mode(args) -> int:
+    """Child process of one cuBLAS mode (its environment was set by the parent)."""
+    from h3cute.bench import checks
+    from h3cute.bench.prior_art import run_mode
+    plan = checks.QUICK if args.quick else checks.FULL
+    with console.status(f"{args.op} [{args.mode}]"):
+        run_mode(PROBLEMS[args.op], args.mode, plan, out=args.out, log=lambda m: _log(f"[{args.mode}] {m}"))
+    return 0
+
+
+def _compare(args) -> int:
+    from h3cute.bench.report import compare_markdown, load_report
+    a, b = load_report(args.a), load_report(args.b)
+    labels = args.labels or [args.a.stem, args.b.stem]
+    sys.stdout.write(compare_markdown(a, b, *labels))
+    return 0
+
+
+def _sweep(args) -> int:
+    from h3cute.bench import checks
+    from h3cute.bench.prior_art import default_device
+    from h3cute.bench.sweep import NoConfigs, op_configs, sweep, sweep_markdown
+    try:
+        mod, configs = op_configs(args.op)
+    except NoConfigs as e:
+        console.print(f"{args.op}: nothing to sweep: {e}")
+        return 2
+    if args.config:
+        unknown = set(args.config) - {n for n, _ in configs}
+        if unknown:
+            console.print(f"unknown configs {sorted(unknown)}; the op declares {[n for n, _ in configs]}")
+            return 2
+        configs = [(n, c) for n, c in configs if n in args.config]
+    plan = checks.FULL if args.full else checks.QUICK
+    res = sweep(PROBLEMS[args.op], configs, mod.forward, plan, default_device(), log=_log)
+    out = args.out or Path(f"h3_sweep_{args.op}.json")
+    out.write_text(json.dumps(res, indent=2))
+    md = sweep_markdown(res)
+    out.with_suffix(".md").write_text(md)
+    sys.stdout.write(md)
+    console.print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0 if res["all_identical"] and res["all_invariant"] else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="h3cute-bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    pa = sub.add_parser("prior-art", help="compare h3cute with the prior art for one op or all")
+    pa.add_argument("--op", required=True, choices=(*OPS, "all"))
+    pa.add_argument("--quick", action="store_true", help="fewer seeds and sizes, fewer timing samples")
+    pa.add_argument("--out", type=Path)
+    pa.set_defaults(func=_prior_art)
+    cp = sub.add_parser("compare", help="side-by-side table of two reports (seed or ours)")
+    cp.add_argument("a", type=Path)
+    cp.add_argument("b", type=Path)
+    cp.add_argument("--labels", nargs=2)
+    cp.set_defaults(func=_compare)
+    sw = sub.add_parser("sweep", help="judge and rank every tile config of an op")
+    sw.add_argument("--op", required=True, choices=OPS)
+    sw.add_argument("--config", action="append", help="only these config names (repeatable)")
+    sw.add_argument("--full", action="store_true", help="the full invariance method instead of the quick one")
+    sw.add_argument("--out", type=Path)
+    sw.set_defaults(func=_sweep)
+    md = sub.add_parser("_mode", help=argparse.SUPPRESS)
+    md.add_argument("--op", required=True, choices=OPS)
+    md.add_argument("--mode", required=True)
+    md.add_argument("--quick", action="store_true")
+    md.add_argument("--out", type=Path, required=True)
+    md.set_defaults(func=_mode)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)

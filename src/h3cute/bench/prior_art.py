@@ -1,0 +1,157 @@
+"""Run the prior-art comparison of one op: one subprocess per cuBLAS mode, merged into one report.
+
+`run_mode` is what a mode's process does (also called in-process by tests and on a CPU): every
+candidate is probed on one row (a missing CUDA kernel becomes `unavailable: <reason>`), then judged for
+batch invariance, then all candidates are measured size by size (the FP64 golden of a size is shared).
+The partial result is rewritten after each candidate, so a crash keeps what was finished. The parent
+(`prior_art`) starts each mode with its environment set before CUDA starts and merges the partials.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from h3cute.bench import checks, report
+from h3cute.bench.candidates import MODES, Candidate, apply_mode, candidates_for, modes_for
+from h3cute.bench.problems import PROBLEMS, Problem, take_rows
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _probe(cand: Candidate, problem: Problem, device) -> str | None:
+    """Why the candidate cannot run (None when a one-row call with a backward works)."""
+    try:
+        inputs = take_rows(problem, problem.draw(4, 3, device), torch.tensor([0]))
+        outs, _ = checks.run(cand, problem, inputs, None)
+        checks.run(cand, problem, inputs, [torch.ones_like(o) for o in outs])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return None
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"{type(e).__name__}: {msg}"
+
+
+def run_mode(problem: Problem, mode: str, plan: checks.Plan, device=None, cands=None, out: Path | None = None,
+             log=None) -> dict:
+    """Results of every candidate of `problem` under `mode` in this process (the mode already applied)."""
+    device = device or default_device()
+    log = log or (lambda msg: None)
+    apply_mode(mode)
+    cands = cands if cands is not None else candidates_for(problem, mode)
+    partial = {"mode": mode, "results": {mode: {}}, "environment": report.environment(device, {mode: MODES.get(mode, {})})}
+    results = partial["results"][mode]
+
+    def save():
+        if out is not None:
+            Path(out).write_text(json.dumps(partial, indent=1))
+
+    working = []
+    for c in cands:
+        reason = c.unavailable or _probe(c, problem, device)
+        if reason:
+            log(f"{c.name}: unavailable: {reason}")
+            results[c.name] = {"source": c.source, "unavailable": reason}
+            save()
+            continue
+        log(f"{c.name}: batch invariance")
+        try:
+            bi = checks.batch_invariance(c, problem, plan, device, log=lambda m, n=c.name: log(f"{n}: {m}"))
+        except Exception as e:  # a candidate that breaks mid-check is reported, the others still run
+            results[c.name] = {"source": c.source, "unavailable": f"failed during checks: {type(e).__name__}: {e}"}
+            save()
+            continue
+        results[c.name] = {"source": c.source, "has_backward": c.has_backward and problem.has_backward,
+                           "batch_invariance": bi, "accuracy_latency": {}}
+        working.append(c)
+        save()
+
+    reference = checks.Reference(problem, device)
+    if reference.missing:
+        log(f"FP64 reference missing ({reference.missing}): rel errors are null")
+        partial["reference_missing"] = reference.missing
+    for n in plan.for_problem(problem).accuracy_sizes:
+        for c in working:
+            log(f"{c.name}: accuracy/latency at {n} rows")
+            results[c.name]["accuracy_latency"].update(
+                checks.accuracy_latency(c, problem, plan, device, reference, sizes=(n,)))
+            save()
+        reference.cache.clear()
+
+    if mode == "plain":
+        log("ceilings and floors")
+        ceilings = checks.measure_ceilings(device)
+        partial["environment"]["ceilings"] = ceilings
+        shaper = next((c for c in working if c.comparable), None)
+        partial["floors"] = checks.floors(problem, plan, device, ceilings, shaper) if shaper else {}
+        save()
+    return partial
+
+
+def merge(op: str, partials: list[dict], quick: bool) -> dict:
+    """One report in the seeds' schema from the partials of all modes (plain first)."""
+    plain = next((p for p in partials if p["mode"] == "plain"), partials[0])
+    env = dict(plain["environment"])
+    env["mode_environment"] = {p["mode"]: MODES.get(p["mode"], {}) for p in partials}
+    return {
+        "kind": report.KIND,
+        "rfc": report.RFC,
+        "op": op,
+        "rl_kernel_commit": None,
+        "tracked_tree_dirty": (env.get("h3cute") or {}).get("tree_dirty"),
+        "environment": env,
+        "quick": quick,
+        "results": {p["mode"]: p["results"][p["mode"]] for p in partials},
+        "floors": plain.get("floors", {}),
+    }
+
+
+def _mode_subprocess(op: str, mode: str, quick: bool, workdir: Path, log) -> dict:
+    out = workdir / f"{op}.{mode}.json"
+    cmd = [sys.executable, "-m", "h3cute.bench", "_mode", "--op", op, "--mode", mode, "--out", str(out)]
+    if quick:
+        cmd.append("--quick")
+    env = {**os.environ, **MODES[mode]}
+    log(f"mode {mode}: {' '.join(f'{k}={v}' for k, v in MODES[mode].items())} subprocess")
+    proc = subprocess.run(cmd, env=env)
+    if out.exists():
+        partial = json.loads(out.read_text())
+        if proc.returncode != 0:
+            partial["mode_error"] = f"exit status {proc.returncode} (partial results kept)"
+        return partial
+    problem = PROBLEMS[op]
+    return {"mode": mode, "environment": report.environment(default_device(), {}), "results": {mode: {
+        c.name: {"source": c.source, "unavailable": f"mode subprocess failed with exit status {proc.returncode}"}
+        for c in candidates_for(problem, mode)}}}
+
+
+def prior_art(op: str, quick: bool, out: Path, log=print) -> dict:
+    """Run every mode of `op` in its own subprocess; write the JSON, the markdown summary and plots."""
+    problem = PROBLEMS[op]
+    with tempfile.TemporaryDirectory(prefix="h3bench-") as tmp:
+        partials = [_mode_subprocess(op, mode, quick, Path(tmp), log) for mode in modes_for(problem)]
+    rep = merge(op, partials, quick)
+    write_outputs(rep, out, log)
+    return rep
+
+
+def write_outputs(rep: dict, out: Path, log=print) -> list[Path]:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors = report.validate_report(rep)
+    if errors:   # a harness bug: keep the file for inspection but say so loudly
+        log("report does not validate:\n  " + "\n  ".join(errors[:20]))
+    out.write_text(json.dumps(rep, indent=2))
+    md = out.with_suffix(".md")
+    md.write_text(report.summary_markdown(rep))
+    written = [out, md] + report.write_plots(rep, out.with_suffix(""), say=log)
+    log("wrote " + ", ".join(str(p) for p in written))
+    return written

@@ -1,0 +1,347 @@
+"""The `h3_prior_art` report: environment capture, the schema reader, markdown summaries and plots.
+
+One reader (`validate_report` / `load_report`) accepts both the B200 seed reports and ours. Our
+reports carry the seeds' keys exactly and add, all optional for the reader: top-level `floors`,
+`environment.{h3cute, ceilings, timer}`, per size `fwd_kernel_us`, `fwd_bwd_kernel_us`,
+`kernel_us_unavailable`, and candidates recorded as `{"source", "unavailable": reason}`.
+matplotlib is optional: without it `write_plots` says so and returns no files.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+KIND = "h3_prior_art"
+RFC = "RL-Align/RL-Kernel#420"
+LIBRARIES = ("torch", "triton", "diffusers", "nvidia-cutlass-dsl", "apache-tvm-ffi", "vllm",
+             "flashinfer-python", "sglang", "liger-kernel", "transformer_engine", "megatron-core")
+INVARIANCE_CHECKS = ("all_rows", "params_repeatable", "full_vs_sub_batches", "batch_size_sweep")
+
+
+# ---- environment ---------------------------------------------------------------------------------
+
+def _version(dist: str):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def h3cute_commit() -> dict:
+    """{commit, tree_dirty} from git beside the package, else from H3CUTE_COMMIT / H3CUTE_TREE_DIRTY
+    (the device copy of the tree has no .git)."""
+    root = Path(__file__).resolve().parents[3]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip() != ""
+        return {"commit": commit, "tree_dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        dirty = os.environ.get("H3CUTE_TREE_DIRTY")
+        return {"commit": os.environ.get("H3CUTE_COMMIT"),
+                "tree_dirty": None if dirty is None else dirty.lower() in ("1", "true", "yes")}
+
+
+def environment(device, mode_environment: dict) -> dict:
+    import torch
+    cuda = device.type == "cuda"
+    return {
+        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "tf32": bool(torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32),
+        "libraries": {name: _version(name) for name in LIBRARIES},
+        "megatron_source_commit": None,
+        "mode_environment": mode_environment,
+        "h3cute": h3cute_commit(),
+        "timer": "cuda_event" if cuda else "perf_counter (CPU wall time; not comparable with GPU reports)",
+    }
+
+
+# ---- schema --------------------------------------------------------------------------------------
+
+def _num_or_none(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def _check_candidate(where: str, c, errors: list) -> None:
+    if not isinstance(c, dict) or not isinstance(c.get("source"), str):
+        errors.append(f"{where}: needs a dict with a 'source' string")
+        return
+    if "unavailable" in c:
+        if not isinstance(c["unavailable"], str):
+            errors.append(f"{where}.unavailable: must be a reason string")
+        return
+    if not isinstance(c.get("has_backward"), bool):
+        errors.append(f"{where}.has_backward: must be a bool")
+    bi = c.get("batch_invariance")
+    if not isinstance(bi, dict):
+        errors.append(f"{where}.batch_invariance: missing")
+    else:
+        for key in INVARIANCE_CHECKS + ("batch_invariant",):
+            if key not in bi:
+                errors.append(f"{where}.batch_invariance.{key}: missing")
+        for n, v in (bi.get("all_rows") or {}).items():
+            if not (n.isdigit() and all(isinstance(v.get(k), int) for k in ("rows", "fwd_differ", "rowgrad_differ"))):
+                errors.append(f"{where}.batch_invariance.all_rows.{n}: needs int rows/fwd_differ/rowgrad_differ")
+        if bi.get("params_repeatable") not in (True, False, None):
+            errors.append(f"{where}.batch_invariance.params_repeatable: must be bool or null")
+        fvs = bi.get("full_vs_sub_batches") or {}
+        for k in ("full_batch", "sub_batches", "fwd_differ", "rowgrad_differ"):
+            if not isinstance(fvs.get(k), int):
+                errors.append(f"{where}.batch_invariance.full_vs_sub_batches.{k}: must be an int")
+        sw = bi.get("batch_size_sweep") or {}
+        for k in ("comparisons", "differ"):
+            if not isinstance(sw.get(k), int):
+                errors.append(f"{where}.batch_invariance.batch_size_sweep.{k}: must be an int")
+        for f in sw.get("first_failures", []):
+            if set(f) != {"seed", "batch", "position", "row"} or not all(isinstance(x, int) for x in f.values()):
+                errors.append(f"{where}.batch_invariance.batch_size_sweep.first_failures: bad entry {f}")
+        if not isinstance(bi.get("batch_invariant"), bool):
+            errors.append(f"{where}.batch_invariance.batch_invariant: must be a bool")
+    al = c.get("accuracy_latency")
+    if not isinstance(al, dict):
+        errors.append(f"{where}.accuracy_latency: missing")
+        return
+    for n, e in al.items():
+        at = f"{where}.accuracy_latency.{n}"
+        if not n.isdigit() or not isinstance(e, dict):
+            errors.append(f"{at}: keys are row counts, values dicts")
+            continue
+        for k in ("fwd_rel_err", "fwd_us"):
+            if k not in e or not _num_or_none(e[k]):
+                errors.append(f"{at}.{k}: must be a number or null")
+        if c.get("has_backward"):
+            g = e.get("grad_rel_err")
+            if not (g is None or (isinstance(g, dict) and all(_num_or_none(v) for v in g.values()))):
+                errors.append(f"{at}.grad_rel_err: must map gradient names to numbers")
+            if "fwd_bwd_us" not in e or not _num_or_none(e["fwd_bwd_us"]):
+                errors.append(f"{at}.fwd_bwd_us: must be a number or null")
+
+
+def validate_report(report) -> list[str]:
+    """Every schema violation of an h3_prior_art report (empty list: valid)."""
+    errors = []
+    if not isinstance(report, dict):
+        return ["report: must be a JSON object"]
+    for key in ("kind", "rfc", "op", "rl_kernel_commit", "tracked_tree_dirty", "environment", "quick", "results"):
+        if key not in report:
+            errors.append(f"{key}: missing")
+    if report.get("kind") != KIND:
+        errors.append(f"kind: expected {KIND!r}, got {report.get('kind')!r}")
+    env = report.get("environment")
+    if isinstance(env, dict):
+        for key in ("gpu", "capability", "torch", "cuda", "python", "tf32", "libraries", "mode_environment"):
+            if key not in env:
+                errors.append(f"environment.{key}: missing")
+    else:
+        errors.append("environment: must be an object")
+    results = report.get("results")
+    if not isinstance(results, dict) or not results:
+        errors.append("results: must map modes to candidates")
+    else:
+        for mode, cands in results.items():
+            if not isinstance(cands, dict):
+                errors.append(f"results.{mode}: must map candidate names to results")
+                continue
+            for name, c in cands.items():
+                _check_candidate(f"results.{mode}.{name}", c, errors)
+    floors = report.get("floors")
+    if floors is not None and not isinstance(floors, dict):
+        errors.append("floors: must map sizes to floors")
+    return errors
+
+
+class ReportError(ValueError):
+    pass
+
+
+def load_report(path) -> dict:
+    report = json.loads(Path(path).read_text())
+    errors = validate_report(report)
+    if errors:
+        raise ReportError(f"{path}: not an h3_prior_art report:\n  " + "\n  ".join(errors[:20]))
+    return report
+
+
+def candidates(report: dict) -> dict:
+    """{candidate name: result} over all modes (names already carry their mode where it matters)."""
+    return {name: c for cands in report["results"].values() for name, c in cands.items()}
+
+
+# ---- markdown ------------------------------------------------------------------------------------
+
+def _fmt(v, unit=""):
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "**NO**"
+    if isinstance(v, float):
+        if math.isinf(v) or math.isnan(v):
+            return str(v)
+        return f"{v:.3g}{unit}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.2f}{unit}"
+    return f"{v}{unit}"
+
+
+def _invariance_cells(bi: dict) -> list[str]:
+    rows = bi["all_rows"]
+    ar = sum(v["fwd_differ"] + v["rowgrad_differ"] for v in rows.values())
+    fvs = bi["full_vs_sub_batches"]
+    sw = bi["batch_size_sweep"]
+    return [
+        "ok" if ar == 0 else f"{ar} differ",
+        _fmt(bi["params_repeatable"]),
+        "ok" if fvs["fwd_differ"] + fvs["rowgrad_differ"] == 0 else f"{fvs['fwd_differ']}/{fvs['rowgrad_differ']} differ",
+        "ok" if sw["differ"] == 0 else f"{sw['differ']}/{sw['comparisons']} differ",
+        _fmt(bi["batch_invariant"]),
+    ]
+
+
+def summary_markdown(report: dict) -> str:
+    env = report["environment"]
+    h3 = env.get("h3cute") or {}
+    lines = [
+        f"# {report['op']}: prior art{' (quick)' if report.get('quick') else ''}",
+        "",
+        f"GPU {env.get('gpu')} (capability {env.get('capability')}), torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+        f"python {env.get('python')}, TF32 {env.get('tf32')}, timer {env.get('timer', 'cuda_event')}, "
+        f"h3cute {h3.get('commit')}{' (dirty)' if h3.get('tree_dirty') else ''}.",
+        "",
+        "## Batch invariance",
+        "",
+        "| candidate | all_rows | params_repeatable | full_vs_sub_batches | batch_size_sweep | batch_invariant |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    cands = candidates(report)
+    unavailable = []
+    for name, c in cands.items():
+        if "unavailable" in c:
+            unavailable.append(f"- `{name}`: {c['unavailable']}")
+            continue
+        lines.append(f"| `{name}` | " + " | ".join(_invariance_cells(c["batch_invariance"])) + " |")
+    lines += ["", "## Accuracy and latency (µs, median)", "",
+              "| size | candidate | fwd_rel_err | grad_rel_err (max) | fwd_us | fwd_bwd_us | fwd_kernel_us | fwd_bwd_kernel_us |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    sizes = sorted({int(n) for c in cands.values() for n in c.get("accuracy_latency", {})})
+    floors = report.get("floors") or {}
+    for n in sizes:
+        for name, c in cands.items():
+            e = c.get("accuracy_latency", {}).get(str(n))
+            if e is None:
+                continue
+            grads = e.get("grad_rel_err")
+            gmax = max((v for v in grads.values() if v is not None), default=None) if grads else None
+            lines.append(f"| {n} | `{name}` | {_fmt(e.get('fwd_rel_err'))} | {_fmt(gmax)} | {_fmt(e.get('fwd_us'))} | "
+                         f"{_fmt(e.get('fwd_bwd_us'))} | {_fmt(e.get('fwd_kernel_us'))} | {_fmt(e.get('fwd_bwd_kernel_us'))} |")
+        f = floors.get(str(n))
+        if f:
+            lines.append(f"| {n} | floor (memory / compute) | | | {_fmt(f.get('fwd_memory_us'))} / {_fmt(f.get('fwd_compute_us'))} | "
+                         f"{_fmt(f.get('fwd_bwd_memory_us'))} / {_fmt(f.get('fwd_bwd_compute_us'))} | | |")
+    if unavailable:
+        lines += ["", "## Unavailable", ""] + unavailable
+    ceilings = env.get("ceilings")
+    if ceilings and ceilings.get("copy_bytes_per_s"):
+        lines += ["", f"Ceilings measured in this run: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+                      f"BF16 {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s, FP32 {ceilings['fp32_flops_per_s'] / 1e12:.1f} TFLOP/s."]
+    return "\n".join(lines) + "\n"
+
+
+def compare_markdown(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -> str:
+    """Side-by-side: invariance and per-size fwd / fwd_bwd latency of every candidate in either report."""
+    ca, cb = candidates(a), candidates(b)
+    lines = [f"# {a['op']}: {label_a} ({a['environment'].get('gpu')}) vs {label_b} ({b['environment'].get('gpu')})", ""]
+    if a["op"] != b["op"]:
+        lines += [f"Warning: different ops ({a['op']} vs {b['op']}).", ""]
+    lines += [f"| candidate | invariant {label_a} | invariant {label_b} |", "| --- | --- | --- |"]
+
+    def inv(c):
+        if c is None:
+            return "–"
+        return f"unavailable" if "unavailable" in c else _fmt(c["batch_invariance"]["batch_invariant"])
+    names = list(dict.fromkeys([*ca, *cb]))
+    for name in names:
+        lines.append(f"| `{name}` | {inv(ca.get(name))} | {inv(cb.get(name))} |")
+    lines += ["", f"| size | candidate | fwd_us {label_a} | fwd_us {label_b} | fwd_bwd_us {label_a} | fwd_bwd_us {label_b} | "
+                  f"fwd_rel_err {label_a} | fwd_rel_err {label_b} |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    sizes = sorted({int(n) for c in [*ca.values(), *cb.values()] for n in c.get("accuracy_latency", {})})
+    for n in sizes:
+        for name in names:
+            ea = (ca.get(name) or {}).get("accuracy_latency", {}).get(str(n)) or {}
+            eb = (cb.get(name) or {}).get("accuracy_latency", {}).get(str(n)) or {}
+            if not ea and not eb:
+                continue
+            lines.append(f"| {n} | `{name}` | {_fmt(ea.get('fwd_us'))} | {_fmt(eb.get('fwd_us'))} | {_fmt(ea.get('fwd_bwd_us'))} | "
+                         f"{_fmt(eb.get('fwd_bwd_us'))} | {_fmt(ea.get('fwd_rel_err'))} | {_fmt(eb.get('fwd_rel_err'))} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- plots ---------------------------------------------------------------------------------------
+
+def write_plots(report: dict, stem: Path, say=print) -> list[Path]:
+    """`<stem>_latency.png` (latency vs rows per candidate, log axes, floor dashed) and
+    `<stem>_invariance.png` (pass/fail matrix). Returns the files written."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("matplotlib is not installed: skipping plots (pip install 'h3cute[plot]')")
+        return []
+    cands = {n: c for n, c in candidates(report).items() if "unavailable" not in c}
+    floors = report.get("floors") or {}
+    phases = [p for p in ("fwd_us", "fwd_bwd_us")
+              if any(p in e for c in cands.values() for e in c["accuracy_latency"].values())]
+    written = []
+    fig, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4.5), squeeze=False)
+    for ax, phase in zip(axes[0], phases):
+        for name, c in cands.items():
+            pts = sorted((int(n), e[phase]) for n, e in c["accuracy_latency"].items() if e.get(phase))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        fl = sorted((int(n), f[phase]) for n, f in floors.items() if f and f.get(phase))
+        if fl:
+            ax.plot(*zip(*fl), "k--", label="floor")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("rows")
+        ax.set_ylabel(f"{phase} (µs)")
+        ax.set_title(f"{report['op']}: {phase}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(f"{stem}_latency.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    names = list(cands)
+    cols = INVARIANCE_CHECKS + ("batch_invariant",)
+    grid, text = [], []
+    for name in names:
+        bi = cands[name]["batch_invariance"]
+        cells = _invariance_cells(bi)
+        grid.append([1.0 if cell in ("ok", "yes") else 0.5 if cell == "–" else 0.0 for cell in cells])
+        text.append(cells)
+    fig, ax = plt.subplots(figsize=(2 + 1.8 * len(cols), 1 + 0.45 * max(len(names), 1)))
+    if names:
+        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for i, row in enumerate(text):
+            for j, cell in enumerate(row):
+                ax.text(j, i, cell, ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(cols)), cols, fontsize=8, rotation=20)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_title(f"{report['op']}: batch invariance")
+    fig.tight_layout()
+    path = Path(f"{stem}_invariance.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written

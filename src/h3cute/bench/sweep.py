@@ -1,0 +1,94 @@
+"""Tile-config sweep for kernel authors: every config of an op's launch module, judged and ranked.
+
+The configs are `h3cute.launch.<op>.CONFIGS` (a dict name -> config, or a sequence of configs) and are
+passed as `forward(..., config=cfg)`. Each config's forward is checked for batch invariance (the
+harness's forward checks) and its outputs at every accuracy size are compared bitwise with the first
+config's: a config choice must never change the bits. Ranked by forward latency at the largest size.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+
+from h3cute.bench import checks, report
+from h3cute.bench.candidates import Candidate
+from h3cute.bench.problems import Problem
+
+
+class NoConfigs(LookupError):
+    pass
+
+
+def op_configs(op: str) -> tuple[object, list[tuple[str, object]]]:
+    """(launch module, [(name, config)]) or NoConfigs saying why the op has nothing to sweep."""
+    try:
+        mod = importlib.import_module(f"h3cute.launch.{op}")
+    except ModuleNotFoundError as e:
+        raise NoConfigs(f"h3cute.launch.{op} does not exist ({e})") from None
+    configs = getattr(mod, "CONFIGS", None)
+    if not configs:
+        raise NoConfigs(f"h3cute.launch.{op} declares no CONFIGS")
+    if "config" not in inspect.signature(mod.forward).parameters:
+        raise NoConfigs(f"h3cute.launch.{op}.forward takes no config= keyword")
+    if isinstance(configs, dict):
+        return mod, [(str(k), v) for k, v in configs.items()]
+    return mod, [(c if isinstance(c, str) else getattr(c, "name", None) or repr(c), c) for c in configs]
+
+
+def sweep(problem: Problem, configs: list[tuple[str, object]], forward, plan: checks.Plan, device,
+          log=lambda m: None) -> dict:
+    """Judge and rank `configs`; `forward(*tensor_args, config=cfg)` is the op's launch forward."""
+    plan = plan.for_problem(problem)
+    measure = checks._timer(device, plan.warmup, plan.samples)
+    first_outs: dict[int, list] = {}
+    results = {}
+    for name, cfg in configs:
+        cand = Candidate(name, repr(cfg), lambda *a, cfg=cfg: forward(*a, config=cfg), has_backward=False)
+        entry = {"config": repr(cfg)}
+        results[name] = entry
+        try:
+            log(f"{name}: batch invariance")
+            bi = checks.batch_invariance(cand, problem, plan, device)
+            entry["batch_invariant"] = bi["batch_invariant"]
+            entry["batch_invariance"] = bi
+            entry["fwd_us"], entry["identical_to_first"] = {}, True
+            for n in plan.accuracy_sizes:
+                log(f"{name}: {n} rows")
+                inputs = problem.draw(n, checks.ACCURACY_SEED, device)
+                args = [inputs[a] for a in problem.args]
+                outs, _ = checks.run(cand, problem, inputs, None)
+                ref = first_outs.setdefault(n, outs)
+                entry["identical_to_first"] &= all(torch.equal(o, r) for o, r in zip(outs, ref))
+                entry["fwd_us"][str(n)] = measure(lambda: cand.fn(*args))
+        except Exception as e:
+            entry["unavailable"] = f"{type(e).__name__}: {e}"
+    largest = str(max(plan.accuracy_sizes))
+    ok = [n for n, e in results.items() if "unavailable" not in e]
+    ranking = sorted(ok, key=lambda n: results[n]["fwd_us"][largest])
+    return {
+        "kind": "h3_config_sweep",
+        "op": problem.op,
+        "environment": report.environment(device, {"plain": {}}),
+        "configs": results,
+        "ranking": ranking,
+        "all_identical": all(results[n]["identical_to_first"] for n in ok),
+        "all_invariant": all(results[n]["batch_invariant"] for n in ok),
+    }
+
+
+def sweep_markdown(res: dict) -> str:
+    sizes = sorted({int(s) for e in res["configs"].values() for s in e.get("fwd_us", {})})
+    lines = [f"# {res['op']}: tile-config sweep", "",
+             f"all configs identical bits: {res['all_identical']}; all batch-invariant: {res['all_invariant']}", "",
+             "| rank | config | invariant | identical | " + " | ".join(f"fwd_us@{n}" for n in sizes) + " |",
+             "| --- | --- | --- | --- | " + " | ".join("---" for _ in sizes) + " |"]
+    for i, name in enumerate(res["ranking"], 1):
+        e = res["configs"][name]
+        lines.append(f"| {i} | `{name}` | {e['batch_invariant']} | {e['identical_to_first']} | "
+                     + " | ".join(f"{e['fwd_us'][str(n)]:.2f}" for n in sizes) + " |")
+    for name, e in res["configs"].items():
+        if "unavailable" in e:
+            lines.append(f"\n`{name}` failed: {e['unavailable']}")
+    return "\n".join(lines) + "\n"
