@@ -1,0 +1,121 @@
+"""final_adaln_out: the (T, 10752) projection (kernels/adaln_gemm.py) feeding the norm+modulate row kernels.
+
+out[s] = rms_norm(x[s], nw) * (1 + scale[ti[s]]) + shift[ti[s]], (shift | scale) = projection of temb.
+GPU tests: accuracy against FP64 (forward and every gradient), bitwise per-row invariance of out and
+dx, bitwise repeatable parameter gradients, the op's autograd equal to its backward op.
+"""
+import pytest
+import torch
+
+import h3cute  # noqa: F401  (registers torch.ops.h3)
+from h3cute import reference
+from h3cute.launch import final_adaln_out as launch
+
+H = 5376
+D = 2688
+N = 2 * H
+
+
+def test_launch_exposes_forward_and_backward():
+    assert callable(launch.forward) and callable(launch.backward)
+    assert launch.HIDDEN == H
+
+
+gpu = pytest.mark.gpu
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _inputs(rows, timesteps=3, seed=3):
+    g = _gen(seed)
+    x = (torch.randn((rows, H), generator=g, device="cuda") * 2).to(torch.bfloat16)
+    nw = (0.5 + torch.rand((H,), generator=g, device="cuda")).to(torch.bfloat16)
+    temb = torch.randn((timesteps, D), generator=g, device="cuda")
+    w = (torch.randn((N, D), generator=g, device="cuda") * D ** -0.5).to(torch.bfloat16)
+    b = (torch.randn((N,), generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    ti = torch.randint(0, timesteps, (rows,), generator=torch.Generator().manual_seed(seed)).cuda()
+    return x, nw, temb, w, b, ti
+
+
+def _rel_err(out, ref):
+    out = out.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def _bits(x):
+    return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
+
+
+def _assert_same_bits(a, b, what):
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    if not torch.equal(_bits(a), _bits(b)):
+        bad = (_bits(a) != _bits(b)).nonzero()
+        raise AssertionError(f"{what}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}")
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 4097, 32768])
+def test_forward_accuracy(rows):
+    x, nw, temb, w, b, ti = _inputs(rows)
+    out = torch.ops.h3.final_adaln_out(x, nw, temb, w, b, ti)
+    ref = reference.final_adaln_out_fp64(x, nw, temb, w, b, ti)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    # BF16 table entries (one rounding each) and one BF16 rounding of the output.
+    assert _rel_err(out, ref) <= 8e-3
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 4097])
+def test_backward_accuracy(rows):
+    x, nw, temb, w, b, ti = _inputs(rows, seed=5)
+    grad = torch.randn(x.shape, generator=_gen(9), device="cuda").to(torch.bfloat16)
+    dx, dnw, dtemb, dw, db = torch.ops.h3.final_adaln_out_backward(grad, x, nw, temb, w, b, ti, 1e-5)
+    leaves = [t.double().requires_grad_() for t in (x, nw, temb, w, b)]
+    reference.final_adaln_out_fp64(*leaves, ti, 1e-5).backward(grad.double())
+    for got, leaf, name in zip((dx, dnw, dtemb, dw, db), leaves, ("dx", "dnw", "dtemb", "dW", "db")):
+        assert got.dtype == (torch.float32 if name == "dtemb" else torch.bfloat16), name
+        # The table gradient d(shift|scale) is BF16 (one rounding) before the projection backward.
+        assert _rel_err(got, leaf.grad) <= 8e-3, name
+
+
+@gpu
+def test_row_invariance_of_out_and_dx():
+    rows = 4097
+    x, nw, temb, w, b, ti = _inputs(rows, seed=7)
+    x[5::13] *= 50  # adversarial neighbours
+    grad = torch.randn(x.shape, generator=_gen(10), device="cuda").to(torch.bfloat16)
+    full = launch.forward(x, nw, temb, w, b, ti)
+    full_dx = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)[0]
+    for size in (1, 7, 1024, 2048):
+        for start in {0, (rows - size) // 2, rows - size}:
+            sl = slice(start, start + size)
+            _assert_same_bits(launch.forward(x[sl], nw, temb, w, b, ti[sl]), full[sl], f"out rows {start}+{size}")
+            dx = launch.backward(grad[sl], x[sl], nw, temb, w, b, ti[sl], 1e-5)[0]
+            _assert_same_bits(dx, full_dx[sl], f"dx rows {start}+{size}")
+    rev = torch.arange(rows - 1, -1, -1, device="cuda")
+    _assert_same_bits(launch.forward(x[rev], nw, temb, w, b, ti[rev]), full[rev], "out reversed")
+
+
+@gpu
+def test_params_repeatable():
+    x, nw, temb, w, b, ti = _inputs(4097, seed=11)
+    grad = torch.randn(x.shape, generator=_gen(12), device="cuda").to(torch.bfloat16)
+    first = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)
+    second = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)
+    for a, b_, name in zip(first, second, ("dx", "dnw", "dtemb", "dW", "db")):
+        _assert_same_bits(a, b_, name)
+
+
+@gpu
+def test_autograd_matches_backward_op():
+    x, nw, temb, w, b, ti = _inputs(257, seed=13)
+    leaves = [t.clone().requires_grad_() for t in (x, nw, temb, w, b)]
+    out = torch.ops.h3.final_adaln_out(*leaves, ti)
+    grad = torch.randn(out.shape, generator=_gen(14), device="cuda").to(torch.bfloat16)
+    out.backward(grad)
+    expect = torch.ops.h3.final_adaln_out_backward(grad, x, nw, temb, w, b, ti, 1e-5)
+    for leaf, e, name in zip(leaves, expect, ("dx", "dnw", "dtemb", "dW", "db")):
+        _assert_same_bits(leaf.grad, e, name)
