@@ -199,19 +199,19 @@ SPECS = [
         build=build_gemm,
         variants=lambda arch: [dict(role=r, tile=t) for r, tiles in GEMM_TILES.items() for t in tiles],
         ptx_markers=("mma.sync.aligned.m16n8k8", ".tf32", "cvt.rna.tf32.f32", "cp.async"),
-        ptx_forbidden=("atom.", "red.global"),
+        ptx_forbidden=("atom.", "\tred."),  # no atomics, no reductions to memory
     ),
     KernelSpec(
         name="timestep_mlp_fold",
         build=build_fold,
         variants=lambda arch: [dict(role=r, mode=m) for r, m in FOLDS],
-        ptx_forbidden=("atom.", "red.global"),
+        ptx_forbidden=("atom.", "\tred."),  # no atomics, no reductions to memory
     ),
     KernelSpec(
         name="timestep_mlp_rowsum",
         build=build_rowsum,
         variants=lambda arch: [dict(rows=TEMB_WIDTH), dict(rows=HIDDEN)],
         ptx_markers=("shfl.sync.bfly",),
-        ptx_forbidden=("atom.", "red.global"),
+        ptx_forbidden=("atom.", "\tred."),  # no atomics, no reductions to memory
     ),
 ]
