@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 
+from .sources import map_source_tree_kernels
 from .spec import SM_COUNT, SUPPORTED_ARCHS, KernelSpec, canonical_static
 
 __all__ = ["KernelSpec", "compile_for", "kernel", "kernel_for_arch", "arch_of", "SM_COUNT", "SUPPORTED_ARCHS",
@@ -23,6 +24,8 @@ _by_call: dict = {}  # (name, device, static items) -> function: the hot path
 _by_arch: dict = {}  # (name, arch, canonical static) -> function
 _arch_of_device: dict = {}
 _resolve_lock = threading.RLock()
+
+map_source_tree_kernels()
 
 
 def __getattr__(attr):

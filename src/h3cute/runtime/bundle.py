@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .loader import get_function, load_library, sha256_file
-from .sources import dsl_version, source_fingerprint
+from . import sources
+from .sources import dsl_version
 from .spec import SUPPORTED_ARCHS, KernelSpec, canonical_static, static_key, symbol_name
 
 MANIFEST = "manifest.json"
@@ -68,10 +69,10 @@ def open_bundle(root: str | Path) -> Bundle:
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT:
         raise BundleMismatchError(f"{path}: format {manifest.get('format')!r}, this runtime reads {FORMAT}")
-    if manifest["fingerprint"] != source_fingerprint():
+    if manifest["fingerprint"] != sources.source_fingerprint():
         raise BundleMismatchError(
             f"prebuilt bundle {root} was built from kernel sources {manifest['fingerprint'][:12]} "
-            f"but the installed sources are {source_fingerprint()[:12]}: rebuild it "
+            f"but the installed sources are {sources.source_fingerprint()[:12]}: rebuild it "
             "(python -m h3cute build --out ...) or unset H3CUTE_PREBUILT"
         )
     symbols = {(e["name"], e["arch"], e["static"]): e["symbol"] for e in manifest["entries"]}
@@ -85,7 +86,7 @@ def build_bundle(out: Path, archs: Sequence[str], specs: Iterable[KernelSpec], m
 
     out.mkdir(parents=True, exist_ok=True)
     specs = list(specs)
-    fingerprint = source_fingerprint()
+    fingerprint = sources.source_fingerprint()
     entries, libraries = [], {}
     for arch in dict.fromkeys(archs):
         if arch not in SUPPORTED_ARCHS:

@@ -20,7 +20,8 @@ from typing import Callable
 from filelock import FileLock
 
 from .loader import CorruptLibraryError, get_function, load_library, sha256_file
-from .sources import dsl_version, source_fingerprint
+from . import sources
+from .sources import dsl_version
 from .spec import KernelSpec, canonical_static, static_key, symbol_name
 
 
@@ -29,7 +30,7 @@ def cache_dir() -> Path:
 
 
 def entry_key(name: str, arch: str, canon: tuple) -> str:
-    record = [source_fingerprint(), dsl_version(), arch, name, static_key(canon)]
+    record = [sources.source_fingerprint(), dsl_version(), arch, name, static_key(canon)]
     return hashlib.sha256(json.dumps(record).encode()).hexdigest()
 
 
@@ -80,7 +81,7 @@ def load_or_build(name: str, arch: str, static: dict, get_spec: Callable[[], Ker
             sidecar.unlink(missing_ok=True)
             so.unlink(missing_ok=True)
         spec = get_spec()
-        symbol = symbol_name(name, arch, canon, source_fingerprint())
+        symbol = symbol_name(name, arch, canon, sources.source_fingerprint())
         _build(spec, arch, static, symbol, so)
         meta = {
             "sha256": sha256_file(so),
@@ -88,7 +89,7 @@ def load_or_build(name: str, arch: str, static: dict, get_spec: Callable[[], Ker
             "name": name,
             "arch": arch,
             "static": static_key(canon),
-            "fingerprint": source_fingerprint(),
+            "fingerprint": sources.source_fingerprint(),
             "dsl_version": dsl_version(),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }

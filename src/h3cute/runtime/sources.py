@@ -22,17 +22,13 @@ _RUNTIME_DIR = Path(__file__).resolve().parent
 _SOURCE_TREE_KERNELS = _RUNTIME_DIR.parents[2] / "kernels"  # <repo>/src/h3cute/runtime -> <repo>/kernels
 
 
-def kernels_package() -> ModuleType:
-    """The `h3cute.kernels` package (its __init__ imports no kernel module, hence no cutlass)."""
-    if "h3cute.kernels" in sys.modules:
-        return sys.modules["h3cute.kernels"]
-    if importlib.util.find_spec("h3cute.kernels") is not None:
-        return importlib.import_module("h3cute.kernels")
+def map_source_tree_kernels() -> None:
+    """Make `import h3cute.kernels` work from a source tree on PYTHONPATH (a no-op when installed)."""
+    if "h3cute.kernels" in sys.modules or importlib.util.find_spec("h3cute.kernels") is not None:
+        return
     init = _SOURCE_TREE_KERNELS / "__init__.py"
     if not init.is_file():
-        raise ModuleNotFoundError(
-            f"h3cute.kernels is not installed and no source tree kernels/ folder exists at {_SOURCE_TREE_KERNELS}"
-        )
+        return
     spec = importlib.util.spec_from_file_location(
         "h3cute.kernels", init, submodule_search_locations=[str(_SOURCE_TREE_KERNELS)]
     )
@@ -44,7 +40,12 @@ def kernels_package() -> ModuleType:
         del sys.modules["h3cute.kernels"]
         raise
     setattr(importlib.import_module("h3cute"), "kernels", module)
-    return module
+
+
+def kernels_package() -> ModuleType:
+    """The `h3cute.kernels` package (its __init__ imports no kernel module, hence no cutlass)."""
+    map_source_tree_kernels()
+    return importlib.import_module("h3cute.kernels")
 
 
 def kernels_dir() -> Path:

@@ -1,0 +1,424 @@
+"""CPU tests of h3cute.runtime: arch mapping, keys, disk cache, concurrency, prebuilt bundles.
+
+Kernels here are a tiny `y = x + addend` compiled for real with the CuTe DSL (no GPU needed to
+compile, export, link or load); GPU execution of the runtime path is covered in test_runtime_gpu.
+"""
+
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import h3cute.runtime as rt
+from h3cute.runtime import bundle, cache, loader, sources
+from h3cute.runtime.spec import KernelSpec, canonical_static, static_key, symbol_name
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _build_add(arch: str, *, addend: float, threads: int = 128):
+    import cutlass
+    import cutlass.cute as cute
+
+    from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
+
+    @cute.kernel
+    def add_kernel(mX: cute.Tensor, mY: cute.Tensor, n: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * threads + tidx
+        if i < n:
+            mY[i] = mX[i] + cutlass.Float32(addend)
+
+    @cute.jit
+    def add(mX: cute.Tensor, mY: cute.Tensor, stream):
+        n = cute.size(mX, mode=[0])
+        add_kernel(mX, mY, n).launch(grid=[(n + threads - 1) // threads, 1, 1], block=[threads, 1, 1], stream=stream)
+
+    rows = cute.sym_int()
+    x = make_fake_compact_tensor(cutlass.Float32, (rows,))
+    y = make_fake_compact_tensor(cutlass.Float32, (rows,))
+    return compile_for(arch, add, x, y, env_stream())
+
+
+ADD = KernelSpec(
+    name="test_add",
+    build=_build_add,
+    variants=lambda arch: [dict(addend=1.0), dict(addend=2.0, threads=64), dict(threads=64, addend=2.0)],
+    ptx_markers=("add.f32",),
+)
+
+
+# --- arch mapping and keys -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("capability, arch", [((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((10, 3), "sm_100a")])
+def test_arch_of_supported(monkeypatch, capability, arch):
+    import torch
+
+    device = f"fake:{capability}"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability)
+    assert rt.arch_of(device) == arch
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: pytest.fail("not memoized"))
+    assert rt.arch_of(device) == arch
+    rt._arch_of_device.pop(device)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 1), (12, 0)])
+def test_arch_of_unsupported_names_gpu_and_archs(monkeypatch, capability):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA Fake GPU")
+    with pytest.raises(RuntimeError) as err:
+        rt.arch_of("fake:unsupported")
+    msg = str(err.value)
+    assert "NVIDIA Fake GPU" in msg and f"{capability[0]}.{capability[1]}" in msg
+    assert "sm_90a" in msg and "sm_100a" in msg
+
+
+def test_sm_count():
+    assert rt.SM_COUNT == {"sm_90a": 132, "sm_100a": 148}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    m: int = 64
+    n: int = 128
+    swizzle: bool = True
+
+
+def test_canonical_static_keys():
+    assert canonical_static(dict(a=1, b="x")) == canonical_static(dict(b="x", a=1))
+    assert canonical_static(dict(tile=_Tile())) == canonical_static(dict(tile=_Tile(64, 128, True)))
+    assert canonical_static(dict(tile=_Tile())) != canonical_static(dict(tile=_Tile(n=64)))
+    assert canonical_static(dict(w=[1, 2])) == canonical_static(dict(w=(1, 2)))
+    assert canonical_static(dict(a=1)) != canonical_static(dict(a=1.5))
+    hash(canonical_static(dict(tile=_Tile(), w=[1, 2])))
+    with pytest.raises(TypeError):
+        canonical_static(dict(t=object()))
+    canon = canonical_static(dict(tile=_Tile(), eps=1e-5))
+    assert json.loads(static_key(canon)) == json.loads(json.dumps(canon))
+
+
+def test_symbol_names_are_c_identifiers_and_distinct():
+    canon = canonical_static(dict(width=256))
+    sym = symbol_name("timestep-sinusoid.v2", "sm_90a", canon, "f" * 64)
+    assert sym.isidentifier() and sym.startswith("h3_timestep_sinusoid_v2_")
+    others = {
+        symbol_name("timestep-sinusoid.v2", "sm_100a", canon, "f" * 64),
+        symbol_name("timestep-sinusoid.v2", "sm_90a", canonical_static(dict(width=128)), "f" * 64),
+        symbol_name("timestep-sinusoid.v2", "sm_90a", canon, "e" * 64),
+    }
+    assert sym not in others and len(others) == 3
+
+
+def test_kernel_is_memoized_per_call_site(monkeypatch):
+    calls = []
+    monkeypatch.setattr(rt, "_resolve", lambda name, arch, static, canon: calls.append(static) or object())
+    monkeypatch.setattr(rt, "_by_call", {})
+    monkeypatch.setattr(rt, "_by_arch", {})
+    monkeypatch.setitem(rt._arch_of_device, "fake:memo", "sm_90a")
+    a = rt.kernel("k", "fake:memo", width=256, tile=_Tile())
+    assert rt.kernel("k", "fake:memo", width=256, tile=_Tile()) is a
+    assert rt.kernel("k", "fake:memo", tile=_Tile(), width=256) is a  # new call-site key, same variant
+    assert rt.kernel_for_arch("k", "sm_90a", width=256, tile=_Tile()) is a
+    assert rt.kernel("k", "fake:memo", width=128, tile=_Tile()) is not a
+    assert rt.kernel("k", "fake:memo", widths=[1, 2]) is rt.kernel("k", "fake:memo", widths=(1, 2))
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="sm_80"):
+        rt.kernel_for_arch("k", "sm_80")
+
+
+# --- spec discovery --------------------------------------------------------------------------------
+
+def _load_kernels_package_over(folder: Path, name: str):
+    """kernels/__init__.py loaded as package `name` whose modules live in `folder`."""
+    import importlib.util
+
+    init = sources.kernels_dir() / "__init__.py"
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_SPEC_MODULE = """
+from h3cute.runtime import KernelSpec
+SPECS = [KernelSpec(name={name!r}, build=None, variants=lambda arch: [])]
+"""
+
+
+def test_spec_discovery_and_unique_names(tmp_path):
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    (ok / "alpha.py").write_text(_SPEC_MODULE.format(name="alpha"))
+    (ok / "beta.py").write_text(_SPEC_MODULE.format(name="beta"))
+    (ok / "helpers.py").write_text("X = 1\n")  # a module without SPECS is fine
+    pkg = _load_kernels_package_over(ok, "h3_test_kernels_ok")
+    assert sorted(pkg.all_specs()) == ["alpha", "beta"]
+    assert pkg.module_of("beta") == "h3_test_kernels_ok.beta"
+    assert pkg.get_spec("alpha").name == "alpha"
+    with pytest.raises(KeyError, match="alpha"):
+        pkg.get_spec("gamma")
+
+    dup = tmp_path / "dup"
+    dup.mkdir()
+    (dup / "one.py").write_text(_SPEC_MODULE.format(name="same"))
+    (dup / "two.py").write_text(_SPEC_MODULE.format(name="same"))
+    pkg = _load_kernels_package_over(dup, "h3_test_kernels_dup")
+    with pytest.raises(ValueError, match="'same' is defined twice"):
+        pkg.all_specs()
+
+
+def test_real_kernel_specs_have_unique_names():
+    specs = sources.kernels_package().all_specs()  # raises on a duplicate name or a broken module
+    assert all(name == spec.name for name, spec in specs.items())
+
+
+def test_fingerprint_covers_kernels_and_dsl_helpers():
+    fp = sources.source_fingerprint()
+    assert len(fp) == 64 and int(fp, 16) >= 0
+    assert (sources.kernels_dir() / "__init__.py").is_file()
+
+
+# --- disk cache ------------------------------------------------------------------------------------
+
+def _counting(spec: KernelSpec, builds: list) -> KernelSpec:
+    def build(arch, **static):
+        builds.append((arch, static))
+        return spec.build(arch, **static)
+
+    return dataclasses.replace(spec, build=build)
+
+
+def _entry(arch: str, static: dict) -> tuple[Path, Path]:
+    key = cache.entry_key(ADD.name, arch, canonical_static(static))
+    return cache.cache_dir() / f"{key}.so", cache.cache_dir() / f"{key}.json"
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("H3CUTE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _pin_fingerprint(fingerprint: str) -> None:
+    """Use the parent's source fingerprint: kernels/ may be edited while the suite runs (shared tree)."""
+    sources.source_fingerprint = lambda: fingerprint
+
+
+def _build_in_worker(cache_dir: str, fingerprint: str, arch: str, statics: list, barrier=None) -> tuple[int, list]:
+    """Spawned worker: load_or_build each static set; returns (compiles it ran, symbols served)."""
+    os.environ["H3CUTE_CACHE_DIR"] = cache_dir
+    _pin_fingerprint(fingerprint)
+    builds: list = []
+    if barrier is not None:
+        barrier.wait()
+    symbols = []
+    for static in statics:
+        fn = cache.load_or_build(ADD.name, arch, static, lambda: _counting(ADD, builds))
+        assert type(fn).__name__ == "Function"
+        symbols.append(json.loads(_entry(arch, static)[1].read_text())["symbol"])
+    return len(builds), symbols
+
+
+def _in_fresh_process(cache_dir: Path, arch: str, statics: list, workers: int = 1) -> list:
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        barrier = ctx.Manager().Barrier(workers) if workers > 1 else None
+        args = (str(cache_dir), sources.source_fingerprint(), arch, statics, barrier)
+        return pool.starmap(_build_in_worker, [args] * workers)
+
+
+def test_cache_miss_then_hit(cache_root):
+    import tvm_ffi
+
+    builds: list = []
+    static = dict(addend=1.0)
+    fn = cache.load_or_build(ADD.name, "sm_90a", static, lambda: _counting(ADD, builds))
+    assert isinstance(fn, tvm_ffi.Function) and len(builds) == 1
+    so, sidecar = _entry("sm_90a", static)
+    meta = json.loads(sidecar.read_text())
+    assert meta["sha256"] == loader.sha256_file(so)
+    assert (meta["name"], meta["arch"], meta["static"]) == (ADD.name, "sm_90a", static_key(canonical_static(static)))
+    assert meta["fingerprint"] == sources.source_fingerprint() and meta["dsl_version"] == sources.dsl_version()
+    cache.load_or_build(ADD.name, "sm_90a", static, lambda: pytest.fail("cache hit must not need the spec"))
+    cache.load_or_build(ADD.name, "sm_90a", dict(addend=2.0), lambda: _counting(ADD, builds))
+    assert len(builds) == 2
+    assert len(list(cache_root.glob("*.so"))) == 2 and not list(cache_root.glob("*.tmp"))
+
+
+_DAMAGES = ["truncate_library", "flip_library_byte", "garbage_sidecar", "drop_library"]
+_DAMAGE_STATIC = {d: dict(addend=10.0 + i, threads=32) for i, d in enumerate(_DAMAGES)}
+
+
+@pytest.fixture(scope="module")
+def built_elsewhere(tmp_path_factory):
+    """A cache filled by another process (so this one has never loaded its libraries)."""
+    root = tmp_path_factory.mktemp("cache")
+    [(compiles, _)] = _in_fresh_process(root, "sm_90a", list(_DAMAGE_STATIC.values()))
+    assert compiles == len(_DAMAGES)
+    return root
+
+
+def test_cache_hit_in_fresh_process_compiles_nothing(built_elsewhere):
+    [(compiles, symbols)] = _in_fresh_process(built_elsewhere, "sm_90a", list(_DAMAGE_STATIC.values()))
+    assert compiles == 0 and len(set(symbols)) == len(_DAMAGES)
+
+
+@pytest.mark.parametrize("damage", _DAMAGES)
+def test_corrupt_entry_is_removed_and_rebuilt(built_elsewhere, monkeypatch, damage):
+    monkeypatch.setenv("H3CUTE_CACHE_DIR", str(built_elsewhere))
+    static = _DAMAGE_STATIC[damage]
+    so, sidecar = _entry("sm_90a", static)
+    good = so.read_bytes()
+    if damage == "truncate_library":
+        so.write_bytes(good[: len(good) // 3])
+    elif damage == "flip_library_byte":
+        so.write_bytes(good[:100] + bytes([good[100] ^ 0xFF]) + good[101:])
+    elif damage == "garbage_sidecar":
+        sidecar.write_text("{not json")
+    else:
+        so.unlink()
+    builds: list = []
+    fn = cache.load_or_build(ADD.name, "sm_90a", static, lambda: _counting(ADD, builds))
+    assert type(fn).__name__ == "Function" and len(builds) == 1
+    assert json.loads(sidecar.read_text())["sha256"] == loader.sha256_file(so)
+
+
+def test_two_processes_compiling_one_key_both_succeed(cache_root):
+    static = dict(addend=5.0)
+    results = _in_fresh_process(cache_root, "sm_100a", [static], workers=2)
+    assert sorted(n for n, _ in results) == [0, 1]  # the file lock made the second one wait, then hit
+    assert results[0][1] == results[1][1]
+    so, sidecar = _entry("sm_100a", static)
+    assert json.loads(sidecar.read_text())["sha256"] == loader.sha256_file(so)
+    assert not list(cache_root.glob(".*.tmp"))
+
+
+# --- prebuilt bundles ------------------------------------------------------------------------------
+
+_BLOCK_CUTLASS = textwrap.dedent("""
+    import sys
+    class _NoCuteDSL:
+        def find_spec(self, name, path=None, target=None):
+            if name == "cutlass" or name.startswith("cutlass."):
+                raise ImportError("the CuTe DSL is blocked in this test: " + name)
+    sys.meta_path.insert(0, _NoCuteDSL())
+""")
+
+
+def _run_python(code: str, env: dict, block_cutlass: bool = False) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    prelude = (_BLOCK_CUTLASS if block_cutlass else "") + textwrap.dedent(f"""
+        import h3cute.runtime.sources
+        h3cute.runtime.sources.source_fingerprint = lambda: {sources.source_fingerprint()!r}
+    """)
+    result = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=full_env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"subprocess failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def test_importing_runtime_does_not_import_cutlass():
+    _run_python("""
+        import sys, h3cute.runtime, h3cute.kernels
+        assert "cutlass" not in sys.modules, "importing h3cute.runtime imported cutlass"
+    """, {})
+
+
+@pytest.fixture(scope="module")
+def add_bundle(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bundle")
+    manifest = bundle.build_bundle(out, ["sm_90a", "sm_100a"], [ADD], {ADD.name: __name__}, log=lambda *a: None)
+    return out, manifest
+
+
+def test_bundle_layout_and_manifest(add_bundle):
+    out, manifest = add_bundle
+    on_disk = json.loads((out / bundle.MANIFEST).read_text())
+    assert on_disk == manifest
+    assert manifest["fingerprint"] == sources.source_fingerprint() and manifest["dsl_version"] == sources.dsl_version()
+    # three variants listed, two distinct (the last two differ in argument order only)
+    per_arch = {a: sorted(e["static"] for e in manifest["entries"] if e["arch"] == a) for a in ("sm_90a", "sm_100a")}
+    assert per_arch["sm_90a"] == per_arch["sm_100a"] and len(per_arch["sm_90a"]) == 2
+    assert len({e["symbol"] for e in manifest["entries"]}) == 4
+    for arch in ("sm_90a", "sm_100a"):
+        lib = out / bundle.library_name(arch)
+        assert manifest["libraries"][arch]["sha256"] == loader.sha256_file(lib)
+
+
+def test_bundle_serves_kernels_without_cutlass(add_bundle):
+    out, _ = add_bundle
+    _run_python("""
+        import sys
+        import tvm_ffi
+        import h3cute.runtime as rt
+        fns = {(arch, static): rt.kernel_for_arch("test_add", arch, **dict(static))
+               for arch in ("sm_90a", "sm_100a")
+               for static in ((("addend", 1.0),), (("addend", 2.0), ("threads", 64)))}
+        assert all(isinstance(f, tvm_ffi.Function) for f in fns.values()), fns
+        assert len(set(map(id, fns.values()))) == 4
+        assert rt.kernel_for_arch("test_add", "sm_90a", threads=64, addend=2.0) is fns[("sm_90a", (("addend", 2.0), ("threads", 64)))]
+        try:
+            rt.kernel_for_arch("test_add", "sm_90a", addend=9.0)
+        except LookupError as e:
+            assert "not installed" in str(e) and "addend" in str(e), e
+        else:
+            raise AssertionError("a variant missing from the bundle was served")
+        assert not [m for m in sys.modules if m == "cutlass" or m.startswith("cutlass.")]
+    """, {"H3CUTE_PREBUILT": str(out), "H3CUTE_CACHE_DIR": str(out / "no-cache")}, block_cutlass=True)
+    assert not (out / "no-cache").exists()
+
+
+def test_bundle_from_other_sources_is_refused(add_bundle, tmp_path):
+    out, manifest = add_bundle
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    for arch in ("sm_90a", "sm_100a"):
+        (stale / bundle.library_name(arch)).write_bytes((out / bundle.library_name(arch)).read_bytes())
+    (stale / bundle.MANIFEST).write_text(json.dumps({**manifest, "fingerprint": "0" * 64}))
+    with pytest.raises(bundle.BundleMismatchError, match="built from kernel sources 000000000000"):
+        bundle.open_bundle(stale)
+    result = _run_python(f"""
+        import h3cute.runtime as rt
+        from h3cute.runtime.bundle import BundleMismatchError
+        try:
+            rt.kernel_for_arch("test_add", "sm_90a", addend=1.0)
+        except BundleMismatchError as e:
+            print("REFUSED:", e)
+        else:
+            raise AssertionError("a bundle built from other sources was served")
+    """, {"H3CUTE_PREBUILT": str(stale)}, block_cutlass=True)
+    assert "REFUSED:" in result.stdout and "rebuild it" in result.stdout
+
+
+def test_bundle_with_corrupt_library_is_not_loaded(add_bundle, tmp_path):
+    out, manifest = add_bundle
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    lib = (out / bundle.library_name("sm_90a")).read_bytes()
+    (bad / bundle.library_name("sm_90a")).write_bytes(lib[: len(lib) // 2])
+    (bad / bundle.MANIFEST).write_text(json.dumps(manifest))
+    result = _run_python("""
+        import h3cute.runtime as rt
+        from h3cute.runtime.loader import CorruptLibraryError
+        try:
+            rt.kernel_for_arch("test_add", "sm_90a", addend=1.0)
+        except CorruptLibraryError as e:
+            print("REFUSED:", e)
+    """, {"H3CUTE_PREBUILT": str(bad)}, block_cutlass=True)
+    assert "REFUSED:" in result.stdout and "sha256" in result.stdout
+
+
+def test_build_cli_rejects_unknown_kernel(tmp_path):
+    with pytest.raises(SystemExit):
+        bundle.main(["--arch", "sm_90a", "--out", str(tmp_path), "--kernel", "no_such_kernel"])
+    assert not (tmp_path / bundle.MANIFEST).exists()
