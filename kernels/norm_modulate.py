@@ -251,7 +251,7 @@ SPECS = [
         name="norm_modulate_bwd_params",
         build=build_backward_params,
         variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS],
-        ptx_markers=("ld.global.v4.b32", "ld.shared.v4.b32", "st.shared.v4.b32"),
+        ptx_markers=("ld.global.v4.b32", "ld.shared.v", "st.shared.v"),  # v4.b32 (sm_90a) or v2.b64 (sm_100a)
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),
 ]

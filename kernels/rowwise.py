@@ -205,7 +205,7 @@ SPECS = [
         name="rowwise_fold",
         build=build_fold,
         variants=lambda arch: [dict()],
-        ptx_markers=("ld.global.v4", "st.global.v4.b32"),
+        ptx_markers=("ld.global.v", "st.global.v4.b32"),  # FP32 partials: v4.b32 or v2.b64 (16 bytes)
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     )
 ]

@@ -1,0 +1,115 @@
+"""adaln_row_gather: the six (S, H) modulation rows out_c[s] = table[idx[s], c*H:(c+1)*H] of one block.
+
+Forward (`adaln_row_gather_fwd`): grid (S, 6), one 256-thread CTA per (row, chunk) copying H BF16 with
+16-byte loads and stores; the CTA's chunk picks one of the six output tensors (a uniform branch). A
+pure copy: bitwise equal to `index_select`, and every row depends only on its own idx.
+
+Backward (`adaln_row_gather_bwd`): d_table[r, c*H + j] = sum over rows with idx = r of grad_c[s, j].
+One launch per chunk c in the column-reduction layout of kernels/rowwise.py: FP32 per (row group, table
+row, column) in shared memory, written into columns [c*H, (c+1)*H) of a (P, R, 6H) partial buffer;
+`rowwise_fold` sums the P groups in order and rounds once to BF16. No atomics, no sort.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from h3cute.runtime import KernelSpec
+from h3cute.runtime.dsl import compile_for, env_stream
+
+from .rowwise import (COL_TILE, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, fake_indices, fake_partials, fake_rows,
+                      fake_table, load_f32, row_range, row_slots, smem_vec, vec_view)
+
+HIDDEN = 5376
+CHUNKS = 6
+
+
+@cute.kernel
+def _forward_kernel(mTable: cute.Tensor, mIdx: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor,
+                    mOut2: cute.Tensor, mOut3: cute.Tensor, mOut4: cute.Tensor, mOut5: cute.Tensor,
+                    width: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    row, chunk, _ = cute.arch.block_idx()
+    num_vecs = width // VEC
+    base = Int64(row) * width
+    src_base = Int64(mIdx[row]) * mTable.stride[0] + Int64(chunk) * width
+    outs = (mOut0, mOut1, mOut2, mOut3, mOut4, mOut5)
+    for c in cutlass.range_constexpr(CHUNKS):
+        if chunk == c:
+            for k in cutlass.range_constexpr(row_slots(width)):
+                vi = tidx + k * ROW_THREADS
+                if vi < num_vecs:
+                    col = vi * VEC
+                    vec_view(outs[c], base + col).store(vec_view(mTable, src_base + col).load())
+
+
+@cute.jit
+def _forward_launch(mTable, mIdx, mOut0, mOut1, mOut2, mOut3, mOut4, mOut5, stream, width: cutlass.Constexpr):
+    _forward_kernel(mTable, mIdx, mOut0, mOut1, mOut2, mOut3, mOut4, mOut5, width).launch(
+        grid=(mIdx.shape[0], CHUNKS, 1), block=(ROW_THREADS, 1, 1), stream=stream
+    )
+
+
+@cute.kernel
+def _backward_kernel(mG: cute.Tensor, mIdx: cute.Tensor, mPart: cute.Tensor, width: cutlass.Constexpr,
+                     cap: cutlass.Constexpr):
+    lane, _, _ = cute.arch.thread_idx()
+    tile, group, _ = cute.arch.block_idx()
+    smem = cutlass.utils.SmemAllocator()
+    sAcc = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
+    col = tile * COL_TILE + lane * VEC
+    zero = cute.full((VEC,), 0.0, Float32)
+    for r in cutlass.range(cap):
+        smem_vec(sAcc, r * COL_TILE + lane * VEC).store(zero)
+    begin, end = row_range(mG.shape[0], group, mPart.shape[0])
+    for s in cutlass.range(begin, end, unroll=UNROLL):
+        acc = smem_vec(sAcc, Int32(mIdx[s]) * COL_TILE + lane * VEC)
+        acc.store(acc.load() + load_f32(mG, Int64(s) * width + col))
+    for r in cutlass.range(mPart.shape[1]):
+        vec_view(mPart, Int64(group) * mPart.stride[0] + Int64(r) * mPart.stride[1] + col).store(
+            smem_vec(sAcc, r * COL_TILE + lane * VEC).load())
+
+
+@cute.jit
+def _backward_launch(mG, mIdx, mPart, stream, width: cutlass.Constexpr, cap: cutlass.Constexpr):
+    _backward_kernel(mG, mIdx, mPart, width, cap).launch(
+        grid=(width // COL_TILE, mPart.shape[0], 1), block=(32, 1, 1), stream=stream
+    )
+
+
+def _check_width(width):
+    if width % COL_TILE:
+        raise ValueError(f"adaln_row_gather kernels need a chunk width divisible by {COL_TILE}, got {width}")
+
+
+def build_forward(arch: str, *, width: int):
+    _check_width(width)
+    s = cute.sym_int()
+    outs = [fake_rows(s, width) for _ in range(CHUNKS)]
+    return compile_for(arch, _forward_launch, fake_table(CHUNKS * width), fake_indices(s), *outs, env_stream(), width)
+
+
+def build_backward(arch: str, *, width: int, cap: int):
+    _check_width(width)
+    s, groups, table_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    return compile_for(arch, _backward_launch, fake_rows(s, width), fake_indices(s),
+                       fake_partials(groups, table_rows, width), env_stream(), width, cap)
+
+
+SPECS = [
+    KernelSpec(
+        name="adaln_row_gather_fwd",
+        build=build_forward,
+        variants=lambda arch: [dict(width=HIDDEN)],
+        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32"),
+        ptx_forbidden=("atom.", "red.global", "red.shared"),
+    ),
+    KernelSpec(
+        name="adaln_row_gather_bwd",
+        build=build_backward,
+        variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS],
+        ptx_markers=("ld.global.v4.b32", "ld.shared.v", "st.shared.v"),  # v4.b32 (sm_90a) or v2.b64 (sm_100a)
+        ptx_forbidden=("atom.", "red.global", "red.shared"),
+    ),
+]

@@ -1,0 +1,52 @@
+"""Host side of `h3::adaln_row_gather` on CUDA: `adaln_row_gather_fwd`, and per-chunk
+`adaln_row_gather_bwd` + one `rowwise_fold`.
+
+forward: one launch (grid S x 6) copies the six (S, 5376) chunks table[idx, c*H:(c+1)*H] into six fresh
+tensors: bitwise `index_select`. backward: d_table[r] = sum over rows with idx = r of the six grads,
+FP32 partials per fixed row group (h3cute.launch.norm_modulate.ROW_GROUPS) written into columns
+[c*H, (c+1)*H) of one (P, R, 6H) buffer by six launches, then folded in group order, rounded once.
+"""
+from __future__ import annotations
+
+import torch
+
+from h3cute import runtime
+
+from .norm_modulate import check_rows, check_table, fold, index_vector, row_groups, table_rows_cap
+
+CHUNKS = 6
+
+
+def forward(table, adaln_indices, check_indices=True):
+    """Six (S, H) BF16 tensors out_c = table[idx, c*H:(c+1)*H] (indices checked upstream)."""
+    op = "adaln_row_gather"
+    width = table.shape[-1] // CHUNKS
+    check_table(op, "table", table, CHUNKS * width)
+    idx = index_vector(op, adaln_indices, adaln_indices.shape[0])
+    outs = [torch.empty((idx.shape[0], width), dtype=table.dtype, device=table.device) for _ in range(CHUNKS)]
+    if idx.shape[0]:
+        runtime.kernel("adaln_row_gather_fwd", table.device, width=width)(table, idx, *outs)
+    return outs
+
+
+def backward(grads, adaln_indices, table_rows):
+    """(table_rows, 6H) BF16: the six grads summed into their table rows (deterministic, FP32 sums)."""
+    op = "adaln_row_gather_backward"
+    if len(grads) != CHUNKS:
+        raise ValueError(f"h3::{op}: expected {CHUNKS} grads, got {len(grads)}")
+    width = grads[0].shape[-1]
+    for c, g in enumerate(grads):
+        check_rows(op, f"grads[{c}]", g, width)
+    num_rows = grads[0].shape[0]
+    idx = index_vector(op, adaln_indices, num_rows)
+    cap = table_rows_cap(op, table_rows)
+    device = grads[0].device
+    d_table = torch.empty((table_rows, CHUNKS * width), dtype=torch.bfloat16, device=device)
+    if num_rows == 0:
+        return d_table.zero_()
+    groups = row_groups(device)
+    partials = torch.empty((groups, table_rows, CHUNKS * width), dtype=torch.float32, device=device)
+    reduce_chunk = runtime.kernel("adaln_row_gather_bwd", device, width=width, cap=cap)
+    for c, g in enumerate(grads):
+        reduce_chunk(g, idx, partials[:, :, c * width:(c + 1) * width])
+    return fold(partials, d_table)

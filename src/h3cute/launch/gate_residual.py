@@ -1,0 +1,51 @@
+"""Host side of `h3::gate_residual` on CUDA: `gate_residual_fwd`, and `gate_residual_bwd` + `rowwise_fold`.
+
+forward: one launch, out = residual + gate[idx] * y with torch's two BF16 roundings (bitwise the replay).
+backward: one pass over the rows writes dy = bf16(grad * gate[idx]) and FP32 partials of
+dgate[r] = sum grad * y per fixed row group (h3cute.launch.norm_modulate.ROW_GROUPS); the fold sums the
+groups in order. d residual is grad itself (the op layer returns it). No host sync.
+"""
+from __future__ import annotations
+
+import torch
+
+from h3cute import runtime
+
+from .norm_modulate import check_rows, check_table, fold, index_vector, row_groups, table_rows_cap
+
+
+def forward(residual, y, gate, adaln_indices, check_indices=True):
+    """(S, H) BF16 `residual + gate[idx] * y` (indices checked upstream)."""
+    op = "gate_residual"
+    width = y.shape[-1]
+    check_rows(op, "residual", residual, width)
+    check_rows(op, "y", y, width)
+    if residual.shape != y.shape:
+        raise ValueError(f"h3::{op}: residual {tuple(residual.shape)} and y {tuple(y.shape)} differ")
+    check_table(op, "gate", gate, width)
+    idx = index_vector(op, adaln_indices, y.shape[0])
+    out = torch.empty_like(y)
+    if y.shape[0]:
+        runtime.kernel("gate_residual_fwd", y.device, width=width)(residual, y, gate, idx, out)
+    return out
+
+
+def backward(grad, y, gate, adaln_indices):
+    """(dy, dgate): dy (S, H) BF16 per row; dgate (R, H) BF16 reduced over rows deterministically."""
+    op = "gate_residual_backward"
+    width = y.shape[-1]
+    check_rows(op, "grad", grad, width)
+    check_rows(op, "y", y, width)
+    check_table(op, "gate", gate, width)
+    idx = index_vector(op, adaln_indices, y.shape[0])
+    table_rows = gate.shape[0]
+    cap = table_rows_cap(op, table_rows)
+    device = y.device
+    dy = torch.empty_like(y)
+    dgate = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
+    if y.shape[0] == 0:
+        return dy, dgate.zero_()
+    groups = row_groups(device)
+    partials = torch.empty((groups, table_rows, width), dtype=torch.float32, device=device)
+    runtime.kernel("gate_residual_bwd", device, width=width, cap=cap)(grad, y, gate, idx, dy, partials)
+    return dy, fold(partials, dgate)

@@ -1,0 +1,130 @@
+"""Host side of `h3::norm_modulate` on CUDA, and the row-kernel plumbing shared by the AdaLN row ops.
+
+forward: one launch of `norm_modulate_fwd` (kernels/norm_modulate.py): out = rms_norm(x, w, eps) *
+(1 + scale[idx]) + shift[idx], bitwise the diffusers replay. backward: `norm_modulate_bwd_rows` (dx and
+a per-row FP32 rstd workspace), `norm_modulate_bwd_params` (FP32 partials of dweight, dshift, dscale per
+fixed row group) and three `rowwise_fold` launches. No host sync anywhere.
+
+`forward_rows` / `backward_rows` take any row index vector and row-strided tables (last stride 1, row
+stride a multiple of 8, 16-byte aligned), so `final_adaln_out` reuses them with timestep_indices and
+the two halves of its (T, 2H) projection: `forward_rows(x, w, proj[:, :H], proj[:, H:], ti, eps)`.
+
+Determinism of the table/parameter gradients: ROW_GROUPS is fixed per arch (never read from the device),
+so the same inputs give the same bits on every GPU of one arch, whatever the stream or timing.
+"""
+from __future__ import annotations
+
+import torch
+
+from h3cute import runtime
+
+HIDDEN = 5376
+COL_TILE = 256  # kernels/rowwise.py COL_TILE: the widths must be multiples of it
+TABLE_ROWS_CAPS = (12, 24, 48)  # kernels/rowwise.py TABLE_ROWS_CAPS
+MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]
+# Row groups of the column reductions: (H / 256) x P one-warp CTAs, about 7 per SM.
+ROW_GROUPS = {"sm_90a": 44, "sm_100a": 49}
+
+def table_rows_cap(op: str, table_rows: int) -> int:
+    for cap in TABLE_ROWS_CAPS:
+        if table_rows <= cap:
+            return cap
+    raise ValueError(
+        f"h3::{op}: the table has {table_rows} rows; the deterministic row reductions hold at most "
+        f"{MAX_TABLE_ROWS} table rows (3 modalities x 16 timesteps) in shared memory"
+    )
+
+
+def row_groups(device: torch.device) -> int:
+    return ROW_GROUPS[runtime.arch_of(device)]
+
+
+def fold(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (contiguous BF16) = the in-order sum over dim 0 of `partials` (P, *out.shape) FP32, rounded once."""
+    runtime.kernel("rowwise_fold", out.device)(partials.reshape(partials.shape[0], -1), out.view(-1))
+    return out
+
+
+def check_rows(op: str, name: str, t: torch.Tensor, width: int) -> None:
+    if t.dim() != 2 or t.shape[1] != width or t.dtype != torch.bfloat16 or not t.is_contiguous():
+        raise ValueError(f"h3::{op}: {name} must be a contiguous (S, {width}) BF16 tensor, got "
+                         f"{tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"h3::{op}: {name} must be 16-byte aligned")
+
+
+def check_table(op: str, name: str, t: torch.Tensor, width: int) -> None:
+    """A (R, width) BF16 table view whose rows the kernels read with 16-byte loads."""
+    if t.dim() != 2 or t.shape[1] != width or t.dtype != torch.bfloat16 or t.stride(1) != 1:
+        raise ValueError(f"h3::{op}: {name} must be a (R, {width}) BF16 view with unit last stride, got "
+                         f"{tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    if t.stride(0) % 8 or t.data_ptr() % 16:
+        raise ValueError(f"h3::{op}: {name} rows must start 16-byte aligned (row stride {t.stride(0)})")
+
+
+def index_vector(op: str, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
+    if idx.dim() != 1 or idx.shape[0] != num_rows or idx.dtype != torch.int64:
+        raise ValueError(f"h3::{op}: indices must be ({num_rows},) int64, got {tuple(idx.shape)} {idx.dtype}")
+    return idx.contiguous()
+
+
+def _check_vector(op: str, name: str, t: torch.Tensor, width: int) -> None:
+    if t.shape != (width,) or t.dtype != torch.bfloat16 or not t.is_contiguous() or t.data_ptr() % 16:
+        raise ValueError(f"h3::{op}: {name} must be a contiguous 16-byte aligned ({width},) BF16 tensor")
+
+
+def forward(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+    """(S, 5376) BF16 `rms_norm(x, weight, eps) * (1 + scale[idx]) + shift[idx]` (indices checked upstream)."""
+    return forward_rows(x, weight, shift, scale, adaln_indices, eps)
+
+
+def forward_rows(x, weight, shift, scale, idx, eps, op: str = "norm_modulate"):
+    width = x.shape[-1]
+    check_rows(op, "x", x, width)
+    _check_vector(op, "weight", weight, width)
+    check_table(op, "shift", shift, width)
+    check_table(op, "scale", scale, width)
+    idx = index_vector(op, idx, x.shape[0])
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        runtime.kernel("norm_modulate_fwd", x.device, width=width)(x, weight, shift, scale, idx, out, float(eps))
+    return out
+
+
+def backward(grad, x, weight, scale, adaln_indices, eps, table_rows):
+    """(dx, dweight, dshift, dscale), all BF16; the last three reduced over rows deterministically."""
+    if scale.shape[0] != table_rows:
+        raise ValueError(f"h3::norm_modulate_backward: scale has {scale.shape[0]} rows, table_rows = {table_rows}")
+    return backward_rows(grad, x, weight, scale, adaln_indices, eps)
+
+
+def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_backward"):
+    width = x.shape[-1]
+    check_rows(op, "x", x, width)
+    check_rows(op, "grad", grad, width)
+    _check_vector(op, "weight", weight, width)
+    check_table(op, "scale", scale, width)
+    idx = index_vector(op, idx, x.shape[0])
+    table_rows = scale.shape[0]
+    cap = table_rows_cap(op, table_rows)
+    num_rows, device = x.shape[0], x.device
+    dx = torch.empty_like(x)
+    dweight = torch.empty_like(weight)
+    dshift = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
+    dscale = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
+    if num_rows == 0:
+        return dx, dweight.zero_(), dshift.zero_(), dscale.zero_()
+    rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
+    runtime.kernel("norm_modulate_bwd_rows", device, width=width)(grad, x, weight, scale, idx, dx, rstd, float(eps))
+    groups = row_groups(device)
+    # One buffer per group: [dweight | dshift rows | dscale rows], every element written by the kernel.
+    partials = torch.empty((groups, (1 + 2 * table_rows) * width), dtype=torch.float32, device=device)
+    part_w = partials[:, :width]
+    part_shift = partials[:, width:(1 + table_rows) * width].view(groups, table_rows, width)
+    part_scale = partials[:, (1 + table_rows) * width:].view(groups, table_rows, width)
+    runtime.kernel("norm_modulate_bwd_params", device, width=width, cap=cap)(
+        grad, x, weight, scale, idx, rstd, part_w, part_shift, part_scale)
+    fold(part_w, dweight)
+    fold(part_shift, dshift)
+    fold(part_scale, dscale)
+    return dx, dweight, dshift, dscale
