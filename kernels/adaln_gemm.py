@@ -74,6 +74,7 @@ class GemmTile:
 CONFIGS = {
     # T <= 16: memory-bound, streams W; small M tiles keep all 132 SMs busy to the end.
     "skinny": GemmTile(bm=64, bn=16, bk=64, warps_m=4, warps_n=1, stages=5),
+    "skinny_m32": GemmTile(bm=32, bn=16, bk=64, warps_m=2, warps_n=1, stages=6),
     "skinny_m128": GemmTile(bm=128, bn=16, bk=64, warps_m=4, warps_n=1, stages=4),
     "mid": GemmTile(bm=128, bn=64, bk=64, warps_m=2, warps_n=2, stages=4),
     "wide": GemmTile(bm=128, bn=128, bk=64, warps_m=2, warps_n=2, stages=3),
