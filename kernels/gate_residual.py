@@ -20,7 +20,7 @@ from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
 from .rowwise import (COL_TILE, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, fake_indices, fake_partials, fake_rows,
-                      fake_table, load_f32, round_bf16, row_range, row_slots, smem_vec, store_bf16, vec_view)
+                      fake_table, guarded_row, load_f32, round_bf16, row_range, row_slots, smem_vec, store_bf16, vec_view)
 
 HIDDEN = 5376
 
@@ -32,13 +32,14 @@ def _forward_kernel(mRes: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mIdx
     row, _, _ = cute.arch.block_idx()
     num_vecs = width // VEC
     base = Int64(row) * width
-    gate_base = Int64(mIdx[row]) * mGate.stride[0]
+    r, poison = guarded_row(Int64(mIdx[row]), mGate.shape[0])
+    gate_base = r * mGate.stride[0]
     for k in cutlass.range_constexpr(row_slots(width)):
         vi = tidx + k * ROW_THREADS
         if vi < num_vecs:
             col = vi * VEC
             gated = round_bf16(load_f32(mGate, gate_base + col) * load_f32(mY, base + col))
-            store_bf16(mOut, base + col, load_f32(mRes, base + col) + gated)
+            store_bf16(mOut, base + col, (load_f32(mRes, base + col) + gated) * poison)
 
 
 @cute.jit
@@ -61,12 +62,13 @@ def _backward_kernel(mG: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mIdx:
         smem_vec(sGate, r * COL_TILE + lane * VEC).store(zero)
     begin, end = row_range(mY.shape[0], group, mPartGate.shape[0])
     for s in cutlass.range(begin, end, unroll=UNROLL):
-        r = Int64(mIdx[s])
+        r, poison = guarded_row(Int64(mIdx[s]), mGate.shape[0])
         off = Int64(s) * width + col
         g = load_f32(mG, off)
-        store_bf16(mDy, off, g * load_f32(mGate, r * mGate.stride[0] + col))
-        acc = smem_vec(sGate, Int32(r) * COL_TILE + lane * VEC)
-        acc.store(acc.load() + g * load_f32(mY, off))
+        store_bf16(mDy, off, g * load_f32(mGate, r * mGate.stride[0] + col) * poison)
+        if poison == 1.0:
+            acc = smem_vec(sGate, Int32(r) * COL_TILE + lane * VEC)
+            acc.store(acc.load() + g * load_f32(mY, off))
     for r in cutlass.range(mGate.shape[0]):
         vec_view(mPartGate, Int64(group) * mPartGate.stride[0] + Int64(r) * mPartGate.stride[1] + col).store(
             smem_vec(sGate, r * COL_TILE + lane * VEC).load())
@@ -104,9 +106,9 @@ SPECS = [
         name="gate_residual_fwd",
         build=build_forward,
         variants=lambda arch: [dict(width=HIDDEN)],
-        # LLVM narrows bf16(fp32(a) op fp32(b)) of BF16 a, b to native BF16 mul/add (exact: FP32 carries
-        # 2p + 2 bits), so no cvt shows; the two roundings are the same.
-        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "mul.bf16x2", "add.bf16x2"),
+        # LLVM narrows bf16(fp32(gate) * fp32(y)) to a native mul.bf16x2: the same rounding (FP32 holds the
+        # exact product of two BF16).
+        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "mul.bf16x2", "cvt.rn.bf16x2.f32"),
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),
     KernelSpec(

@@ -32,7 +32,7 @@ from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
 from .rowwise import (COL_TILE, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, block_sum, fake_indices, fake_partials,
-                      fake_rows, fake_table, fake_vector, load_f32, round_bf16, row_range, row_slots, smem_vec,
+                      fake_rows, fake_table, fake_vector, guarded_row, load_f32, round_bf16, row_range, row_slots, smem_vec,
                       store_bf16, torch_sumsq, vec_view)
 
 HIDDEN = 5376
@@ -73,7 +73,7 @@ def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScal
     sRed = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
     num_vecs = width // VEC
     base = Int64(row) * width
-    r = Int64(mIdx[row])
+    r, poison = guarded_row(Int64(mIdx[row]), mScale.shape[0])
     xs = load_row(mX, base, tidx, width)
     rstd = row_rstd(xs, sRed, tidx, eps, width)
     shift_base = r * mShift.stride[0]
@@ -84,7 +84,7 @@ def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScal
             col = vi * VEC
             normed = round_bf16(load_f32(mW, col) * (xs[k] * rstd))
             gain = round_bf16(load_f32(mScale, scale_base + col) + 1.0)
-            store_bf16(mOut, base + col, round_bf16(normed * gain) + load_f32(mShift, shift_base + col))
+            store_bf16(mOut, base + col, (round_bf16(normed * gain) + load_f32(mShift, shift_base + col)) * poison)
 
 
 @cute.jit
@@ -106,7 +106,8 @@ def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: 
     sDot = smem.allocate_tensor(Float32, cute.make_layout(ROW_THREADS // 32), byte_alignment=16)
     num_vecs = width // VEC
     base = Int64(row) * width
-    scale_base = Int64(mIdx[row]) * mScale.stride[0]
+    r, poison = guarded_row(Int64(mIdx[row]), mScale.shape[0])
+    scale_base = r * mScale.stride[0]
     xs = load_row(mX, base, tidx, width)
     gs = load_row(mG, base, tidx, width)
     rstd = row_rstd(xs, sRed, tidx, eps, width)
@@ -137,7 +138,7 @@ def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: 
     for k in cutlass.range_constexpr(len(xs)):
         vi = tidx + k * ROW_THREADS
         if vi < num_vecs:
-            store_bf16(mDx, base + vi * VEC, (dxhats[k] - xhats[k] * mean_dot) * rstd)
+            store_bf16(mDx, base + vi * VEC, (dxhats[k] - xhats[k] * mean_dot) * rstd * poison)
     if tidx == 0:
         mRstd[row] = rstd
 
@@ -169,18 +170,20 @@ def _bwd_params_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale
     accW = cute.make_rmem_tensor((VEC,), Float32)
     accW.fill(0.0)
     begin, end = row_range(mX.shape[0], group, mPartW.shape[0])
+    table_rows = mScale.shape[0]
     for s in cutlass.range(begin, end, unroll=UNROLL):
         r = Int64(mIdx[s])
-        off = Int64(s) * width + col
-        g = load_f32(mG, off)
-        xhat = load_f32(mX, off) * mRstd[s]
-        dn = g * (load_f32(mScale, r * mScale.stride[0] + col) + 1.0)
-        accW.store(accW.load() + dn * xhat)
-        acc_off = Int32(r) * COL_TILE + lane * VEC
-        aShift = smem_vec(sShift, acc_off)
-        aShift.store(aShift.load() + g)
-        aScale = smem_vec(sScale, acc_off)
-        aScale.store(aScale.load() + g * (xhat * w))
+        if (r >= 0) & (r < table_rows):
+            off = Int64(s) * width + col
+            g = load_f32(mG, off)
+            xhat = load_f32(mX, off) * mRstd[s]
+            dn = g * (load_f32(mScale, r * mScale.stride[0] + col) + 1.0)
+            accW.store(accW.load() + dn * xhat)
+            acc_off = Int32(r) * COL_TILE + lane * VEC
+            aShift = smem_vec(sShift, acc_off)
+            aShift.store(aShift.load() + g)
+            aScale = smem_vec(sScale, acc_off)
+            aScale.store(aScale.load() + g * (xhat * w))
     vec_view(mPartW, Int64(group) * mPartW.stride[0] + col).store(accW.load())
     for r in cutlass.range(mScale.shape[0]):
         src = r * COL_TILE + lane * VEC

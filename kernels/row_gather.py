@@ -19,7 +19,7 @@ from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
 from .rowwise import (COL_TILE, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, fake_indices, fake_partials, fake_rows,
-                      fake_table, load_f32, row_range, row_slots, smem_vec, vec_view)
+                      fake_table, load_f32, row_range, row_slots, smem_vec, store_bf16, vec_view)
 
 HIDDEN = 5376
 CHUNKS = 6
@@ -33,7 +33,8 @@ def _forward_kernel(mTable: cute.Tensor, mIdx: cute.Tensor, mOut0: cute.Tensor, 
     row, chunk, _ = cute.arch.block_idx()
     num_vecs = width // VEC
     base = Int64(row) * width
-    src_base = Int64(mIdx[row]) * mTable.stride[0] + Int64(chunk) * width
+    r = Int64(mIdx[row])
+    valid = (r >= 0) & (r < mTable.shape[0])
     outs = (mOut0, mOut1, mOut2, mOut3, mOut4, mOut5)
     for c in cutlass.range_constexpr(CHUNKS):
         if chunk == c:
@@ -41,7 +42,11 @@ def _forward_kernel(mTable: cute.Tensor, mIdx: cute.Tensor, mOut0: cute.Tensor, 
                 vi = tidx + k * ROW_THREADS
                 if vi < num_vecs:
                     col = vi * VEC
-                    vec_view(outs[c], base + col).store(vec_view(mTable, src_base + col).load())
+                    if valid:
+                        src = r * mTable.stride[0] + c * width + col
+                        vec_view(outs[c], base + col).store(vec_view(mTable, src).load())
+                    else:
+                        store_bf16(outs[c], base + col, cute.full((VEC,), float("nan"), Float32))
 
 
 @cute.jit
@@ -63,9 +68,12 @@ def _backward_kernel(mG: cute.Tensor, mIdx: cute.Tensor, mPart: cute.Tensor, wid
     for r in cutlass.range(cap):
         smem_vec(sAcc, r * COL_TILE + lane * VEC).store(zero)
     begin, end = row_range(mG.shape[0], group, mPart.shape[0])
+    table_rows = mPart.shape[1]
     for s in cutlass.range(begin, end, unroll=UNROLL):
-        acc = smem_vec(sAcc, Int32(mIdx[s]) * COL_TILE + lane * VEC)
-        acc.store(acc.load() + load_f32(mG, Int64(s) * width + col))
+        r = Int32(mIdx[s])
+        if (r >= 0) & (r < table_rows):
+            acc = smem_vec(sAcc, r * COL_TILE + lane * VEC)
+            acc.store(acc.load() + load_f32(mG, Int64(s) * width + col))
     for r in cutlass.range(mPart.shape[1]):
         vec_view(mPart, Int64(group) * mPart.stride[0] + Int64(r) * mPart.stride[1] + col).store(
             smem_vec(sAcc, r * COL_TILE + lane * VEC).load())

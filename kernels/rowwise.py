@@ -23,6 +23,9 @@ into FP32 accumulators that only it touches (registers for per-column sums, shar
 [table_rows_cap, COL_TILE] for per-table-row sums, indexed by the row's idx), and writes one FP32
 partial per (p, table row, column). `rowwise_fold` then sums the P partials of each element in order
 p = 0..P-1 and rounds once to BF16. Results depend on (S, P, idx), never on timing.
+
+Indices are never trusted for addressing: a row whose idx lies outside [0, R) reads table row 0 and
+writes NaN outputs (forward, dx, dy) and adds nothing to any table gradient.
 """
 from __future__ import annotations
 
@@ -129,6 +132,14 @@ def block_sum(value: Float32, sRed: cute.Tensor, tidx):
     for wi in cutlass.range_constexpr(1, WARPS):
         total = total + sRed[wi]
     return total
+
+
+@cute.jit
+def guarded_row(r, table_rows):
+    """(row to read, factor): an index outside [0, R) (possible with check_indices=False) reads row 0 and
+    gets factor NaN, which the caller multiplies into that row's outputs; otherwise factor 1.0 (exact)."""
+    valid = (r >= 0) & (r < table_rows)
+    return cutlass.select_(valid, r, Int64(0)), cutlass.select_(valid, Float32(1.0), Float32(float("nan")))
 
 
 @cute.jit
