@@ -14,11 +14,11 @@ where row m sits in its tile (an mma output element only sees its own A row). Di
 therefore give identical bits; `splits` is chosen by the caller from K alone.
 
 Epilogues (static): "partial" stores the raw slice sums to P[s, m, n] for a fixed-order fold
-(kernels/timestep_mlp.py); "bias" stores acc + bias[n]; "bias_silu" stores z = acc + bias[n] and
-h = silu(z) = z / (1 + exp(-z)) (splits must be 1 for the fused epilogues).
+(kernels/timestep_mlp.py); "bias_silu" stores z = acc + bias[n] and h = silu(z) = z / (1 + exp(-z))
+(fused, so splits must be 1).
 
-Constraints: N % tile_n == 0, K % (splits * tile_k) == 0, tile_k a multiple of 8 (the swizzle
-atom takes 32 FP32 = 128 B rows), 16-byte aligned rows; M is arbitrary (rows predicated).
+Constraints: N % tile_n == 0, K % (splits * tile_k) == 0, tile_k 32 or 64 (the swizzle atom is
+8 rows of 32 FP32 = 128 B), 16-byte aligned rows; M is arbitrary (rows predicated).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-EPILOGUES = ("partial", "bias", "bias_silu")
+EPILOGUES = ("partial", "bias_silu")
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,6 @@ class GemmConfig:
     @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n
-
-    def smem_bytes(self) -> int:
-        return 4 * self.stages * self.tile_k * (self.tile_m + self.tile_n)
 
 
 TF32_BIG_MASK = -8192  # 0xffffe000: sign, exponent and the 10 TF32 mantissa bits
@@ -100,8 +97,8 @@ class GemmTF32x3:
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor,
                  mH: cute.Tensor, stream):
-        """mA (M, K), mB (N, K); mC is P (splits, M, N) for "partial", else (M, N) (z for bias_silu);
-        mBias (N,) and mH (M, N) are read/written only by the epilogues that name them."""
+        """mA (M, K), mB (N, K); mC is P (splits, M, N) for "partial", z (M, N) for "bias_silu";
+        mBias (N,) and mH (M, N) (h) are touched only by "bias_silu"."""
         cfg = self.config
         threads = cfg.threads
         sA_layout = self._smem_layout(cfg.tile_m)
@@ -279,5 +276,4 @@ class GemmTF32x3:
                 else:
                     z = v + mBias[coord[1]]
                     tCgC[i] = z
-                    if cutlass.const_expr(self.epilogue == "bias_silu"):
-                        mH[coord] = z / (cutlass.Float32(1.0) + cute.math.exp(-z))
+                    mH[coord] = z / (cutlass.Float32(1.0) + cute.math.exp(-z))
