@@ -1,0 +1,276 @@
+"""norm_modulate: the kernels' reduction order (CPU), host-side contracts (CPU) and, on a GPU, bitwise parity
+with the diffusers replay, FP64 accuracy, batch invariance, deterministic parameter gradients, strided tables
+and 64-bit row offsets.
+"""
+import numpy as np
+import pytest
+import torch
+
+import h3cute  # noqa: F401  (registers torch.ops.h3)
+from h3cute import reference
+from h3cute.launch import norm_modulate as launch
+
+H = reference.HIDDEN
+BF16 = torch.bfloat16
+
+
+# ---- CPU: the torch-order sum of squares ---------------------------------------------------------------
+
+def _fma32(a, b, c):
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def _torch_fused_sumsq(x):
+    """torch's vectorized rms_norm: 512 threads (32 x 16), 4-element chunks t, t + 512, ...; shfl_down tree
+    over lanes, tree over warps."""
+    chunks = x.reshape(-1, 4)
+    acc = [np.float32(0)] * 512
+    for t in range(512):
+        for c in range(t, len(chunks), 512):
+            for v in chunks[c]:
+                acc[t] = _fma32(v, v, acc[t])
+    warps = []
+    for w in range(16):
+        lanes = acc[32 * w: 32 * w + 32]
+        for off in (16, 8, 4, 2, 1):
+            lanes = [np.float32(lanes[i] + lanes[i + off]) if i + off < 32 else lanes[i] for i in range(32)]
+        warps.append(lanes[0])
+    for off in (8, 4, 2, 1):
+        warps = [np.float32(warps[i] + warps[i + off]) for i in range(off)] + warps[off:]
+    return warps[0]
+
+
+def _kernel_sumsq(x):
+    """kernels/rowwise.torch_sumsq: 256 threads, 8-element vectors u, u + 256, ...; low/high-half partials,
+    xor butterflies 8..1 in each half-warp, lo + hi, 16 warp sums folded 8, 4, 2, 1."""
+    vecs = x.reshape(-1, 8)
+    lo, hi = [np.float32(0)] * 256, [np.float32(0)] * 256
+    for u in range(256):
+        for v in range(u, len(vecs), 256):
+            for e in vecs[v][:4]:
+                lo[u] = _fma32(e, e, lo[u])
+            for e in vecs[v][4:]:
+                hi[u] = _fma32(e, e, hi[u])
+    for off in (8, 4, 2, 1):
+        lo = [np.float32(lo[u] + lo[u ^ off]) for u in range(256)]
+        hi = [np.float32(hi[u] + hi[u ^ off]) for u in range(256)]
+    w = [np.float32(lo[16 * i] + hi[16 * i]) for i in range(16)]
+    for half in (8, 4, 2, 1):
+        w = [np.float32(w[i] + w[i + half]) for i in range(half)]
+    return w[0]
+
+
+def _wide_range_row(seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(H) * np.exp2(rng.integers(-12, 12, H))).astype(np.float32)
+    return torch.from_numpy(x).to(BF16).float().numpy()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kernel_reduction_order_is_torch_fused_rms_norm_order(seed):
+    x = _wide_range_row(seed)
+    assert _kernel_sumsq(x).tobytes() == _torch_fused_sumsq(x).tobytes()
+
+
+def test_reduction_order_check_has_power():
+    """A plausible wrong order (one partial per thread, low and high halves merged) must differ somewhere,
+    or the bitwise check above would prove nothing."""
+    def merged_halves(x):
+        vecs = x.reshape(-1, 8)
+        acc = [np.float32(0)] * 256
+        for u in range(256):
+            for v in range(u, len(vecs), 256):
+                for e in vecs[v]:
+                    acc[u] = _fma32(e, e, acc[u])
+        for off in (16, 8, 4, 2, 1):
+            acc = [np.float32(acc[u] + acc[u ^ off]) for u in range(256)]
+        total = acc[0]
+        for w in range(1, 8):
+            total = np.float32(total + acc[32 * w])
+        return total
+
+    xs = [_wide_range_row(seed) for seed in range(3)]
+    assert any(merged_halves(x) != _torch_fused_sumsq(x) for x in xs)
+
+
+def test_launch_constants_match_kernels():
+    from h3cute.runtime.sources import kernels_package
+
+    kernels_package()
+    from h3cute.kernels import rowwise
+
+    assert launch.TABLE_ROWS_CAPS == rowwise.TABLE_ROWS_CAPS
+    assert launch.COL_TILE == rowwise.COL_TILE
+    assert H % rowwise.COL_TILE == 0
+
+
+def test_table_rows_bound_is_a_clear_error():
+    assert launch.table_rows_cap("norm_modulate", 9) == 12
+    assert launch.table_rows_cap("norm_modulate", 48) == 48
+    with pytest.raises(ValueError, match="at most 48"):
+        launch.table_rows_cap("norm_modulate_backward", 49)
+
+
+def test_host_checks_reject_unaligned_or_unit_stride_violations():
+    table = torch.zeros(3, 2 * H, dtype=BF16)
+    launch.check_table("final_adaln_out", "shift", table[:, :H], H)
+    launch.check_table("final_adaln_out", "scale", table[:, H:], H)
+    with pytest.raises(ValueError, match="unit last stride"):
+        launch.check_table("norm_modulate", "scale", table[:, ::2], H)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        launch.check_table("norm_modulate", "scale", table[:, 1:H + 1], H)
+    with pytest.raises(ValueError, match="contiguous"):
+        launch.check_rows("norm_modulate", "x", torch.zeros(H, 4, dtype=BF16).t(), H)
+
+
+# ---- GPU -----------------------------------------------------------------------------------------------
+
+def _inputs(rows, seed=0, T=3):
+    return [t.cuda() for t in reference.example_inputs("norm_modulate", rows, num_timesteps=T, seed=seed)]
+
+
+def _poison_allocator(numel):
+    """Leave NaN in the caching allocator's free blocks so an unwritten output element shows up."""
+    junk = torch.full((numel,), float("nan"), dtype=torch.float32, device="cuda")
+    del junk
+
+
+def _rel_err(out, ref):
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 7, 255, 256, 257, 4097])
+def test_forward_is_bitwise_the_replay(rows):
+    x, w, shift, scale, idx = _inputs(rows, seed=rows)
+    _poison_allocator(4 * rows * H)
+    out = torch.ops.h3.norm_modulate(x, w, shift, scale, idx)
+    assert not out.isnan().any()
+    assert torch.equal(out, reference.norm_modulate_replay(x, w, shift, scale, idx))
+    assert _rel_err(out, reference.norm_modulate_fp64(x, w, shift, scale, idx)) < 8e-3
+
+
+@pytest.mark.gpu
+def test_forward_strided_tables_and_timestep_indices():
+    """final_adaln_out's reuse: shift | scale are the halves of a (T, 2H) tensor, indices are timesteps."""
+    x, w, _, _, _ = _inputs(1000, seed=11)
+    T = 4
+    proj = (torch.randn(T, 2 * H, device="cuda") * 0.5).to(BF16)
+    ti = torch.randint(0, T, (1000,), device="cuda")
+    out = launch.forward_rows(x, w, proj[:, :H], proj[:, H:], ti, 1e-5)
+    assert torch.equal(out, reference.norm_modulate_replay(x, w, proj[:, :H], proj[:, H:], ti))
+    dx, dw, dsh, dsc = launch.backward_rows(torch.randn_like(x), x, w, proj[:, H:], ti, 1e-5)
+    assert dsh.shape == dsc.shape == (T, H)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("junk", [float("nan"), float("inf"), 1e30])
+def test_probe_row_bits_ignore_other_rows(junk):
+    x, w, shift, scale, idx = _inputs(513, seed=5)
+    grad = torch.randn_like(x)
+    probe = 300
+    alone = torch.ops.h3.norm_modulate(x[probe:probe + 1], w, shift, scale, idx[probe:probe + 1])
+    dx_alone = torch.ops.h3.norm_modulate_backward(grad[probe:probe + 1], x[probe:probe + 1], w, scale,
+                                                   idx[probe:probe + 1], 1e-5, scale.shape[0])[0]
+    x_bad, g_bad = x.clone(), grad.clone()
+    keep = torch.zeros(513, dtype=torch.bool, device="cuda")
+    keep[probe] = True
+    x_bad[~keep] = junk
+    g_bad[~keep] = junk
+    for xs, gs in ((x, grad), (x_bad, g_bad)):
+        out = torch.ops.h3.norm_modulate(xs, w, shift, scale, idx)
+        dx = torch.ops.h3.norm_modulate_backward(gs, xs, w, scale, idx, 1e-5, scale.shape[0])[0]
+        assert torch.equal(out[probe], alone[0])
+        assert torch.equal(dx[probe], dx_alone[0])
+    # the probe at other positions of batches of other sizes
+    for rows, pos in ((2, 1), (64, 0), (2049, 1000), (2049, 2048)):
+        xb, _, _, _, ib = _inputs(rows, seed=rows)
+        xb[pos], ib[pos] = x[probe], idx[probe]
+        gb = torch.randn_like(xb)
+        gb[pos] = grad[probe]
+        assert torch.equal(torch.ops.h3.norm_modulate(xb, w, shift, scale, ib)[pos], alone[0])
+        dxb = torch.ops.h3.norm_modulate_backward(gb, xb, w, scale, ib, 1e-5, scale.shape[0])[0]
+        assert torch.equal(dxb[pos], dx_alone[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 7, 43, 44, 45, 44 * 7 + 1, 4097])
+def test_backward_matches_fp64_and_is_repeatable(rows):
+    x, w, shift, scale, idx = _inputs(rows, seed=rows + 1)
+    grad = torch.randn_like(x)
+    _poison_allocator(8 * rows * H + 4 * 200 * H)
+    got = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, scale.shape[0])
+    for t in got:
+        assert not t.isnan().any()
+    leaves = [t.double().requires_grad_() for t in (x, w, shift, scale)]
+    ref = reference.norm_modulate_fp64(*leaves, idx)
+    ref.backward(grad.double())
+    for name, g, leaf in zip(("dx", "dweight", "dshift", "dscale"), got, leaves):
+        assert g.dtype == BF16 and g.shape == leaf.shape, name
+        assert _rel_err(g, leaf.grad) < 1e-2, name
+    again = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, scale.shape[0])
+    for a, b in zip(got, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_autograd_and_unused_table_rows():
+    x, w, shift, scale, idx = _inputs(300, seed=3, T=4)
+    idx = idx % 6  # table rows 6..11 receive no row: their gradients are exact zeros
+    leaves = [t.clone().requires_grad_() for t in (x, w, shift, scale)]
+    out = torch.ops.h3.norm_modulate(*leaves, idx)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    dx, dw, dsh, dsc = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, 12)
+    for leaf, g in zip(leaves, (dx, dw, dsh, dsc)):
+        assert torch.equal(leaf.grad, g)
+    assert not dsh[6:].any() and not dsc[6:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table_rows", [24, 48])
+def test_large_tables(table_rows):
+    x, w, _, _, _ = _inputs(999, seed=8)
+    shift = torch.randn(table_rows, H, device="cuda").to(BF16)
+    scale = torch.randn(table_rows, H, device="cuda").to(BF16) * 0.5
+    idx = torch.randint(0, table_rows, (999,), device="cuda")
+    out = torch.ops.h3.norm_modulate(x, w, shift, scale, idx)
+    assert torch.equal(out, reference.norm_modulate_replay(x, w, shift, scale, idx))
+    grad = torch.randn_like(x)
+    _, _, dsh, _ = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, table_rows)
+    ref = torch.zeros(table_rows, H, dtype=torch.float64, device="cuda").index_add_(0, idx, grad.double())
+    assert _rel_err(dsh, ref) < 1e-2
+    with pytest.raises(ValueError, match="at most 48"):
+        big = torch.zeros(49, H, dtype=BF16, device="cuda")
+        torch.ops.h3.norm_modulate_backward(grad, x, w, big, idx, 1e-5, 49)
+
+
+@pytest.mark.gpu
+def test_out_of_range_index_without_check_gives_nan_rows_only():
+    x, w, shift, scale, idx = _inputs(64, seed=9)
+    bad = idx.clone()
+    bad[5], bad[9] = 9, -1
+    out = torch.ops.h3.norm_modulate(x, w, shift, scale, bad, 1e-5, False)
+    assert out[5].isnan().all() and out[9].isnan().all()
+    keep = torch.ones(64, dtype=torch.bool, device="cuda")
+    keep[5] = keep[9] = False
+    assert torch.equal(out[keep], reference.norm_modulate_replay(x, w, shift, scale, idx)[keep])
+
+
+@pytest.mark.gpu
+def test_64bit_row_offsets():
+    rows = (1 << 19) + 1  # rows * H > 2^31 elements
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(rows, H, device="cuda", generator=g) * 2).to(BF16)
+    w, shift, scale, _ = _inputs(1, seed=1)[1:]
+    idx = torch.randint(0, 9, (rows,), device="cuda", generator=g)
+    out = torch.ops.h3.norm_modulate(x, w, shift, scale, idx)
+    tail = slice(rows - 300, rows)
+    assert torch.equal(out[tail], reference.norm_modulate_replay(x[tail], w, shift, scale, idx[tail]))
+    del out
+    grad = x.roll(1, 0)
+    dx, _, dsh, _ = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, 9)
+    dx_tail = torch.ops.h3.norm_modulate_backward(grad[tail], x[tail], w, scale, idx[tail], 1e-5, 9)[0]
+    assert torch.equal(dx[tail], dx_tail)
+    ref = torch.zeros(9, H, dtype=torch.float32, device="cuda").index_add_(0, idx, grad.float())
+    assert _rel_err(dsh, ref.double()) < 1e-2
