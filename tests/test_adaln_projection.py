@@ -89,6 +89,133 @@ def test_launch_modules_do_not_import_cutlass():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+class _KernelEmulator:
+    """Stands in for `runtime.kernel` on CPU: each kernel's documented math in torch, with its argument
+    order, dtypes, shapes and contiguity asserted, so the launch glue is tested without a GPU."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, name, device, **static):
+        self.calls.append((name, static))
+        return getattr(self, name[len("adaln_"):])
+
+    @staticmethod
+    def _check(t, dtype, shape):
+        assert t.dtype == dtype and tuple(t.shape) == tuple(shape) and t.is_contiguous(), (t.dtype, t.shape)
+
+    def silu_cast(self, temb, act):
+        self._check(temb, torch.float32, (temb.shape[0], D))
+        self._check(act, torch.bfloat16, temb.shape)
+        act.copy_(torch.nn.functional.silu(temb).to(torch.bfloat16))
+
+    def proj_fwd(self, act, weight, bias, out):
+        rows, n = out.shape
+        self._check(act, torch.bfloat16, (rows, D))
+        self._check(weight, torch.bfloat16, (n, D))
+        self._check(bias, torch.bfloat16, (n,))
+        self._check(out, torch.bfloat16, (rows, n))
+        out.copy_((act.double() @ weight.double().t() + bias.double()).to(torch.bfloat16))
+
+    def proj_dgrad(self, grad, weight, partial):
+        rows, n = grad.shape
+        self._check(weight, torch.bfloat16, (n, D))
+        self._check(partial, torch.float32, (launch.DGRAD_SPLITS, rows, D))
+        chunk = n // launch.DGRAD_SPLITS
+        for s in range(launch.DGRAD_SPLITS):
+            cols = slice(s * chunk, (s + 1) * chunk)
+            partial[s] = (grad[:, cols].double() @ weight[cols].double()).float()
+
+    def dtemb_fold(self, partial, temb, dtemb):
+        self._check(dtemb, torch.float32, temb.shape)
+        sig = torch.sigmoid(temb)
+        dtemb.copy_(partial.sum(0) * (sig + temb * sig * (1 - sig)))
+
+    def proj_wgrad(self, grad, act, dweight):
+        self._check(act, torch.bfloat16, (grad.shape[0], D))
+        self._check(dweight, torch.bfloat16, (grad.shape[1], D))
+        dweight.copy_((grad.double().t() @ act.double()).to(torch.bfloat16))
+
+    def bias_grad(self, grad, dbias):
+        self._check(dbias, torch.bfloat16, (grad.shape[1],))
+        dbias.copy_(grad.double().sum(0).to(torch.bfloat16))
+
+
+def _close(a, b, tol):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item() <= tol
+
+
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_launch_glue_on_cpu_emulation(monkeypatch, rows):
+    """forward/backward call the kernels with the right arguments and assemble the op's results."""
+    emu = _KernelEmulator()
+    monkeypatch.setattr(launch.runtime, "kernel", emu)
+    g = torch.Generator().manual_seed(rows)
+    n = N_FINAL
+    temb = torch.randn((rows, D), generator=g)
+    w = (torch.randn((n, D), generator=g) * D ** -0.5).to(torch.bfloat16)
+    b = (torch.randn((n,), generator=g) * 0.02).to(torch.bfloat16)
+    out = launch.forward(temb, w, b)
+    assert _close(out, reference.adaln_projection_replay(temb, w, b), 4e-3)
+    assert ("adaln_proj_fwd", dict(out_features=n, config=launch.config_for_rows(rows))) in emu.calls
+    grad = torch.randn((rows, n), generator=g).to(torch.bfloat16)
+    got = launch.backward(grad, temb, w)
+    want = _fp64_grads_cpu(grad, temb, w)
+    for a, ref, tol in zip(got, want, (1e-6, 4e-3, 4e-3)):
+        assert _close(a, ref.to(a.dtype), tol)
+
+
+def test_final_adaln_out_glue_on_cpu_emulation(monkeypatch):
+    """final_adaln_out slices shift | scale in that order and feeds d(shift | scale) back in that order."""
+    import types
+
+    from h3cute.ops.adaln import _final_backward_cpu
+
+    calls = {}
+
+    def forward_rows(x, w, shift, scale, idx, eps, op):
+        calls["strides"] = (shift.stride(0), scale.stride(0))
+        return reference.norm_modulate_replay(x, w, shift, scale, idx, eps)
+
+    def backward_rows(grad, x, w, scale, idx, eps, op):
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        sh = torch.zeros(scale.shape, dtype=torch.float64, requires_grad=True)
+        sc = scale.double().requires_grad_()
+        reference.norm_modulate_fp64(xd, wd, sh, sc, idx, eps).backward(grad.double())
+        return xd.grad.to(x.dtype), wd.grad.to(w.dtype), sh.grad.to(x.dtype), sc.grad.to(x.dtype)
+
+    from h3cute.launch import final_adaln_out as final
+
+    monkeypatch.setattr(final, "norm_modulate",
+                        types.SimpleNamespace(forward_rows=forward_rows, backward_rows=backward_rows))
+    monkeypatch.setattr(launch.runtime, "kernel", _KernelEmulator())
+
+    g = torch.Generator().manual_seed(0)
+    rows, timesteps, hidden = 37, 3, N_FINAL // 2
+    x = (torch.randn((rows, hidden), generator=g) * 2).to(torch.bfloat16)
+    nw = (0.5 + torch.rand((hidden,), generator=g)).to(torch.bfloat16)
+    temb = torch.randn((timesteps, D), generator=g)
+    w = (torch.randn((N_FINAL, D), generator=g) * D ** -0.5).to(torch.bfloat16)
+    b = (torch.randn((N_FINAL,), generator=g) * 0.02).to(torch.bfloat16)
+    ti = torch.randint(0, timesteps, (rows,), generator=g)
+    out = final.forward(x, nw, temb, w, b, ti, 1e-5, True)
+    assert calls["strides"] == (N_FINAL, N_FINAL)  # row-strided halves of one table, no copy
+    assert _close(out, reference.final_adaln_out_replay(x, nw, temb, w, b, ti, 1e-5), 1e-2)
+    grad = torch.randn((rows, hidden), generator=g).to(torch.bfloat16)
+    got = final.backward(grad, x, nw, temb, w, b, ti, 1e-5)
+    want = _final_backward_cpu(grad, x, nw, temb, w, b, ti, 1e-5)
+    for a, ref, name in zip(got, want, ("dx", "dnw", "dtemb", "dW", "db")):
+        assert _close(a, ref, 1e-2), name
+
+
+def _fp64_grads_cpu(grad, temb, weight):
+    g, t, w = grad.double(), temb.double(), weight.double()
+    act = torch.nn.functional.silu(temb).to(torch.bfloat16).double()
+    s = torch.sigmoid(t)
+    return (g @ w) * (s * (1 + t * (1 - s))), g.t() @ act, g.sum(0)
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------
 
 gpu = pytest.mark.gpu

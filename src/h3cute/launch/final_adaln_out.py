@@ -12,16 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from h3cute.launch import adaln_projection
+from h3cute.launch import adaln_projection, norm_modulate
 
 HIDDEN = 5376
-
-
-def _norm_modulate():
-    # Imported on first use so that this op keeps importing while the norm launcher is being written.
-    from h3cute.launch import norm_modulate
-
-    return norm_modulate
 
 
 def _shift_scale(temb, proj_weight, proj_bias):
@@ -32,16 +25,15 @@ def _shift_scale(temb, proj_weight, proj_bias):
 def forward(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
     """(S, 5376) BF16 x -> rms_norm(x, nw) * (1 + scale[ti]) + shift[ti], BF16; indices already checked."""
     shift, scale = _shift_scale(temb, proj_weight, proj_bias)
-    return _norm_modulate().forward_rows(x, norm_weight, shift, scale, timestep_indices, eps)
+    return norm_modulate.forward_rows(x, norm_weight, shift, scale, timestep_indices, eps, op="final_adaln_out")
 
 
 def backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps):
     """-> (dx, d_norm_weight, d_temb FP32, d_proj_weight BF16, d_proj_bias BF16)."""
-    rows = temb.shape[0]
     _, scale = _shift_scale(temb, proj_weight, proj_bias)
-    dx, dnorm_weight, dshift, dscale = _norm_modulate().backward_rows(
-        grad, x, norm_weight, scale, timestep_indices, eps, rows
+    dx, dnorm_weight, dshift, dscale = norm_modulate.backward_rows(
+        grad, x, norm_weight, scale, timestep_indices, eps, op="final_adaln_out_backward"
     )
-    dproj = torch.cat([dshift, dscale], dim=1).to(torch.bfloat16)
+    dproj = torch.cat([dshift, dscale], dim=1)  # (T, 10752) BF16, shift first like the table
     dtemb, dproj_weight, dproj_bias = adaln_projection.backward(dproj, temb, proj_weight)
     return dx, dnorm_weight, dtemb, dproj_weight, dproj_bias
