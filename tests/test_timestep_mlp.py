@@ -171,6 +171,35 @@ def _poison_allocator():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (1, 5, 33))
+def test_each_gemm_role_against_fp64(num_rows):
+    """Localizes a failure: fc1's z and h, the fc2 slice partials and a T-deep weight-gradient GEMM."""
+    from h3cute import runtime
+
+    w1, b1, w2, b2 = _params(7)
+    x = _randn((num_rows, F1), 71)
+    _poison_allocator()
+    z, h = L._fc1(x, w1, b1, L.SMALL_T.fc1)
+    z64 = x.double() @ w1.double().t() + b1.double()
+    assert _rel(z, z64) <= FWD_TOL
+    assert _rel(h, torch.nn.functional.silu(z64)) <= FWD_TOL
+    partials = torch.full((6, num_rows, D), float("nan"), device="cuda")
+    runtime.kernel("timestep_mlp_gemm", x.device, role="fc2", tile=L.MID_T.fc2.astuple())(h, w2, partials)
+    for s in range(6):
+        k = slice(896 * s, 896 * (s + 1))
+        assert _rel(partials[s], h[:, k].double() @ w2[:, k].double().t()) <= FWD_TOL, s
+    padded = 32 * (-(-num_rows // 32))
+    x_t = L._transpose_padded(x, padded)
+    dz_t = L._transpose_padded(_randn((num_rows, HIDDEN), 73), padded)
+    assert dz_t.shape == (HIDDEN, padded) and torch.equal(dz_t[:, num_rows:], torch.zeros_like(dz_t[:, num_rows:]))
+    dw1 = torch.full((1, HIDDEN, F1), float("nan"), device="cuda")
+    fc1_wgrad = runtime.kernel("timestep_mlp_gemm", x.device, role="fc1_wgrad",
+                               tile=L.WGRAD_TILES["fc1_wgrad"].astuple())
+    fc1_wgrad(dz_t, x_t, dw1)
+    assert _rel(dw1[0], dz_t.double() @ x_t.double().t()) <= GRAD_TOL
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", REPORT_SIZES)
 def test_accuracy_against_fp64(num_rows):
     w1, b1, w2, b2 = _params()
