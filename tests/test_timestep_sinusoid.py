@@ -272,3 +272,17 @@ def test_rows_past_int32_byte_offsets():
     out = _op(t, False)
     for start in (0, (1 << 21) - 3, (1 << 23) - 3, num_rows - 64):
         _assert_bitwise(out[start : start + 64], _replay(t[start : start + 64]))
+
+
+@gpu
+def test_kernel_rejects_an_output_with_other_rows():
+    # t and out share one symbolic row count in the compiled signature; a mismatch must raise, not
+    # write past out (out is a view into a larger buffer so a missing check cannot corrupt memory).
+    from h3cute.launch import timestep_sinusoid as launch_mod
+
+    t = torch.rand(5, device="cuda")
+    buf = torch.full((8, WIDTH), float("nan"), device="cuda")
+    with pytest.raises((ValueError, TypeError, RuntimeError)):
+        launch_mod.launch(t, buf[:4])
+    torch.cuda.synchronize()
+    assert buf.isnan().all()
