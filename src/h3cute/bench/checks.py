@@ -60,6 +60,11 @@ class Plan:
         )
 
 
+    def with_overrides(self, overrides: dict) -> "Plan":
+        """This plan with fields replaced (lists become tuples), e.g. from `--plan sweep_pool=256`."""
+        return replace(self, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()})
+
+
 FULL = Plan()
 QUICK = Plan(all_rows_sizes=(64, 257), all_rows_seeds=(3,), sub_seeds=(3,), sweep_pool=512,
              sweep_seeds=(3,), warmup=5, samples=30)
@@ -123,6 +128,11 @@ def sweep_sizes(pool: int) -> list[int]:
     return sizes
 
 
+def sub_batches(full: int, size: int) -> list[tuple[int, int]]:
+    """(start, stop) of the sub-batches of one size: every max(size, full // 512) rows, cut at the end."""
+    return [(start, min(start + size, full)) for start in range(0, full, max(size, full // 512))]
+
+
 def probe_rows(pool: int) -> list[int]:
     return sorted({0, pool - 1, *(min(i * (pool // 8) + 3, pool - 1) for i in range(1, 7))})
 
@@ -157,8 +167,7 @@ def batch_invariance(cand: Candidate, problem: Problem, plan: Plan, device, log=
         if with_params:
             repeatable &= _params_equal(problem, grads, run(cand, problem, inputs, up)[1])
         for size in plan.sub_batch_sizes:
-            for start in range(0, full, max(size, full // 512)):
-                stop = min(start + size, full)
+            for start, stop in sub_batches(full, size):
                 rows = torch.arange(start, stop)
                 o, g = run(cand, problem, take_rows(problem, inputs, rows), [u[start:stop] for u in up])
                 f, r = _rows_equal(problem, o, g, outs, grads, slice(None), slice(start, stop))

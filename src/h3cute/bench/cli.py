@@ -1,6 +1,6 @@
 """`h3cute-bench` command line.
 
-  h3cute-bench prior-art --op OP|all [--quick] [--out FILE.json]
+  h3cute-bench prior-art --op OP|all [--quick] [--out FILE.json] [--plan FIELD=JSON ...]
       JSON report (the seeds' schema) + FILE.md summary + FILE_latency.png / FILE_invariance.png.
       With --op all, FILE.json names a stem: one FILE_<op>.json per op.
   h3cute-bench compare A.json B.json [--labels A B]
@@ -24,6 +24,20 @@ def _log(msg: str) -> None:
     console.log(msg)
 
 
+def _overrides(items) -> dict:
+    """`--plan key=value` pairs (values JSON: `--plan accuracy_sizes=[1,64]`) checked against Plan."""
+    from dataclasses import fields
+    from h3cute.bench.checks import Plan
+    known = {f.name for f in fields(Plan)}
+    out = {}
+    for item in items or ():
+        key, _, value = item.partition("=")
+        if key not in known:
+            raise SystemExit(f"--plan {item}: unknown field {key!r}; fields: {sorted(known)}")
+        out[key] = json.loads(value)
+    return out
+
+
 def _prior_art(args) -> int:
     from h3cute.bench.prior_art import prior_art
     ops = OPS if args.op == "all" else (args.op,)
@@ -35,7 +49,7 @@ def _prior_art(args) -> int:
         else:
             out = args.out
         console.rule(f"prior art: {op}")
-        prior_art(op, args.quick, out, log=_log)
+        prior_art(op, args.quick, out, overrides=_overrides(args.plan), log=_log)
     return 0
 
 
@@ -43,7 +57,7 @@ def _mode(args) -> int:
     """Child process of one cuBLAS mode (its environment was set by the parent)."""
     from h3cute.bench import checks
     from h3cute.bench.prior_art import run_mode
-    plan = checks.QUICK if args.quick else checks.FULL
+    plan = (checks.QUICK if args.quick else checks.FULL).with_overrides(_overrides(args.plan))
     with console.status(f"{args.op} [{args.mode}]"):
         run_mode(PROBLEMS[args.op], args.mode, plan, out=args.out, log=lambda m: _log(f"[{args.mode}] {m}"))
     return 0
@@ -72,7 +86,7 @@ def _sweep(args) -> int:
             console.print(f"unknown configs {sorted(unknown)}; the op declares {[n for n, _ in configs]}")
             return 2
         configs = [(n, c) for n, c in configs if n in args.config]
-    plan = checks.FULL if args.full else checks.QUICK
+    plan = (checks.FULL if args.full else checks.QUICK).with_overrides(_overrides(args.plan))
     res = sweep(PROBLEMS[args.op], configs, mod.forward, plan, default_device(), log=_log)
     out = args.out or Path(f"h3_sweep_{args.op}.json")
     out.write_text(json.dumps(res, indent=2))
@@ -91,6 +105,8 @@ def parser() -> argparse.ArgumentParser:
     pa.add_argument("--op", required=True, choices=(*OPS, "all"))
     pa.add_argument("--quick", action="store_true", help="fewer seeds and sizes, fewer timing samples")
     pa.add_argument("--out", type=Path)
+    pa.add_argument("--plan", action="append", metavar="FIELD=JSON",
+                    help="override a field of the check plan (h3cute.bench.checks.Plan), e.g. sweep_pool=256")
     pa.set_defaults(func=_prior_art)
     cp = sub.add_parser("compare", help="side-by-side table of two reports (seed or ours)")
     cp.add_argument("a", type=Path)
@@ -102,12 +118,14 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--config", action="append", help="only these config names (repeatable)")
     sw.add_argument("--full", action="store_true", help="the full invariance method instead of the quick one")
     sw.add_argument("--out", type=Path)
+    sw.add_argument("--plan", action="append", metavar="FIELD=JSON", help="override a field of the check plan")
     sw.set_defaults(func=_sweep)
     md = sub.add_parser("_mode", help=argparse.SUPPRESS)
     md.add_argument("--op", required=True, choices=OPS)
     md.add_argument("--mode", required=True)
     md.add_argument("--quick", action="store_true")
     md.add_argument("--out", type=Path, required=True)
+    md.add_argument("--plan", action="append")
     md.set_defaults(func=_mode)
     return p
 

@@ -114,11 +114,13 @@ def merge(op: str, partials: list[dict], quick: bool) -> dict:
     }
 
 
-def _mode_subprocess(op: str, mode: str, quick: bool, workdir: Path, log) -> dict:
+def _mode_subprocess(op: str, mode: str, quick: bool, overrides: dict, workdir: Path, log) -> dict:
     out = workdir / f"{op}.{mode}.json"
     cmd = [sys.executable, "-m", "h3cute.bench", "_mode", "--op", op, "--mode", mode, "--out", str(out)]
     if quick:
         cmd.append("--quick")
+    for key, value in overrides.items():
+        cmd += ["--plan", f"{key}={json.dumps(value)}"]
     env = {**os.environ, **MODES[mode]}
     log(f"mode {mode}: {' '.join(f'{k}={v}' for k, v in MODES[mode].items())} subprocess")
     proc = subprocess.run(cmd, env=env)
@@ -133,12 +135,16 @@ def _mode_subprocess(op: str, mode: str, quick: bool, workdir: Path, log) -> dic
         for c in candidates_for(problem, mode)}}}
 
 
-def prior_art(op: str, quick: bool, out: Path, log=print) -> dict:
-    """Run every mode of `op` in its own subprocess; write the JSON, the markdown summary and plots."""
+def prior_art(op: str, quick: bool, out: Path, overrides: dict | None = None, log=print) -> dict:
+    """Run every mode of `op` in its own subprocess; write the JSON, the markdown summary and plots.
+    `overrides` replace fields of the plan (a report made with them says so under `plan_overrides`)."""
     problem = PROBLEMS[op]
+    overrides = overrides or {}
     with tempfile.TemporaryDirectory(prefix="h3bench-") as tmp:
-        partials = [_mode_subprocess(op, mode, quick, Path(tmp), log) for mode in modes_for(problem)]
+        partials = [_mode_subprocess(op, mode, quick, overrides, Path(tmp), log) for mode in modes_for(problem)]
     rep = merge(op, partials, quick)
+    if overrides:
+        rep["plan_overrides"] = overrides
     write_outputs(rep, out, log)
     return rep
 

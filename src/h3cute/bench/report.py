@@ -242,7 +242,7 @@ def summary_markdown(report: dict) -> str:
             lines.append(f"| {n} | `{name}` | {_fmt(e.get('fwd_rel_err'))} | {_fmt(gmax)} | {_fmt(e.get('fwd_us'))} | "
                          f"{_fmt(e.get('fwd_bwd_us'))} | {_fmt(e.get('fwd_kernel_us'))} | {_fmt(e.get('fwd_bwd_kernel_us'))} |")
         f = floors.get(str(n))
-        if f:
+        if f and f.get("fwd_us") is not None:
             lines.append(f"| {n} | floor (memory / compute) | | | {_fmt(f.get('fwd_memory_us'))} / {_fmt(f.get('fwd_compute_us'))} | "
                          f"{_fmt(f.get('fwd_bwd_memory_us'))} / {_fmt(f.get('fwd_bwd_compute_us'))} | | |")
     if unavailable:

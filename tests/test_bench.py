@@ -1,0 +1,272 @@
+"""CPU tests of the prior-art harness (h3cute.bench): planted controls, the seeds' method, the schema."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3cute.bench import checks, prior_art, report
+from h3cute.bench.candidates import Candidate, candidates_for
+from h3cute.bench.cli import main
+from h3cute.bench.problems import PROBLEMS, Problem, randn, row_layout, take_rows
+from h3cute.bench.sweep import sweep
+
+SEEDS = sorted(Path("/work/shared/seeds").glob("*.json")) or sorted(
+    (Path(__file__).parent / "data" / "seeds").glob("*.json"))
+CPU = torch.device("cpu")
+
+# Tiny sizes: the method is the seeds', only the counts shrink.
+TINY = checks.Plan(all_rows_sizes=(5, 9), all_rows_seeds=(3, 4), sub_seeds=(3,), full_batch=64,
+                   sub_batch_sizes=(1, 7, 32), sweep_pool=32, sweep_seeds=(3,), accuracy_sizes=(1, 4),
+                   warmup=1, samples=3)
+
+
+def _toy_draw(n, seed, device):
+    return {"x": randn((n, 4), seed, 0, device), "w": randn((4,), seed, 1, device),
+            "b": randn((4,), seed, 2, device, 0.02)}
+
+
+TOY = Problem(op="toy_scale", args=("x", "w", "b"), row_args=("x",), row_grads=("x",), param_grads=("w", "b"),
+              draw=_toy_draw, accuracy_sizes=(1, 4), full_batch=64, sub_batch_sizes=(1, 7, 32))
+
+
+class _NoisyParamGrad(torch.autograd.Function):
+    """x * w whose weight gradient carries run-to-run noise, like an atomic reduction."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0) + torch.rand_like(w) * 1e-6
+
+
+ROWWISE = Candidate("rowwise", "x * w + b", lambda x, w, b: x * w + b)
+BATCH_MEAN = Candidate("batch_mean", "x * w + b + 1e-3 * mean(x)",
+                       lambda x, w, b: x * w + b + 1e-3 * x.mean(0, keepdim=True))
+NOISY = Candidate("noisy", "x * w + b, noisy dw", lambda x, w, b: _NoisyParamGrad.apply(x, w) + b)
+
+
+def test_rowwise_candidate_is_batch_invariant():
+    bi = checks.batch_invariance(ROWWISE, TOY, TINY, CPU)
+    assert bi["batch_invariant"] is True
+    assert bi["params_repeatable"] is True
+    assert bi["all_rows"] == {"5": {"rows": 10, "fwd_differ": 0, "rowgrad_differ": 0},
+                              "9": {"rows": 18, "fwd_differ": 0, "rowgrad_differ": 0}}
+    assert bi["full_vs_sub_batches"]["sub_batches"] == 64 // 1 + 64 // 7 + 1 + 2   # step max(size, 64 // 512)
+    sw = bi["batch_size_sweep"]
+    assert sw["differ"] == 0 and sw["first_failures"] == [] and sw["comparisons"] > 0
+
+
+def test_planted_batch_dependence_is_caught_with_its_first_failure():
+    bi = checks.batch_invariance(BATCH_MEAN, TOY, TINY, CPU)
+    assert bi["batch_invariant"] is False
+    # the mean couples every row's output and, through d mean / dx, every row's gradient
+    assert bi["all_rows"]["5"] == {"rows": 10, "fwd_differ": 10, "rowgrad_differ": 10}
+    assert bi["full_vs_sub_batches"]["fwd_differ"] == bi["full_vs_sub_batches"]["sub_batches"]
+    sw = bi["batch_size_sweep"]
+    # Batch 1 is the probe alone (equal); batch 2 puts row 0 beside another pool row at position 0 first.
+    others = torch.randint(0, 32, (2,), generator=torch.Generator().manual_seed(3 * 1000 + 2))
+    assert others[1] != 0
+    assert sw["first_failures"][0] == {"seed": 3, "batch": 2, "position": 0, "row": 0}
+    assert len(sw["first_failures"]) == 8
+    assert 0 < sw["differ"] <= sw["comparisons"]
+
+
+def test_nondeterministic_parameter_gradient_fails_params_repeatable_only():
+    bi = checks.batch_invariance(NOISY, TOY, TINY, CPU)
+    assert bi["params_repeatable"] is False
+    assert bi["batch_invariant"] is False
+    assert bi["batch_size_sweep"]["differ"] == 0
+    assert all(v["fwd_differ"] == 0 and v["rowgrad_differ"] == 0 for v in bi["all_rows"].values())
+
+
+def test_method_reproduces_the_seed_counts():
+    seed = json.loads(next(p for p in SEEDS if "timestep_mlp" in p.name).read_text())
+    sw = seed["results"]["plain"]["rl_kernel"]["batch_invariance"]["batch_size_sweep"]
+    assert checks.sweep_sizes(2048) == sw["batch_sizes"]
+    assert checks.probe_rows(2048) == sw["probe_rows"]
+    positions = sum(len({0, b // 2, b - 1}) for b in sw["batch_sizes"])
+    assert 3 * 8 * (positions + 1) == sw["comparisons"]          # 3 seeds, 8 probes, + the reversed pool
+    for op, subs in (("timestep_mlp", 2060), ("timestep_sinusoid", 2060), ("final_adaln_out", 2124)):
+        p = PROBLEMS[op]
+        assert 2 * sum(len(checks.sub_batches(p.full_batch, s)) for s in p.sub_batch_sizes) == subs
+
+
+@pytest.mark.parametrize("path", SEEDS, ids=lambda p: p.name)
+def test_seed_reports_load_with_our_reader(path):
+    rep = report.load_report(path)
+    assert report.candidates(rep)
+    assert report.summary_markdown(rep).startswith(f"# {rep['op']}")
+
+
+def test_reader_rejects_broken_reports():
+    rep = json.loads(SEEDS[0].read_text())
+    cand = next(iter(next(iter(rep["results"].values())).values()))
+    cand["batch_invariance"]["batch_invariant"] = "yes"
+    del rep["environment"]["tf32"]
+    errors = report.validate_report(rep)
+    assert any("batch_invariant" in e for e in errors) and any("tf32" in e for e in errors)
+
+
+def test_row_layout_and_problem_table():
+    tags, ti = row_layout(100, 3)
+    assert tags[:3].tolist() == [0, 1, 2] and set(tags.tolist()) <= {0, 1, 2} and set(ti.tolist()) <= {0, 1, 2}
+    assert torch.equal(row_layout(100, 3)[1], ti) and not torch.equal(row_layout(100, 4)[1], ti)
+    for op in ("timestep_sinusoid", "timestep_mlp", "final_adaln_out", "adaln_row_gather", "norm_modulate",
+               "gate_residual"):
+        p = PROBLEMS[op]
+        inputs = p.draw(6, 3, CPU)
+        assert tuple(inputs) == p.args
+        sub = take_rows(p, inputs, torch.tensor([5, 0]))
+        for a in p.args:
+            if a in p.row_args:
+                assert sub[a].shape[0] == 2 and torch.equal(sub[a][1], inputs[a][0])
+            else:
+                assert sub[a] is inputs[a]
+    t = PROBLEMS["timestep_sinusoid"].draw(1000, 3, CPU)["t"]
+    assert 0 <= t.min() and t.max() <= 1
+    idx = PROBLEMS["norm_modulate"].draw(50, 3, CPU)["adaln_indices"]
+    assert idx.dtype == torch.int64 and 0 <= idx.min() and idx.max() < 9
+
+
+def _toy_report(tmp_path):
+    part = prior_art.run_mode(TOY, "plain", TINY, CPU, cands=[ROWWISE, BATCH_MEAN])
+    return prior_art.merge("toy_scale", [part], quick=True)
+
+
+def test_custom_problem_report_is_schema_valid(tmp_path):
+    rep = _toy_report(tmp_path)
+    assert report.validate_report(rep) == []
+    res = rep["results"]["plain"]
+    assert res["rowwise"]["batch_invariance"]["batch_invariant"] is True
+    assert res["batch_mean"]["batch_invariance"]["batch_invariant"] is False
+    e = res["rowwise"]["accuracy_latency"]["4"]
+    assert e["fwd_rel_err"] is None                      # no FP64 golden for a custom problem
+    assert e["fwd_us"] > 0 and e["fwd_bwd_us"] > 0
+    assert e["fwd_kernel_us"] is None and "CUDA" in e["kernel_us_unavailable"]["fwd"]
+    assert rep["floors"]["4"]["bytes_fwd"] == (4 * 4 + 4 + 4 + 4 * 4) * 4
+
+
+def test_sinusoid_cpu_report_and_outputs(tmp_path):
+    part = prior_art.run_mode(PROBLEMS["timestep_sinusoid"], "plain", TINY, CPU)
+    rep = prior_art.merge("timestep_sinusoid", [part], quick=True)
+    assert report.validate_report(rep) == []
+    res = rep["results"]["plain"]
+    assert res["diffusers"]["batch_invariance"]["batch_invariant"] is True
+    assert 0 <= res["diffusers"]["accuracy_latency"]["4"]["fwd_rel_err"] < 1e-6
+    assert res["torch_bare_op"]["accuracy_latency"]["1"]["fwd_rel_err"] is None
+    assert "unavailable" in res["sglang"]
+    written = prior_art.write_outputs(rep, tmp_path / "sin.json", log=lambda m: None)
+    assert report.load_report(tmp_path / "sin.json")["op"] == "timestep_sinusoid"
+    md = (tmp_path / "sin.md").read_text()
+    assert "| `diffusers` | ok | – | ok | ok | yes |" in md
+    pytest.importorskip("matplotlib")
+    assert {p.name for p in written} >= {"sin_latency.png", "sin_invariance.png"}
+
+
+def test_compare_on_a_seed_file(tmp_path, capsys):
+    seed = next(p for p in SEEDS if "timestep_sinusoid" in p.name)
+    rep = _toy_report(tmp_path)
+    rep["op"] = "timestep_sinusoid"
+    ours = tmp_path / "ours.json"
+    ours.write_text(json.dumps(rep))
+    assert main(["compare", str(seed), str(ours), "--labels", "B200", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "| `rl_kernel` | yes | – |" in out and "| `batch_mean` | – | **NO** |" in out
+    assert "fwd_us B200" in out
+
+
+def test_modes_and_candidates():
+    assert [c.name for c in candidates_for(PROBLEMS["timestep_mlp"], "vllm")] == [
+        "diffusers[vllm]", "diffusers_module[vllm]"]
+    names = [c.name for c in candidates_for(PROBLEMS["gate_residual"], "plain")]
+    assert names[:3] == ["h3cute", "diffusers", "diffusers_module"] and "torch_bare_op" not in names
+
+
+def test_sweep_flags_configs_that_change_bits():
+    configs = [("exact", 0.0), ("same", 0.0), ("off", 1e-7)]
+
+    def forward(x, w, b, config):
+        return x * w + b + config
+    res = sweep(TOY, configs, forward, TINY, CPU)
+    assert res["all_invariant"] is True
+    assert res["all_identical"] is False
+    assert [res["configs"][n]["identical_to_first"] for n, _ in configs] == [True, True, False]
+    assert sorted(res["ranking"]) == ["exact", "off", "same"]
+
+
+def test_cli_quick_prior_art_sinusoid_subprocess(tmp_path):
+    """The whole command on CPU: mode subprocess, merge, JSON + markdown (timestep_sinusoid is cheap)."""
+    out = tmp_path / "sin.json"
+    proc = subprocess.run([sys.executable, "-m", "h3cute.bench", "prior-art", "--op", "timestep_sinusoid",
+                           "--quick", "--out", str(out), "--plan", "all_rows_sizes=[5]", "--plan", "full_batch=64",
+                           "--plan", "sub_batch_sizes=[1, 7, 32]", "--plan", "sweep_pool=32",
+                           "--plan", "accuracy_sizes=[1, 4]", "--plan", "samples=3"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = report.load_report(out)
+    assert rep["quick"] is True and rep["environment"]["mode_environment"] == {"plain": {}}
+    assert rep["plan_overrides"]["sweep_pool"] == 32
+    sweep = rep["results"]["plain"]["diffusers"]["batch_invariance"]["batch_size_sweep"]
+    assert sweep["probe_rows"][-1] == 31
+    assert rep["results"]["plain"]["diffusers"]["batch_invariance"]["batch_invariant"] is True
+    assert out.with_suffix(".md").exists()
+
+
+# ---- device checks (the lead runs these on the H200) -------------------------------------------------
+
+SMALL_GPU = checks.Plan(all_rows_sizes=(64,), all_rows_seeds=(3,), sub_seeds=(3,), full_batch=4096,
+                        sub_batch_sizes=(1, 7, 1024), sweep_pool=256, sweep_seeds=(3,), accuracy_sizes=(1, 64),
+                        warmup=3, samples=10)
+
+
+@pytest.mark.gpu
+def test_gpu_planted_controls_on_cuda():
+    cuda = torch.device("cuda")
+    assert checks.batch_invariance(ROWWISE, TOY, SMALL_GPU, cuda)["batch_invariant"] is True
+    bi = checks.batch_invariance(BATCH_MEAN, TOY, SMALL_GPU, cuda)
+    assert bi["batch_invariant"] is False and bi["batch_size_sweep"]["first_failures"][0]["batch"] == 2
+
+
+@pytest.mark.gpu
+def test_gpu_sinusoid_run_mode_fills_every_field():
+    cuda = torch.device("cuda")
+    part = prior_art.run_mode(PROBLEMS["timestep_sinusoid"], "plain", SMALL_GPU, cuda)
+    rep = prior_art.merge("timestep_sinusoid", [part], quick=True)
+    assert report.validate_report(rep) == []
+    env = rep["environment"]
+    assert env["gpu"] and env["timer"] == "cuda_event" and env["tf32"] is False
+    ceil = env["ceilings"]
+    assert ceil["copy_bytes_per_s"] > 1e11 and ceil["bf16_flops_per_s"] > ceil["fp32_flops_per_s"] > 1e12
+    res = rep["results"]["plain"]
+    for name in ("diffusers", "torch_bare_op"):
+        e = res[name]["accuracy_latency"]["64"]
+        assert e["fwd_us"] > 0 and e["fwd_kernel_us"] is not None and e["fwd_kernel_us"] <= e["fwd_us"]
+        assert res[name]["batch_invariance"]["batch_invariant"] is True
+    assert res["diffusers"]["accuracy_latency"]["64"]["fwd_rel_err"] < 1e-6
+    h3 = res["h3cute"]
+    assert "unavailable" in h3 or h3["batch_invariance"]["batch_invariant"] is True
+    assert rep["floors"]["64"]["fwd_memory_us"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_modes_run_in_their_own_processes(tmp_path):
+    """timestep_mlp: plain and vllm subprocesses, merged; the vllm mode's environment is recorded."""
+    out = tmp_path / "mlp.json"
+    proc = subprocess.run([sys.executable, "-m", "h3cute.bench", "prior-art", "--op", "timestep_mlp", "--quick",
+                           "--out", str(out), "--plan", "all_rows_sizes=[64]", "--plan", "sweep_pool=128",
+                           "--plan", "accuracy_sizes=[1, 64]"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = report.load_report(out)
+    assert set(rep["results"]) == {"plain", "vllm"}
+    assert rep["environment"]["mode_environment"]["vllm"]["CUBLASLT_WORKSPACE_SIZE"] == "1"
+    for mode in ("plain", "vllm"):
+        d = rep["results"][mode][f"diffusers[{mode}]"]
+        assert d["accuracy_latency"]["64"]["fwd_rel_err"] < 1e-5
+        assert set(d["accuracy_latency"]["64"]["grad_rel_err"]) == {"x", "w1", "b1", "w2", "b2"}
