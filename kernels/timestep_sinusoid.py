@@ -56,12 +56,12 @@ def _mul_rn(a: cutlass.Float32, b: cutlass.Float32) -> cutlass.Float32:
 
 
 @cute.kernel
-def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor, rows_per_cta: cutlass.Constexpr):
+def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = tidx % LANES
     # 64-bit row: row * 256 overflows int32 from T = 2^23 on.
-    row = cutlass.Int64(bidx * rows_per_cta + tidx // LANES)
+    row = cutlass.Int64(bidx * ROWS_PER_CTA + tidx // LANES)
     if row < mT.shape[0]:
         t = mT[row]
         rCos = cute.make_rmem_tensor((VEC,), cutlass.Float32)
@@ -80,12 +80,9 @@ def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor, rows_per_cta: cutlass.C
 
 
 @cute.jit
-def _sinusoid_launch(mT: cute.Tensor, mOut: cute.Tensor, stream, rows_per_cta: cutlass.Constexpr):
-    num_rows = mT.shape[0]
-    grid = (num_rows + rows_per_cta - 1) // rows_per_cta
-    _sinusoid_kernel(mT, mOut, rows_per_cta).launch(
-        grid=(grid, 1, 1), block=(rows_per_cta * LANES, 1, 1), stream=stream
-    )
+def _sinusoid_launch(mT: cute.Tensor, mOut: cute.Tensor, stream):
+    grid = (mT.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA  # T >= 1: the launcher skips T = 0
+    _sinusoid_kernel(mT, mOut).launch(grid=(grid, 1, 1), block=(ROWS_PER_CTA * LANES, 1, 1), stream=stream)
 
 
 def build(arch: str, *, width: int):
@@ -95,7 +92,7 @@ def build(arch: str, *, width: int):
     # t may be any 1-D FP32 view (stride symbolic); the output is a fresh compact (T, 256) tensor.
     mT = make_fake_tensor(cutlass.Float32, (num_rows,), (cute.sym_int(),), assumed_align=4)
     mOut = make_fake_compact_tensor(cutlass.Float32, (num_rows, width), stride_order=(1, 0), assumed_align=16)
-    return compile_for(arch, _sinusoid_launch, mT, mOut, env_stream(), ROWS_PER_CTA)
+    return compile_for(arch, _sinusoid_launch, mT, mOut, env_stream())
 
 
 SPECS = [
@@ -103,7 +100,7 @@ SPECS = [
         name="timestep_sinusoid",
         build=build,
         variants=lambda arch: [dict(width=SINUSOID_WIDTH)],
-        # mul.rn: the two uncontractable products; 0f32A57060: the low word of log2(e) in __nv_expf's
+        # mul.rn: the explicitly rounded products (k*c, *2^-7, t*f); 0f32A57060: the low word of log2(e) in __nv_expf's
         # reduction; 0f47CE4780 (105615): __nv_sinf/__nv_cosf's switch from the 3-term Cody-Waite
         # reduction to Payne-Hanek; st.global.v4: the 16-byte stores.
         ptx_markers=("mul.rn.f32", "0f32A57060", "0f47CE4780", "st.global.v4.b32"),
