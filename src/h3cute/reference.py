@@ -127,3 +127,79 @@ def gate_residual_fp64(residual, y, gate, adaln_indices):
 def final_adaln_out_fp64(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5):
     shift, scale = adaln_projection_fp64(temb, proj_weight, proj_bias).chunk(2, dim=-1)
     return norm_modulate_fp64(x, norm_weight, shift, scale, timestep_indices, eps)
+
+
+# ---- example inputs (the seed reports' recipe) -------------------------------------------------------
+
+OPS = ("timestep_sinusoid", "timestep_mlp", "adaln_projection", "final_adaln_out", "adaln_row_gather",
+       "norm_modulate", "gate_residual")
+
+
+def row_layout(rows: int, num_timesteps: int, seed: int = 0):
+    """(timestep_indices, token_tags), int64 on CPU: tags then indices drawn uniformly from one seeded CPU
+    generator, the first three tags forced to 0, 1, 2 (rows interleaved, not blocked)."""
+    g = torch.Generator().manual_seed(seed)
+    tags = torch.randint(0, 3, (rows,), generator=g)
+    tags[: min(rows, 3)] = torch.arange(min(rows, 3))
+    ti = torch.randint(0, max(num_timesteps, 1), (rows,), generator=g)
+    return ti, tags
+
+
+def example_inputs(op: str, rows: int, *, num_timesteps: int = 3, device="cpu", seed: int = 0):
+    """Positional arguments of `torch.ops.h3.<op>` (tensors only, defaults left out) at the H3 widths.
+
+    `rows` is T for the timestep-row ops (timestep_sinusoid, timestep_mlp, adaln_projection) and S for the
+    others. Weights are scaled by fan-in^-0.5, biases by 0.02, S-op activations are `randn * 2` in BF16,
+    norm weights `0.5 + rand`. Note adaln_projection's weight alone is 520 MB.
+    """
+    g = torch.Generator(device=device).manual_seed(seed * 1000 + 17)
+
+    def randn(*shape, scale=1.0, dtype=torch.float32):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    bf16 = torch.bfloat16
+    T = num_timesteps
+    if op == "timestep_sinusoid":
+        return (torch.rand(rows, generator=g, device=device),)
+    if op == "timestep_mlp":
+        return (randn(rows, 256), randn(5376, 256, scale=256**-0.5), randn(5376, scale=0.02),
+                randn(2688, 5376, scale=5376**-0.5), randn(2688, scale=0.02))
+    if op == "adaln_projection":
+        return (randn(rows, 2688), randn(18 * HIDDEN, 2688, scale=2688**-0.5, dtype=bf16),
+                randn(18 * HIDDEN, scale=0.02, dtype=bf16))
+    ti, tags = row_layout(rows, T, seed)
+    ti, idx = ti.to(device), (ti * 3 + tags).to(device)
+    x = randn(rows, HIDDEN, scale=2.0, dtype=bf16)
+    if op == "final_adaln_out":
+        norm_weight = (0.5 + torch.rand(HIDDEN, generator=g, device=device)).to(bf16)
+        return (x, norm_weight, randn(T, 2688), randn(2 * HIDDEN, 2688, scale=2688**-0.5, dtype=bf16),
+                randn(2 * HIDDEN, scale=0.02, dtype=bf16), ti)
+    if op == "adaln_row_gather":
+        return (randn(3 * T, BLOCK_CHUNKS * HIDDEN, scale=0.5, dtype=bf16), idx)
+    if op == "norm_modulate":
+        norm_weight = (0.5 + torch.rand(HIDDEN, generator=g, device=device)).to(bf16)
+        return (x, norm_weight, randn(3 * T, HIDDEN, scale=0.5, dtype=bf16),
+                randn(3 * T, HIDDEN, scale=0.5, dtype=bf16), idx)
+    if op == "gate_residual":
+        return (x, randn(rows, HIDDEN, dtype=bf16), randn(3 * T, HIDDEN, scale=0.5, dtype=bf16), idx)
+    raise ValueError(f"unknown h3 op {op!r}; expected one of {OPS}")
+
+
+FP64 = {
+    "timestep_sinusoid": timestep_sinusoid_fp64,
+    "timestep_mlp": timestep_mlp_fp64,
+    "adaln_projection": adaln_projection_fp64,
+    "final_adaln_out": final_adaln_out_fp64,
+    "adaln_row_gather": adaln_row_gather_fp64,
+    "norm_modulate": norm_modulate_fp64,
+    "gate_residual": gate_residual_fp64,
+}
+REPLAY = {
+    "timestep_sinusoid": timestep_sinusoid_replay,
+    "timestep_mlp": timestep_mlp_replay,
+    "adaln_projection": adaln_projection_replay,
+    "final_adaln_out": final_adaln_out_replay,
+    "adaln_row_gather": adaln_row_gather_replay,
+    "norm_modulate": norm_modulate_replay,
+    "gate_residual": gate_residual_replay,
+}
