@@ -270,3 +270,15 @@ def test_gpu_modes_run_in_their_own_processes(tmp_path):
         d = rep["results"][mode][f"diffusers[{mode}]"]
         assert d["accuracy_latency"]["64"]["fwd_rel_err"] < 1e-5
         assert set(d["accuracy_latency"]["64"]["grad_rel_err"]) == {"x", "w1", "b1", "w2", "b2"}
+
+
+def test_accuracy_of_a_bf16_s_op_against_the_fp64_golden():
+    """gate_residual replay: the upstream gradient is BF16 for the candidate and the same values in FP64."""
+    p = PROBLEMS["gate_residual"]
+    plan = checks.Plan(accuracy_sizes=(5,), warmup=0, samples=1, graphs=False)
+    cand = next(c for c in candidates_for(p, "plain") if c.name == "diffusers")
+    e = checks.accuracy_latency(cand, p, plan, CPU, checks.Reference(p, CPU))["5"]
+    assert 0 < e["fwd_rel_err"] < 2 ** -7
+    assert set(e["grad_rel_err"]) == {"residual", "y", "gate"}
+    assert e["grad_rel_err"]["residual"] == 0.0          # d residual is the upstream itself, exactly
+    assert all(v < 2 ** -7 for v in e["grad_rel_err"].values())

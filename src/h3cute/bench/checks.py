@@ -256,7 +256,8 @@ class Reference:
             ref = Candidate("fp64", "reference", self.fn, has_backward=p.has_backward)
             with default_blas():
                 outs, _ = run(ref, p, wide, None)
-                up = upstream_like(outs, UPSTREAM_SEED)
+                # drawn in the op's output dtype so that candidates and the golden see the same values
+                up = [u.to(p.out_dtype) for u in upstream_like(outs, UPSTREAM_SEED)]
                 if p.has_backward:
                     outs, grads = run(ref, p, wide, [u.double() for u in up])
                 else:

@@ -48,6 +48,7 @@ class Problem:
     full_batch: int
     sub_batch_sizes: tuple[int, ...]
     grad_names: dict = field(default_factory=dict)
+    out_dtype: torch.dtype = torch.float32  # of every output: the accuracy upstream gradient is drawn in it
     gemm: bool = False                      # run under the cuBLAS modes
     h3_kwargs: dict = field(default_factory=dict)   # host-check flags off in timed loops
     diffusers_source: str = ""
@@ -183,7 +184,7 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
         fwd_flops=lambda n: (2 * n * (F1 * H + H * D), "fp32"),
     ),
     Problem(
-        op="final_adaln_out",
+        op="final_adaln_out", out_dtype=torch.bfloat16,
         args=("x", "norm_weight", "temb", "proj_weight", "proj_bias", "timestep_indices"),
         row_args=("x", "timestep_indices"), row_grads=("x",),
         param_grads=("norm_weight", "temb", "proj_weight", "proj_bias"),
@@ -195,7 +196,8 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
         fwd_flops=lambda n: (2 * T_S_OPS * D * 2 * H, "bf16"),
     ),
     Problem(
-        op="adaln_projection", args=("temb", "weight", "bias"), row_args=("temb",),
+        op="adaln_projection", out_dtype=torch.bfloat16, args=("temb", "weight", "bias"),
+        row_args=("temb",),
         row_grads=("temb",), param_grads=("weight", "bias"),
         grad_names={"weight": "w", "bias": "b"},
         draw=_draw_projection, accuracy_sizes=T_OP_ACCURACY_SIZES,
@@ -204,14 +206,16 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
         fwd_flops=lambda n: (2 * n * D * 18 * H, "bf16"),
     ),
     Problem(
-        op="adaln_row_gather", args=("table", "adaln_indices"), row_args=("adaln_indices",),
+        op="adaln_row_gather", out_dtype=torch.bfloat16, args=("table", "adaln_indices"),
+        row_args=("adaln_indices",),
         row_grads=(), param_grads=("table",), draw=_draw_gather,
         accuracy_sizes=S_OP_ACCURACY_SIZES, full_batch=_S_FULL, sub_batch_sizes=_S_SUBS,
         h3_kwargs={"check_indices": False},
         diffusers_source="diffusers MiniMaxH3 index_select modulation (op-for-op replay)",
     ),
     Problem(
-        op="norm_modulate", args=("x", "weight", "shift", "scale", "adaln_indices"),
+        op="norm_modulate", out_dtype=torch.bfloat16,
+        args=("x", "weight", "shift", "scale", "adaln_indices"),
         row_args=("x", "adaln_indices"), row_grads=("x",), param_grads=("weight", "shift", "scale"),
         grad_names={"weight": "w"},
         draw=_draw_norm_modulate, accuracy_sizes=S_OP_ACCURACY_SIZES,
@@ -219,7 +223,8 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
         diffusers_source="diffusers RMSNorm + modulation (op-for-op replay)",
     ),
     Problem(
-        op="gate_residual", args=("residual", "y", "gate", "adaln_indices"),
+        op="gate_residual", out_dtype=torch.bfloat16,
+        args=("residual", "y", "gate", "adaln_indices"),
         row_args=("residual", "y", "adaln_indices"), row_grads=("residual", "y"),
         param_grads=("gate",), draw=_draw_gate_residual,
         accuracy_sizes=S_OP_ACCURACY_SIZES, full_batch=_S_FULL, sub_batch_sizes=_S_SUBS,
