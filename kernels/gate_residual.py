@@ -49,26 +49,39 @@ def _forward_launch(mRes, mY, mGate, mIdx, mOut, stream, width: cutlass.Constexp
     )
 
 
+@cute.jit
+def _backward_step(mG, mY, mGate, mIdx, mDy, sGate, first, col, lane, rows: cutlass.Constexpr,
+                   width: cutlass.Constexpr):
+    """Rows [first, first + rows): all loads issued first, then dy stores and accumulations in row order."""
+    picks = [guarded_row(Int64(mIdx[first + i]), mGate.shape[0]) for i in range(rows)]
+    offs = [Int64(first + i) * width + col for i in range(rows)]
+    gs = [load_f32(mG, offs[i]) for i in range(rows)]
+    ys = [load_f32(mY, offs[i]) for i in range(rows)]
+    gates = [load_f32(mGate, picks[i][0] * mGate.stride[0] + col) for i in range(rows)]
+    for i in cutlass.range_constexpr(rows):
+        store_bf16(mDy, offs[i], gs[i] * gates[i] * picks[i][1])
+        if picks[i][1] == 1.0:  # rows with an out-of-range index add nothing
+            acc = smem_vec(sGate, Int32(picks[i][0]) * COL_TILE + lane * VEC)
+            acc.store(acc.load() + gs[i] * ys[i])
+
+
 @cute.kernel
 def _backward_kernel(mG: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mIdx: cute.Tensor, mDy: cute.Tensor,
                      mPartGate: cute.Tensor, width: cutlass.Constexpr, cap: cutlass.Constexpr):
     lane, _, _ = cute.arch.thread_idx()
     tile, group, _ = cute.arch.block_idx()
-    smem = cutlass.utils.SmemAllocator()
+    smem = cutlass.memory.SmemAllocator()
     sGate = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
     col = tile * COL_TILE + lane * VEC
     zero = cute.full((VEC,), 0.0, Float32)
     for r in cutlass.range(cap):
         smem_vec(sGate, r * COL_TILE + lane * VEC).store(zero)
     begin, end = row_range(mY.shape[0], group, mPartGate.shape[0])
-    for s in cutlass.range(begin, end, unroll=UNROLL):
-        r, poison = guarded_row(Int64(mIdx[s]), mGate.shape[0])
-        off = Int64(s) * width + col
-        g = load_f32(mG, off)
-        store_bf16(mDy, off, g * load_f32(mGate, r * mGate.stride[0] + col) * poison)
-        if poison == 1.0:
-            acc = smem_vec(sGate, Int32(r) * COL_TILE + lane * VEC)
-            acc.store(acc.load() + g * load_f32(mY, off))
+    batched_end = begin + (end - begin) // UNROLL * UNROLL
+    for first in cutlass.range(begin, batched_end, UNROLL):
+        _backward_step(mG, mY, mGate, mIdx, mDy, sGate, first, col, lane, UNROLL, width)
+    for first in cutlass.range(batched_end, end):
+        _backward_step(mG, mY, mGate, mIdx, mDy, sGate, first, col, lane, 1, width)
     for r in cutlass.range(mGate.shape[0]):
         vec_view(mPartGate, Int64(group) * mPartGate.stride[0] + Int64(r) * mPartGate.stride[1] + col).store(
             smem_vec(sGate, r * COL_TILE + lane * VEC).load())

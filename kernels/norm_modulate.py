@@ -69,7 +69,7 @@ def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScal
                     mIdx: cute.Tensor, mOut: cute.Tensor, eps: Float32, width: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
-    smem = cutlass.utils.SmemAllocator()
+    smem = cutlass.memory.SmemAllocator()
     sRed = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
     num_vecs = width // VEC
     base = Int64(row) * width
@@ -101,7 +101,7 @@ def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: 
                      mDx: cute.Tensor, mRstd: cute.Tensor, eps: Float32, width: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
-    smem = cutlass.utils.SmemAllocator()
+    smem = cutlass.memory.SmemAllocator()
     sRed = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
     sDot = smem.allocate_tensor(Float32, cute.make_layout(ROW_THREADS // 32), byte_alignment=16)
     num_vecs = width // VEC
@@ -152,13 +152,36 @@ def _bwd_rows_launch(mG, mX, mW, mScale, mIdx, mDx, mRstd, eps: Float32, stream,
 
 # ---- backward: dweight, dshift, dscale partials (column reduction) ----------------------------------------
 
+@cute.jit
+def _params_step(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, first, col, lane,
+                 rows: cutlass.Constexpr, width: cutlass.Constexpr):
+    """Rows [first, first + rows): every load is issued before the first accumulation (memory-level
+    parallelism); the accumulations then run in row order."""
+    table_rows = mScale.shape[0]
+    picks = [guarded_row(Int64(mIdx[first + i]), table_rows) for i in range(rows)]
+    offs = [Int64(first + i) * width + col for i in range(rows)]
+    gs = [load_f32(mG, offs[i]) for i in range(rows)]
+    xs = [load_f32(mX, offs[i]) for i in range(rows)]
+    scales = [load_f32(mScale, picks[i][0] * mScale.stride[0] + col) for i in range(rows)]
+    rstds = [mRstd[first + i] for i in range(rows)]
+    for i in cutlass.range_constexpr(rows):
+        if picks[i][1] == 1.0:  # rows with an out-of-range index add nothing
+            xhat = xs[i] * rstds[i]
+            accW.store(accW.load() + gs[i] * (scales[i] + 1.0) * xhat)
+            acc_off = Int32(picks[i][0]) * COL_TILE + lane * VEC
+            aShift = smem_vec(sShift, acc_off)
+            aShift.store(aShift.load() + gs[i])
+            aScale = smem_vec(sScale, acc_off)
+            aScale.store(aScale.load() + gs[i] * (xhat * w))
+
+
 @cute.kernel
 def _bwd_params_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: cute.Tensor,
                        mIdx: cute.Tensor, mRstd: cute.Tensor, mPartW: cute.Tensor, mPartShift: cute.Tensor,
                        mPartScale: cute.Tensor, width: cutlass.Constexpr, cap: cutlass.Constexpr):
     lane, _, _ = cute.arch.thread_idx()
     tile, group, _ = cute.arch.block_idx()
-    smem = cutlass.utils.SmemAllocator()
+    smem = cutlass.memory.SmemAllocator()
     sShift = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
     sScale = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
     col = tile * COL_TILE + lane * VEC
@@ -170,20 +193,11 @@ def _bwd_params_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale
     accW = cute.make_rmem_tensor((VEC,), Float32)
     accW.fill(0.0)
     begin, end = row_range(mX.shape[0], group, mPartW.shape[0])
-    table_rows = mScale.shape[0]
-    for s in cutlass.range(begin, end, unroll=UNROLL):
-        r = Int64(mIdx[s])
-        if (r >= 0) & (r < table_rows):
-            off = Int64(s) * width + col
-            g = load_f32(mG, off)
-            xhat = load_f32(mX, off) * mRstd[s]
-            dn = g * (load_f32(mScale, r * mScale.stride[0] + col) + 1.0)
-            accW.store(accW.load() + dn * xhat)
-            acc_off = Int32(r) * COL_TILE + lane * VEC
-            aShift = smem_vec(sShift, acc_off)
-            aShift.store(aShift.load() + g)
-            aScale = smem_vec(sScale, acc_off)
-            aScale.store(aScale.load() + g * (xhat * w))
+    batched_end = begin + (end - begin) // UNROLL * UNROLL
+    for first in cutlass.range(begin, batched_end, UNROLL):
+        _params_step(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, first, col, lane, UNROLL, width)
+    for first in cutlass.range(batched_end, end):
+        _params_step(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, first, col, lane, 1, width)
     vec_view(mPartW, Int64(group) * mPartW.stride[0] + col).store(accW.load())
     for r in cutlass.range(mScale.shape[0]):
         src = r * COL_TILE + lane * VEC

@@ -56,25 +56,36 @@ def _forward_launch(mTable, mIdx, mOut0, mOut1, mOut2, mOut3, mOut4, mOut5, stre
     )
 
 
+@cute.jit
+def _backward_step(mG, mIdx, sAcc, table_rows, first, col, lane, rows: cutlass.Constexpr, width: cutlass.Constexpr):
+    """Rows [first, first + rows): all loads issued first, then the accumulations in row order."""
+    picks = [Int32(mIdx[first + i]) for i in range(rows)]
+    gs = [load_f32(mG, Int64(first + i) * width + col) for i in range(rows)]
+    for i in cutlass.range_constexpr(rows):
+        if (picks[i] >= 0) & (picks[i] < table_rows):  # rows with an out-of-range index add nothing
+            acc = smem_vec(sAcc, picks[i] * COL_TILE + lane * VEC)
+            acc.store(acc.load() + gs[i])
+
+
 @cute.kernel
 def _backward_kernel(mG: cute.Tensor, mIdx: cute.Tensor, mPart: cute.Tensor, width: cutlass.Constexpr,
                      cap: cutlass.Constexpr):
     lane, _, _ = cute.arch.thread_idx()
     tile, group, _ = cute.arch.block_idx()
-    smem = cutlass.utils.SmemAllocator()
+    smem = cutlass.memory.SmemAllocator()
     sAcc = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
     col = tile * COL_TILE + lane * VEC
     zero = cute.full((VEC,), 0.0, Float32)
     for r in cutlass.range(cap):
         smem_vec(sAcc, r * COL_TILE + lane * VEC).store(zero)
-    begin, end = row_range(mG.shape[0], group, mPart.shape[0])
     table_rows = mPart.shape[1]
-    for s in cutlass.range(begin, end, unroll=UNROLL):
-        r = Int32(mIdx[s])
-        if (r >= 0) & (r < table_rows):
-            acc = smem_vec(sAcc, r * COL_TILE + lane * VEC)
-            acc.store(acc.load() + load_f32(mG, Int64(s) * width + col))
-    for r in cutlass.range(mPart.shape[1]):
+    begin, end = row_range(mG.shape[0], group, mPart.shape[0])
+    batched_end = begin + (end - begin) // UNROLL * UNROLL
+    for first in cutlass.range(begin, batched_end, UNROLL):
+        _backward_step(mG, mIdx, sAcc, table_rows, first, col, lane, UNROLL, width)
+    for first in cutlass.range(batched_end, end):
+        _backward_step(mG, mIdx, sAcc, table_rows, first, col, lane, 1, width)
+    for r in cutlass.range(table_rows):
         vec_view(mPart, Int64(group) * mPart.stride[0] + Int64(r) * mPart.stride[1] + col).store(
             smem_vec(sAcc, r * COL_TILE + lane * VEC).load())
 

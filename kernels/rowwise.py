@@ -44,7 +44,7 @@ COL_TILE = 32 * VEC  # columns per reduction CTA: one warp, 8 columns per lane
 TABLE_ROWS_CAPS = (12, 24, 48)  # compiled table-row capacities of the reduction kernels
 MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]
 FOLD_THREADS = 128
-UNROLL = 4  # rows loaded ahead per reduction step (memory-level parallelism)
+UNROLL = 8  # rows whose loads a reduction step issues before accumulating (memory-level parallelism)
 
 
 def table_rows_cap(table_rows: int) -> int:
