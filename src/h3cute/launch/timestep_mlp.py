@@ -53,13 +53,15 @@ class MlpConfig:
     fc1_dgrad: GemmTile
 
 
-_SMALL = GemmTile(16, 64, 32, 4, 1, 4)
+_SMALL = GemmTile(16, 64, 32, 6, 1, 4)  # deep ring: small T streams the weights
+_WIDE = GemmTile(32, 128, 64, 3, 2, 4)  # 64-deep k tiles: also checks tile_k leaves the bits alone
 _MID = GemmTile(64, 64, 32, 4, 2, 2)
 _LARGE = GemmTile(128, 128, 32, 3, 2, 4)
-SMALL_T = MlpConfig(fc1=_SMALL, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=GemmTile(16, 32, 32, 4, 1, 4))
+SMALL_T = MlpConfig(fc1=_SMALL, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=GemmTile(16, 32, 32, 6, 1, 4))
+WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE)
-CONFIGS = (SMALL_T, MID_T, LARGE_T)  # everything pick_config may return (and the harness may sweep)
+CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T)  # everything pick_config may return (and the harness may sweep)
 WGRAD_TILES = {"fc2_wgrad": _LARGE, "fc1_wgrad": _MID}
 
 
@@ -67,6 +69,8 @@ def pick_config(num_rows: int) -> MlpConfig:
     """Speed only: 16-row tiles while the weights stream (memory-bound), bigger tiles as T grows."""
     if num_rows <= 16:
         return SMALL_T
+    if num_rows <= 64:
+        return WIDE_T
     if num_rows <= 256:
         return MID_T
     return LARGE_T
