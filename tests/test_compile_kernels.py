@@ -1,0 +1,53 @@
+"""Compile-only CI test: every variant of every kernel spec, for sm_90a and sm_100a, on a CPU.
+
+Each (spec, arch) compiles once per session through the runtime's own compile path
+(`dsl.compile_variant`, PTX kept), then its PTX is checked: the `.target` is the arch, every
+`ptx_markers` substring is present and no `ptx_forbidden` substring is. Specs are discovered the
+way the runtime discovers them (`h3cute.kernels.all_specs()`), so a new kernel module is covered
+as soon as it defines SPECS; a module that fails to import fails collection.
+"""
+import functools
+
+import pytest
+
+from h3cute.runtime import SUPPORTED_ARCHS, canonical_static
+from h3cute.runtime.sources import kernels_package
+
+SPECS = kernels_package().all_specs()
+CASES = [(name, arch) for name, spec in sorted(SPECS.items()) for arch in SUPPORTED_ARCHS if arch in spec.archs]
+
+
+@functools.cache
+def compiled_variants(name: str, arch: str) -> list:
+    """[(static, [ptx, ...])] for every distinct variant of `name` on `arch` (compiled once per session)."""
+    from h3cute.runtime import dsl
+
+    spec, out, seen = SPECS[name], [], set()
+    for static in spec.variants(arch):
+        canon = canonical_static(static)
+        if canon not in seen:
+            seen.add(canon)
+            _, ptx = dsl.compile_variant(spec, arch, dict(static), keep_ptx=True)
+            out.append((dict(static), ptx))
+    return out
+
+
+def test_every_spec_targets_a_supported_arch():
+    for name, spec in SPECS.items():
+        assert spec.archs and set(spec.archs) <= set(SUPPORTED_ARCHS), (name, spec.archs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, arch", CASES, ids=[f"{n}-{a}" for n, a in CASES])
+def test_spec_compiles_with_expected_ptx(name, arch):
+    spec = SPECS[name]
+    variants = compiled_variants(name, arch)
+    assert variants, f"{name} lists no variants for {arch}"
+    for static, ptxs in variants:
+        assert ptxs, f"{name} {static}: build() did not compile through compile_for"
+        assert all(f".target {arch}" in p for p in ptxs), f"{name} {static}: PTX not for {arch}"
+        text = "\n".join(ptxs)
+        missing = [m for m in spec.ptx_markers if m not in text]
+        present = [f for f in spec.ptx_forbidden if f in text]
+        assert not missing, f"{name} {arch} {static}: PTX lacks {missing}"
+        assert not present, f"{name} {arch} {static}: PTX contains forbidden {present}"
