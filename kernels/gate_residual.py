@@ -34,7 +34,7 @@ def _forward_kernel(mRes: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mIdx
     base = Int64(row) * width
     r, poison = guarded_row(Int64(mIdx[row]), mGate.shape[0])
     gate_base = r * mGate.stride[0]
-    for k in cutlass.range_constexpr(row_slots(width)):
+    for k in cutlass.range_constexpr(row_slots(width, ROW_THREADS)):
         vi = tidx + k * ROW_THREADS
         if vi < num_vecs:
             col = vi * VEC

@@ -1,7 +1,7 @@
 """norm_modulate: out = rms_norm(x, w, eps) * (1 + scale[idx]) + shift[idx], BF16, forward and backward.
 
-Forward (`norm_modulate_fwd`): one 256-thread CTA per row (kernels/rowwise.py). The row is read once
-with 16-byte loads and kept in registers; the shift/scale rows of idx[row] are gathered in the kernel
+Forward (`norm_modulate_fwd`): one 64-thread CTA per row (kernels/rowwise.py, NORM_THREADS): each thread
+issues its 10-11 16-byte loads of the row at once and keeps them in registers (BF16); the shift/scale rows of idx[row] are gathered in the kernel
 (tables may be row-strided views, e.g. halves of the final layer's (T, 2H) projection); out is written
 once. Numerics replay the diffusers composition `F.rms_norm(x, (H,), w, eps) * (1 + scale[idx]) +
 shift[idx]` on CUDA op for op:
@@ -31,27 +31,27 @@ from cutlass.cute.runtime import make_fake_tensor
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
-from .rowwise import (COL_TILE, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, block_sum, fake_indices, fake_partials,
-                      fake_rows, fake_table, fake_vector, guarded_row, load_f32, round_bf16, row_range, row_slots, smem_vec,
-                      store_bf16, torch_sumsq, vec_view)
+from .rowwise import (COL_TILE, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNROLL, VEC, block_sum, fake_indices,
+                      fake_partials, fake_rows, fake_table, fake_vector, guarded_row, load_f32, round_bf16, row_range,
+                      row_slots, smem_vec, store_bf16, torch_sumsq, vec_view)
 
 HIDDEN = 5376
 
 
 @cute.jit
 def load_row(mT: cute.Tensor, base, tidx, width: cutlass.Constexpr):
-    """This thread's slots of a row (FP32 8-vectors; a partial last slot reads as zeros where absent)."""
+    """This thread's BF16 8-vectors u, u + 64, ... of a row (an absent vector of the last slot reads as zeros)."""
     num_vecs = width // VEC
     vals = []
-    for k in cutlass.range_constexpr(row_slots(width)):
-        col = (tidx + k * ROW_THREADS) * VEC
-        if cutlass.const_expr((k + 1) * ROW_THREADS <= num_vecs):
-            vals.append(load_f32(mT, base + col))
+    for k in cutlass.range_constexpr(row_slots(width, NORM_THREADS)):
+        col = (tidx + k * NORM_THREADS) * VEC
+        if cutlass.const_expr((k + 1) * NORM_THREADS <= num_vecs):
+            vals.append(vec_view(mT, base + col).load())
         else:
-            frag = cute.make_rmem_tensor((VEC,), Float32)
+            frag = cute.make_rmem_tensor((VEC,), BFloat16)
             frag.fill(0.0)
-            if tidx < num_vecs - k * ROW_THREADS:
-                frag.store(load_f32(mT, base + col))
+            if tidx < num_vecs - k * NORM_THREADS:
+                frag.store(vec_view(mT, base + col).load())
             vals.append(frag.load())
     return vals
 
@@ -70,7 +70,7 @@ def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScal
     tidx, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
-    sRed = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
+    sRed = smem.allocate_tensor(Float32, cute.make_layout(TORCH_WARPS), byte_alignment=16)
     num_vecs = width // VEC
     base = Int64(row) * width
     r, poison = guarded_row(Int64(mIdx[row]), mScale.shape[0])
@@ -79,10 +79,10 @@ def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScal
     shift_base = r * mShift.stride[0]
     scale_base = r * mScale.stride[0]
     for k in cutlass.range_constexpr(len(xs)):
-        vi = tidx + k * ROW_THREADS
+        vi = tidx + k * NORM_THREADS
         if vi < num_vecs:
             col = vi * VEC
-            normed = round_bf16(load_f32(mW, col) * (xs[k] * rstd))
+            normed = round_bf16(load_f32(mW, col) * (xs[k].to(Float32) * rstd))
             gain = round_bf16(load_f32(mScale, scale_base + col) + 1.0)
             store_bf16(mOut, base + col, (round_bf16(normed * gain) + load_f32(mShift, shift_base + col)) * poison)
 
@@ -90,11 +90,18 @@ def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScal
 @cute.jit
 def _forward_launch(mX, mW, mShift, mScale, mIdx, mOut, eps: Float32, stream, width: cutlass.Constexpr):
     _forward_kernel(mX, mW, mShift, mScale, mIdx, mOut, eps, width).launch(
-        grid=(mX.shape[0], 1, 1), block=(ROW_THREADS, 1, 1), stream=stream
+        grid=(mX.shape[0], 1, 1), block=(NORM_THREADS, 1, 1), stream=stream
     )
 
 
 # ---- backward: dx (row-local) ----------------------------------------------------------------------------
+
+@cute.jit
+def _dxhat_xhat(g, x, mW, mScale, scale_base, col, rstd):
+    """dxhat = g * (1 + scale) * w and xhat = x * rstd of one 8-vector, FP32."""
+    dxhat = g.to(Float32) * (load_f32(mScale, scale_base + col) + 1.0) * load_f32(mW, col)
+    return dxhat, x.to(Float32) * rstd
+
 
 @cute.kernel
 def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: cute.Tensor, mIdx: cute.Tensor,
@@ -102,8 +109,8 @@ def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: 
     tidx, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
-    sRed = smem.allocate_tensor(Float32, cute.make_layout(16), byte_alignment=16)
-    sDot = smem.allocate_tensor(Float32, cute.make_layout(ROW_THREADS // 32), byte_alignment=16)
+    sRed = smem.allocate_tensor(Float32, cute.make_layout(TORCH_WARPS), byte_alignment=16)
+    sDot = smem.allocate_tensor(Float32, cute.make_layout(NORM_THREADS // 32), byte_alignment=16)
     num_vecs = width // VEC
     base = Int64(row) * width
     r, poison = guarded_row(Int64(mIdx[row]), mScale.shape[0])
@@ -111,34 +118,26 @@ def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: 
     xs = load_row(mX, base, tidx, width)
     gs = load_row(mG, base, tidx, width)
     rstd = row_rstd(xs, sRed, tidx, eps, width)
-    dxhats = []
-    xhats = []
+    # sum(dxhat * xhat) over this thread's vectors in slot order, then over the CTA in a fixed order;
+    # dxhat and xhat are recomputed for the output (w and scale rows are L1 hits) to keep registers low.
     dot = Float32(0.0)
     for k in cutlass.range_constexpr(len(xs)):
-        vi = tidx + k * ROW_THREADS
-        col = vi * VEC
-        if cutlass.const_expr((k + 1) * ROW_THREADS <= num_vecs):
-            dxhat = gs[k] * (load_f32(mScale, scale_base + col) + 1.0) * load_f32(mW, col)
-            xhat = xs[k] * rstd
-        else:  # partial slot: absent vectors contribute exact zeros
-            fDxhat = cute.make_rmem_tensor((VEC,), Float32)
-            fDxhat.fill(0.0)
-            fXhat = cute.make_rmem_tensor((VEC,), Float32)
-            fXhat.fill(0.0)
+        vi = tidx + k * NORM_THREADS
+        if cutlass.const_expr((k + 1) * NORM_THREADS <= num_vecs):
+            dxhat, xhat = _dxhat_xhat(gs[k], xs[k], mW, mScale, scale_base, vi * VEC, rstd)
+            for i in cutlass.range_constexpr(VEC):
+                dot = cute.math.fma(dxhat[i], xhat[i], dot)
+        else:
             if vi < num_vecs:
-                fDxhat.store(gs[k] * (load_f32(mScale, scale_base + col) + 1.0) * load_f32(mW, col))
-                fXhat.store(xs[k] * rstd)
-            dxhat = fDxhat.load()
-            xhat = fXhat.load()
-        for i in cutlass.range_constexpr(VEC):
-            dot = cute.math.fma(dxhat[i], xhat[i], dot)
-        dxhats.append(dxhat)
-        xhats.append(xhat)
-    mean_dot = block_sum(dot, sDot, tidx) / Float32(width)
+                dxhat, xhat = _dxhat_xhat(gs[k], xs[k], mW, mScale, scale_base, vi * VEC, rstd)
+                for i in cutlass.range_constexpr(VEC):
+                    dot = cute.math.fma(dxhat[i], xhat[i], dot)
+    mean_dot = block_sum(dot, sDot, tidx, NORM_THREADS // 32) / Float32(width)
     for k in cutlass.range_constexpr(len(xs)):
-        vi = tidx + k * ROW_THREADS
+        vi = tidx + k * NORM_THREADS
         if vi < num_vecs:
-            store_bf16(mDx, base + vi * VEC, (dxhats[k] - xhats[k] * mean_dot) * rstd * poison)
+            dxhat, xhat = _dxhat_xhat(gs[k], xs[k], mW, mScale, scale_base, vi * VEC, rstd)
+            store_bf16(mDx, base + vi * VEC, (dxhat - xhat * mean_dot) * rstd * poison)
     if tidx == 0:
         mRstd[row] = rstd
 
@@ -146,7 +145,7 @@ def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: 
 @cute.jit
 def _bwd_rows_launch(mG, mX, mW, mScale, mIdx, mDx, mRstd, eps: Float32, stream, width: cutlass.Constexpr):
     _bwd_rows_kernel(mG, mX, mW, mScale, mIdx, mDx, mRstd, eps, width).launch(
-        grid=(mX.shape[0], 1, 1), block=(ROW_THREADS, 1, 1), stream=stream
+        grid=(mX.shape[0], 1, 1), block=(NORM_THREADS, 1, 1), stream=stream
     )
 
 

@@ -38,7 +38,7 @@ def _forward_kernel(mTable: cute.Tensor, mIdx: cute.Tensor, mOut0: cute.Tensor, 
     outs = (mOut0, mOut1, mOut2, mOut3, mOut4, mOut5)
     for c in cutlass.range_constexpr(CHUNKS):
         if chunk == c:
-            for k in cutlass.range_constexpr(row_slots(width)):
+            for k in cutlass.range_constexpr(row_slots(width, ROW_THREADS)):
                 vi = tidx + k * ROW_THREADS
                 if vi < num_vecs:
                     col = vi * VEC

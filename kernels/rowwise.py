@@ -1,20 +1,22 @@
 """Shared pieces of the H3 row kernels (norm_modulate, gate_residual, adaln_row_gather) and their fold kernel.
 
-Row kernels (forward, and norm_modulate's dx): one CTA of ROW_THREADS = 256 threads per row of width
-H (H % 8 == 0). Thread u owns the 16-byte vectors u, u + 256, u + 512, ... of the row (8 BF16 each),
-so every load and store is one coalesced `ld/st.global.v4.b32`; a 5376-wide row is 672 vectors, 2 or 3
-per thread, held in registers between the row reduction and the output. Row offsets are 64-bit
-(`row * H` is formed in Int64), so S * H may exceed 2^31.
+Row kernels: one CTA per row of width H (H % 8 == 0); thread u owns the 16-byte vectors u, u + n, u + 2n,
+... of the row (n threads, 8 BF16 per vector), so every load and store is a coalesced 16-byte access and
+the row stays in registers between its reduction and its output. The copy-like kernels (gate_residual,
+adaln_row_gather) use ROW_THREADS = 256; norm_modulate uses NORM_THREADS = 64 (below). Row offsets are
+formed in Int64 (`row * H`), so S * H may exceed 2^31.
 
 `torch_sumsq` reproduces, bit for bit, the FP32 sum of squares of torch's fused CUDA rms_norm
 (aten/src/ATen/native/cuda/layer_norm_kernel.cu, `vectorized_layer_norm_kernel<..., rms_norm=true>`,
-torch 2.8-2.11): a (32, 16) block, thread t accumulating `fma(x, x, acc)` over its 4-element chunks
-t, t + 512, t + 1024, ... in order, then a shfl_down tree over lanes (16, 8, 4, 2, 1) and a tree over
-warps (8, 4, 2, 1). Chunks 2u and 2u + 1 are the halves of our vector u, so our thread u carries
-torch threads 2u (low halves) and 2u + 1 (high halves) as two partials; xor-butterflies 8, 4, 2, 1
-inside each half-warp replay torch's offsets 16..2, adding the two partials replays offset 1 (FP32
-addition is commutative, so lane order inside a pair never matters), and 16 warp sums in shared memory
-replay the cross-warp tree. The result depends only on H.
+torch 2.8-2.11, taken for BF16 rows with H % 4 == 0 and 16-byte alignment): a (32, 4) block
+(num_threads() = 4 warps), thread t accumulating `fma(x, x, acc)` over its 4-element chunks t, t + 128,
+t + 256, ... in order, then a shfl_down tree over lanes (16, 8, 4, 2, 1) and a tree over the 4 warps
+(2, 1). Chunks 2v and 2v + 1 are the halves of our vector v and 128 chunks are 64 vectors, so with
+NORM_THREADS = 64 our thread u carries exactly torch threads 2u (low halves) and 2u + 1 (high halves)
+as two partials over vectors u, u + 64, ...; xor-butterflies 8, 4, 2, 1 inside each half-warp replay
+torch's lane offsets 16..2 (FP32 addition is commutative, so which lane of a pair adds is immaterial),
+lo + hi replays offset 1, and the 4 warp sums in shared memory replay the cross-warp tree. The result
+depends only on H. tests/test_norm_modulate.py checks this mapping against a model of torch's loop.
 
 Cross-row reductions (parameter / table gradients) never use atomics: a fixed grid of
 (H / COL_TILE column tiles) x (row groups P, fixed per arch by the launcher) one-warp CTAs; CTA (c, p)
@@ -38,8 +40,9 @@ from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
 VEC = 8  # BF16 per 16-byte vector
-ROW_THREADS = 256  # threads per row CTA (the torch-order reduction is derived for exactly this)
-WARPS = ROW_THREADS // 32
+ROW_THREADS = 256  # threads per row CTA of the copy-like kernels
+NORM_THREADS = 64  # threads per row CTA of norm_modulate: torch's 128-thread rms_norm block, 2 per thread
+TORCH_WARPS = 2 * NORM_THREADS // 32  # warps of torch's rms_norm block (4)
 COL_TILE = 32 * VEC  # columns per reduction CTA: one warp, 8 columns per lane
 TABLE_ROWS_CAPS = (12, 24, 48)  # compiled table-row capacities of the reduction kernels
 MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]
@@ -54,11 +57,11 @@ def table_rows_cap(table_rows: int) -> int:
     raise ValueError(f"table has {table_rows} rows; the row kernels support at most {MAX_TABLE_ROWS}")
 
 
-def row_slots(width: int) -> int:
-    """Vectors per thread in a row CTA (the last slot is partial when width / 8 is not a multiple of 256)."""
+def row_slots(width: int, threads: int) -> int:
+    """Vectors per thread in a row CTA of `threads` (the last slot is partial unless threads divides H / 8)."""
     if width % VEC:
         raise ValueError(f"row width {width} is not a multiple of {VEC}")
-    return -(-(width // VEC) // ROW_THREADS)
+    return -(-(width // VEC) // threads)
 
 
 # ---- device helpers ------------------------------------------------------------------------------------
@@ -95,41 +98,40 @@ def round_bf16(value):
 
 @cute.jit
 def torch_sumsq(xs, sRed: cute.Tensor, tidx):
-    """Sum of squares of a row held as `xs` (one FP32 8-vector per slot), in torch's fused rms_norm order.
-
-    `sRed`: 16 FP32 of shared memory. Every thread returns the same value.
-    """
+    """Sum of squares of a row held as `xs` (this thread's BF16 8-vectors u, u + 64, ...; absent ones zero)
+    in torch's fused rms_norm order, for a NORM_THREADS CTA. `sRed`: TORCH_WARPS FP32 of shared memory.
+    Every thread returns the same value."""
     lo = Float32(0.0)
     hi = Float32(0.0)
     for k in cutlass.range_constexpr(len(xs)):
+        x = xs[k].to(Float32)
         for i in cutlass.range_constexpr(VEC // 2):
-            lo = cute.math.fma(xs[k][i], xs[k][i], lo)
+            lo = cute.math.fma(x[i], x[i], lo)
         for i in cutlass.range_constexpr(VEC // 2, VEC):
-            hi = cute.math.fma(xs[k][i], xs[k][i], hi)
+            hi = cute.math.fma(x[i], x[i], hi)
     for off in cutlass.range_constexpr(4):
         lo = lo + cute.arch.shuffle_sync_bfly(lo, 8 >> off)
         hi = hi + cute.arch.shuffle_sync_bfly(hi, 8 >> off)
-    lane = tidx % 32
-    if lane % 16 == 0:
-        sRed[tidx // 16] = lo + hi  # torch warp 2w (lane 0) and 2w + 1 (lane 16)
+    if tidx % 16 == 0:
+        sRed[tidx // 16] = lo + hi  # torch warp 2w (our lane 0) and 2w + 1 (our lane 16)
     cute.arch.sync_threads()
-    w = [sRed[y] for y in range(16)]
-    for step in cutlass.range_constexpr(4):
-        half = 8 >> step
+    w = [sRed[y] for y in range(TORCH_WARPS)]
+    for _ in cutlass.range_constexpr(TORCH_WARPS.bit_length() - 1):
+        half = len(w) // 2
         w = [w[y] + w[y + half] for y in range(half)]
     return w[0]
 
 
 @cute.jit
-def block_sum(value: Float32, sRed: cute.Tensor, tidx):
-    """Sum of one FP32 per thread over the row CTA in a fixed order (xor butterfly, then warps 0..7)."""
+def block_sum(value: Float32, sRed: cute.Tensor, tidx, warps: cutlass.Constexpr):
+    """Sum of one FP32 per thread over a CTA of `warps` warps in a fixed order (xor butterfly, warps in order)."""
     for off in cutlass.range_constexpr(5):
         value = value + cute.arch.shuffle_sync_bfly(value, 16 >> off)
     if tidx % 32 == 0:
         sRed[tidx // 32] = value
     cute.arch.sync_threads()
     total = sRed[0]
-    for wi in cutlass.range_constexpr(1, WARPS):
+    for wi in cutlass.range_constexpr(1, warps):
         total = total + sRed[wi]
     return total
 

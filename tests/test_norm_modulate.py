@@ -21,41 +21,41 @@ def _fma32(a, b, c):
 
 
 def _torch_fused_sumsq(x):
-    """torch's vectorized rms_norm: 512 threads (32 x 16), 4-element chunks t, t + 512, ...; shfl_down tree
-    over lanes, tree over warps."""
+    """torch's vectorized rms_norm (layer_norm_kernel.cu compute_stats): a (32, 4) block, thread t summing
+    fma(v, v, acc) over 4-element chunks t, t + 128, ...; shfl_down tree over lanes, tree over the 4 warps."""
     chunks = x.reshape(-1, 4)
-    acc = [np.float32(0)] * 512
-    for t in range(512):
-        for c in range(t, len(chunks), 512):
+    acc = [np.float32(0)] * 128
+    for t in range(128):
+        for c in range(t, len(chunks), 128):
             for v in chunks[c]:
                 acc[t] = _fma32(v, v, acc[t])
     warps = []
-    for w in range(16):
+    for w in range(4):
         lanes = acc[32 * w: 32 * w + 32]
         for off in (16, 8, 4, 2, 1):
             lanes = [np.float32(lanes[i] + lanes[i + off]) if i + off < 32 else lanes[i] for i in range(32)]
         warps.append(lanes[0])
-    for off in (8, 4, 2, 1):
+    for off in (2, 1):
         warps = [np.float32(warps[i] + warps[i + off]) for i in range(off)] + warps[off:]
     return warps[0]
 
 
 def _kernel_sumsq(x):
-    """kernels/rowwise.torch_sumsq: 256 threads, 8-element vectors u, u + 256, ...; low/high-half partials,
-    xor butterflies 8..1 in each half-warp, lo + hi, 16 warp sums folded 8, 4, 2, 1."""
+    """kernels/rowwise.torch_sumsq in a 64-thread CTA: thread u sums low / high halves of its 8-element
+    vectors u, u + 64, ...; xor butterflies 8..1 in each half-warp; lo + hi; 4 warp sums folded 2, 1."""
     vecs = x.reshape(-1, 8)
-    lo, hi = [np.float32(0)] * 256, [np.float32(0)] * 256
-    for u in range(256):
-        for v in range(u, len(vecs), 256):
+    lo, hi = [np.float32(0)] * 64, [np.float32(0)] * 64
+    for u in range(64):
+        for v in range(u, len(vecs), 64):
             for e in vecs[v][:4]:
                 lo[u] = _fma32(e, e, lo[u])
             for e in vecs[v][4:]:
                 hi[u] = _fma32(e, e, hi[u])
     for off in (8, 4, 2, 1):
-        lo = [np.float32(lo[u] + lo[u ^ off]) for u in range(256)]
-        hi = [np.float32(hi[u] + hi[u ^ off]) for u in range(256)]
-    w = [np.float32(lo[16 * i] + hi[16 * i]) for i in range(16)]
-    for half in (8, 4, 2, 1):
+        lo = [np.float32(lo[u] + lo[u ^ off]) for u in range(64)]
+        hi = [np.float32(hi[u] + hi[u ^ off]) for u in range(64)]
+    w = [np.float32(lo[16 * i] + hi[16 * i]) for i in range(4)]
+    for half in (2, 1):
         w = [np.float32(w[i] + w[i + half]) for i in range(half)]
     return w[0]
 
@@ -77,17 +77,14 @@ def test_reduction_order_check_has_power():
     or the bitwise check above would prove nothing."""
     def merged_halves(x):
         vecs = x.reshape(-1, 8)
-        acc = [np.float32(0)] * 256
-        for u in range(256):
-            for v in range(u, len(vecs), 256):
+        acc = [np.float32(0)] * 64
+        for u in range(64):
+            for v in range(u, len(vecs), 64):
                 for e in vecs[v]:
                     acc[u] = _fma32(e, e, acc[u])
         for off in (16, 8, 4, 2, 1):
-            acc = [np.float32(acc[u] + acc[u ^ off]) for u in range(256)]
-        total = acc[0]
-        for w in range(1, 8):
-            total = np.float32(total + acc[32 * w])
-        return total
+            acc = [np.float32(acc[u] + acc[u ^ off]) for u in range(64)]
+        return np.float32(acc[0] + acc[32])
 
     xs = [_wide_range_row(seed) for seed in range(3)]
     assert any(merged_halves(x) != _torch_fused_sumsq(x) for x in xs)
