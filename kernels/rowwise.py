@@ -146,9 +146,10 @@ def guarded_row(r, table_rows):
 
 @cute.jit
 def row_range(num_rows, group, num_groups):
-    """Rows [begin, end) of reduction row group `group` out of `num_groups` (contiguous, ceil-sized)."""
+    """Rows [begin, end) of reduction row group `group` out of `num_groups` (contiguous, ceil-sized; the
+    trailing groups of a short batch are empty, begin == end, never reaching into another group's rows)."""
     per_group = (num_rows + num_groups - 1) // num_groups
-    begin = Int32(group) * per_group
+    begin = cutlass.min(Int32(group) * per_group, num_rows)
     end = cutlass.min(begin + per_group, num_rows)
     return begin, end
 
