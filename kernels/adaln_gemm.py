@@ -67,6 +67,7 @@ class GemmTile:
         assert self.bm % (16 * self.warps_m) == 0 and self.bn % (16 * self.warps_n) == 0, self
         assert self.bk % 16 == 0 and self.stages >= 3, self
         assert self.threads % (self.bk // 8) == 0 and self.threads // (self.bk // 8) <= min(self.bm, self.bn), self
+        assert all(self.threads % (mn // 8) == 0 and self.threads // (mn // 8) <= self.bk for mn in (self.bm, self.bn)), self
 
 
 # Projection tiles by name; launch/adaln_projection.py picks one from T. Bits never depend on the
@@ -78,6 +79,9 @@ CONFIGS = {
     "skinny_m128": GemmTile(bm=128, bn=16, bk=64, warps_m=4, warps_n=1, stages=4),
     "mid": GemmTile(bm=128, bn=64, bk=64, warps_m=2, warps_n=2, stages=4),
     "wide": GemmTile(bm=128, bn=128, bk=64, warps_m=2, warps_n=2, stages=3),
+    # Large-T alternatives (CUTLASS's usual Ampere shapes) to measure against "wide".
+    "wide_k32": GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4),
+    "wide_8warps": GemmTile(bm=128, bn=256, bk=32, warps_m=2, warps_n=4, stages=3),
 }
 # dW's K is T (usually tiny): a short bk wastes little on the zero-padded K tail.
 WGRAD_TILE = GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4)

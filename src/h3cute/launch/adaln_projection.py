@@ -19,7 +19,7 @@ from h3cute import runtime
 
 TEMB_WIDTH = 2688
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
-CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide")  # names of kernels/adaln_gemm.CONFIGS
+CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")  # names of kernels/adaln_gemm.CONFIGS
 
 
 def config_for_rows(rows: int) -> str:
