@@ -41,26 +41,40 @@ def check_tensor(op, name, t, dtype, shape, device, layout=CONTIGUOUS, hint=""):
     """Checks one tensor's dtype, rank, fixed widths (ints in `shape`; strs name free dims), layout and device.
 
     `ROW_STRIDED` accepts a 2-D view whose rows are unit-stride and do not overlap (row stride >= width),
-    such as a column chunk of the modulation table; `CONTIGUOUS` needs a dense tensor.
+    such as a column chunk of the modulation table; `CONTIGUOUS` needs a dense tensor. The passing path is
+    one short-circuit expression (it runs on every CUDA call); the messages are built only on failure.
     """
+    s = t.shape
+    n = len(shape)
+    if (
+        t.dtype is dtype
+        and len(s) == n
+        and (shape[0].__class__ is str or s[0] == shape[0])
+        and (n == 1 or s[1] == shape[1])
+        and t.get_device() == device
+        and (t.is_contiguous() if layout is CONTIGUOUS else t.stride(-1) == 1 and (s[0] <= 1 or t.stride(0) >= s[1]))
+    ):
+        return
+    _explain(op, name, t, dtype, shape, device, layout, hint)
+
+
+def _explain(op, name, t, dtype, shape, device, layout, hint):
     if t.dtype != dtype:
         raise TypeError(f"h3::{op}: {name} must be {_name(dtype)}, got {_name(t.dtype)}{hint}")
     if t.dim() != len(shape) or any(type(w) is int and g != w for g, w in zip(t.shape, shape)):
         want = "(" + ", ".join(str(w) for w in shape) + ("," if len(shape) == 1 else "") + ")"
         raise ValueError(f"h3::{op}: {name} must have shape {want}, got {tuple(t.shape)}")
-    if layout is CONTIGUOUS:
-        if not t.is_contiguous():
-            raise ValueError(
-                f"h3::{op}: {name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)} "
-                "(call .contiguous())"
-            )
-    elif t.stride(-1) != 1 or (t.shape[0] > 1 and t.stride(0) < t.shape[-1]):
-        raise ValueError(
-            f"h3::{op}: {name} must have unit-stride, non-overlapping rows (stride(-1) == 1, "
-            f"stride(0) >= {t.shape[-1]}), got strides {t.stride()}"
-        )
     if t.get_device() != device:
         raise ValueError(f"h3::{op}: {name} is on {t.device}, expected the device of the other inputs")
+    if layout is CONTIGUOUS:
+        raise ValueError(
+            f"h3::{op}: {name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)} "
+            "(call .contiguous())"
+        )
+    raise ValueError(
+        f"h3::{op}: {name} must have unit-stride, non-overlapping rows (stride(-1) == 1, "
+        f"stride(0) >= {t.shape[-1]}), got strides {t.stride()}"
+    )
 
 
 def _rows(op, name, n, other, m):
