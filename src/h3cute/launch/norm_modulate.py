@@ -25,6 +25,7 @@ MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]
 # Row groups of the column reductions: (H / 256) x P one-warp CTAs, about 7 per SM.
 ROW_GROUPS = {"sm_90a": 44, "sm_100a": 49}
 
+
 def table_rows_cap(op: str, table_rows: int) -> int:
     for cap in TABLE_ROWS_CAPS:
         if table_rows <= cap:
