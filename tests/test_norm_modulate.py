@@ -108,14 +108,15 @@ def test_table_rows_bound_is_a_clear_error():
         launch.table_rows_cap("norm_modulate_backward", 49)
 
 
-def test_host_checks_reject_unaligned_or_unit_stride_violations():
+def test_tables_are_read_in_place_when_aligned_else_copied():
     table = torch.zeros(3, 2 * H, dtype=BF16)
-    launch.check_table("final_adaln_out", "shift", table[:, :H], H)
-    launch.check_table("final_adaln_out", "scale", table[:, H:], H)
-    with pytest.raises(ValueError, match="unit last stride"):
-        launch.check_table("norm_modulate", "scale", table[:, ::2], H)
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        launch.check_table("norm_modulate", "scale", table[:, 1:H + 1], H)
+    for half in (table[:, :H], table[:, H:]):  # final_adaln_out's shift | scale: read in place
+        assert launch.table_view("final_adaln_out", "shift", half, H) is half
+    for odd in (table[:, ::2], table[:, 1:H + 1]):  # non-unit stride, rows not 16-byte aligned: compact copy
+        view = launch.table_view("norm_modulate", "scale", odd, H)
+        assert view.is_contiguous() and view.data_ptr() % 16 == 0 and torch.equal(view, odd)
+    with pytest.raises(ValueError, match="BF16 table"):
+        launch.table_view("norm_modulate", "scale", table[:, :H].float(), H)
     with pytest.raises(ValueError, match="contiguous"):
         launch.check_rows("norm_modulate", "x", torch.zeros(H, 4, dtype=BF16).t(), H)
 
@@ -156,8 +157,13 @@ def test_forward_strided_tables_and_timestep_indices():
     ti = torch.randint(0, T, (1000,), device="cuda")
     out = launch.forward_rows(x, w, proj[:, :H], proj[:, H:], ti, 1e-5)
     assert torch.equal(out, reference.norm_modulate_replay(x, w, proj[:, :H], proj[:, H:], ti))
-    dx, dw, dsh, dsc = launch.backward_rows(torch.randn_like(x), x, w, proj[:, H:], ti, 1e-5)
-    assert dsh.shape == dsc.shape == (T, H)
+    grad = torch.randn_like(x)
+    got = launch.backward_rows(grad, x, w, proj[:, H:], ti, 1e-5)
+    assert got[2].shape == got[3].shape == (T, H)
+    for a, b in zip(got, launch.backward_rows(grad, x, w, proj[:, H:].contiguous(), ti, 1e-5)):
+        assert torch.equal(a, b)
+    odd = proj[:, 1:H + 1]  # rows not 16-byte aligned: copied compact, same bits
+    assert torch.equal(launch.forward_rows(x, w, odd, odd, ti, 1e-5), reference.norm_modulate_replay(x, w, odd, odd, ti))
 
 
 @pytest.mark.gpu

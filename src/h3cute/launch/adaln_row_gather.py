@@ -12,7 +12,7 @@ import torch
 
 from h3cute import runtime
 
-from .norm_modulate import check_rows, check_table, fold, index_vector, row_groups, table_rows_cap
+from .norm_modulate import check_rows, fold, index_vector, row_groups, table_rows_cap, table_view
 
 CHUNKS = 6
 
@@ -21,7 +21,7 @@ def forward(table, adaln_indices, check_indices=True):
     """Six (S, H) BF16 tensors out_c = table[idx, c*H:(c+1)*H] (indices checked upstream)."""
     op = "adaln_row_gather"
     width = table.shape[-1] // CHUNKS
-    check_table(op, "table", table, CHUNKS * width)
+    table = table_view(op, "table", table, CHUNKS * width)
     idx = index_vector(op, adaln_indices, adaln_indices.shape[0])
     outs = [torch.empty((idx.shape[0], width), dtype=table.dtype, device=table.device) for _ in range(CHUNKS)]
     if idx.shape[0]:

@@ -11,7 +11,7 @@ import torch
 
 from h3cute import runtime
 
-from .norm_modulate import check_rows, check_table, fold, index_vector, row_groups, table_rows_cap
+from .norm_modulate import check_rows, fold, index_vector, row_groups, table_rows_cap, table_view
 
 
 def forward(residual, y, gate, adaln_indices, check_indices=True):
@@ -22,7 +22,7 @@ def forward(residual, y, gate, adaln_indices, check_indices=True):
     check_rows(op, "y", y, width)
     if residual.shape != y.shape:
         raise ValueError(f"h3::{op}: residual {tuple(residual.shape)} and y {tuple(y.shape)} differ")
-    check_table(op, "gate", gate, width)
+    gate = table_view(op, "gate", gate, width)
     idx = index_vector(op, adaln_indices, y.shape[0])
     out = torch.empty_like(y)
     if y.shape[0]:
@@ -36,7 +36,7 @@ def backward(grad, y, gate, adaln_indices):
     width = y.shape[-1]
     check_rows(op, "grad", grad, width)
     check_rows(op, "y", y, width)
-    check_table(op, "gate", gate, width)
+    gate = table_view(op, "gate", gate, width)
     idx = index_vector(op, adaln_indices, y.shape[0])
     table_rows = gate.shape[0]
     cap = table_rows_cap(op, table_rows)

@@ -5,8 +5,8 @@ forward: one launch of `norm_modulate_fwd` (kernels/norm_modulate.py): out = rms
 a per-row FP32 rstd workspace), `norm_modulate_bwd_params` (FP32 partials of dweight, dshift, dscale per
 fixed row group) and three `rowwise_fold` launches. No host sync anywhere.
 
-`forward_rows` / `backward_rows` take any row index vector and row-strided tables (last stride 1, row
-stride a multiple of 8, 16-byte aligned), so `final_adaln_out` reuses them with timestep_indices and
+`forward_rows` / `backward_rows` take any row index vector and row-strided tables (read in place when
+their rows are 16-byte aligned, else copied compact first), so `final_adaln_out` reuses them with timestep_indices and
 the two halves of its (T, 2H) projection: `forward_rows(x, w, proj[:, :H], proj[:, H:], ti, eps)`.
 
 Determinism of the table/parameter gradients: ROW_GROUPS is fixed per arch (never read from the device),
@@ -54,13 +54,14 @@ def check_rows(op: str, name: str, t: torch.Tensor, width: int) -> None:
         raise ValueError(f"h3::{op}: {name} must be 16-byte aligned")
 
 
-def check_table(op: str, name: str, t: torch.Tensor, width: int) -> None:
-    """A (R, width) BF16 table view whose rows the kernels read with 16-byte loads."""
-    if t.dim() != 2 or t.shape[1] != width or t.dtype != torch.bfloat16 or t.stride(1) != 1:
-        raise ValueError(f"h3::{op}: {name} must be a (R, {width}) BF16 view with unit last stride, got "
-                         f"{tuple(t.shape)} {t.dtype} strides {t.stride()}")
-    if t.stride(0) % 8 or t.data_ptr() % 16:
-        raise ValueError(f"h3::{op}: {name} rows must start 16-byte aligned (row stride {t.stride(0)})")
+def table_view(op: str, name: str, t: torch.Tensor, width: int) -> torch.Tensor:
+    """A (R, width) BF16 table the kernels can read with 16-byte row loads: `t` itself when its rows are
+    16-byte aligned (any row stride that is a multiple of 8), else a compact copy (tables are tiny)."""
+    if t.dim() != 2 or t.shape[1] != width or t.dtype != torch.bfloat16:
+        raise ValueError(f"h3::{op}: {name} must be a (R, {width}) BF16 table, got {tuple(t.shape)} {t.dtype}")
+    if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def index_vector(op: str, idx: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -83,8 +84,8 @@ def forward_rows(x, weight, shift, scale, idx, eps, op: str = "norm_modulate"):
     width = x.shape[-1]
     check_rows(op, "x", x, width)
     _check_vector(op, "weight", weight, width)
-    check_table(op, "shift", shift, width)
-    check_table(op, "scale", scale, width)
+    shift = table_view(op, "shift", shift, width)
+    scale = table_view(op, "scale", scale, width)
     idx = index_vector(op, idx, x.shape[0])
     out = torch.empty_like(x)
     if x.shape[0]:
@@ -104,7 +105,7 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
     check_rows(op, "x", x, width)
     check_rows(op, "grad", grad, width)
     _check_vector(op, "weight", weight, width)
-    check_table(op, "scale", scale, width)
+    scale = table_view(op, "scale", scale, width)
     idx = index_vector(op, idx, x.shape[0])
     table_rows = scale.shape[0]
     cap = table_rows_cap(op, table_rows)
