@@ -145,7 +145,7 @@ def test_forward_is_bitwise_the_replay(rows):
     out = torch.ops.h3.norm_modulate(x, w, shift, scale, idx)
     assert not out.isnan().any()
     assert torch.equal(out, reference.norm_modulate_replay(x, w, shift, scale, idx))
-    assert _rel_err(out, reference.norm_modulate_fp64(x, w, shift, scale, idx)) < 8e-3
+    assert _rel_err(out, reference.norm_modulate_fp64(x, w, shift, scale, idx)) < 1.6e-2  # 4 BF16 roundings
 
 
 @pytest.mark.gpu
