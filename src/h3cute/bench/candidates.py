@@ -126,6 +126,17 @@ def _diffusers_adapter(problem: Problem, name: str, version: str) -> Candidate:
             params = {"linear_1.weight": w1, "linear_1.bias": b1, "linear_2.weight": w2, "linear_2.bias": b2}
             return functional_call(module, params, (x,))
         return Candidate(name, f"diffusers {version} TimestepEmbedding(256, 5376, out_dim=2688)", call)
+    if problem.op == "final_adaln_out":
+        from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AdaLayerNormOut
+        from torch.func import functional_call
+        module = MiniMaxH3AdaLayerNormOut(5376, 2688, eps=1e-5).to("meta", torch.bfloat16)
+
+        def call(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices):
+            params = {"norm.weight": norm_weight, "linear.weight": proj_weight, "linear.bias": proj_bias}
+            return functional_call(module, params, (x, temb, timestep_indices))
+        return Candidate(name, f"diffusers {version} MiniMaxH3AdaLayerNormOut(5376, 2688, 1e-5)", call)
+    # The projection module returns the six (3T, H) chunks, not the op's (T, 18H) table: gluing them back
+    # would time a copy the op does not make.
     return Candidate(name, f"diffusers {version}",
                      unavailable="no module adapter for this op (the diffusers replay mirrors it op for op)")
 

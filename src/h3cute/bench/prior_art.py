@@ -47,7 +47,8 @@ def run_mode(problem: Problem, mode: str, plan: checks.Plan, device=None, cands=
     log = log or (lambda msg: None)
     apply_mode(mode)
     cands = cands if cands is not None else candidates_for(problem, mode)
-    partial = {"mode": mode, "results": {mode: {}}, "environment": report.environment(device, {mode: MODES.get(mode, {})})}
+    partial = {"mode": mode, "results": {mode: {}},
+               "environment": report.environment(device, {mode: MODES.get(mode, {})})}
     results = partial["results"][mode]
 
     def save():

@@ -191,6 +191,10 @@ def _fmt(v, unit=""):
     return f"{v}{unit}"
 
 
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def _invariance_cells(bi: dict) -> list[str]:
     rows = bi["all_rows"]
     ar = sum(v["fwd_differ"] + v["rowgrad_differ"] for v in rows.values())
@@ -199,7 +203,8 @@ def _invariance_cells(bi: dict) -> list[str]:
     return [
         "ok" if ar == 0 else f"{ar} differ",
         _fmt(bi["params_repeatable"]),
-        "ok" if fvs["fwd_differ"] + fvs["rowgrad_differ"] == 0 else f"{fvs['fwd_differ']}/{fvs['rowgrad_differ']} differ",
+        "ok" if fvs["fwd_differ"] + fvs["rowgrad_differ"] == 0
+        else f"{fvs['fwd_differ']}/{fvs['rowgrad_differ']} differ",
         "ok" if sw["differ"] == 0 else f"{sw['differ']}/{sw['comparisons']} differ",
         _fmt(bi["batch_invariant"]),
     ]
@@ -228,8 +233,8 @@ def summary_markdown(report: dict) -> str:
             continue
         lines.append(f"| `{name}` | " + " | ".join(_invariance_cells(c["batch_invariance"])) + " |")
     lines += ["", "## Accuracy and latency (µs, median)", "",
-              "| size | candidate | fwd_rel_err | grad_rel_err (max) | fwd_us | fwd_bwd_us | fwd_kernel_us | fwd_bwd_kernel_us |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              _row("size", "candidate", "fwd_rel_err", "grad_rel_err (max)", "fwd_us", "fwd_bwd_us",
+                   "fwd_kernel_us", "fwd_bwd_kernel_us"), _row(*["---"] * 8)]
     sizes = sorted({int(n) for c in cands.values() for n in c.get("accuracy_latency", {})})
     floors = report.get("floors") or {}
     for n in sizes:
@@ -239,25 +244,28 @@ def summary_markdown(report: dict) -> str:
                 continue
             grads = e.get("grad_rel_err")
             gmax = max((v for v in grads.values() if v is not None), default=None) if grads else None
-            lines.append(f"| {n} | `{name}` | {_fmt(e.get('fwd_rel_err'))} | {_fmt(gmax)} | {_fmt(e.get('fwd_us'))} | "
-                         f"{_fmt(e.get('fwd_bwd_us'))} | {_fmt(e.get('fwd_kernel_us'))} | {_fmt(e.get('fwd_bwd_kernel_us'))} |")
+            lines.append(_row(n, f"`{name}`", _fmt(e.get("fwd_rel_err")), _fmt(gmax),
+                              *(_fmt(e.get(k)) for k in ("fwd_us", "fwd_bwd_us", "fwd_kernel_us", "fwd_bwd_kernel_us"))))
         f = floors.get(str(n))
         if f and f.get("fwd_us") is not None:
-            lines.append(f"| {n} | floor (memory / compute) | | | {_fmt(f.get('fwd_memory_us'))} / {_fmt(f.get('fwd_compute_us'))} | "
-                         f"{_fmt(f.get('fwd_bwd_memory_us'))} / {_fmt(f.get('fwd_bwd_compute_us'))} | | |")
+            lines.append(_row(n, "floor (memory / compute)", "", "",
+                              *(f"{_fmt(f.get(p + '_memory_us'))} / {_fmt(f.get(p + '_compute_us'))}"
+                                for p in ("fwd", "fwd_bwd")), "", ""))
     if unavailable:
         lines += ["", "## Unavailable", ""] + unavailable
     ceilings = env.get("ceilings")
     if ceilings and ceilings.get("copy_bytes_per_s"):
         lines += ["", f"Ceilings measured in this run: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-                      f"BF16 {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s, FP32 {ceilings['fp32_flops_per_s'] / 1e12:.1f} TFLOP/s."]
+                      f"BF16 {ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s, "
+                      f"FP32 {ceilings['fp32_flops_per_s'] / 1e12:.1f} TFLOP/s."]
     return "\n".join(lines) + "\n"
 
 
 def compare_markdown(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -> str:
     """Side-by-side: invariance and per-size fwd / fwd_bwd latency of every candidate in either report."""
     ca, cb = candidates(a), candidates(b)
-    lines = [f"# {a['op']}: {label_a} ({a['environment'].get('gpu')}) vs {label_b} ({b['environment'].get('gpu')})", ""]
+    gpu_a, gpu_b = a["environment"].get("gpu"), b["environment"].get("gpu")
+    lines = [f"# {a['op']}: {label_a} ({gpu_a}) vs {label_b} ({gpu_b})", ""]
     if a["op"] != b["op"]:
         lines += [f"Warning: different ops ({a['op']} vs {b['op']}).", ""]
     lines += [f"| candidate | invariant {label_a} | invariant {label_b} |", "| --- | --- | --- |"]
@@ -265,12 +273,13 @@ def compare_markdown(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -
     def inv(c):
         if c is None:
             return "–"
-        return f"unavailable" if "unavailable" in c else _fmt(c["batch_invariance"]["batch_invariant"])
+        return "unavailable" if "unavailable" in c else _fmt(c["batch_invariance"]["batch_invariant"])
     names = list(dict.fromkeys([*ca, *cb]))
     for name in names:
         lines.append(f"| `{name}` | {inv(ca.get(name))} | {inv(cb.get(name))} |")
-    lines += ["", f"| size | candidate | fwd_us {label_a} | fwd_us {label_b} | fwd_bwd_us {label_a} | fwd_bwd_us {label_b} | "
-                  f"fwd_rel_err {label_a} | fwd_rel_err {label_b} |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    metrics = ("fwd_us", "fwd_bwd_us", "fwd_rel_err")
+    lines += ["", _row("size", "candidate", *(f"{m} {label}" for m in metrics for label in (label_a, label_b))),
+              _row(*["---"] * 8)]
     sizes = sorted({int(n) for c in [*ca.values(), *cb.values()] for n in c.get("accuracy_latency", {})})
     for n in sizes:
         for name in names:
@@ -278,8 +287,7 @@ def compare_markdown(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -
             eb = (cb.get(name) or {}).get("accuracy_latency", {}).get(str(n)) or {}
             if not ea and not eb:
                 continue
-            lines.append(f"| {n} | `{name}` | {_fmt(ea.get('fwd_us'))} | {_fmt(eb.get('fwd_us'))} | {_fmt(ea.get('fwd_bwd_us'))} | "
-                         f"{_fmt(eb.get('fwd_bwd_us'))} | {_fmt(ea.get('fwd_rel_err'))} | {_fmt(eb.get('fwd_rel_err'))} |")
+            lines.append(_row(n, f"`{name}`", *(_fmt(e.get(m)) for m in metrics for e in (ea, eb))))
     return "\n".join(lines) + "\n"
 
 
