@@ -144,7 +144,12 @@ def test_forward_is_bitwise_the_replay(rows):
     _poison_allocator(4 * rows * H)
     out = torch.ops.h3.norm_modulate(x, w, shift, scale, idx)
     assert not out.isnan().any()
-    assert torch.equal(out, reference.norm_modulate_replay(x, w, shift, scale, idx))
+    replay = reference.norm_modulate_replay(x, w, shift, scale, idx)
+    differ = out != replay
+    # A mismatch here (with the FP64 bound below still met) means torch's fused rms_norm summed x^2 in
+    # another order than kernels/rowwise.torch_sumsq models (a torch build with another block shape).
+    assert not differ.any(), (f"{int(differ.sum())} elements in {int(differ.any(1).sum())} of {rows} rows differ "
+                              f"from the replay (torch {torch.__version__})")
     assert _rel_err(out, reference.norm_modulate_fp64(x, w, shift, scale, idx)) < 1.6e-2  # 4 BF16 roundings
 
 
