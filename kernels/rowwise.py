@@ -183,6 +183,14 @@ def fake_partials(num_groups, table_rows, width):
 
 # ---- the fold: out[j] = bf16(sum_p partials[p, j]) -------------------------------------------------------
 
+@cute.jit
+def _fold_step(mPart: cute.Tensor, acc: cute.Tensor, first, col, groups: cutlass.Constexpr):
+    """Adds partials [first, first + groups) in order, their loads all issued before the first add."""
+    parts = [vec_view(mPart, Int64(first + i) * mPart.stride[0] + col).load() for i in range(groups)]
+    for i in cutlass.range_constexpr(groups):
+        acc.store(acc.load() + parts[i])
+
+
 @cute.kernel
 def _fold_kernel(mPart: cute.Tensor, mOut: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
@@ -193,8 +201,12 @@ def _fold_kernel(mPart: cute.Tensor, mOut: cute.Tensor):
         col = Int64(v) * VEC
         acc = cute.make_rmem_tensor((VEC,), Float32)
         acc.fill(0.0)
-        for p in cutlass.range(mPart.shape[0]):
-            acc.store(acc.load() + vec_view(mPart, Int64(p) * mPart.stride[0] + col).load())
+        groups = mPart.shape[0]
+        batched = groups // UNROLL * UNROLL
+        for first in cutlass.range(0, batched, UNROLL):
+            _fold_step(mPart, acc, first, col, UNROLL)
+        for first in cutlass.range(batched, groups):
+            _fold_step(mPart, acc, first, col, 1)
         store_bf16(mOut, col, acc.load())
 
 
