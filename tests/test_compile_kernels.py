@@ -10,6 +10,9 @@ import functools
 
 import pytest
 
+pytest.importorskip("cutlass", reason="compiling needs the CuTe DSL (the device runs prebuilt kernels only)",
+                    exc_type=ImportError)
+
 from h3cute.runtime import SUPPORTED_ARCHS, canonical_static
 from h3cute.runtime.sources import kernels_package
 

@@ -422,3 +422,70 @@ def test_build_cli_rejects_unknown_kernel(tmp_path):
     with pytest.raises(SystemExit):
         bundle.main(["--arch", "sm_90a", "--out", str(tmp_path), "--kernel", "no_such_kernel"])
     assert not (tmp_path / bundle.MANIFEST).exists()
+
+
+def test_build_cli_writes_a_bundle_for_named_kernels(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources.kernels_package(), "all_specs", lambda: {ADD.name: ADD})
+    monkeypatch.setattr(sources.kernels_package(), "module_of", lambda name: __name__)
+    assert bundle.main(["--arch", "sm_100a", "--out", str(tmp_path), "--kernel", ADD.name]) == 0
+    manifest = json.loads((tmp_path / bundle.MANIFEST).read_text())
+    assert {e["arch"] for e in manifest["entries"]} == {"sm_100a"} and len(manifest["entries"]) == 2
+    assert (tmp_path / bundle.library_name("sm_100a")).is_file()
+
+
+# --- on the GPU ------------------------------------------------------------------------------------
+# The device has no CuTe DSL: there the tiny kernel comes from a bundle built here beforehand with
+#   python tests/test_runtime.py DIR        (perf/device_run.sh passes .prebuilt/runtime_test)
+# and named by H3CUTE_TEST_BUNDLE; where the DSL is installed it is compiled into the disk cache.
+
+def _gpu_add(arch: str, static: dict):
+    test_bundle = os.environ.get("H3CUTE_TEST_BUNDLE")
+    if test_bundle:
+        fn = bundle.open_bundle(test_bundle).function(ADD.name, arch, canonical_static(static))
+        assert fn is not None, f"{test_bundle} lacks {ADD.name} {arch} {static}"
+        return fn
+    if not sources.dsl_available():
+        pytest.skip("no CuTe DSL here and H3CUTE_TEST_BUNDLE is unset (see perf/device_run.sh)")
+    return cache.load_or_build(ADD.name, arch, static, lambda: ADD)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 127, 128, 129, 100_003])
+@pytest.mark.parametrize("static", [dict(addend=1.0), dict(addend=2.0, threads=64)], ids=["plus1", "plus2_t64"])
+def test_runtime_kernel_runs_on_gpu(rows, static):
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = rt.arch_of(device)
+    fn = _gpu_add(arch, static)
+    g = torch.Generator(device=device).manual_seed(rows)
+    x = torch.randn(rows, device=device, generator=g)
+    y = torch.full_like(x, float("nan"))
+    fn(x, y)
+    torch.cuda.synchronize()
+    assert torch.equal(y, x + static["addend"])
+
+    # the kernel runs on torch's current stream, and is capturable in a CUDA graph
+    side = torch.cuda.Stream()
+    x_new = torch.randn(rows, device=device, generator=g)
+    y.fill_(float("nan"))
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # a launch on another stream would run now, on the old x
+        x.copy_(x_new)
+        fn(x, y)
+        ok = torch.equal(y, x_new + static["addend"])
+    assert ok
+    graph = torch.cuda.CUDAGraph()
+    y.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        fn(x, y)
+    x.copy_(torch.randn(rows, device=device, generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x + static["addend"])
+
+
+if __name__ == "__main__":
+    # python tests/test_runtime.py DIR: bundle the tiny kernel for the device's GPU tests
+    bundle.build_bundle(Path(sys.argv[1]), ["sm_90a", "sm_100a"], [ADD], {ADD.name: "tests.test_runtime"})

@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .sources import kernels_package
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, log_path=False)
     kernels = kernels_package()
     specs = kernels.all_specs()
     names = args.kernel or sorted(specs)

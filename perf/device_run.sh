@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The one script the lead runs on the lent H200 (way A of ../shared/device/README.md: prebuilt kernels,
+# no CuTe DSL on the device). Runs the GPU tests, then an optional bench command, logging to $OUT.
+#
+# Prepare here (CPU machine, repo root):
+#   bash ../shared/device/prepare_runtime.sh                        # -> .devstage/rt
+#   python -m h3cute build --arch sm_90a --out .prebuilt            # the product kernels
+#   PYTHONPATH=src python tests/test_runtime.py .prebuilt/runtime_test   # the runtime's own test kernel
+# Device `run`: carry [".devstage/rt", ".prebuilt"], command
+#   bash perf/device_run.sh [python3 -m h3cute.bench ...]
+#
+# h3cute is not installed on the device: src/ goes on PYTHONPATH and h3cute.runtime maps the
+# top-level kernels/ folder to h3cute.kernels itself (the installed package-dir mapping's stand-in).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/.device-out}
+mkdir -p "$OUT"
+
+[ -f .devstage/rt/rt_env.sh ] || { echo "device_run: .devstage/rt missing (bash ../shared/device/prepare_runtime.sh)" >&2; exit 2; }
+[ -f .prebuilt/manifest.json ] || { echo "device_run: .prebuilt/manifest.json missing (python -m h3cute build --arch sm_90a --out .prebuilt)" >&2; exit 2; }
+# shellcheck disable=SC1091
+source .devstage/rt/rt_env.sh || { echo "device_run: runtime install failed" >&2; exit 3; }
+
+export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
+export H3CUTE_PREBUILT=$ROOT/.prebuilt
+export H3CUTE_CACHE_DIR=$OUT/h3cute-cache   # stays empty unless something compiles (it cannot here)
+[ -f .prebuilt/runtime_test/manifest.json ] && export H3CUTE_TEST_BUNDLE=$ROOT/.prebuilt/runtime_test
+export PYTHONDONTWRITEBYTECODE=1
+
+{
+  echo "== $(date -u +%FT%TZ)  $(git rev-parse --short HEAD 2>/dev/null || echo no-git)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1
+  python3 - <<'PY'
+import json, sys, torch, tvm_ffi
+import h3cute.runtime as rt
+from h3cute.runtime import sources
+m = json.load(open(".prebuilt/manifest.json"))
+print("python", sys.version.split()[0], "torch", torch.__version__, "tvm_ffi", tvm_ffi.__version__)
+print("bundle", m["fingerprint"][:12], "sources", sources.source_fingerprint()[:12], "entries", len(m["entries"]))
+print("cutlass importable:", sources.dsl_available())
+print("gpu", torch.cuda.get_device_name(), torch.cuda.get_device_capability(), "->", rt.arch_of(0))
+PY
+} 2>&1 | tee "$OUT/env.txt"
+
+STAMP=$(mktemp)
+python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --continue-on-collection-errors \
+  --junitxml="$OUT/pytest_gpu.xml" tests 2>&1 | tee "$OUT/pytest_gpu.log"
+rc_tests=${PIPESTATUS[0]}
+
+rc_bench=0
+if [ $# -gt 0 ]; then
+  export H3CUTE_OUT=$OUT
+  "$@" 2>&1 | tee "$OUT/bench.log"
+  rc_bench=${PIPESTATUS[0]}
+  # reports the bench wrote under perf/results come back too
+  find perf/results -type f -newer "$STAMP" -exec cp --parents {} "$OUT/" \; 2>/dev/null
+fi
+rm -f "$STAMP"
+echo "device_run: pytest rc=$rc_tests bench rc=$rc_bench" | tee -a "$OUT/env.txt"
+[ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]
