@@ -166,49 +166,6 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows):
         assert _close(a, ref.to(a.dtype), tol)
 
 
-def test_final_adaln_out_glue_on_cpu_emulation(monkeypatch):
-    """final_adaln_out slices shift | scale in that order and feeds d(shift | scale) back in that order."""
-    import types
-
-    from h3cute.ops.adaln import _final_backward_cpu
-
-    calls = {}
-
-    def forward_rows(x, w, shift, scale, idx, eps, op):
-        calls["strides"] = (shift.stride(0), scale.stride(0))
-        return reference.norm_modulate_replay(x, w, shift, scale, idx, eps)
-
-    def backward_rows(grad, x, w, scale, idx, eps, op):
-        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
-        sh = torch.zeros(scale.shape, dtype=torch.float64, requires_grad=True)
-        sc = scale.double().requires_grad_()
-        reference.norm_modulate_fp64(xd, wd, sh, sc, idx, eps).backward(grad.double())
-        return xd.grad.to(x.dtype), wd.grad.to(w.dtype), sh.grad.to(x.dtype), sc.grad.to(x.dtype)
-
-    from h3cute.launch import final_adaln_out as final
-
-    monkeypatch.setattr(final, "norm_modulate",
-                        types.SimpleNamespace(forward_rows=forward_rows, backward_rows=backward_rows))
-    monkeypatch.setattr(launch.runtime, "kernel", _KernelEmulator())
-
-    g = torch.Generator().manual_seed(0)
-    rows, timesteps, hidden = 37, 3, N_FINAL // 2
-    x = (torch.randn((rows, hidden), generator=g) * 2).to(torch.bfloat16)
-    nw = (0.5 + torch.rand((hidden,), generator=g)).to(torch.bfloat16)
-    temb = torch.randn((timesteps, D), generator=g)
-    w = (torch.randn((N_FINAL, D), generator=g) * D ** -0.5).to(torch.bfloat16)
-    b = (torch.randn((N_FINAL,), generator=g) * 0.02).to(torch.bfloat16)
-    ti = torch.randint(0, timesteps, (rows,), generator=g)
-    out = final.forward(x, nw, temb, w, b, ti, 1e-5, True)
-    assert calls["strides"] == (N_FINAL, N_FINAL)  # row-strided halves of one table, no copy
-    assert _close(out, reference.final_adaln_out_replay(x, nw, temb, w, b, ti, 1e-5), 1e-2)
-    grad = torch.randn((rows, hidden), generator=g).to(torch.bfloat16)
-    got = final.backward(grad, x, nw, temb, w, b, ti, 1e-5)
-    want = _final_backward_cpu(grad, x, nw, temb, w, b, ti, 1e-5)
-    for a, ref, name in zip(got, want, ("dx", "dnw", "dtemb", "dW", "db")):
-        assert _close(a, ref, 1e-2), name
-
-
 def _fp64_grads_cpu(grad, temb, weight):
     g, t, w = grad.double(), temb.double(), weight.double()
     act = torch.nn.functional.silu(temb).to(torch.bfloat16).double()

@@ -1,24 +1,62 @@
 """final_adaln_out: the (T, 10752) projection (kernels/adaln_gemm.py) feeding the norm+modulate row kernels.
 
 out[s] = rms_norm(x[s], nw) * (1 + scale[ti[s]]) + shift[ti[s]], (shift | scale) = projection of temb.
-GPU tests: accuracy against FP64 (forward and every gradient), bitwise per-row invariance of out and
+CPU: the launch glue on torch emulations of the kernels (tests/test_adaln_projection.py) and of the
+norm launcher. GPU tests: accuracy against FP64 (forward and every gradient), bitwise per-row invariance of out and
 dx, bitwise repeatable parameter gradients, the op's autograd equal to its backward op.
 """
+import types
+
 import pytest
 import torch
+from test_adaln_projection import _KernelEmulator, _close
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
+from h3cute.launch import adaln_projection as projection
 from h3cute.launch import final_adaln_out as launch
+from h3cute.ops.adaln import _final_backward_cpu
 
 H = 5376
 D = 2688
 N = 2 * H
 
 
-def test_launch_exposes_forward_and_backward():
-    assert callable(launch.forward) and callable(launch.backward)
-    assert launch.HIDDEN == H
+def test_final_adaln_out_glue_on_cpu_emulation(monkeypatch):
+    """final_adaln_out slices shift | scale in that order and feeds d(shift | scale) back in that order."""
+    calls = {}
+
+    def forward_rows(x, w, shift, scale, idx, eps, op):
+        calls["strides"] = (shift.stride(0), scale.stride(0))
+        return reference.norm_modulate_replay(x, w, shift, scale, idx, eps)
+
+    def backward_rows(grad, x, w, scale, idx, eps, op):
+        xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+        sh = torch.zeros(scale.shape, dtype=torch.float64, requires_grad=True)
+        sc = scale.double().requires_grad_()
+        reference.norm_modulate_fp64(xd, wd, sh, sc, idx, eps).backward(grad.double())
+        return xd.grad.to(x.dtype), wd.grad.to(w.dtype), sh.grad.to(x.dtype), sc.grad.to(x.dtype)
+
+    monkeypatch.setattr(launch, "norm_modulate",
+                        types.SimpleNamespace(forward_rows=forward_rows, backward_rows=backward_rows))
+    monkeypatch.setattr(projection.runtime, "kernel", _KernelEmulator())
+
+    g = torch.Generator().manual_seed(0)
+    rows, timesteps = 37, 3
+    x = (torch.randn((rows, H), generator=g) * 2).to(torch.bfloat16)
+    nw = (0.5 + torch.rand((H,), generator=g)).to(torch.bfloat16)
+    temb = torch.randn((timesteps, D), generator=g)
+    w = (torch.randn((N, D), generator=g) * D ** -0.5).to(torch.bfloat16)
+    b = (torch.randn((N,), generator=g) * 0.02).to(torch.bfloat16)
+    ti = torch.randint(0, timesteps, (rows,), generator=g)
+    out = launch.forward(x, nw, temb, w, b, ti, 1e-5, True)
+    assert calls["strides"] == (N, N)  # row-strided halves of one table, no copy
+    assert _close(out, reference.final_adaln_out_replay(x, nw, temb, w, b, ti, 1e-5), 1e-2)
+    grad = torch.randn((rows, H), generator=g).to(torch.bfloat16)
+    got = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)
+    want = _final_backward_cpu(grad, x, nw, temb, w, b, ti, 1e-5)
+    for a, ref, name in zip(got, want, ("dx", "dnw", "dtemb", "dW", "db")):
+        assert _close(a, ref, 1e-2), name
 
 
 gpu = pytest.mark.gpu
