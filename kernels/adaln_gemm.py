@@ -83,8 +83,17 @@ CONFIGS = {
     "wide_k32": GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4),
     "wide_8warps": GemmTile(bm=128, bn=256, bk=32, warps_m=2, warps_n=4, stages=3),
 }
+# The sm_90a warpgroup-MMA family (`_WgmmaGemm`, warps_m = 4 x warpgroups): its own numeric
+# contract, so the launch code uses either these or CONFIGS on a device, never a mix.
+WGMMA_CONFIGS = {
+    "wg_skinny": GemmTile(bm=64, bn=16, bk=64, warps_m=4, warps_n=1, stages=5),
+    "wg_mid": GemmTile(bm=128, bn=64, bk=64, warps_m=4, warps_n=1, stages=4),
+    "wg_wide": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4),
+    "wg_wide256": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=3),
+}
 # dW's K is T (usually tiny): a short bk wastes little on the zero-padded K tail.
 WGRAD_TILE = GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4)
+WGRAD_WGMMA_TILE = GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=4)
 
 
 class _WarpMmaGemm:
@@ -342,14 +351,213 @@ class _WarpMmaGemm:
                     tCgC[i] = acc[i]
 
 
+class _WgmmaGemm(_WarpMmaGemm):
+    """The same GEMM with the sm_90a warpgroup MMA (wgmma m64nNk16, operands read from shared memory).
+
+    Same loads (16-byte cp.async into wgmma's swizzled layouts), same K walk (k16 steps in ascending
+    order into one FP32 accumulator per element), same epilogue; warps_m / 4 warpgroups tile M in
+    64-row slabs. Each k tile: cp.async wait -> proxy fence -> barrier -> wgmma on that stage ->
+    wait for the wgmma before its stage is refilled.
+    """
+
+    def _wgmma_smem_layout(self, k_major: bool, mn: int, is_a: bool):
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as sm90
+
+        layout = LayoutEnum.ROW_MAJOR if k_major else LayoutEnum.COL_MAJOR
+        t = self.tile
+        if is_a:
+            return sm90.make_smem_layout_a(layout, (mn, t.bn, t.bk), cutlass.BFloat16, t.stages)
+        return sm90.make_smem_layout_b(layout, (t.bm, mn, t.bk), cutlass.BFloat16, t.stages)
+
+    @cute.jit
+    def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
+        from cutlass.cute.nvgpu import OperandMajorMode
+        from cutlass.utils import hopper_helpers as sm90
+
+        t = self.tile
+        sA_layout = self._wgmma_smem_layout(self.a_k_major, t.bm, True)
+        sB_layout = self._wgmma_smem_layout(self.b_k_major, t.bn, False)
+        copy_A = self._gmem_copy(self.a_k_major, t.bm)
+        copy_B = self._gmem_copy(self.b_k_major, t.bn)
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            cutlass.BFloat16,
+            cutlass.BFloat16,
+            OperandMajorMode.K if self.a_k_major else OperandMajorMode.MN,
+            OperandMajorMode.K if self.b_k_major else OperandMajorMode.MN,
+            cutlass.Float32,
+            (t.warps_m // 4, 1, 1),
+            tiler_mn=(64, t.bn),
+        )
+        grid = (
+            cute.ceil_div(cute.size(mB, mode=[0]), t.bn),
+            cute.ceil_div(cute.size(mA, mode=[0]), t.bm),
+            self.k_splits,
+        )
+        self.wgmma_kernel(mA, mB, mC, mBias, sA_layout, sB_layout, copy_A, copy_B, tiled_mma).launch(
+            grid=grid, block=[t.threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def wgmma_kernel(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        mBias: cute.Tensor,
+        sA_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+        copy_A: cute.TiledCopy,
+        copy_B: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+    ):
+        t = self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        n_tile, m_tile, split = cute.arch.block_idx()
+
+        gA = cute.local_tile(mA, (t.bm, t.bk), (m_tile, None))
+        gB = cute.local_tile(mB, (t.bn, t.bk), (n_tile, None))
+        residual_k = cute.size(mA, mode=[1]) - cutlass.Int32(t.bk) * cute.size(gA, mode=[2])
+        gA = cute.domain_offset((0, residual_k, 0), gA)
+        gB = cute.domain_offset((0, residual_k, 0), gB)
+        gA = cute.make_tensor(gA.iterator.align(16), gA.layout)
+        gB = cute.make_tensor(gB.iterator.align(16), gB.layout)
+        cA = cute.domain_offset((0, residual_k, 0), cute.local_tile(cute.make_identity_tensor(mA.shape), (t.bm, t.bk), (m_tile, None)))
+        cB = cute.domain_offset((0, residual_k, 0), cute.local_tile(cute.make_identity_tensor(mB.shape), (t.bn, t.bk), (n_tile, None)))
+
+        k_tile_count = cute.size(gA, mode=[2])
+        k_tile_first = cutlass.Int32(0)
+        if cutlass.const_expr(self.k_splits > 1):
+            k_tile_count = k_tile_count // self.k_splits
+            k_tile_first = split * k_tile_count
+
+        @cute.struct
+        class SharedStorage:
+            a: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
+            b: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sA = storage.a.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.b.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+
+        thr_copy_A = copy_A.get_slice(tidx)
+        thr_copy_B = copy_B.get_slice(tidx)
+        tAgA = thr_copy_A.partition_S(gA)
+        tAsA = thr_copy_A.partition_D(sA)
+        tBgB = thr_copy_B.partition_S(gB)
+        tBsB = thr_copy_B.partition_D(sB)
+        tAcA = thr_copy_A.partition_S(cA)
+        tBcB = thr_copy_B.partition_S(cB)
+        tApA = cute.make_rmem_tensor(
+            cute.make_layout(
+                (tAgA.shape[0][1], cute.size(tAgA, mode=[1]), cute.size(tAgA, mode=[2])),
+                stride=(cute.size(tAgA, mode=[1]), 1, 0),
+            ),
+            cutlass.Boolean,
+        )
+        tBpB = cute.make_rmem_tensor(
+            cute.make_layout(
+                (tBgB.shape[0][1], cute.size(tBgB, mode=[1]), cute.size(tBgB, mode=[2])),
+                stride=(cute.size(tBgB, mode=[1]), 1, 0),
+            ),
+            cutlass.Boolean,
+        )
+        for v in range(tApA.shape[0]):
+            for m in range(tApA.shape[1]):
+                tApA[v, m, 0] = cute.elem_less(tAcA[(0, v), m, 0, 0][0], mA.shape[0])
+        for v in range(tBpB.shape[0]):
+            for n in range(tBpB.shape[1]):
+                tBpB[v, n, 0] = cute.elem_less(tBcB[(0, v), n, 0, 0][0], mB.shape[0])
+
+        tAsA.fill(0)
+        tBsB.fill(0)
+        cute.arch.sync_threads()
+
+        num_stages = t.stages
+        k_tile_index = k_tile_first
+        for k in range(tApA.shape[2]):
+            if cute.elem_less(cutlass.Int32(-1), tAcA[0, 0, k, k_tile_index][1]):
+                cute.copy(copy_A, tAgA[None, None, k, k_tile_index], tAsA[None, None, k, 0], pred=tApA[None, None, k])
+        for k in range(tBpB.shape[2]):
+            if cute.elem_less(cutlass.Int32(-1), tBcB[0, 0, k, k_tile_index][1]):
+                cute.copy(copy_B, tBgB[None, None, k, k_tile_index], tBsB[None, None, k, 0], pred=tBpB[None, None, k])
+        k_tile_index = k_tile_index + 1
+        cute.arch.cp_async_commit_group()
+        for k_tile in range(1, num_stages - 1):
+            if k_tile == k_tile_count:
+                tApA.fill(0)
+                tBpB.fill(0)
+            cute.copy(copy_A, tAgA[None, None, None, k_tile_index], tAsA[None, None, None, k_tile], pred=tApA)
+            cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, k_tile], pred=tBpB)
+            k_tile_index = k_tile_index + 1
+            cute.arch.cp_async_commit_group()
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        gC_full = mC
+        if cutlass.const_expr(self.k_splits > 1):
+            gC_full = mC[None, None, split]
+        gC = cute.local_tile(gC_full, (t.bm, t.bn), (m_tile, n_tile))
+        cC = cute.local_tile(cute.make_identity_tensor(gC_full.shape), (t.bm, t.bn), (m_tile, n_tile))
+        tCgC = thr_mma.partition_C(gC)
+        tCcC = thr_mma.partition_C(cC)
+        acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+        acc.fill(0.0)
+        # Accumulate from the first step on (acc is zero): every k16 step is the same operation.
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        num_k_block = cute.size(tCrA, mode=[2])
+
+        smem_read = 0
+        smem_write = num_stages - 1
+        for k_tile in range(k_tile_count):
+            # Tile k_tile has landed (own copies), is visible to the async proxy, and every
+            # warpgroup has finished reading the stage that is refilled next.
+            cute.arch.cp_async_wait_group(num_stages - 2)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            if k_tile + num_stages - 1 < k_tile_count:
+                cute.copy(copy_A, tAgA[None, None, None, k_tile_index], tAsA[None, None, None, smem_write], pred=tApA)
+                cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, smem_write], pred=tBpB)
+            k_tile_index = k_tile_index + 1
+            cute.arch.cp_async_commit_group()
+            cute.nvgpu.warpgroup.fence()
+            for k_block in cutlass.range(num_k_block, unroll_full=True):
+                cute.gemm(tiled_mma, acc, tCrA[None, None, k_block, smem_read], tCrB[None, None, k_block, smem_read], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            smem_write = smem_read
+            smem_read = smem_read + 1
+            if smem_read == num_stages:
+                smem_read = 0
+        cute.arch.cp_async_wait_group(0)
+
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
+            coord = tCcC[i]
+            if cute.elem_less(coord, gC_full.shape):
+                if cutlass.const_expr(self.epilogue == "bias_bf16"):
+                    tCgC[i] = (acc[i] + mBias[coord[0]].to(cutlass.Float32)).to(cutlass.BFloat16)
+                elif cutlass.const_expr(self.epilogue == "bf16"):
+                    tCgC[i] = acc[i].to(cutlass.BFloat16)
+                else:
+                    tCgC[i] = acc[i]
+
+
 # ------------------------------------------------------------------------------ the projection
 def _fake(dtype, shape, stride_order=None):
     return make_fake_compact_tensor(dtype, shape, stride_order=stride_order, assumed_align=16)
 
 
+def _gemm(arch: str, config: str, **kw):
+    if config in WGMMA_CONFIGS:
+        assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
+        return _WgmmaGemm(WGMMA_CONFIGS[config], **kw)
+    return _WarpMmaGemm(CONFIGS[config], **kw)
+
+
 def _build_fwd(arch: str, *, out_features: int, config: str):
-    tile = CONFIGS[config]
-    gemm = _WarpMmaGemm(tile, a_k_major=True, b_k_major=True, epilogue="bias_bf16")
+    gemm = _gemm(arch, config, a_k_major=True, b_k_major=True, epilogue="bias_bf16")
 
     @cute.jit
     def adaln_proj_fwd(act: cute.Tensor, weight: cute.Tensor, bias: cute.Tensor, out: cute.Tensor, stream):
@@ -370,9 +578,8 @@ def _build_fwd(arch: str, *, out_features: int, config: str):
 
 
 def _build_dgrad(arch: str, *, out_features: int, config: str):
-    tile = CONFIGS[config]
-    assert out_features % (DGRAD_SPLITS * tile.bk) == 0, (out_features, tile)
-    gemm = _WarpMmaGemm(tile, a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS)
+    gemm = _gemm(arch, config, a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS)
+    assert out_features % (DGRAD_SPLITS * gemm.tile.bk) == 0, (out_features, gemm.tile)
 
     @cute.jit
     def adaln_proj_dgrad(grad: cute.Tensor, weight: cute.Tensor, partial: cute.Tensor, stream):
@@ -392,8 +599,12 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
     )
 
 
-def _build_wgrad(arch: str, *, out_features: int):
-    gemm = _WarpMmaGemm(WGRAD_TILE, a_k_major=False, b_k_major=False, epilogue="bf16")
+def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False):
+    if wgmma:
+        assert arch == "sm_90a"
+        gemm = _WgmmaGemm(WGRAD_WGMMA_TILE, a_k_major=False, b_k_major=False, epilogue="bf16")
+    else:
+        gemm = _WarpMmaGemm(WGRAD_TILE, a_k_major=False, b_k_major=False, epilogue="bf16")
 
     @cute.jit
     def adaln_proj_wgrad(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, stream):
@@ -531,6 +742,7 @@ def _build_bias_grad(arch: str, *, out_features: int):
 
 
 _MMA_MARKERS = ("mma.sync.aligned.m16n8k16", ".bf16", "cp.async", "ldmatrix")
+_WGMMA_MARKERS = ("wgmma.mma_async.sync.aligned.m64n", "k16.f32.bf16.bf16", "cp.async.cg", "fence.proxy.async")
 _NO_ATOMICS = ("atom.", "\tred.")  # deterministic: no atomics anywhere
 
 SPECS = [
@@ -554,6 +766,30 @@ SPECS = [
         variants=lambda arch: [dict(out_features=n) for n in OUT_FEATURES],
         ptx_markers=_MMA_MARKERS + ("ldmatrix.sync.aligned.m8n8.x4.trans",),
         ptx_forbidden=_NO_ATOMICS,
+    ),
+    KernelSpec(
+        name="adaln_proj_fwd_wgmma",
+        build=_build_fwd,
+        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in WGMMA_CONFIGS],
+        ptx_markers=_WGMMA_MARKERS,
+        ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
+        archs=("sm_90a",),
+    ),
+    KernelSpec(
+        name="adaln_proj_dgrad_wgmma",
+        build=_build_dgrad,
+        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in WGMMA_CONFIGS],
+        ptx_markers=_WGMMA_MARKERS,
+        ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
+        archs=("sm_90a",),
+    ),
+    KernelSpec(
+        name="adaln_proj_wgrad_wgmma",
+        build=_build_wgrad,
+        variants=lambda arch: [dict(out_features=n, wgmma=True) for n in OUT_FEATURES],
+        ptx_markers=_WGMMA_MARKERS,
+        ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
+        archs=("sm_90a",),
     ),
     KernelSpec(
         name="adaln_silu_cast",

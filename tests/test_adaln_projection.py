@@ -40,6 +40,8 @@ def test_every_variant_compiles_with_its_ptx_markers(arch):
     from h3cute.runtime.dsl import compile_variant
 
     for name, spec in _specs().items():
+        if arch not in spec.archs:
+            continue
         for static in spec.variants(arch):
             _, ptx = compile_variant(spec, arch, dict(static), keep_ptx=True)
             text = "\n".join(ptx)
@@ -71,6 +73,8 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     import h3cute.kernels.adaln_gemm as k
 
     assert tuple(k.CONFIGS) == launch.CONFIGS
+    assert tuple(k.WGMMA_CONFIGS) == launch.WGMMA_CONFIGS
+    assert launch.SM90_FAMILY in ("warp", "wgmma")
     assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS
     assert k.TEMB_WIDTH == launch.TEMB_WIDTH == D
     for n in k.OUT_FEATURES:
@@ -78,9 +82,16 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
             tile.check()
             assert n % tile.bm == 0 and D % tile.bk == 0
             assert n % (k.DGRAD_SPLITS * tile.bk) == 0 and D % tile.bm == 0
-        assert n % k.WGRAD_TILE.bm == 0 and D % k.WGRAD_TILE.bn == 0
+        for tile in k.WGMMA_CONFIGS.values():
+            tile.check()
+            assert tile.warps_m % 4 == 0 and tile.bm % (16 * tile.warps_m) == 0  # whole 64-row warpgroup slabs
+            assert n % (k.DGRAD_SPLITS * tile.bk) == 0 and D % tile.bm == 0 and n % tile.bm == 0
+        for tile in (k.WGRAD_TILE, k.WGRAD_WGMMA_TILE):
+            tile.check()
+            assert n % tile.bm == 0 and D % tile.bn == 0
     for rows in (1, 8, 16, 17, 64, 65, 2048, 4096):
         assert launch.config_for_rows(rows) in launch.CONFIGS
+        assert launch.config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS
 
 
 def test_launch_modules_do_not_import_cutlass():
@@ -234,18 +245,54 @@ def test_forward_accuracy(block_params, rows):
     assert _rel_err(out, ref) <= 2.5e-3  # one BF16 rounding (2^-9) of an FP32-accurate value
 
 
+def _families():
+    return ["warp", "wgmma"]
+
+
+def _family_configs(family):
+    if family == "wgmma":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wgmma family is sm_90a only")
+        return launch.WGMMA_CONFIGS
+    return launch.CONFIGS
+
+
 @gpu
+@pytest.mark.parametrize("family", _families())
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 63, 64, 65, 129, 300])
-def test_every_config_gives_identical_bits(rows):
+def test_every_config_gives_identical_bits(family, rows):
+    configs = _family_configs(family)
     w, b = _params(N_FINAL, seed=rows)
     temb = _temb(rows, 7 * rows)
-    outs = {c: launch.forward(temb, w, b, config=c) for c in launch.CONFIGS}
+    outs = {c: launch.forward(temb, w, b, config=c) for c in configs}
     for c, out in outs.items():
-        _assert_same_bits(out, outs["skinny"], f"forward config {c} vs skinny, T={rows}")
+        _assert_same_bits(out, outs[configs[0]], f"forward config {c} vs {configs[0]}, T={rows}")
     grad = torch.randn((rows, N_FINAL), generator=_gen(rows), device="cuda").to(torch.bfloat16)
-    dtembs = {c: launch.backward(grad, temb, w, config=c)[0] for c in launch.CONFIGS}
+    dtembs = {c: launch.backward(grad, temb, w, config=c)[0] for c in configs}
     for c, dtemb in dtembs.items():
-        _assert_same_bits(dtemb, dtembs["skinny"], f"dtemb config {c} vs skinny, T={rows}")
+        _assert_same_bits(dtemb, dtembs[configs[0]], f"dtemb config {c} vs {configs[0]}, T={rows}")
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 4, 33, 256, 2048])
+def test_wgmma_family_accuracy_and_row_invariance(block_params, rows):
+    """The sm_90a wgmma family (what SM90_FAMILY = "wgmma" switches on), all three GEMMs."""
+    configs = _family_configs("wgmma")
+    w, b = block_params
+    temb = _temb(rows, 400 + rows)
+    config = launch.config_for_rows(rows, wgmma=True)
+    out = launch.forward(temb, w, b, config=config)
+    assert _rel_err(out, reference.adaln_projection_fp64(temb, w, b)) <= 2.5e-3
+    grad = torch.randn((rows, N_BLOCK), generator=_gen(19), device="cuda").to(torch.bfloat16)
+    dtemb, dw, db = launch.backward(grad, temb, w, config=config)
+    ref_dtemb, ref_dw, ref_db = _fp64_grads(grad, temb, w)
+    assert _rel_err(dtemb, ref_dtemb) <= 1e-5
+    assert _rel_err(dw, ref_dw) <= 2.5e-3 and _rel_err(db, ref_db) <= 2.5e-3
+    for start, size in ((0, 1), (rows // 2, 1), (rows - 1, 1), (0, max(rows // 3, 1))):
+        sl = slice(start, start + size)
+        for c in configs:
+            _assert_same_bits(launch.forward(temb[sl], w, b, config=c), out[sl], f"wgmma {c} rows {start}+{size}")
+        _assert_same_bits(launch.backward(grad[sl], temb[sl], w, config=config)[0], dtemb[sl], f"wgmma dtemb {start}")
 
 
 @gpu

@@ -10,6 +10,10 @@ gradient through unrounded); `adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out)
 The tile config is picked from T (`config_for_rows`) purely for speed: every config runs the same
 k16 MMA sequence per output element, so the bits do not depend on it (tests check this). Used with
 out_features 96768 (this op) and 10752 (final_adaln_out's projection). No host syncs.
+
+Two MMA families: `CONFIGS` (warp mma.sync, sm_90a and sm_100a) and `WGMMA_CONFIGS` (sm_90a
+warpgroup MMA, `*_wgmma` kernels). Their bits may differ, so a device uses one family for every T:
+`SM90_FAMILY` says which on sm_90a. An explicit `config` picks its family (tests, timing).
 """
 from __future__ import annotations
 
@@ -19,16 +23,28 @@ from h3cute import runtime
 
 TEMB_WIDTH = 2688
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
-CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")  # names of kernels/adaln_gemm.CONFIGS
+CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")  # kernels/adaln_gemm.CONFIGS
+WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide256")  # kernels/adaln_gemm.WGMMA_CONFIGS
+# The family sm_90a devices use: "warp" until the wgmma family has passed the GPU suite on the
+# device (tests/test_adaln_projection.py runs both), then "wgmma" for its large-T speed.
+SM90_FAMILY = "warp"
 
 
-def config_for_rows(rows: int) -> str:
-    """The fastest projection config for T rows; the choice never changes the bits."""
+def config_for_rows(rows: int, wgmma: bool = False) -> str:
+    """The fastest projection config of a family for T rows; the choice never changes the bits."""
+    if wgmma:
+        return "wg_skinny" if rows <= 16 else "wg_mid" if rows <= 64 else "wg_wide"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
         return "mid"
     return "wide"
+
+
+def _uses_wgmma(device, config: str | None) -> bool:
+    if config is not None:
+        return config in WGMMA_CONFIGS
+    return SM90_FAMILY == "wgmma" and runtime.arch_of(device) == "sm_90a"
 
 
 def silu_bf16(temb: torch.Tensor) -> torch.Tensor:
@@ -45,8 +61,9 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config
     if rows == 0:  # a zero-sized grid is not a valid launch
         return out
     act = silu_bf16(temb.contiguous())
-    fn = runtime.kernel("adaln_proj_fwd", temb.device, out_features=out_features,
-                        config=config or config_for_rows(rows))
+    wgmma = _uses_wgmma(temb.device, config)
+    fn = runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", temb.device,
+                        out_features=out_features, config=config or config_for_rows(rows, wgmma))
     fn(act, weight.contiguous(), bias.contiguous(), out)
     return out
 
@@ -60,12 +77,17 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
     grad, temb, weight = grad.contiguous(), temb.contiguous(), weight.contiguous()
     act = silu_bf16(temb)
     partial = torch.empty((DGRAD_SPLITS, rows, TEMB_WIDTH), dtype=torch.float32, device=device)
-    runtime.kernel("adaln_proj_dgrad", device, out_features=out_features,
-                   config=config or config_for_rows(rows))(grad, weight, partial)
+    wgmma = _uses_wgmma(device, config)
+    runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", device, out_features=out_features,
+                   config=config or config_for_rows(rows, wgmma))(grad, weight, partial)
     dtemb = torch.empty((rows, TEMB_WIDTH), dtype=torch.float32, device=device)
     runtime.kernel("adaln_dtemb_fold", device, width=TEMB_WIDTH)(partial, temb, dtemb)
     dweight = torch.empty_like(weight)
-    runtime.kernel("adaln_proj_wgrad", device, out_features=out_features)(grad, act, dweight)
+    if wgmma:
+        wgrad = runtime.kernel("adaln_proj_wgrad_wgmma", device, out_features=out_features, wgmma=True)
+    else:
+        wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features)
+    wgrad(grad, act, dweight)
     dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
     runtime.kernel("adaln_bias_grad", device, out_features=out_features)(grad, dbias)
     return dtemb, dweight, dbias
