@@ -400,6 +400,20 @@ def test_bundle_from_other_sources_is_refused(add_bundle, tmp_path):
     assert "REFUSED:" in result.stdout and "rebuild it" in result.stdout
 
 
+def test_stale_bundle_falls_back_to_compiling_where_the_dsl_is(add_bundle, tmp_path, cache_root, monkeypatch, caplog):
+    out, manifest = add_bundle
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / bundle.MANIFEST).write_text(json.dumps({**manifest, "fingerprint": "0" * 64}))
+    monkeypatch.setenv("H3CUTE_PREBUILT", str(stale))
+    monkeypatch.setattr(sources.kernels_package(), "get_spec", lambda name: ADD)
+    with caplog.at_level("WARNING", logger="h3cute.runtime"):
+        fn = rt._resolve(ADD.name, "sm_90a", dict(addend=6.0), canonical_static(dict(addend=6.0)))
+    assert type(fn).__name__ == "Function"
+    assert "compiling with the CuTe DSL instead" in caplog.text and "000000000000" in caplog.text
+    assert _entry("sm_90a", dict(addend=6.0))[0].is_file()  # served from the disk cache, not the bundle
+
+
 def test_bundle_with_corrupt_library_is_not_loaded(add_bundle, tmp_path):
     out, manifest = add_bundle
     bad = tmp_path / "bad"
