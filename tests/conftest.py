@@ -5,7 +5,7 @@ import torch
 
 def _gpu_reason():
     if not torch.cuda.is_available():
-        return "no CUDA device (GPU tests run on the device machine: perf/device_check.sh)"
+        return "no CUDA device (GPU tests run on the device machine: perf/device_run.sh)"
     major, _ = torch.cuda.get_device_capability()
     if major not in (9, 10):
         return f"GPU capability {major}.x is not a target (sm_90a / sm_100a)"
