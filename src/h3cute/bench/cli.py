@@ -13,11 +13,26 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
-
 from h3cute.bench.problems import OPS, PROBLEMS
 
-console = Console(stderr=True)
+try:
+    from rich.console import Console
+    console = Console(stderr=True)
+except ImportError:  # the lent device carries no rich: plain lines on stderr instead
+    import contextlib
+
+    class _PlainConsole:
+        def log(self, msg):
+            print(msg, file=sys.stderr, flush=True)
+        print = log
+
+        def rule(self, title):
+            self.log(f"== {title}")
+
+        def status(self, msg):
+            self.log(msg)
+            return contextlib.nullcontext()
+    console = _PlainConsole()
 
 
 def _log(msg: str) -> None:
