@@ -306,8 +306,12 @@ def _graph_time(fn, measure, device):
             fn()
         return measure(graph.replay), None
     except Exception as e:
-        torch.cuda.synchronize(device)
-        return None, f"not capturable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        reason = f"not capturable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        try:   # a failed capture may leave an error pending on the stream; surface it here, not later
+            torch.cuda.synchronize(device)
+        except Exception as late:
+            reason += f" (then {type(late).__name__}: {late})"
+        return None, reason
 
 
 def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, reference: Reference,
