@@ -82,8 +82,13 @@ def run_mode(problem: Problem, mode: str, plan: checks.Plan, device=None, cands=
     for n in plan.for_problem(problem).accuracy_sizes:
         for c in working:
             log(f"{c.name}: accuracy/latency at {n} rows")
-            results[c.name]["accuracy_latency"].update(
-                checks.accuracy_latency(c, problem, plan, device, reference, sizes=(n,)))
+            try:
+                entry = checks.accuracy_latency(c, problem, plan, device, reference, sizes=(n,))[str(n)]
+            except Exception as e:  # e.g. out of memory at one size: record it, keep the other sizes
+                entry = {"fwd_rel_err": None, "fwd_us": None, "error": f"{type(e).__name__}: {e}"}
+                if results[c.name]["has_backward"]:
+                    entry.update(grad_rel_err=None, fwd_bwd_us=None)
+            results[c.name]["accuracy_latency"][str(n)] = entry
             save()
         reference.cache.clear()
 
