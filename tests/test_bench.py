@@ -282,3 +282,18 @@ def test_accuracy_of_a_bf16_s_op_against_the_fp64_golden():
     assert set(e["grad_rel_err"]) == {"residual", "y", "gate"}
     assert e["grad_rel_err"]["residual"] == 0.0          # d residual is the upstream itself, exactly
     assert all(v < 2 ** -7 for v in e["grad_rel_err"].values())
+
+
+def test_broken_candidates_are_recorded_and_the_run_goes_on():
+    def breaks_at_four(x, w, b):
+        if x.shape[0] == 4:
+            raise RuntimeError("four rows")
+        return x * w + b
+    missing = Candidate("missing", "not built", unavailable="NotImplementedError: not built yet")
+    broken = Candidate("broken", "raises at 4 rows", breaks_at_four)
+    part = prior_art.run_mode(TOY, "plain", TINY, CPU, cands=[missing, broken, ROWWISE])
+    res = part["results"]["plain"]
+    assert res["missing"] == {"source": "not built", "unavailable": "NotImplementedError: not built yet"}
+    assert res["broken"]["unavailable"] == "failed during checks: RuntimeError: four rows"
+    assert res["rowwise"]["batch_invariance"]["batch_invariant"] is True
+    assert report.validate_report(prior_art.merge("toy_scale", [part], quick=True)) == []
