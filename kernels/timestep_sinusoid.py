@@ -19,6 +19,11 @@ Layout: one warp per row; lane j owns k = 4j..4j+3, so the cos half and the sin 
 written by one warp as 32 coalesced 16-byte stores. A CTA holds ROWS_PER_CTA warps; the grid is
 ceil(T / ROWS_PER_CTA). T is symbolic (one compiled kernel for every T >= 1; the launcher skips T = 0).
 Every row depends on its own t only, so the output is batch-invariant by construction.
+
+Range check (the `check_range` variant, the op's default on CUDA): lane 0 of each row's warp tests
+0 <= t <= 1 (false for NaN) and, on a bad value, prints the row and value and executes `trap`. The check
+costs no host sync and no extra launch; like torch's device-side asserts, the error surfaces at the next
+synchronising call and leaves the CUDA context unusable, which is right for a caller bug.
 """
 from __future__ import annotations
 
@@ -55,8 +60,13 @@ def _mul_rn(a: cutlass.Float32, b: cutlass.Float32) -> cutlass.Float32:
     )
 
 
+@cute.jit
+def _trap():
+    cute.arch.inline_ptx("trap;", write_only_types=[], read_only_args=[])
+
+
 @cute.kernel
-def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor):
+def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor, check_range: cutlass.Constexpr[bool]):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = tidx % LANES
@@ -64,6 +74,17 @@ def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor):
     row = cutlass.Int64(bidx * ROWS_PER_CTA + tidx // LANES)
     if row < mT.shape[0]:
         t = mT[row]
+        if cutlass.const_expr(check_range):
+            if lane == 0:
+                # NaN fails both comparisons, so it is caught too.
+                if not ((t >= cutlass.Float32(0.0)) & (t <= cutlass.Float32(1.0))):
+                    cute.printf(
+                        "h3::timestep_sinusoid: t[%lld] = %f is outside [0, 1] (t scaled by 1000? H3 takes t in "
+                        "[0, 1]); pass check_range=False only for validated inputs",
+                        row,
+                        t,
+                    )
+                    _trap()
         rCos = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         rSin = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         for i in cutlass.range_constexpr(VEC):
@@ -80,26 +101,26 @@ def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor):
 
 
 @cute.jit
-def _sinusoid_launch(mT: cute.Tensor, mOut: cute.Tensor, stream):
+def _sinusoid_launch(mT: cute.Tensor, mOut: cute.Tensor, stream, check_range: cutlass.Constexpr[bool]):
     grid = (mT.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA  # T >= 1: the launcher skips T = 0
-    _sinusoid_kernel(mT, mOut).launch(grid=(grid, 1, 1), block=(ROWS_PER_CTA * LANES, 1, 1), stream=stream)
+    _sinusoid_kernel(mT, mOut, check_range).launch(grid=(grid, 1, 1), block=(ROWS_PER_CTA * LANES, 1, 1), stream=stream)
 
 
-def build(arch: str, *, width: int):
+def build(arch: str, *, width: int, check_range: bool):
     if width != SINUSOID_WIDTH:
         raise ValueError(f"timestep_sinusoid is built for width {SINUSOID_WIDTH}, got {width}")
     num_rows = cute.sym_int()
     # t may be any 1-D FP32 view (stride symbolic); the output is a fresh compact (T, 256) tensor.
     mT = make_fake_tensor(cutlass.Float32, (num_rows,), (cute.sym_int(),), assumed_align=4)
     mOut = make_fake_compact_tensor(cutlass.Float32, (num_rows, width), stride_order=(1, 0), assumed_align=16)
-    return compile_for(arch, _sinusoid_launch, mT, mOut, env_stream())
+    return compile_for(arch, _sinusoid_launch, mT, mOut, env_stream(), check_range)
 
 
 SPECS = [
     KernelSpec(
         name="timestep_sinusoid",
         build=build,
-        variants=lambda arch: [dict(width=SINUSOID_WIDTH)],
+        variants=lambda arch: [dict(width=SINUSOID_WIDTH, check_range=c) for c in (True, False)],
         # mul.rn: the explicitly rounded products (k*c, *2^-7, t*f); 0f32A57060: the low word of log2(e) in __nv_expf's
         # reduction; 0f47CE4780 (105615): __nv_sinf/__nv_cosf's switch from the 3-term Cody-Waite
         # reduction to Payne-Hanek; st.global.v4: the 16-byte stores.

@@ -146,11 +146,7 @@ def test_value_checks_raise_on_cuda():
         bad[4] = 9
         with pytest.raises(IndexError, match=r"h3::norm_modulate: adaln_indices\[4\] = 9 is outside \[0, 9\)"):
             torch.ops.h3.norm_modulate(x, w, shift, scale, bad)
-    if "timestep_sinusoid" in OPS:
-        with pytest.raises(ValueError, match=r"scaled by 1000"):
-            torch.ops.h3.timestep_sinusoid(torch.tensor([0.5, 999.0], device="cuda"))
-        with pytest.raises(ValueError, match=r"NaN"):
-            torch.ops.h3.timestep_sinusoid(torch.tensor([float("nan")], device="cuda"))
+    # timestep_sinusoid's range check is a device-side trap on CUDA: tests/test_timestep_sinusoid.py
 
 
 def test_row_strided_tables_on_cuda():

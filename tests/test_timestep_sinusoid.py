@@ -48,16 +48,19 @@ def ptx_by_arch():
     spec = kernels_package().all_specs()["timestep_sinusoid"]
     out = {}
     for arch in spec.archs:
-        (variant,) = spec.variants(arch)
-        _, ptx = compile_variant(spec, arch, variant, keep_ptx=True)
-        assert len(ptx) == 1, "timestep_sinusoid is one compiled function"
-        out[arch] = ptx[0]
+        variants = {v["check_range"]: v for v in spec.variants(arch)}
+        assert set(variants) == {True, False}, "one variant with the in-kernel range check, one without"
+        for check, variant in variants.items():
+            _, ptx = compile_variant(spec, arch, variant, keep_ptx=True)
+            assert len(ptx) == 1, "timestep_sinusoid is one compiled function"
+            out[arch, check] = ptx[0]
     return spec, out
 
 
 @pytest.mark.slow
 def test_ptx_is_the_precise_libdevice_path(ptx_by_arch):
-    spec, by_arch = ptx_by_arch
+    spec, by_variant = ptx_by_arch
+    by_arch = {arch: ptx for (arch, check), ptx in by_variant.items() if not check}
     assert set(by_arch) == {"sm_90a", "sm_100a"}
     for arch, ptx in by_arch.items():
         assert f".target {arch}" in ptx
@@ -77,6 +80,16 @@ def test_ptx_is_the_precise_libdevice_path(ptx_by_arch):
         # One 4-byte load of t, two 16-byte stores (cos half, sin half) per lane.
         assert ptx.count("ld.global") == 1 and ptx.count("st.global.v4.b32") == 2, arch
         assert ptx.count("st.global") == 2, arch
+
+
+@pytest.mark.slow
+def test_range_check_variant_traps_and_the_other_does_not(ptx_by_arch):
+    """check_range=True: a device-side print + trap on a bad t (no host sync); False: no check code at all."""
+    _, by_variant = ptx_by_arch
+    for (arch, check), ptx in by_variant.items():
+        assert ("trap;" in ptx) == check and ("vprintf" in ptx) == check, (arch, check)
+        # Either way the embedding itself is computed by the same precise path.
+        assert ptx.count("ex2.approx.ftz.f32") == 4 and ptx.count("st.global.v4.b32") == 2, (arch, check)
 
 
 def test_frequency_constant_is_torchs_fp32_rounding():
@@ -286,3 +299,28 @@ def test_kernel_rejects_an_output_with_other_rows():
         launch_mod.launch(t, buf[:4])
     torch.cuda.synchronize()
     assert buf.isnan().all()
+
+
+_BAD_T_SCRIPT = """
+import sys, torch, h3cute
+t = torch.tensor([0.5, 0.25, float(sys.argv[1])], device="cuda")
+out = torch.ops.h3.timestep_sinusoid(t)
+torch.cuda.synchronize()
+print("NO ERROR", out.shape)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", ["999.0", "nan", "-0.5"])
+def test_range_check_traps_on_device_with_a_message(bad):
+    """The default call checks t in the kernel: a bad row prints its index and value and the launch fails."""
+    proc = subprocess.run([sys.executable, "-c", _BAD_T_SCRIPT, bad], capture_output=True, text=True, timeout=120)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "NO ERROR" not in text, text
+    assert "h3::timestep_sinusoid: t[2] =" in text and "outside [0, 1]" in text, text
+
+
+@pytest.mark.gpu
+def test_range_check_off_computes_out_of_range_t():
+    t = torch.tensor([0.5, 999.0], device="cuda")
+    _assert_bitwise(torch.ops.h3.timestep_sinusoid(t, False), reference.timestep_sinusoid_replay(t))
