@@ -88,7 +88,9 @@ CONFIGS = {
 WGMMA_CONFIGS = {
     "wg_skinny": GemmTile(bm=64, bn=16, bk=64, warps_m=4, warps_n=1, stages=5),
     "wg_mid": GemmTile(bm=128, bn=64, bk=64, warps_m=4, warps_n=1, stages=4),
-    "wg_wide": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4),
+    # 3 stages (96 KB) let 2 CTAs share an SM, hiding each other's per-k-tile barrier; 4 to compare.
+    "wg_wide": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=3),
+    "wg_wide_s4": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4),
     "wg_wide256": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=3),
 }
 # dW's K is T (usually tiny): a short bk wastes little on the zero-padded K tail.
