@@ -181,6 +181,17 @@ def _fp64_grads_cpu(grad, temb, weight):
 gpu = pytest.mark.gpu
 
 
+FAMILIES = ("warp", "wgmma")  # launch.CONFIGS (mma.sync) and launch.WGMMA_CONFIGS (sm_90a wgmma)
+
+
+def _family_configs(family):
+    if family == "wgmma":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wgmma family is sm_90a only")
+        return launch.WGMMA_CONFIGS
+    return launch.CONFIGS
+
+
 def _gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
@@ -237,20 +248,8 @@ def test_forward_accuracy(block_params, rows):
     assert _rel_err(out, ref) <= 2.5e-3  # one BF16 rounding (2^-9) of an FP32-accurate value
 
 
-def _families():
-    return ["warp", "wgmma"]
-
-
-def _family_configs(family):
-    if family == "wgmma":
-        if torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the wgmma family is sm_90a only")
-        return launch.WGMMA_CONFIGS
-    return launch.CONFIGS
-
-
 @gpu
-@pytest.mark.parametrize("family", _families())
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 63, 64, 65, 129, 300])
 def test_every_config_gives_identical_bits(family, rows):
     configs = _family_configs(family)
@@ -354,11 +353,15 @@ def test_params_repeatable(block_params, rows):
 
 
 @gpu
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("rows", [1, 17, 33])
-def test_poisoned_outputs_are_fully_written(rows):
+def test_poisoned_outputs_are_fully_written(family, rows):
     """Kernels called on NaN-filled outputs: every element written, nothing else touched."""
     from h3cute import runtime
 
+    wgmma = family == "wgmma"
+    sfx = "_wgmma" if wgmma else ""
+    config = _family_configs(family)[0]
     w, b = _params(N_FINAL, seed=2)
     temb = _temb(rows, 8)
     act = launch.silu_bf16(temb)
@@ -366,18 +369,21 @@ def test_poisoned_outputs_are_fully_written(rows):
     nan16 = float("nan")
     pad = 4096  # guard elements after each output: must stay NaN
     out = torch.full((rows * N_FINAL + pad,), nan16, dtype=torch.bfloat16, device=dev)
-    runtime.kernel("adaln_proj_fwd", dev, out_features=N_FINAL, config=launch.config_for_rows(rows))(
+    runtime.kernel("adaln_proj_fwd" + sfx, dev, out_features=N_FINAL, config=config)(
         act, w, b, out[: rows * N_FINAL].view(rows, N_FINAL))
     assert not out[: rows * N_FINAL].isnan().any() and out[rows * N_FINAL:].isnan().all()
-    _assert_same_bits(out[: rows * N_FINAL].view(rows, N_FINAL), launch.forward(temb, w, b), "poisoned forward")
+    _assert_same_bits(out[: rows * N_FINAL].view(rows, N_FINAL), launch.forward(temb, w, b, config=config),
+                      "poisoned forward")
 
     grad = torch.randn((rows, N_FINAL), generator=_gen(1), device="cuda").to(torch.bfloat16)
     part = torch.full((launch.DGRAD_SPLITS * rows * D + pad,), nan16, device=dev)
-    runtime.kernel("adaln_proj_dgrad", dev, out_features=N_FINAL, config="skinny")(
+    runtime.kernel("adaln_proj_dgrad" + sfx, dev, out_features=N_FINAL, config=config)(
         grad, w, part[: launch.DGRAD_SPLITS * rows * D].view(launch.DGRAD_SPLITS, rows, D))
     assert not part[:-pad].isnan().any() and part[-pad:].isnan().all()
     dw = torch.full((N_FINAL * D + pad,), nan16, dtype=torch.bfloat16, device=dev)
-    runtime.kernel("adaln_proj_wgrad", dev, out_features=N_FINAL)(grad, act, dw[:-pad].view(N_FINAL, D))
+    wgrad_static = dict(wgmma=True) if wgmma else {}
+    runtime.kernel("adaln_proj_wgrad" + sfx, dev, out_features=N_FINAL, **wgrad_static)(
+        grad, act, dw[:-pad].view(N_FINAL, D))
     assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all()
     db = torch.full((N_FINAL + pad,), nan16, dtype=torch.bfloat16, device=dev)
     runtime.kernel("adaln_bias_grad", dev, out_features=N_FINAL)(grad, db[:-pad])

@@ -23,8 +23,9 @@ from h3cute import runtime
 
 TEMB_WIDTH = 2688
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
-CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")  # kernels/adaln_gemm.CONFIGS
-WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4", "wg_wide256")  # kernels/adaln_gemm.WGMMA_CONFIGS
+# Names of kernels/adaln_gemm.CONFIGS and .WGMMA_CONFIGS (a CPU test checks they agree).
+CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")
+WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4", "wg_wide256")
 # The family sm_90a devices use: "warp" until the wgmma family has passed the GPU suite on the
 # device (tests/test_adaln_projection.py runs both), then "wgmma" for its large-T speed.
 SM90_FAMILY = "warp"
