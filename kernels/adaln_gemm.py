@@ -706,38 +706,59 @@ def _build_dtemb_fold(arch: str, *, width: int):
 
 
 _BIAS_COLS_PER_THREAD = 2
+# db sums T rows: fixed row groups (contiguous, ceil(T / G) rows each) keep enough loads in flight
+# at T = 2048; each group's FP32 column sums are folded in group order. Deterministic for each T.
+BIAS_ROW_GROUPS = 32
 
 
 @cute.kernel
-def _bias_grad_kernel(grad: cute.Tensor, dbias: cute.Tensor):
+def _bias_grad_partial_kernel(grad: cute.Tensor, partial: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
+    bidx, group, _ = cute.arch.block_idx()
     col0 = (bidx * _EW_THREADS + tidx) * _BIAS_COLS_PER_THREAD
-    if col0 < cute.size(dbias):
+    if col0 < cute.size(partial, mode=[1]):
         rows = cute.size(grad, mode=[0])
+        chunk = (rows + BIAS_ROW_GROUPS - 1) // BIAS_ROW_GROUPS
+        first = group * chunk
+        last = cutlass.min(first + chunk, rows)
         acc0 = cutlass.Float32(0.0)
         acc1 = cutlass.Float32(0.0)
-        for r in cutlass.range(rows, unroll=4):  # rows in ascending order, one FP32 sum per column
+        for r in cutlass.range(first, last, 1, unroll=4):  # ascending rows
             acc0 = acc0 + grad[r, col0].to(cutlass.Float32)
             acc1 = acc1 + grad[r, col0 + 1].to(cutlass.Float32)
-        dbias[col0] = acc0.to(cutlass.BFloat16)
-        dbias[col0 + 1] = acc1.to(cutlass.BFloat16)
+        partial[group, col0] = acc0
+        partial[group, col0 + 1] = acc1
+
+
+@cute.kernel
+def _bias_grad_fold_kernel(partial: cute.Tensor, dbias: cute.Tensor):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    col = bidx * _EW_THREADS + tidx
+    if col < cute.size(dbias):
+        acc = cutlass.Float32(0.0)
+        for g in cutlass.range_constexpr(BIAS_ROW_GROUPS):  # group order
+            acc = acc + partial[g, col]
+        dbias[col] = acc.to(cutlass.BFloat16)
 
 
 def _build_bias_grad(arch: str, *, out_features: int):
     assert out_features % _BIAS_COLS_PER_THREAD == 0
 
     @cute.jit
-    def adaln_bias_grad(grad: cute.Tensor, dbias: cute.Tensor, stream):
-        """dbias = bf16(sum_t grad[t]) in FP32, rows in order."""
-        grid = (cute.ceil_div(out_features, _EW_THREADS * _BIAS_COLS_PER_THREAD), 1, 1)
-        _bias_grad_kernel(grad, dbias).launch(grid=grid, block=[_EW_THREADS, 1, 1], stream=stream)
+    def adaln_bias_grad(grad: cute.Tensor, partial: cute.Tensor, dbias: cute.Tensor, stream):
+        """dbias = bf16(sum_t grad[t]): FP32 row-group sums (partial), folded in group order."""
+        grid = (cute.ceil_div(out_features, _EW_THREADS * _BIAS_COLS_PER_THREAD), BIAS_ROW_GROUPS, 1)
+        _bias_grad_partial_kernel(grad, partial).launch(grid=grid, block=[_EW_THREADS, 1, 1], stream=stream)
+        fold_grid = (cute.ceil_div(out_features, _EW_THREADS), 1, 1)
+        _bias_grad_fold_kernel(partial, dbias).launch(grid=fold_grid, block=[_EW_THREADS, 1, 1], stream=stream)
 
     rows = cute.sym_int()
     return compile_for(
         arch,
         adaln_bias_grad,
         _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
+        _fake(cutlass.Float32, (BIAS_ROW_GROUPS, out_features), (1, 0)),
         _fake(cutlass.BFloat16, (out_features,)),
         env_stream(),
     )

@@ -68,6 +68,7 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert tuple(k.WGMMA_CONFIGS) == launch.WGMMA_CONFIGS
     assert launch.SM90_FAMILY in ("warp", "wgmma")
     assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS
+    assert k.BIAS_ROW_GROUPS == launch.BIAS_ROW_GROUPS
     assert k.TEMB_WIDTH == launch.TEMB_WIDTH == D
     for n in k.OUT_FEATURES:
         for tile in k.CONFIGS.values():
@@ -139,7 +140,8 @@ class _KernelEmulator:
         self._check(dweight, torch.bfloat16, (grad.shape[1], D))
         dweight.copy_((grad.double().t() @ act.double()).to(torch.bfloat16))
 
-    def bias_grad(self, grad, dbias):
+    def bias_grad(self, grad, partial, dbias):
+        self._check(partial, torch.float32, (launch.BIAS_ROW_GROUPS, grad.shape[1]))
         self._check(dbias, torch.bfloat16, (grad.shape[1],))
         dbias.copy_(grad.double().sum(0).to(torch.bfloat16))
 
@@ -386,7 +388,8 @@ def test_poisoned_outputs_are_fully_written(family, rows):
         grad, act, dw[:-pad].view(N_FINAL, D))
     assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all()
     db = torch.full((N_FINAL + pad,), nan16, dtype=torch.bfloat16, device=dev)
-    runtime.kernel("adaln_bias_grad", dev, out_features=N_FINAL)(grad, db[:-pad])
+    bias_partial = torch.full((launch.BIAS_ROW_GROUPS, N_FINAL), nan16, device=dev)
+    runtime.kernel("adaln_bias_grad", dev, out_features=N_FINAL)(grad, bias_partial, db[:-pad])
     assert not db[:-pad].isnan().any() and db[-pad:].isnan().all()
 
 

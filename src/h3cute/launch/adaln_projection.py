@@ -5,7 +5,7 @@ Kernels (kernels/adaln_gemm.py): `adaln_silu_cast` makes the GEMM operand a = bf
 The backward recomputes a, then: `adaln_proj_dgrad` (grad @ W as `DGRAD_SPLITS` fixed-chunk FP32
 partials) + `adaln_dtemb_fold` (sum in split order, times silu'(temb), FP32: the BF16 cast passes the
 gradient through unrounded); `adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out); `adaln_bias_grad`
-(db = sum_t grad, FP32 in row order, BF16 out). No atomics: every result is bitwise repeatable.
+(db = sum_t grad: FP32 sums over fixed row groups, folded in group order, BF16 out). No atomics: every result is bitwise repeatable.
 
 The tile config is picked from T (`config_for_rows`) purely for speed: every config runs the same
 k16 MMA sequence per output element, so the bits do not depend on it (tests check this). Used with
@@ -23,6 +23,7 @@ from h3cute import runtime
 
 TEMB_WIDTH = 2688
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
+BIAS_ROW_GROUPS = 32  # kernels/adaln_gemm.BIAS_ROW_GROUPS
 # Names of kernels/adaln_gemm.CONFIGS and .WGMMA_CONFIGS (a CPU test checks they agree).
 CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")
 WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4", "wg_wide256")
@@ -90,5 +91,6 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
         wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features)
     wgrad(grad, act, dweight)
     dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
-    runtime.kernel("adaln_bias_grad", device, out_features=out_features)(grad, dbias)
+    bias_partial = torch.empty((BIAS_ROW_GROUPS, out_features), dtype=torch.float32, device=device)
+    runtime.kernel("adaln_bias_grad", device, out_features=out_features)(grad, bias_partial, dbias)
     return dtemb, dweight, dbias
