@@ -82,6 +82,24 @@ def tf32_small(x: cutlass.Int32, big: cutlass.Int32, *, loc=None, ip=None) -> cu
     )
 
 
+@dsl_user_op
+def add_rn(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
+    """IEEE a + b rounded to nearest; an explicit-rounding PTX add is never fused into an FMA."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            cutlass.Float32.mlir_type,
+            [cutlass.Float32(a).ir_value(loc=loc, ip=ip), cutlass.Float32(b).ir_value(loc=loc, ip=ip)],
+            "add.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
 class GemmTF32x3:
     """One compiled GEMM: static config, epilogue, split count; M (and K when symbolic) at run time."""
 
@@ -225,6 +243,10 @@ class GemmTF32x3:
         a_small = cute.make_fragment_like(tCrA[None, None, 0])
         b_big = cute.make_fragment_like(tCrB[None, None, 0])
         b_small = cute.make_fragment_like(tCrB[None, None, 0])
+        # One warp-level m16n8k8 atom: gemm on single (m, n) fragments issues exactly one mma.
+        mma_atom = cute.make_mma_atom(cute.nvgpu.warp.MmaTF32Op((16, 8, 8)))
+        chunk = cute.make_fragment_like(acc[None, 0, 0])
+        chunk_mn = cute.append_ones(chunk, 3)  # the (V, 1, 1) shape gemm dispatches on
         k_blocks = cute.size(tCrA, mode=[2])
 
         read_slot = 0
@@ -254,10 +276,20 @@ class GemmTF32x3:
                     big = x & TF32_BIG_MASK
                     b_big[i] = big
                     b_small[i] = tf32_small(x, big)
-                # Smallest terms first, one accumulator: the order is part of the contract.
-                cute.gemm(tiled_mma, acc, a_small, b_big, acc)
-                cute.gemm(tiled_mma, acc, a_big, b_small, acc)
-                cute.gemm(tiled_mma, acc, a_big, b_big, acc)
+                # Per (m16, n8) atom: the k8 chunk's three products, smallest first, into a
+                # zeroed chunk sum (the tensor core's truncating adds see only this chunk), then
+                # one IEEE round-to-nearest add into the running sum. The order is the contract.
+                for m in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                    for n in cutlass.range_constexpr(cute.size(acc, mode=[2])):
+                        chunk.fill(0.0)
+                        a_s, a_b = cute.append_ones(a_small[None, m], 3), cute.append_ones(a_big[None, m], 3)
+                        b_s, b_b = cute.append_ones(b_small[None, n], 3), cute.append_ones(b_big[None, n], 3)
+                        cute.gemm(mma_atom, chunk_mn, a_s, b_b, chunk_mn)
+                        cute.gemm(mma_atom, chunk_mn, a_b, b_s, chunk_mn)
+                        cute.gemm(mma_atom, chunk_mn, a_b, b_b, chunk_mn)
+                        acc_mn = acc[None, m, n]
+                        for i in cutlass.range_constexpr(cute.size(chunk)):
+                            acc_mn[i] = add_rn(acc_mn[i], chunk[i])
 
             write_slot = read_slot
             read_slot = read_slot + 1

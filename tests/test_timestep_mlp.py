@@ -79,9 +79,11 @@ def test_every_variant_compiles_with_three_tf32_mma_per_step(K, arch):
             for bad in spec.ptx_forbidden:
                 assert bad not in ptx, (spec.name, static, bad)
             if spec.name == "timestep_mlp_gemm":
-                # The mainloop body is emitted once: 3 mma per (m16, n8, k8) step of the warp tile.
+                # The mainloop body is emitted once: 3 mma per (m16, n8, k8) step of the warp tile,
+                # then one IEEE add per accumulator register (4 per m16n8 atom and thread).
                 n_mma = ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32")
                 assert n_mma == _expected_mma_per_k_tile(static["tile"]), (static, n_mma)
+                assert ptx.count("add.rn.f32 ") == 4 * n_mma // 3, (static, ptx.count("add.rn.f32 "))
                 assert ".local" not in ptx, static
 
 
