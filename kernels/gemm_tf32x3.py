@@ -4,14 +4,23 @@ Algorithm. A (M, K) and B (N, K) are FP32, both K-major and contiguous. Each CTA
 (tile_m, tile_n) output tile and one fixed K slice (split s of `splits`), streams
 (tile_m|tile_n, tile_k) tiles through a `stages`-deep cp.async ring in swizzled shared memory,
 and for every k-block of 8 splits each operand element x into big = x with the low 13 mantissa
-bits cleared and small = tf32_rna(x - big), then issues three `mma.sync.m16n8k8.tf32` into one
-FP32 accumulator, smallest terms first: small_a*big_b, big_a*small_b, big_a*big_b.
+bits cleared and small = tf32_rna(x - big) (the mma reads TF32 from the top 19 bits of a register,
+so both are exact operands). Per (m16, n8) atom and k-block, three `mma.sync.m16n8k8.tf32`,
+smallest terms first (small_a*big_b, big_a*small_b, big_a*big_b), accumulate into a zeroed chunk
+sum, which is then added to the running FP32 sum with an IEEE `add.rn.f32`.
+
+Why the chunk. The tensor core adds into its accumulator by aligning to the largest term and
+truncating (round toward zero, no guard bits on some parts): chaining every k-block into one
+accumulator gives a bias that grows with the chain (~K/8 * 3 truncations of |C|; on the H200 fc1
+missed 2e-6 at K = 256). Restarting from zero every K_CHUNK = 8 limits the truncation to each
+chunk's small sum, whose sign varies, and the long sum is IEEE round-to-nearest.
 
 Numeric contract (what makes it batch-invariant). The value of C[m, n] is a function of row m of
-A, row n of B, K and `splits` only: every element is accumulated k-block by k-block in increasing
-k inside its K slice, starting from +0; nothing depends on M, the tile shape, the stage count or
-where row m sits in its tile (an mma output element only sees its own A row). Different configs
-therefore give identical bits; `splits` is chosen by the caller from K alone.
+A, row n of B, K and `splits` only: inside its K slice, starting from +0, every element adds the
+K_CHUNK-deep 3xTF32 chunk sums in increasing k with FP32 round-to-nearest; nothing depends on M,
+the tile shape, the stage count or where row m sits in its tile (an mma output element only sees
+its own A row). Different configs therefore give identical bits; `splits` is chosen by the caller
+from K alone; K_CHUNK is a contract constant, not a config field.
 
 Epilogues (static): "partial" stores the raw slice sums to P[s, m, n] for a fixed-order fold
 (kernels/timestep_mlp.py); "bias_silu" stores z = acc + bias[n] and h = silu(z) = z / (1 + exp(-z))
@@ -60,6 +69,7 @@ class GemmConfig:
         return 32 * self.warps_m * self.warps_n
 
 
+K_CHUNK = 8  # k per tensor-core chunk sum: one m16n8k8 step (part of the numeric contract)
 TF32_BIG_MASK = -8192  # 0xffffe000: sign, exponent and the 10 TF32 mantissa bits
 
 
@@ -244,7 +254,7 @@ class GemmTF32x3:
         b_big = cute.make_fragment_like(tCrB[None, None, 0])
         b_small = cute.make_fragment_like(tCrB[None, None, 0])
         # One warp-level m16n8k8 atom: gemm on single (m, n) fragments issues exactly one mma.
-        mma_atom = cute.make_mma_atom(cute.nvgpu.warp.MmaTF32Op((16, 8, 8)))
+        mma_atom = cute.make_mma_atom(cute.nvgpu.warp.MmaTF32Op((16, 8, K_CHUNK)))
         chunk = cute.make_fragment_like(acc[None, 0, 0])
         chunk_mn = cute.append_ones(chunk, 3)  # the (V, 1, 1) shape gemm dispatches on
         k_blocks = cute.size(tCrA, mode=[2])

@@ -13,7 +13,8 @@ K-major). The roles, with T the row count (symbolic in every compiled kernel):
 | fc1_wgrad | dW1 (5376, 256) | dz^T | x^T | T padded to 32 | store |
 
 Split-K is part of the numeric contract: K is cut into K_SLICE = 896-long slices (one slice when K
-is not a multiple of it), each summed from +0 in increasing k, and `timestep_mlp_fold` adds the
+is not a multiple of it), each summed from +0 in increasing k as IEEE FP32 adds of 8-deep 3xTF32
+tensor-core chunk sums (gemm_tf32x3.K_CHUNK), and `timestep_mlp_fold` adds the
 slice partials in slice order, then the bias (or multiplies by silu'(z)). The slice count depends on
 K only, never on T or on the tile config, so forward outputs and dx are batch-invariant and every
 config gives the same bits. The weight-gradient GEMMs reduce over T (padded with zero rows) in one
