@@ -273,9 +273,11 @@ class GemmTF32x3:
                           tBsB[None, None, None, write_slot])
             cute.arch.cp_async_commit_group()
 
-            cute.copy(s2r_A, tXsA[None, None, None, read_slot], tXrA)
-            cute.copy(s2r_B, tXsB[None, None, None, read_slot], tXrB)
             for kb in cutlass.range_constexpr(k_blocks):
+                # One k-block's fragments at a time: with the chunk sums live, whole-tile
+                # fragments push the 128 x 128 tile past 255 registers.
+                cute.copy(s2r_A, tXsA[None, None, kb, read_slot], tXrA[None, None, kb])
+                cute.copy(s2r_B, tXsB[None, None, kb, read_slot], tXrB[None, None, kb])
                 for i in cutlass.range_constexpr(cute.size(a_big)):
                     x = tCrA[None, None, kb][i]
                     big = x & TF32_BIG_MASK
