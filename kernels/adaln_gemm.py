@@ -17,8 +17,11 @@ one FP32 accumulator fed by k16 MMA steps in ascending K order, the same for eve
 tile config (configs vary only the M/N tiles, the warp arrangement and the pipeline depth; bK
 only groups k16 steps per shared-memory stage). Rows beyond T are zero-filled in shared memory and
 never stored. The forward epilogue adds the bias in FP32 and rounds to BF16 once (cuBLAS's bias
-epilogue). d_temb sums the `DGRAD_SPLITS` FP32 partials in split order (`adaln_dtemb_fold`), so
-its order depends on N_out only. dW and db are reductions over T: deterministic (fixed order, no
+epilogue). d_temb (FP32 out, held to 1e-5) must not inherit the tensor core's truncating
+accumulation over a long chain (see docs/timestep_mlp.md: the error grows with the chain), so the
+warp dgrad runs `ieee_steps`: each k16 MMA starts from zero and is added to the running sum with an
+IEEE FP32 add; the `DGRAD_SPLITS` FP32 partials are then summed in split order
+(`adaln_dtemb_fold`). Its order depends on N_out only. dW and db are reductions over T: deterministic (fixed order, no
 atomics), not batch-invariant by nature.
 
 Constraints: K-major operands need K % 8 == 0 (the copy vector runs along K); MN-major operand
@@ -103,11 +106,15 @@ class _WarpMmaGemm:
 
     a_k_major / b_k_major say which of each operand's modes is contiguous. `epilogue` is
     "bias_bf16" (C = bf16(acc + bias[m])), "f32" (C = acc) or "bf16" (C = bf16(acc)).
+    `ieee_steps`: every k16 MMA into a zeroed step sum, added to acc with an IEEE add (else the
+    MMAs chain through acc).
     `k_splits` > 1 makes grid z walk fixed, equal chunks of the K tiles (C then has a split mode).
     """
 
-    def __init__(self, tile: GemmTile, a_k_major: bool, b_k_major: bool, epilogue: str, k_splits: int = 1):
+    def __init__(self, tile: GemmTile, a_k_major: bool, b_k_major: bool, epilogue: str, k_splits: int = 1,
+                 ieee_steps: bool = False):
         tile.check()
+        self.ieee_steps = ieee_steps
         self.tile = tile
         self.a_k_major = a_k_major
         self.b_k_major = b_k_major
@@ -291,6 +298,10 @@ class _WarpMmaGemm:
         tCcC = thr_mma.partition_C(cC)
         acc = tiled_mma.make_fragment_C(tCgC)
         acc.fill(0.0)
+        # ieee_steps: one m16n8k16 atom issued on single (m, n) fragments, into a zeroed step sum.
+        mma_atom = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, _MMA_SHAPE))
+        step = cute.make_fragment_like(acc[None, 0, 0])
+        step_mn = cute.append_ones(step, 3)  # the (V, 1, 1) shape gemm dispatches on
 
         # ldmatrix (.trans for MN-major smem) into the MMA's register layout.
         s2r_A = cute.make_tiled_copy_A(
@@ -338,7 +349,20 @@ class _WarpMmaGemm:
                     smem_read = smem_read + 1
                     if smem_read == num_stages:
                         smem_read = 0
-                cute.gemm(tiled_mma, acc, tCrA[None, None, k_block], tCrB[None, None, k_block], acc)
+                if cutlass.const_expr(self.ieee_steps):
+                    # Each k16 MMA starts from zero, its result is added with an IEEE FP32 add: the
+                    # tensor core's truncating accumulation never spans more than 16 products.
+                    for m in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                        for n in cutlass.range_constexpr(cute.size(acc, mode=[2])):
+                            step.fill(0.0)
+                            a_m = cute.append_ones(tCrA[None, m, k_block], 3)
+                            b_n = cute.append_ones(tCrB[None, n, k_block], 3)
+                            cute.gemm(mma_atom, step_mn, a_m, b_n, step_mn)
+                            acc_mn = acc[None, m, n]
+                            for v in cutlass.range_constexpr(cute.size(step)):
+                                acc_mn[v] = acc_mn[v] + step[v]
+                else:
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, k_block], tCrB[None, None, k_block], acc)
         cute.arch.cp_async_wait_group(0)
 
         # Epilogue straight from registers, element by element, bounds-checked on M and N.
@@ -580,7 +604,9 @@ def _build_fwd(arch: str, *, out_features: int, config: str):
 
 
 def _build_dgrad(arch: str, *, out_features: int, config: str):
-    gemm = _gemm(arch, config, a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS)
+    # d_temb is held to 1e-5: IEEE running sums over k16 MMA steps (warp family).
+    kw = {} if config in WGMMA_CONFIGS else dict(ieee_steps=True)
+    gemm = _gemm(arch, config, a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS, **kw)
     assert out_features % (DGRAD_SPLITS * gemm.tile.bk) == 0, (out_features, gemm.tile)
 
     @cute.jit

@@ -48,8 +48,16 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
         for arch in ("sm_90a", "sm_100a"):
             for config in launch.CONFIGS:
                 _, ptx = compile_variant(specs[name], arch, dict(out_features=N_FINAL, config=config), keep_ptx=True)
-                mmas = set(re.findall(r"(?:mma|wgmma)\.[\w.]+", "\n".join(ptx)))
+                text = "\n".join(ptx)
+                mmas = set(re.findall(r"(?:mma|wgmma)\.[\w.]+", text))
                 assert mmas == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}, (name, arch, config, mmas)
+                stores = re.findall(r"st\.global\.[\w.]+\s+\[[^\]]+\],\s*([^;]+);", text)
+                assert stores and not any(re.fullmatch(r"-?\d+|0f[0-9A-F]+", v.strip()) for v in stores), (name, config)
+                if name == "adaln_proj_dgrad":
+                    # ieee_steps: every mma starts from a zero C, and one IEEE add per accumulator.
+                    c_operands = re.findall(r"mma\.sync[^;]*\{[^}]*\},\s*\{[^}]*\},\s*\{[^}]*\},\s*\{([^}]*)\};", text)
+                    assert c_operands and all(len(set(c.replace(" ", "").split(","))) == 1 for c in c_operands), config
+                    assert text.count("add.f32") == 4 * text.count("mma.sync"), config
         for config in launch.WGMMA_CONFIGS:
             _, ptx = compile_variant(specs[name + "_wgmma"], "sm_90a", dict(out_features=N_FINAL, config=config),
                                      keep_ptx=True)
