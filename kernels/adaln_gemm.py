@@ -94,7 +94,6 @@ WGMMA_CONFIGS = {
     # 3 stages (96 KB) let 2 CTAs share an SM, hiding each other's per-k-tile barrier; 4 to compare.
     "wg_wide": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=3),
     "wg_wide_s4": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4),
-    "wg_wide256": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=3),
 }
 # dW's K is T (usually tiny): a short bk wastes little on the zero-padded K tail.
 WGRAD_TILE = GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4)
@@ -531,8 +530,10 @@ class _WgmmaGemm(_WarpMmaGemm):
         tCcC = thr_mma.partition_C(cC)
         acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
         acc.fill(0.0)
-        # Accumulate from the first step on (acc is zero): every k16 step is the same operation.
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        # Chained: accumulate from the first step on (acc is zero), every k16 step the same operation.
+        # ieee_steps: every k16 wgmma writes a fresh step tile (scale-d = 0), added with IEEE adds.
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, not self.ieee_steps)
+        step = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
         num_k_block = cute.size(tCrA, mode=[2])
 
         smem_read = 0
@@ -548,11 +549,20 @@ class _WgmmaGemm(_WarpMmaGemm):
                 cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, smem_write], pred=tBpB)
             k_tile_index = k_tile_index + 1
             cute.arch.cp_async_commit_group()
-            cute.nvgpu.warpgroup.fence()
-            for k_block in cutlass.range(num_k_block, unroll_full=True):
-                cute.gemm(tiled_mma, acc, tCrA[None, None, k_block, smem_read], tCrB[None, None, k_block, smem_read], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)
+            if cutlass.const_expr(self.ieee_steps):
+                for k_block in cutlass.range(num_k_block, unroll_full=True):
+                    cute.nvgpu.warpgroup.fence()
+                    cute.gemm(tiled_mma, step, tCrA[None, None, k_block, smem_read], tCrB[None, None, k_block, smem_read], step)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        acc[i] = acc[i] + step[i]
+            else:
+                cute.nvgpu.warpgroup.fence()
+                for k_block in cutlass.range(num_k_block, unroll_full=True):
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, k_block, smem_read], tCrB[None, None, k_block, smem_read], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(0)
             smem_write = smem_read
             smem_read = smem_read + 1
             if smem_read == num_stages:
@@ -604,9 +614,9 @@ def _build_fwd(arch: str, *, out_features: int, config: str):
 
 
 def _build_dgrad(arch: str, *, out_features: int, config: str):
-    # d_temb is held to 1e-5: IEEE running sums over k16 MMA steps (warp family).
-    kw = {} if config in WGMMA_CONFIGS else dict(ieee_steps=True)
-    gemm = _gemm(arch, config, a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS, **kw)
+    # d_temb is held to 1e-5: IEEE running sums over k16 MMA steps (both families).
+    gemm = _gemm(arch, config, a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS,
+                 ieee_steps=True)
     assert out_features % (DGRAD_SPLITS * gemm.tile.bk) == 0, (out_features, gemm.tile)
 
     @cute.jit

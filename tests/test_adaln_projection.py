@@ -64,6 +64,9 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
             mmas = set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)[\w.]+", "\n".join(ptx)))
             bn = k.WGMMA_CONFIGS[config].bn
             assert mmas == {f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16"}, (name, config, mmas)
+            if name == "adaln_proj_dgrad":  # ieee_steps: each wgmma's step tile added with FP32 adds
+                text = "\n".join(ptx)
+                assert text.count("add.f32") >= 8 * text.count("wgmma.mma_async"), config
 
 
 def test_launch_and_kernel_agree_on_configs_and_splits():

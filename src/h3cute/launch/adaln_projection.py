@@ -26,7 +26,7 @@ DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test chec
 BIAS_ROW_GROUPS = 32  # kernels/adaln_gemm.BIAS_ROW_GROUPS
 # Names of kernels/adaln_gemm.CONFIGS and .WGMMA_CONFIGS (a CPU test checks they agree).
 CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")
-WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4", "wg_wide256")
+WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # The family sm_90a devices use: "warp" until the wgmma family has passed the GPU suite on the
 # device (tests/test_adaln_projection.py runs both), then "wgmma" for its large-T speed.
 SM90_FAMILY = "warp"
