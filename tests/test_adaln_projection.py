@@ -5,10 +5,15 @@ in ascending K order, the same for every T and every tile config; so a row's byt
 the other rows, and every config gives identical bits. d_temb = (grad @ W in DGRAD_SPLITS fixed
 chunks, summed in order) * silu'(temb), FP32 (per-row, batch-invariant); dW, db deterministic.
 GPU comparisons are torch.equal on raw bits (NaN never passes); accuracy is max|out - ref| / max|ref|
-against the same math in FP64 (`h3cute.reference`).
+against the same math in FP64 (`h3cute.reference`). The BF16 outputs (out, dW, db) are held to the
+issue's bar: no worse than the diffusers replay (cuBLAS, torch autograd) on the same inputs on the same
+GPU, with `REPLAY_SLACK` and an absolute ceiling `BF16_ERR_CEILING`; the rounding of the BF16 result
+(half an ulp at the top binade is 2^-9 of max|ref|) dominates both. d_temb (FP32) is held to 1e-5.
 """
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,7 +106,10 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
 def test_launch_modules_do_not_import_cutlass():
     code = ("import sys, h3cute.launch.adaln_projection, h3cute.launch.final_adaln_out; "
             "assert 'cutlass' not in sys.modules, 'launch imported cutlass'")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    # The child sees the same h3cute as this process (installed, or src/ on the path from a checkout).
+    src = str(Path(h3cute.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
 class _KernelEmulator:
@@ -231,6 +239,31 @@ def _rel_err(out, ref):
     return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
+# Our BF16 results may be at most this much worse than the replay's (max-error statistics of two
+# different roundings of nearly the same FP32 values), and never above the ceiling.
+REPLAY_SLACK = 1.05
+BF16_ERR_CEILING = 5e-3
+DTEMB_TOL = 1e-5
+
+
+def _replay(temb, w, b, grad=None):
+    """The diffusers replay (cuBLAS) and, given an upstream grad, its autograd (dtemb, dW, db)."""
+    if grad is None:
+        with torch.no_grad():
+            return reference.adaln_projection_replay(temb, w, b)
+    leaves = [x.detach().clone().requires_grad_() for x in (temb, w, b)]
+    out = reference.adaln_projection_replay(*leaves)
+    out.backward(grad)
+    return out.detach(), *(x.grad for x in leaves)
+
+
+def _assert_no_worse_than_replay(ours, replay, ref, what):
+    """max-rel error of `ours` <= REPLAY_SLACK x the replay's on the same inputs, and <= the ceiling."""
+    err, replay_err = _rel_err(ours, ref), _rel_err(replay, ref)
+    assert err <= BF16_ERR_CEILING, f"{what}: rel err {err:.3g} above the ceiling {BF16_ERR_CEILING}"
+    assert err <= REPLAY_SLACK * replay_err + 1e-7, f"{what}: rel err {err:.4g} vs replay (cuBLAS) {replay_err:.4g}"
+
+
 def _bits(x):
     return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
 
@@ -258,7 +291,7 @@ def test_forward_accuracy(block_params, rows):
     out = torch.ops.h3.adaln_projection(temb, w, b)
     ref = reference.adaln_projection_fp64(temb, w, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, N_BLOCK)
-    assert _rel_err(out, ref) <= 2.5e-3  # one BF16 rounding (2^-9) of an FP32-accurate value
+    _assert_no_worse_than_replay(out, _replay(temb, w, b), ref, f"forward T={rows}")
 
 
 @gpu
@@ -286,12 +319,14 @@ def test_wgmma_family_accuracy_and_row_invariance(block_params, rows):
     temb = _temb(rows, 400 + rows)
     config = launch.config_for_rows(rows, wgmma=True)
     out = launch.forward(temb, w, b, config=config)
-    assert _rel_err(out, reference.adaln_projection_fp64(temb, w, b)) <= 2.5e-3
     grad = torch.randn((rows, N_BLOCK), generator=_gen(19), device="cuda").to(torch.bfloat16)
+    replay_out, _, replay_dw, replay_db = _replay(temb, w, b, grad)
+    _assert_no_worse_than_replay(out, replay_out, reference.adaln_projection_fp64(temb, w, b), f"wgmma fwd T={rows}")
     dtemb, dw, db = launch.backward(grad, temb, w, config=config)
     ref_dtemb, ref_dw, ref_db = _fp64_grads(grad, temb, w)
-    assert _rel_err(dtemb, ref_dtemb) <= 1e-5
-    assert _rel_err(dw, ref_dw) <= 2.5e-3 and _rel_err(db, ref_db) <= 2.5e-3
+    assert _rel_err(dtemb, ref_dtemb) <= DTEMB_TOL
+    _assert_no_worse_than_replay(dw, replay_dw, ref_dw, f"wgmma dW T={rows}")
+    _assert_no_worse_than_replay(db, replay_db, ref_db, f"wgmma db T={rows}")
     for start, size in ((0, 1), (rows // 2, 1), (rows - 1, 1), (0, max(rows // 3, 1))):
         sl = slice(start, start + size)
         for c in configs:
@@ -334,9 +369,10 @@ def test_backward_accuracy(block_params, rows):
     dtemb, dw, db = torch.ops.h3.adaln_projection_backward(grad, temb, w)
     ref_dtemb, ref_dw, ref_db = _fp64_grads(grad, temb, w)
     assert dtemb.dtype == torch.float32 and dw.dtype == db.dtype == torch.bfloat16
-    assert _rel_err(dtemb, ref_dtemb) <= 1e-5
-    assert _rel_err(dw, ref_dw) <= 2.5e-3
-    assert _rel_err(db, ref_db) <= 2.5e-3
+    assert _rel_err(dtemb, ref_dtemb) <= DTEMB_TOL
+    _, _, replay_dw, replay_db = _replay(temb, w, b, grad)
+    _assert_no_worse_than_replay(dw, replay_dw, ref_dw, f"dW T={rows}")
+    _assert_no_worse_than_replay(db, replay_db, ref_db, f"db T={rows}")
 
 
 @gpu
@@ -419,4 +455,5 @@ def test_fresh_inputs_each_seed(block_params):
     w, b = block_params
     for seed in range(3):
         temb = _temb(8, 1000 + seed) * (1 + seed)
-        assert _rel_err(launch.forward(temb, w, b), reference.adaln_projection_fp64(temb, w, b)) <= 2.5e-3
+        _assert_no_worse_than_replay(launch.forward(temb, w, b), _replay(temb, w, b),
+                                     reference.adaln_projection_fp64(temb, w, b), f"forward seed {seed}")
