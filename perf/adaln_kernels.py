@@ -1,0 +1,155 @@
+"""Device script: time every kernel launch of `adaln_projection` forward and backward, one at a time.
+
+Runs against the prebuilt bundle (never compiles):
+    bash perf/device_run.sh python3 perf/adaln_kernels.py
+For T in (1, 4, 64, 256, 2048) and each MMA family (warp mma.sync; wgmma on sm_90a), each launch of
+`h3cute.launch.adaln_projection.forward` / `backward` (N = 96768) is replayed on preallocated buffers
+and timed alone with CUDA events: median of 20 samples after 5 warm-ups, with achieved GB/s (bytes
+the launch must move at least) and TFLOP/s. The GEMMs are timed for the family's `config_for_rows`
+choice and for every other config of the family (rows marked `alt`), so `config_for_rows` can be
+retuned from this. The whole forward / backward are timed too (`op`). A kernel missing from the bundle
+is recorded as missing. Prints a table; writes `$H3CUTE_OUT/adaln_kernels.json`. The step list
+mirrors the launcher: keep the two in step when the launcher changes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from h3cute import runtime
+from h3cute.launch import adaln_projection as L
+
+SIZES = (1, 4, 64, 256, 2048)
+WARMUP, SAMPLES = 5, 20
+D, N = L.TEMB_WIDTH, 96768
+BF16, F32 = 2, 4
+
+
+def _median_us(fn) -> float:
+    for _ in range(WARMUP):
+        fn()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(SAMPLES)]
+    stop = [torch.cuda.Event(enable_timing=True) for _ in range(SAMPLES)]
+    for a, b in zip(start, stop):
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return 1e3 * statistics.median(a.elapsed_time(b) for a, b in zip(start, stop))
+
+
+def _kernel(name, dev, **static):
+    try:
+        return runtime.kernel(name, dev, **static)
+    except Exception as exc:  # not in this bundle (older build, other arch): recorded, not fatal
+        return exc
+
+
+def _steps(rows: int, family: str, buf: dict, dev):
+    """(phase, step, config or "", kind, bytes, flops, launch) for one T and one family."""
+    wgmma = family == "wgmma"
+    sfx = "_wgmma" if wgmma else ""
+    configs = L.WGMMA_CONFIGS if wgmma else L.CONFIGS
+    chosen = L.config_for_rows(rows, wgmma)
+    w, b, temb, act, out = buf["w"], buf["b"], buf["temb"], buf["act"], buf["out"]
+    grad, partial, dtemb, dw = buf["grad"], buf["partial"], buf["dtemb"], buf["dw"]
+    bias_partial, db = buf["bias_partial"], buf["db"]
+    gemm_flops = 2 * rows * N * D
+    w_bytes = N * D * BF16
+    steps = [("fwd", "silu_cast", "", "step", rows * D * (F32 + BF16), 0,
+              _kernel("adaln_silu_cast", dev, width=D), (temb, act))]
+    for c in (chosen, *[c for c in configs if c != chosen]):
+        kind = "step" if c == chosen else "alt"
+        steps.append(("fwd", "proj_fwd", c, kind, w_bytes + rows * D * BF16 + N * BF16 + rows * N * BF16, gemm_flops,
+                      _kernel("adaln_proj_fwd" + sfx, dev, out_features=N, config=c), (act, w, b, out)))
+    steps.append(("bwd", "silu_cast", "", "step", rows * D * (F32 + BF16), 0,
+                  _kernel("adaln_silu_cast", dev, width=D), (temb, act)))
+    for c in (chosen, *[c for c in configs if c != chosen]):
+        kind = "step" if c == chosen else "alt"
+        steps.append(("bwd", "proj_dgrad", c, kind, w_bytes + rows * N * BF16 + L.DGRAD_SPLITS * rows * D * F32,
+                      gemm_flops, _kernel("adaln_proj_dgrad" + sfx, dev, out_features=N, config=c), (grad, w, partial)))
+    steps.append(("bwd", "dtemb_fold", "", "step", (L.DGRAD_SPLITS + 2) * rows * D * F32, 0,
+                  _kernel("adaln_dtemb_fold", dev, width=D), (partial, temb, dtemb)))
+    wgrad_static = dict(wgmma=True) if wgmma else {}
+    steps.append(("bwd", "proj_wgrad", "", "step", rows * (N + D) * BF16 + w_bytes, gemm_flops,
+                  _kernel("adaln_proj_wgrad" + sfx, dev, out_features=N, **wgrad_static), (grad, act, dw)))
+    steps.append(("bwd", "bias_grad", "", "step", rows * N * BF16 + 2 * L.BIAS_ROW_GROUPS * N * F32 + N * BF16, 0,
+                  _kernel("adaln_bias_grad", dev, out_features=N), (grad, bias_partial, db)))
+    return steps
+
+
+def _buffers(rows: int, dev):
+    g = torch.Generator(device=dev).manual_seed(rows)
+    return {
+        "w": (torch.randn(N, D, generator=g, device=dev) * D ** -0.5).bfloat16(),
+        "b": (torch.randn(N, generator=g, device=dev) * 0.02).bfloat16(),
+        "temb": torch.randn(rows, D, generator=g, device=dev),
+        "act": torch.empty(rows, D, dtype=torch.bfloat16, device=dev),
+        "out": torch.empty(rows, N, dtype=torch.bfloat16, device=dev),
+        "grad": torch.randn(rows, N, generator=g, device=dev).bfloat16(),
+        "partial": torch.empty(L.DGRAD_SPLITS, rows, D, device=dev),
+        "dtemb": torch.empty(rows, D, device=dev),
+        "dw": torch.empty(N, D, dtype=torch.bfloat16, device=dev),
+        "bias_partial": torch.empty(L.BIAS_ROW_GROUPS, N, device=dev),
+        "db": torch.empty(N, dtype=torch.bfloat16, device=dev),
+    }
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("adaln_kernels: needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda", 0)
+    t0 = time.time()
+    families = ["warp"] + (["wgmma"] if runtime.arch_of(dev) == "sm_90a" else [])
+    report = {"gpu": torch.cuda.get_device_name(dev), "arch": runtime.arch_of(dev), "samples": SAMPLES,
+              "warmup": WARMUP, "out_features": N, "sm90_family": L.SM90_FAMILY, "sizes": {}}
+    for rows in SIZES:
+        buf = _buffers(rows, dev)
+        report["sizes"][str(rows)] = per_family = {}
+        for family in families:
+            records = []
+            for phase, step, config, kind, nbytes, flops, fn, args in _steps(rows, family, buf, dev):
+                rec = {"phase": phase, "step": step, "config": config, "kind": kind}
+                if isinstance(fn, Exception):
+                    rec["missing"] = f"{type(fn).__name__}: {fn}"[:200]
+                else:
+                    us = _median_us(lambda: fn(*args))
+                    rec.update(us=us, gbps=nbytes / us * 1e-3, tflops=flops / us * 1e-6)
+                records.append(rec)
+            config = L.config_for_rows(rows, family == "wgmma")
+            ops = {}
+            try:
+                ops["fwd"] = _median_us(lambda: L.forward(buf["temb"], buf["w"], buf["b"], config=config))
+                ops["bwd"] = _median_us(lambda: L.backward(buf["grad"], buf["temb"], buf["w"], config=config))
+            except Exception as exc:  # a missing kernel: the steps above say which
+                ops["error"] = f"{type(exc).__name__}: {exc}"[:200]
+            for phase in ("fwd", "bwd"):
+                ops[phase + "_sum_of_steps"] = sum(r.get("us", 0.0) for r in records
+                                                   if r["phase"] == phase and r["kind"] == "step")
+            per_family[family] = {"config": config, "steps": records, "op_us": ops}
+            print(f"\nT = {rows}  {family} ({config})")
+            for r in records:
+                name = f"{r['phase']} {r['step']}" + (f" [{r['config']}]" if r["config"] else "")
+                if "missing" in r:
+                    print(f"  {r['kind']:<4} {name:<34} missing")
+                else:
+                    print(f"  {r['kind']:<4} {name:<34} {r['us']:9.1f} us {r['gbps']:7.0f} GB/s {r['tflops']:6.1f} TFLOP/s")
+            print("  op   " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in ops.items()))
+        del buf
+        torch.cuda.empty_cache()
+    report["wall_s"] = time.time() - t0
+    out_dir = os.environ.get("H3CUTE_OUT", ".")
+    with open(os.path.join(out_dir, "adaln_kernels.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nadaln_kernels: {report['wall_s']:.1f} s -> {out_dir}/adaln_kernels.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
