@@ -23,8 +23,12 @@ its own A row). Different configs therefore give identical bits; `splits` is cho
 from K alone; K_CHUNK is a contract constant, not a config field.
 
 Epilogues (static): "partial" stores the raw slice sums to P[s, m, n] for a fixed-order fold
-(kernels/timestep_mlp.py); "bias_silu" stores z = acc + bias[n] and h = silu(z) = z / (1 + exp(-z))
-(fused, so splits must be 1).
+(kernels/timestep_mlp.py); "bias_silu" stores z = acc + bias[n] and h = silu(z) = z / (1 + exp(-z)),
+"bias_silu_h" only h (the forward never reads z) (fused, so splits must be 1).
+
+Launch: programmatic dependent launch (PDL); the kernel waits (griddepcontrol.wait) before touching
+anything the previous kernel may write, and with `prefetch_b` streams its first B (weight) tiles
+before that wait, overlapping the previous kernel's tail and the launch gap.
 
 Constraints: N % tile_n == 0, K % (splits * tile_k) == 0, tile_k 32 or 64 (the swizzle atom is
 8 rows of 32 FP32 = 128 B), 16-byte aligned rows; M is arbitrary (rows predicated).
@@ -38,7 +42,7 @@ import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-EPILOGUES = ("partial", "bias_silu")
+EPILOGUES = ("partial", "bias_silu", "bias_silu_h")
 
 
 @dataclass(frozen=True)
@@ -113,27 +117,34 @@ def add_rn(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutl
 class GemmTF32x3:
     """One compiled GEMM: static config, epilogue, split count; M (and K when symbolic) at run time."""
 
-    def __init__(self, config: GemmConfig, epilogue: str, splits: int):
+    def __init__(self, config: GemmConfig, epilogue: str, splits: int, *, prefetch_b: bool = False,
+                 b_n_major: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {epilogue!r}; one of {EPILOGUES}")
         if epilogue != "partial" and splits != 1:
             raise ValueError("fused epilogues need the whole K in one CTA (splits=1)")
+        if b_n_major:
+            n_threads = config.tile_n // 4  # threads across one k row of the B tile, 16 B each
+            if config.tile_n % 32 or config.threads % n_threads or config.tile_k % (config.threads // n_threads):
+                raise ValueError(f"{config}: the N-major B copy needs tile_n % 32 == 0 and whole k-row passes")
         self.config = config
         self.epilogue = epilogue
         self.splits = splits
+        self.prefetch_b = prefetch_b
+        self.b_n_major = b_n_major
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor,
                  mH: cute.Tensor, stream):
-        """mA (M, K), mB (N, K); mC is P (splits, M, N) for "partial", z (M, N) for "bias_silu";
-        mBias (N,) and mH (M, N) (h) are touched only by "bias_silu"."""
+        """mA (M, K), mB (N, K); mC is P (splits, M, N) for "partial", z (M, N) for "bias_silu", h (M, N)
+        for "bias_silu_h"; mBias (N,) is read by both bias epilogues, mH (M, N) (h) written by "bias_silu"."""
         cfg = self.config
         threads = cfg.threads
         sA_layout = self._smem_layout(cfg.tile_m)
-        sB_layout = self._smem_layout(cfg.tile_n)
-        # 16-byte chunks of a 128-byte row XOR-ed with the row index mod 8: the mma fragment
-        # reads (8 rows x 4 columns per warp) hit 32 distinct banks, cp.async writes stay 16 B.
-        swizzle = cute.make_swizzle(3, 4, 3)
+        # Swizzles act on byte addresses. K-major tiles: 16-byte chunks of a 128-byte row XOR-ed with
+        # the row index mod 8: the mma fragment reads (8 rows x 4 k per warp) hit 32 distinct banks,
+        # cp.async writes stay 16 B.
+        swizzle_a = cute.make_swizzle(3, 4, 3)
 
         g2s_atom = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
@@ -142,7 +153,23 @@ class GemmTF32x3:
         )
         chunks_per_row = cfg.tile_k // 4
         g2s_threads = cute.make_layout((threads // chunks_per_row, chunks_per_row), stride=(chunks_per_row, 1))
-        tiled_copy_g2s = cute.make_tiled_copy_tv(g2s_atom, g2s_threads, cute.make_layout((1, 4)))
+        tiled_copy_a = cute.make_tiled_copy_tv(g2s_atom, g2s_threads, cute.make_layout((1, 4)))
+        if cutlass.const_expr(self.b_n_major):
+            # B stored N-major (W^T read in place): 1 KB atoms of 8 k rows x 32 n (128 B per k row).
+            # A warp's fragment read is 8 n x 4 k: XOR-ing the 32-byte group of n (byte bits 5-6)
+            # with k mod 4 (byte bits 7-8) spreads it over 32 banks; 16-byte runs stay whole.
+            sB_layout = self._smem_layout_n_major(cfg.tile_n)
+            swizzle_b = cute.make_swizzle(2, 5, 2)
+            n_threads = cfg.tile_n // 4
+            tiled_copy_b = cute.make_tiled_copy_tv(
+                g2s_atom,
+                cute.make_layout((n_threads, threads // n_threads), stride=(1, n_threads)),
+                cute.make_layout((4, 1)),
+            )
+        else:
+            sB_layout = self._smem_layout(cfg.tile_n)
+            swizzle_b = swizzle_a
+            tiled_copy_b = tiled_copy_a
 
         tiled_mma = cute.make_tiled_mma(
             cute.nvgpu.warp.MmaTF32Op((16, 8, 8)),
@@ -151,10 +178,12 @@ class GemmTF32x3:
         )
         m_tiles = (cute.size(mA, mode=[0]) + cfg.tile_m - 1) // cfg.tile_m
         n_tiles = cute.size(mB, mode=[0]) // cfg.tile_n
-        self.kernel(mA, mB, mC, mBias, mH, sA_layout, sB_layout, swizzle, tiled_copy_g2s, tiled_mma).launch(
+        self.kernel(mA, mB, mC, mBias, mH, sA_layout, sB_layout, swizzle_a, swizzle_b, tiled_copy_a, tiled_copy_b,
+                    tiled_mma).launch(
             grid=[m_tiles, n_tiles, self.splits],
             block=[threads, 1, 1],
             stream=stream,
+            use_pdl=True,
         )
 
     def _smem_layout(self, rows: int):
@@ -162,10 +191,15 @@ class GemmTF32x3:
         atom = cute.make_layout((8, 32), stride=(32, 1))
         return cute.tile_to_shape(atom, (rows, cfg.tile_k, cfg.stages), (0, 1, 2))
 
+    def _smem_layout_n_major(self, rows: int):
+        cfg = self.config
+        atom = cute.make_layout((32, 8), stride=(1, 32))
+        return cute.tile_to_shape(atom, (rows, cfg.tile_k, cfg.stages), (0, 1, 2))
+
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor,
-               sA_layout: cute.Layout, sB_layout: cute.Layout, swizzle: cute.Swizzle,
-               tiled_copy_g2s: cute.TiledCopy, tiled_mma: cute.TiledMma):
+               sA_layout: cute.Layout, sB_layout: cute.Layout, swizzle_a: cute.Swizzle, swizzle_b: cute.Swizzle,
+               tiled_copy_a: cute.TiledCopy, tiled_copy_b: cute.TiledCopy, tiled_mma: cute.TiledMma):
         cfg = self.config
         tidx, _, _ = cute.arch.thread_idx()
         bid_m, bid_n, bid_s = cute.arch.block_idx()
@@ -194,15 +228,16 @@ class GemmTF32x3:
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        sA = storage.a.get_tensor(sA_layout, swizzle=swizzle)
-        sB = storage.b.get_tensor(sB_layout, swizzle=swizzle)
+        sA = storage.a.get_tensor(sA_layout, swizzle=swizzle_a)
+        sB = storage.b.get_tensor(sB_layout, swizzle=swizzle_b)
 
-        thr_g2s = tiled_copy_g2s.get_slice(tidx)
-        tAgA = thr_g2s.partition_S(gA)  # (CPY, CPY_M, CPY_K, k_tiles)
-        tAsA = thr_g2s.partition_D(sA)  # (CPY, CPY_M, CPY_K, stages)
-        tBgB = thr_g2s.partition_S(gB)
-        tBsB = thr_g2s.partition_D(sB)
-        tAcA = thr_g2s.partition_S(cA)
+        thr_g2s_a = tiled_copy_a.get_slice(tidx)
+        thr_g2s_b = tiled_copy_b.get_slice(tidx)
+        tAgA = thr_g2s_a.partition_S(gA)  # (CPY, CPY_M, CPY_K, k_tiles)
+        tAsA = thr_g2s_a.partition_D(sA)  # (CPY, CPY_M, CPY_K, stages)
+        tBgB = thr_g2s_b.partition_S(gB)
+        tBsB = thr_g2s_b.partition_D(sB)
+        tAcA = thr_g2s_a.partition_S(cA)
 
         # Rows of A past M are never loaded (their smem stays zero); they only feed accumulator
         # rows that the epilogue does not store.
@@ -220,13 +255,29 @@ class GemmTF32x3:
         tAsA.fill(0)
         cute.arch.sync_threads()
 
-        # Prologue: fill stages - 1 slots of the ring.
+        # Launched with programmatic dependent launch (PDL): this grid may start while the previous
+        # kernel on the stream still runs. Nothing that kernel writes is touched before
+        # griddepcontrol.wait; with prefetch_b the weight tiles of the prologue (B, which the caller
+        # guarantees the previous kernel does not write) are already in flight by then. Dependents
+        # are released only after our own wait, so everything before us has completed when they
+        # start their own prefetch.
+        if cutlass.const_expr(self.prefetch_b):
+            for stage in cutlass.range_constexpr(cfg.stages - 1):
+                if stage < k_tiles_per_split:
+                    cute.copy(tiled_copy_b, tBgB[None, None, None, k_tile_first + stage],
+                              tBsB[None, None, None, stage])
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # Prologue: fill stages - 1 slots of the ring (with prefetch_b, the first commit group also
+        # holds every prefetched B tile: waiting on it waits for them all, which is only early).
         for stage in cutlass.range_constexpr(cfg.stages - 1):
             if stage < k_tiles_per_split:
-                cute.copy(tiled_copy_g2s, tAgA[None, None, None, k_tile_first + stage],
+                cute.copy(tiled_copy_a, tAgA[None, None, None, k_tile_first + stage],
                           tAsA[None, None, None, stage], pred=tApA)
-                cute.copy(tiled_copy_g2s, tBgB[None, None, None, k_tile_first + stage],
-                          tBsB[None, None, None, stage])
+                if cutlass.const_expr(not self.prefetch_b):
+                    cute.copy(tiled_copy_b, tBgB[None, None, None, k_tile_first + stage],
+                              tBsB[None, None, None, stage])
             cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
@@ -267,9 +318,9 @@ class GemmTF32x3:
             # Refill the slot consumed in the previous iteration (all threads are past it).
             next_tile = k_tile + cfg.stages - 1
             if next_tile < k_tiles_per_split:
-                cute.copy(tiled_copy_g2s, tAgA[None, None, None, k_tile_first + next_tile],
+                cute.copy(tiled_copy_a, tAgA[None, None, None, k_tile_first + next_tile],
                           tAsA[None, None, None, write_slot], pred=tApA)
-                cute.copy(tiled_copy_g2s, tBgB[None, None, None, k_tile_first + next_tile],
+                cute.copy(tiled_copy_b, tBgB[None, None, None, k_tile_first + next_tile],
                           tBsB[None, None, None, write_slot])
             cute.arch.cp_async_commit_group()
 
@@ -319,5 +370,9 @@ class GemmTF32x3:
                     tCgC[i] = v
                 else:
                     z = v + mBias[coord[1]]
-                    tCgC[i] = z
-                    mH[coord] = z / (cutlass.Float32(1.0) + cute.math.exp(-z))
+                    h = z / (cutlass.Float32(1.0) + cute.math.exp(-z))
+                    if cutlass.const_expr(self.epilogue == "bias_silu"):
+                        tCgC[i] = z
+                        mH[coord] = h
+                    else:
+                        tCgC[i] = h

@@ -5,10 +5,11 @@ K-major). The roles, with T the row count (symbolic in every compiled kernel):
 
 | role | C | A (M, K) | B (N, K) | K | epilogue |
 | --- | --- | --- | --- | --- | --- |
-| fc1 | z, h = silu(z) (T, 5376) | x (T, 256) | w1 | 256 | bias + SiLU, fused |
+| fc1 | h = silu(z) (T, 5376) | x (T, 256) | w1 | 256 | bias + SiLU, fused |
+| fc1_zh | z and h (backward recompute) | x | w1 | 256 | bias + SiLU, fused |
 | fc2 | temb partials (6, T, 2688) | h | w2 | 5376 | partial, folded + b2 |
-| fc2_dgrad | dh partials (3, T, 5376) | grad | w2^T | 2688 | partial, folded * silu'(z) |
-| fc1_dgrad | dx partials (6, T, 256) | dz | w1^T | 5376 | partial, folded |
+| fc2_dgrad | dh partials (3, T, 5376) | grad | w2^T (w2 read N-major) | 2688 | partial, folded * silu'(z) |
+| fc1_dgrad | dx partials (6, T, 256) | dz | w1^T (w1 read N-major) | 5376 | partial, folded |
 | fc2_wgrad | dW2 (2688, 5376) | grad^T | h^T | T padded to 32 | store |
 | fc1_wgrad | dW1 (5376, 256) | dz^T | x^T | T padded to 32 | store |
 
@@ -23,6 +24,10 @@ slice; db1/db2 are `timestep_mlp_rowsum` over the transposed operands: lane j su
 
 SiLU: h = z / (1 + exp(-z)); silu'(z) = s (1 + z (1 - s)) with s = 1 / (1 + exp(-z)); exp is the
 precise expf (range reduction + ex2), division IEEE.
+
+Every kernel is launched with programmatic dependent launch and waits (griddepcontrol.wait) before
+it reads or writes anything the previous kernel may touch; fc2 streams its first w2 tiles before
+the wait (PREFETCH_B_ROLES), overlapping fc1 and the launch gap.
 """
 from __future__ import annotations
 
@@ -43,7 +48,8 @@ ROWSUM_WARPS = 8
 
 # role -> (rows M or None for T, N, K or None for padded T, epilogue)
 ROLES = {
-    "fc1": (None, HIDDEN, SINUSOID_WIDTH, "bias_silu"),
+    "fc1": (None, HIDDEN, SINUSOID_WIDTH, "bias_silu_h"),  # forward: h only
+    "fc1_zh": (None, HIDDEN, SINUSOID_WIDTH, "bias_silu"),  # backward recompute: z and h
     "fc2": (None, TEMB_WIDTH, HIDDEN, "partial"),
     "fc2_dgrad": (None, HIDDEN, TEMB_WIDTH, "partial"),
     "fc1_dgrad": (None, SINUSOID_WIDTH, HIDDEN, "partial"),
@@ -51,6 +57,13 @@ ROLES = {
     "fc1_wgrad": (HIDDEN, SINUSOID_WIDTH, None, "partial"),
 }
 FOLD_MODES = ("bias", "dsilu", "sum")
+# Roles whose B operand (a weight) the immediately preceding kernel of the launcher never writes:
+# their first B tiles are streamed before the PDL wait (fc2 and fc2_dgrad follow fc1, which writes
+# z / h; fc1_dgrad follows the dsilu fold, which writes dz).
+PREFETCH_B_ROLES = ("fc2", "fc2_dgrad", "fc1_dgrad")
+# Roles whose B is W^T read in place: the kernel takes W.t() (an (N, K) view with strides (1, N))
+# and stages it N-major in shared memory; no transposed copy of w1 / w2 is ever made.
+B_N_MAJOR_ROLES = ("fc2_dgrad", "fc1_dgrad")
 
 
 def k_splits(k: int | None) -> int:
@@ -70,6 +83,12 @@ def role_splits(role: str) -> int:
 @cute.jit
 def _gemm_partial(gemm: cutlass.Constexpr, mA: cute.Tensor, mB: cute.Tensor, mP: cute.Tensor, stream):
     gemm(mA, mB, mP, mP, mP, stream)  # no bias, no second output: mP stands in, never read
+
+
+@cute.jit
+def _gemm_bias_silu_h(gemm: cutlass.Constexpr, mA: cute.Tensor, mB: cute.Tensor, mBias: cute.Tensor,
+                      mH: cute.Tensor, stream):
+    gemm(mA, mB, mH, mBias, mH, stream)  # mH stands in for the unused second output
 
 
 @cute.jit
@@ -94,10 +113,18 @@ def build_gemm(arch: str, *, role: str, tile: tuple):
         raise ValueError(f"{role}: K={k} does not split into {splits} slices of whole {config.tile_k}-deep tiles")
     if n % config.tile_n or (k is None and WGRAD_K_ALIGN % config.tile_k):
         raise ValueError(f"{role}: tile {config} does not divide N={n} / the padded T")
-    gemm = GemmTF32x3(config, epilogue, splits)
-    mA, mB = _compact((m_dim, k_dim)), _compact((n, k_dim))
+    gemm = GemmTF32x3(config, epilogue, splits, prefetch_b=role in PREFETCH_B_ROLES,
+                      b_n_major=role in B_N_MAJOR_ROLES)
+    mA = _compact((m_dim, k_dim))
+    if role in B_N_MAJOR_ROLES:
+        mB = make_fake_compact_tensor(cutlass.Float32, (n, k_dim), stride_order=(0, 1), assumed_align=16)
+    else:
+        mB = _compact((n, k_dim))
     if epilogue == "partial":
         return compile_for(arch, _gemm_partial, gemm, mA, mB, _compact((splits, m_dim, n)), env_stream())
+    if epilogue == "bias_silu_h":
+        return compile_for(arch, _gemm_bias_silu_h, gemm, mA, mB, _compact((n,)), _compact((m_dim, n)),
+                           env_stream())
     return compile_for(arch, _gemm_bias_silu, gemm, mA, mB, _compact((n,)), _compact((m_dim, n)),
                        _compact((m_dim, n)), env_stream())
 
@@ -110,6 +137,8 @@ def _fold_kernel(mP: cute.Tensor, mAux: cute.Tensor, mOut: cute.Tensor, splits: 
                  width: cutlass.Constexpr, mode: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
+    cute.arch.griddepcontrol_wait()  # PDL: the partials are the previous kernel's output
+    cute.arch.griddepcontrol_launch_dependents()
     i = bidx * FOLD_THREADS + tidx
     if i < mOut.shape[0] * width:
         m = i // width
@@ -131,7 +160,8 @@ def _fold_launch(mP: cute.Tensor, mAux: cute.Tensor, mOut: cute.Tensor, stream, 
                  width: cutlass.Constexpr, mode: cutlass.Constexpr):
     total = mOut.shape[0] * width
     _fold_kernel(mP, mAux, mOut, splits, width, mode).launch(
-        grid=((total + FOLD_THREADS - 1) // FOLD_THREADS, 1, 1), block=(FOLD_THREADS, 1, 1), stream=stream
+        grid=((total + FOLD_THREADS - 1) // FOLD_THREADS, 1, 1), block=(FOLD_THREADS, 1, 1), stream=stream,
+        use_pdl=True,
     )
 
 
@@ -154,6 +184,8 @@ def build_fold(arch: str, *, role: str, mode: str):
 def _rowsum_kernel(mA: cute.Tensor, mOut: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
+    cute.arch.griddepcontrol_wait()  # PDL: the rows may be the previous kernel's output
+    cute.arch.griddepcontrol_launch_dependents()
     lane = tidx % 32
     row = bidx * ROWSUM_WARPS + tidx // 32
     if row < mA.shape[0]:
@@ -170,7 +202,8 @@ def _rowsum_kernel(mA: cute.Tensor, mOut: cute.Tensor):
 def _rowsum_launch(mA: cute.Tensor, mOut: cute.Tensor, stream):
     rows = mA.shape[0]
     _rowsum_kernel(mA, mOut).launch(
-        grid=((rows + ROWSUM_WARPS - 1) // ROWSUM_WARPS, 1, 1), block=(32 * ROWSUM_WARPS, 1, 1), stream=stream
+        grid=((rows + ROWSUM_WARPS - 1) // ROWSUM_WARPS, 1, 1), block=(32 * ROWSUM_WARPS, 1, 1), stream=stream,
+        use_pdl=True,
     )
 
 
@@ -183,8 +216,10 @@ def build_rowsum(arch: str, *, rows: int):
 
 # Per role, the tiles the launch heuristic may pick (src/h3cute/launch/timestep_mlp.py chooses among
 # exactly these; all of them give identical bits). Tuple order = GemmConfig fields.
+_FC1_TILES = ((16, 32, 32, 6, 1, 4), (32, 128, 64, 3, 2, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4))
 GEMM_TILES = {
-    "fc1": ((16, 64, 32, 6, 1, 4), (32, 128, 64, 3, 2, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4)),
+    "fc1": _FC1_TILES,
+    "fc1_zh": _FC1_TILES,
     "fc2": ((16, 64, 32, 6, 1, 4), (32, 128, 64, 3, 2, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4)),
     "fc2_dgrad": ((16, 64, 32, 6, 1, 4), (32, 128, 64, 3, 2, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4)),
     "fc1_dgrad": ((16, 32, 32, 6, 1, 4), (32, 128, 64, 3, 2, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4)),

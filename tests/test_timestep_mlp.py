@@ -44,6 +44,7 @@ def test_every_pickable_tile_is_a_built_variant(K):
     for cfg in L.CONFIGS:
         for role in ("fc1", "fc2", "fc2_dgrad", "fc1_dgrad"):
             assert getattr(cfg, role).astuple() in K.GEMM_TILES[role], (cfg, role)
+        assert cfg.fc1.astuple() in K.GEMM_TILES["fc1_zh"], cfg  # the backward's recompute uses cfg.fc1
     for role, tile in L.WGRAD_TILES.items():
         assert tile.astuple() in K.GEMM_TILES[role]
     assert {L.pick_config(t) for t in range(1, 5000)} == set(L.CONFIGS)
@@ -245,11 +246,30 @@ def test_each_gemm_role_against_fp64(num_rows):
     z64 = x.double() @ w1.double().t() + b1.double()
     assert _rel(z, z64) <= FWD_TOL
     assert _rel(h, torch.nn.functional.silu(z64)) <= FWD_TOL
+    for cfg in L.CONFIGS:  # the forward's h-only fc1 gives the backward recompute's bits
+        h_only = torch.full_like(h, float("nan"))
+        runtime.kernel("timestep_mlp_gemm", x.device, role="fc1", tile=cfg.fc1.astuple())(x, w1, b1, h_only)
+        assert _bits_equal(h_only, h), cfg
     partials = torch.full((6, num_rows, D), float("nan"), device="cuda")
     runtime.kernel("timestep_mlp_gemm", x.device, role="fc2", tile=L.MID_T.fc2.astuple())(h, w2, partials)
     for s in range(6):
         k = slice(896 * s, 896 * (s + 1))
         assert _rel(partials[s], h[:, k].double() @ w2[:, k].double().t()) <= FWD_TOL, s
+    # The dgrad GEMMs read w2 / w1 N-major in place (their W.t() views): each slice against FP64.
+    grad = _randn((num_rows, D), 72)
+    dh_partials = torch.full((3, num_rows, HIDDEN), float("nan"), device="cuda")
+    dx_partials = torch.full((6, num_rows, F1), float("nan"), device="cuda")
+    for cfg in L.CONFIGS:
+        runtime.kernel("timestep_mlp_gemm", x.device, role="fc2_dgrad", tile=cfg.fc2_dgrad.astuple())(
+            grad, w2.t(), dh_partials)
+        for s in range(3):
+            k = slice(896 * s, 896 * (s + 1))
+            assert _rel(dh_partials[s], grad[:, k].double() @ w2[k].double()) <= FWD_TOL, (cfg, s)
+        runtime.kernel("timestep_mlp_gemm", x.device, role="fc1_dgrad", tile=cfg.fc1_dgrad.astuple())(
+            h, w1.t(), dx_partials)
+        for s in range(6):
+            k = slice(896 * s, 896 * (s + 1))
+            assert _rel(dx_partials[s], h[:, k].double() @ w1[k].double()) <= FWD_TOL, (cfg, s)
     padded = 32 * (-(-num_rows // 32))
     x_t = L._transpose_padded(x, padded)
     dz_t = L._transpose_padded(_randn((num_rows, HIDDEN), 73), padded)
@@ -360,6 +380,52 @@ def test_parameter_gradients_are_repeatable(num_rows):
     second = L.backward(grad, x, w1, b1, w2)
     for name, a, b in zip(("dx", "dw1", "db1", "dw2", "db2"), first, second):
         assert _bits_equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (1, 64, 300))
+def test_cuda_graph_replay_gives_the_eager_bits(num_rows):
+    """Every kernel is launched with PDL (programmatic dependent launch): captured into a graph the
+    launches keep their programmatic edges; the bits must be those of the eager calls."""
+    w1, b1, w2, b2 = _params(8)
+    x, grad = _randn((num_rows, F1), 81), _randn((num_rows, D), 82)
+    want_out = L.forward(x, w1, b1, w2, b2)
+    want_grads = L.backward(grad, x, w1, b1, w2)
+    L.forward(x, w1, b1, w2, b2), L.backward(grad, x, w1, b1, w2)  # warm, outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = L.forward(x, w1, b1, w2, b2)
+        grads = L.backward(grad, x, w1, b1, w2)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        for g in grads:
+            g.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _bits_equal(out, want_out)
+        for name, g, w in zip(("dx", "dw1", "db1", "dw2", "db2"), grads, want_grads):
+            assert _bits_equal(g, w), name
+
+
+@pytest.mark.gpu
+def test_weights_written_just_before_the_call_are_seen():
+    """fc2 and the dgrad GEMMs stream their weight before waiting on the previous kernel (PDL); a
+    torch kernel that rewrites the weights right before the call must still be fully visible."""
+    w1, b1, w2, b2 = _params(9)
+    x, grad = _randn((3, F1), 91), _randn((3, D), 92)
+    want = {}
+    for sign in (1.0, -1.0):
+        want[sign] = (L.forward(x, sign * w1, b1, sign * w2, b2), L.backward(grad, x, sign * w1, b1, sign * w2))
+    torch.cuda.synchronize()
+    sign = 1.0
+    for i in range(20):
+        w1.neg_(), w2.neg_()  # on the stream, immediately before the op's first kernel
+        sign = -sign
+        if i % 2:
+            assert _bits_equal(L.forward(x, w1, b1, w2, b2), want[sign][0]), i
+        else:
+            for name, g, w in zip(("dx", "dw1", "db1", "dw2", "db2"), L.backward(grad, x, w1, b1, w2), want[sign][1]):
+                assert _bits_equal(g, w), (i, name)
 
 
 @pytest.mark.gpu

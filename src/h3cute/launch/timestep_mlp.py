@@ -1,11 +1,16 @@
 """Host side of `h3::timestep_mlp` (+ backward) on CUDA: allocate, pick a tile config, launch.
 
-Forward (3 launches): fc1 GEMM with bias + SiLU fused (z, h), fc2 GEMM into 6 fixed K-slice partials,
+Forward (3 launches): fc1 GEMM with bias + SiLU fused (h), fc2 GEMM into 6 fixed K-slice partials,
 fold (slice order, + b2). Backward (recomputes z, h with the forward's fc1 kernel: GEMM1 is 1/21 of
 the FLOPs, and the public op returns only temb): dh partials = grad w2 (3 slices), fold * silu'(z) ->
 dz; dx partials = dz w1 (6 slices), fold; dW2 = grad^T h and dW1 = dz^T x as T-deep GEMMs on
 transposed copies zero-padded to T_pad = ceil(T / 32) * 32; db2, db1 = row sums of grad^T, dz^T.
-The transposes (and w1^T, w2^T) are torch copies: data movement only, no arithmetic.
+The dgrad GEMMs read w2, w1 in place (the kernels take the W.t() views); the T-deep operands'
+transposes are torch copies: data movement only, no arithmetic.
+
+Launch order is part of the kernels' PDL contract (kernels/timestep_mlp.py, PREFETCH_B_ROLES): fc2,
+fc2_dgrad and fc1_dgrad prefetch their weight before waiting on the previous kernel, so the kernel
+launched right before each must not write that weight (fc1 / fc1_zh / the dsilu fold do not).
 
 Config choice may look at T (it changes only speed): every config in CONFIGS gives the same bits,
 because the summation order is fixed by K and the slice count (kernels/timestep_mlp.py). The op
@@ -57,7 +62,8 @@ _SMALL = GemmTile(16, 64, 32, 6, 1, 4)  # deep ring: small T streams the weights
 _WIDE = GemmTile(32, 128, 64, 3, 2, 4)  # 64-deep k tiles: also checks tile_k leaves the bits alone
 _MID = GemmTile(64, 64, 32, 4, 2, 2)
 _LARGE = GemmTile(128, 128, 32, 3, 2, 4)
-SMALL_T = MlpConfig(fc1=_SMALL, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=GemmTile(16, 32, 32, 6, 1, 4))
+_SMALL_NARROW = GemmTile(16, 32, 32, 6, 1, 4)  # fc1 (168 CTAs on 132 SMs), fc1_dgrad (N = 256)
+SMALL_T = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_SMALL_NARROW)
 WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE)
@@ -85,10 +91,11 @@ def _fold(device, role: str, mode: str):
 
 
 def _fc1(x, w1, b1, tile: GemmTile):
+    """Backward's recompute: z (for silu') and h (for dW2)."""
     num_rows = x.shape[0]
     z = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=x.device)
     h = torch.empty_like(z)
-    _gemm(x.device, "fc1", tile)(x, w1, b1, z, h)
+    _gemm(x.device, "fc1_zh", tile)(x, w1, b1, z, h)
     return z, h
 
 
@@ -100,7 +107,8 @@ def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None) -> torch.Tensor:
     if num_rows == 0:
         return out
     cfg = config or pick_config(num_rows)
-    _, h = _fc1(x, w1, b1, cfg.fc1)
+    h = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=dev)
+    _gemm(dev, "fc1", cfg.fc1)(x, w1, b1, h)  # h only: the forward never reads z
     partials = torch.empty((SPLITS["fc2"], num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
     _gemm(dev, "fc2", cfg.fc2)(h, w2, partials)
     _fold(dev, "fc2", "bias")(partials, b2, out)
@@ -127,12 +135,12 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None):
     z, h = _fc1(x, w1, b1, cfg.fc1)
 
     dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, HIDDEN), **f32)
-    _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, w2.t().contiguous(), dh_partials)
+    _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, w2.t(), dh_partials)  # w2 read N-major in place
     dz = torch.empty((num_rows, HIDDEN), **f32)
     _fold(dev, "fc2_dgrad", "dsilu")(dh_partials, z, dz)
 
     dx_partials = torch.empty((SPLITS["fc1_dgrad"], num_rows, SINUSOID_WIDTH), **f32)
-    _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, w1.t().contiguous(), dx_partials)
+    _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, w1.t(), dx_partials)
     dx = torch.empty((num_rows, SINUSOID_WIDTH), **f32)
     _fold(dev, "fc1_dgrad", "sum")(dx_partials, dx.new_empty((1,)), dx)
 

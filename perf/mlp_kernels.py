@@ -1,0 +1,150 @@
+"""Device script: time every launch of `timestep_mlp` forward and backward, one at a time.
+
+Runs against the prebuilt bundle (never compiles):
+    bash perf/device_run.sh python3 perf/mlp_kernels.py
+For T in (1, 4, 64, 256, 2048), each step of `h3cute.launch.timestep_mlp.forward` / `backward` (the
+GEMMs, folds, row sums and the torch copies between them) is replayed on preallocated buffers and
+timed alone with CUDA events: median of 50 samples after 10 warm-ups. The whole forward and backward
+are also timed as one CUDA-graph replay (`graph`), which shows what launch overlap (PDL) buys over
+the sum of the isolated steps (`sum`). Prints a table; writes `$H3CUTE_OUT/mlp_kernels.json`.
+The step list mirrors the launcher: keep the two in step when the launcher changes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from h3cute import runtime
+from h3cute.launch import timestep_mlp as L
+
+SIZES = (1, 4, 64, 256, 2048)
+WARMUP, SAMPLES = 10, 50
+F1, HIDDEN, D = L.SINUSOID_WIDTH, L.HIDDEN, L.TEMB_WIDTH
+
+
+def _median_us(fn) -> float:
+    for _ in range(WARMUP):
+        fn()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(SAMPLES)]
+    stop = [torch.cuda.Event(enable_timing=True) for _ in range(SAMPLES)]
+    for a, b in zip(start, stop):
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return 1e3 * statistics.median(a.elapsed_time(b) for a, b in zip(start, stop))
+
+
+def _graph_us(fn) -> float:
+    fn()  # resolve every kernel before capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _median_us(graph.replay)
+
+
+def _steps(num_rows: int, dev):
+    """(phase, step name, zero-argument launch) in launcher order, on preallocated buffers."""
+    g = torch.Generator(device=dev).manual_seed(num_rows)
+    x = torch.randn(num_rows, F1, generator=g, device=dev)
+    grad = torch.randn(num_rows, D, generator=g, device=dev)
+    w1 = torch.randn(HIDDEN, F1, generator=g, device=dev) * F1 ** -0.5
+    b1 = torch.randn(HIDDEN, generator=g, device=dev) * 0.02
+    w2 = torch.randn(D, HIDDEN, generator=g, device=dev) * HIDDEN ** -0.5
+    b2 = torch.randn(D, generator=g, device=dev) * 0.02
+    cfg = L.pick_config(num_rows)
+    f32 = dict(dtype=torch.float32, device=dev)
+    z, h = torch.empty(num_rows, HIDDEN, **f32), torch.empty(num_rows, HIDDEN, **f32)
+    out = torch.empty(num_rows, D, **f32)
+    p_fc2 = torch.empty(L.SPLITS["fc2"], num_rows, D, **f32)
+    p_dh = torch.empty(L.SPLITS["fc2_dgrad"], num_rows, HIDDEN, **f32)
+    dz = torch.empty(num_rows, HIDDEN, **f32)
+    p_dx = torch.empty(L.SPLITS["fc1_dgrad"], num_rows, F1, **f32)
+    dx = torch.empty(num_rows, F1, **f32)
+    padded = -(-num_rows // L.WGRAD_K_ALIGN) * L.WGRAD_K_ALIGN
+    grad_t, dz_t = torch.empty(D, padded, **f32), torch.empty(HIDDEN, padded, **f32)
+    h_t, x_t = torch.empty(HIDDEN, padded, **f32), torch.empty(F1, padded, **f32)
+    dw2, dw1 = torch.empty(1, D, HIDDEN, **f32), torch.empty(1, HIDDEN, F1, **f32)
+    db2, db1 = torch.empty(D, **f32), torch.empty(HIDDEN, **f32)
+    gemm = lambda role, tile: runtime.kernel("timestep_mlp_gemm", dev, role=role, tile=tile.astuple())  # noqa: E731
+    fold = lambda role, mode: runtime.kernel("timestep_mlp_fold", dev, role=role, mode=mode)  # noqa: E731
+    fc1, fc2, fc1_zh = gemm("fc1", cfg.fc1), gemm("fc2", cfg.fc2), gemm("fc1_zh", cfg.fc1)
+    fold_fc2, fold_dh, fold_dx = fold("fc2", "bias"), fold("fc2_dgrad", "dsilu"), fold("fc1_dgrad", "sum")
+    dgrad2, dgrad1 = gemm("fc2_dgrad", cfg.fc2_dgrad), gemm("fc1_dgrad", cfg.fc1_dgrad)
+    wgrad2, wgrad1 = gemm("fc2_wgrad", L.WGRAD_TILES["fc2_wgrad"]), gemm("fc1_wgrad", L.WGRAD_TILES["fc1_wgrad"])
+    rowsum2 = runtime.kernel("timestep_mlp_rowsum", dev, rows=D)
+    rowsum1 = runtime.kernel("timestep_mlp_rowsum", dev, rows=HIDDEN)
+    one = dx.new_empty((1,))
+
+    def transpose_into(dst, src):
+        dst[:, : src.shape[0]].copy_(src.t())
+        dst[:, src.shape[0]:].zero_()
+
+    steps = [
+        ("fwd", "fc1 (h)", lambda: fc1(x, w1, b1, h)),
+        ("fwd", "fc2 partials", lambda: fc2(h, w2, p_fc2)),
+        ("fwd", "fold + b2", lambda: fold_fc2(p_fc2, b2, out)),
+        ("bwd", "fc1 (z, h)", lambda: fc1_zh(x, w1, b1, z, h)),
+        ("bwd", "fc2_dgrad partials", lambda: dgrad2(grad, w2.t(), p_dh)),
+        ("bwd", "fold * silu'(z)", lambda: fold_dh(p_dh, z, dz)),
+        ("bwd", "fc1_dgrad partials", lambda: dgrad1(dz, w1.t(), p_dx)),
+        ("bwd", "fold dx", lambda: fold_dx(p_dx, one, dx)),
+        ("bwd", "transpose grad", lambda: transpose_into(grad_t, grad)),
+        ("bwd", "transpose dz", lambda: transpose_into(dz_t, dz)),
+        ("bwd", "transpose h", lambda: transpose_into(h_t, h)),
+        ("bwd", "transpose x", lambda: transpose_into(x_t, x)),
+        ("bwd", "fc2_wgrad dW2", lambda: wgrad2(grad_t, h_t, dw2)),
+        ("bwd", "fc1_wgrad dW1", lambda: wgrad1(dz_t, x_t, dw1)),
+        ("bwd", "rowsum db2", lambda: rowsum2(grad_t, db2)),
+        ("bwd", "rowsum db1", lambda: rowsum1(dz_t, db1)),
+    ]
+    whole = {
+        "fwd": lambda: L.forward(x, w1, b1, w2, b2),
+        "bwd": lambda: L.backward(grad, x, w1, b1, w2),
+    }
+    return steps, whole
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("mlp_kernels: needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda", 0)
+    t0 = time.time()
+    report = {"gpu": torch.cuda.get_device_name(dev), "samples": SAMPLES, "warmup": WARMUP, "sizes": {}}
+    for num_rows in SIZES:
+        steps, whole = _steps(num_rows, dev)
+        cfg = L.pick_config(num_rows)
+        rows = [{"phase": phase, "step": name, "us": _median_us(fn)} for phase, name, fn in steps]
+        totals = {}
+        for phase, fn in whole.items():
+            totals[phase] = {"sum_us": sum(r["us"] for r in rows if r["phase"] == phase), "graph_us": _graph_us(fn)}
+        report["sizes"][str(num_rows)] = {"config": repr(cfg), "steps": rows, "totals": totals}
+        print(f"\nT = {num_rows}  {cfg}")
+        for r in rows:
+            print(f"  {r['phase']}  {r['step']:<22} {r['us']:9.1f} us")
+        for phase, t in totals.items():
+            print(f"  {phase}  {'sum / graph':<22} {t['sum_us']:9.1f} / {t['graph_us']:.1f} us")
+        del steps, whole
+        torch.cuda.empty_cache()
+    report["wall_s"] = time.time() - t0
+    out_dir = os.environ.get("H3CUTE_OUT", ".")
+    with open(os.path.join(out_dir, "mlp_kernels.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nmlp_kernels: {report['wall_s']:.1f} s -> {out_dir}/mlp_kernels.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
