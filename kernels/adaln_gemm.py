@@ -108,12 +108,16 @@ class _WarpMmaGemm:
     `ieee_steps`: every k16 MMA into a zeroed step sum, added to acc with an IEEE add (else the
     MMAs chain through acc).
     `k_splits` > 1 makes grid z walk fixed, equal chunks of the K tiles (C then has a split mode).
+    BF16 epilogues are staged through shared memory and stored as 16-byte vectors along C's contiguous
+    mode (`c_n_major` says which): the MMA fragment's own 2-byte stores would scatter every warp store
+    over 8 rows (dW and the T = 2048 table are 520 / 396 MB).
     """
 
     def __init__(self, tile: GemmTile, a_k_major: bool, b_k_major: bool, epilogue: str, k_splits: int = 1,
-                 ieee_steps: bool = False):
+                 ieee_steps: bool = False, c_n_major: bool = False):
         tile.check()
         self.ieee_steps = ieee_steps
+        self.c_n_major = c_n_major
         self.tile = tile
         self.a_k_major = a_k_major
         self.b_k_major = b_k_major
@@ -152,6 +156,76 @@ class _WarpMmaGemm:
             thr = cute.make_layout((along_mn, threads // along_mn), stride=(1, along_mn))
             val = cute.make_layout((vec, 1))
         return cute.make_tiled_copy_tv(atom, thr, val)
+
+    def _c_staging_layout(self):
+        """(bm, bn) BF16 smem tile, contiguous along C's contiguous mode, padded by 16 bytes per line so
+        the fragment writes (8 lines x 4 threads per warp store) hit distinct banks."""
+        t = self.tile
+        if self.c_n_major:
+            return cute.make_layout((t.bm, t.bn), stride=(t.bn + 8, 1))
+        return cute.make_layout((t.bm, t.bn), stride=(1, t.bm + 8))
+
+    def _c_copy(self):
+        """16-byte smem->gmem tiled copy of the C tile, thread order along C's contiguous mode."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16, num_bits_per_copy=_COPY_BITS)
+        vec = _COPY_BITS // 16
+        t = self.tile
+        if self.c_n_major:
+            along = t.bn // vec
+            assert t.threads % along == 0 and t.bm % (t.threads // along) == 0, t
+            thr = cute.make_layout((t.threads // along, along), stride=(along, 1))
+            val = cute.make_layout((1, vec))
+        else:
+            along = t.bm // vec
+            assert t.threads % along == 0 and t.bn % (t.threads // along) == 0, t
+            thr = cute.make_layout((along, t.threads // along), stride=(1, along))
+            val = cute.make_layout((vec, 1))
+        return cute.make_tiled_copy_tv(atom, thr, val)
+
+    def _allocate_smem(self, sA_layout, sB_layout, align: int):
+        """A and B stages; a BF16 epilogue's C tile reuses A's stages when it fits, else gets its own."""
+        a_size, b_size = cute.cosize(sA_layout), cute.cosize(sB_layout)
+        c_size = cute.cosize(self._c_staging_layout()) if self.epilogue != "f32" else 0
+
+        fields = {
+            "a": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, a_size], align],
+            "b": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, b_size], align],
+        }
+        self.c_in_a = c_size <= a_size
+        if not self.c_in_a:
+            fields["c"] = cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, c_size], 16]
+        # Built from a dict: the annotations hold computed sizes (this module's annotations are strings).
+        shared = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        return cutlass.memory.SmemAllocator().allocate(shared)
+
+    def _c_tile(self, storage):
+        return (storage.a if self.c_in_a else storage.c).get_tensor(self._c_staging_layout())
+
+    @cute.jit
+    def _store_c_bf16(self, acc: cute.Tensor, thr_mma, tidx, sC: cute.Tensor, gC: cute.Tensor, cC: cute.Tensor,
+                      c_shape, mBias: cute.Tensor):
+        """BF16 epilogue: fragments (+ bias in FP32, one rounding) -> padded smem -> 16-byte stores,
+        one bounds check per vector (vectors run along M or N, whose extents are multiples of 8)."""
+        tCsC = thr_mma.partition_C(sC)
+        tCcC = thr_mma.partition_C(cC)
+        cute.arch.sync_threads()  # every warp is done reading the A/B stages the C tile may reuse
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
+            if cutlass.const_expr(self.epilogue == "bias_bf16"):
+                tCsC[i] = (acc[i] + mBias[tCcC[i][0]].to(cutlass.Float32)).to(cutlass.BFloat16)
+            else:
+                tCsC[i] = acc[i].to(cutlass.BFloat16)
+        cute.arch.sync_threads()
+        c_copy = self._c_copy()
+        thr_c = c_copy.get_slice(tidx)
+        tSsC = thr_c.partition_S(sC)
+        tSgC = thr_c.partition_D(gC)
+        tScC = thr_c.partition_D(cC)
+        tSrC = cute.make_rmem_tensor_like(tSsC)
+        cute.autovec_copy(tSsC, tSrC)
+        for m in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
+            for n in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
+                if cute.elem_less(tScC[None, m, n][0], c_shape):
+                    cute.copy(c_copy, tSrC[None, m, n], tSgC[None, m, n])
 
     @cute.jit
     def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
@@ -216,13 +290,7 @@ class _WarpMmaGemm:
             k_tile_count = k_tile_count // self.k_splits
             k_tile_first = split * k_tile_count
 
-        @cute.struct
-        class SharedStorage:
-            a: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 16]
-            b: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 16]
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = self._allocate_smem(sA_layout, sB_layout, 16)
         sA = storage.a.get_tensor(sA_layout, swizzle=sA_swizzle)
         sB = storage.b.get_tensor(sB_layout, swizzle=sB_swizzle)
 
@@ -364,16 +432,13 @@ class _WarpMmaGemm:
                     cute.gemm(tiled_mma, acc, tCrA[None, None, k_block], tCrB[None, None, k_block], acc)
         cute.arch.cp_async_wait_group(0)
 
-        # Epilogue straight from registers, element by element, bounds-checked on M and N.
-        for i in cutlass.range(cute.size(acc), unroll_full=True):
-            coord = tCcC[i]
-            if cute.elem_less(coord, gC_full.shape):
-                if cutlass.const_expr(self.epilogue == "bias_bf16"):
-                    tCgC[i] = (acc[i] + mBias[coord[0]].to(cutlass.Float32)).to(cutlass.BFloat16)
-                elif cutlass.const_expr(self.epilogue == "bf16"):
-                    tCgC[i] = acc[i].to(cutlass.BFloat16)
-                else:
+        if cutlass.const_expr(self.epilogue == "f32"):
+            # FP32 partials straight from registers, element by element, bounds-checked on M and N.
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                if cute.elem_less(tCcC[i], gC_full.shape):
                     tCgC[i] = acc[i]
+        else:
+            self._store_c_bf16(acc, thr_mma, tidx, self._c_tile(storage), gC, cC, gC_full.shape, mBias)
 
 
 class _WgmmaGemm(_WarpMmaGemm):
@@ -456,13 +521,7 @@ class _WgmmaGemm(_WarpMmaGemm):
             k_tile_count = k_tile_count // self.k_splits
             k_tile_first = split * k_tile_count
 
-        @cute.struct
-        class SharedStorage:
-            a: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sA_layout)], 1024]
-            b: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sB_layout)], 1024]
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        storage = self._allocate_smem(sA_layout, sB_layout, 1024)
         sA = storage.a.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.b.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
 
@@ -569,15 +628,13 @@ class _WgmmaGemm(_WarpMmaGemm):
                 smem_read = 0
         cute.arch.cp_async_wait_group(0)
 
-        for i in cutlass.range(cute.size(acc), unroll_full=True):
-            coord = tCcC[i]
-            if cute.elem_less(coord, gC_full.shape):
-                if cutlass.const_expr(self.epilogue == "bias_bf16"):
-                    tCgC[i] = (acc[i] + mBias[coord[0]].to(cutlass.Float32)).to(cutlass.BFloat16)
-                elif cutlass.const_expr(self.epilogue == "bf16"):
-                    tCgC[i] = acc[i].to(cutlass.BFloat16)
-                else:
+        if cutlass.const_expr(self.epilogue == "f32"):
+            # FP32 partials straight from registers, element by element, bounds-checked on M and N.
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                if cute.elem_less(tCcC[i], gC_full.shape):
                     tCgC[i] = acc[i]
+        else:
+            self._store_c_bf16(acc, thr_mma, tidx, self._c_tile(storage), gC, cC, gC_full.shape, mBias)
 
 
 # ------------------------------------------------------------------------------ the projection
@@ -640,9 +697,9 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
 def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False):
     if wgmma:
         assert arch == "sm_90a"
-        gemm = _WgmmaGemm(WGRAD_WGMMA_TILE, a_k_major=False, b_k_major=False, epilogue="bf16")
+        gemm = _WgmmaGemm(WGRAD_WGMMA_TILE, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
     else:
-        gemm = _WarpMmaGemm(WGRAD_TILE, a_k_major=False, b_k_major=False, epilogue="bf16")
+        gemm = _WarpMmaGemm(WGRAD_TILE, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
 
     @cute.jit
     def adaln_proj_wgrad(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, stream):
