@@ -13,20 +13,27 @@ so the output is bitwise the replay's wherever torch takes its vectorized fused 
 16-byte aligned rows). Each row depends only on itself, w and its table rows: batch-invariant.
 
 Backward, FP32 math as the CPU reference (h3cute.ops.adaln._modulate_backward_fp32), no rounding of
-1 + scale or of xhat * w:
-  `norm_modulate_bwd_rows`: one CTA per row: recomputes rstd exactly as the forward, dn = g * (1 + sc),
-      dxhat = dn * w, c = sum(dxhat * xhat) / H (fixed order, rowwise.block_sum),
-      dx = rstd * (dxhat - xhat * c); stores dx (BF16) and rstd (FP32 workspace for the next kernel).
-  `norm_modulate_bwd_params`: the deterministic column reduction (rowwise.py) producing FP32 partials of
-      dweight = sum dn * xhat, dshift[r] = sum g, dscale[r] = sum g * (xhat * w) per row group;
-      `rowwise_fold` finishes them. No atomics.
+1 + scale or of xhat * w; dn = g * (1 + sc), dxhat = dn * w, dx = rstd * (dxhat - xhat * mean(dxhat * xhat)),
+dweight = sum dn * xhat, dshift[r] = sum g, dscale[r] = sum g * (xhat * w), per fixed row group as FP32
+partials that `rowwise_fold` finishes. No atomics.
+  `norm_modulate_bwd_fused` (tables of <= 24 rows): one pass over (grad, x). A 7-CTA cluster per row group,
+      CTA k owning columns [k * H/7, (k+1) * H/7) and that slice of the table accumulators in shared memory;
+      per step of 16 rows the per-row sums of x^2 and dxhat * x are exchanged through distributed shared
+      memory (each CTA pushes its partials to all, one cluster barrier), summed over ranks in order, and each
+      CTA finishes dx and the accumulations of its slice. rstd = rsqrt.approx(ss / H + eps) with ss in that
+      order (not torch's forward order).
+  `norm_modulate_bwd_rows` + `norm_modulate_bwd_params` (25..48 table rows): a row kernel (rstd exactly as the
+      forward, dx, an FP32 rstd workspace) and the column reduction of kernels/rowwise.py re-reading grad, x.
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.runtime import make_fake_tensor
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
@@ -36,6 +43,47 @@ from .rowwise import (COL_TILE, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNRO
                       row_slots, smem_vec, store_bf16, torch_sumsq, vec_view)
 
 HIDDEN = 5376
+CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768 (96 threads of one vector)
+# Rows per cluster exchange of the fused backward (their loads in flight together): the launcher uses 16
+# (ptxas: 255 registers, 88 B spilled), 8 (193 registers, no spill) is bundled for perf/row_kernels.py.
+FUSED_STEPS = (16, 8)
+FUSED_CAPS = (12, 24)  # table-row capacities the fused backward holds in shared memory; 48 takes rows + params
+
+
+@dsl_user_op
+def store_cluster_f32(smem_ptr: cute.Pointer, peer, value, *, loc=None, ip=None):
+    """st.shared::cluster.f32: `value` into CTA `peer`'s copy of this CTA's shared address `smem_ptr` (mapa)."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[Int32(smem_ptr.toint()).ir_value(loc=loc, ip=ip), Int32(peer).ir_value(loc=loc, ip=ip),
+                   Float32(value).ir_value(loc=loc, ip=ip)],
+        asm_string="{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $0, $1; "
+                   "st.shared::cluster.f32 [remote], $2; }",
+        constraints="r,r,f,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def opaque_vec(v: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
+    """`v` (8 BF16) passed through empty asm movs: its later conversions cannot be merged (CSE) with those
+    before the cluster barrier, so only the raw 16 bytes of a row stay live across it, not 2 x 8 FP32."""
+    words = v.bitcast(Int32)
+    moved = [llvm.inline_asm(res=T.i32(), operands_=[Int32(words[k]).ir_value(loc=loc, ip=ip)],
+                             asm_string="mov.b32 $0, $1;", constraints="=r,r", has_side_effects=False,
+                             asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip) for k in range(4)]
+    packed = vector.from_elements(ir.VectorType.get([4], T.i32()), moved, loc=loc, ip=ip)
+    return cute.TensorSSA(packed, (4,), Int32).bitcast(BFloat16)
+
+
+@cute.jit
+def smem_bf16_vec(sT: cute.Tensor, offset):
+    """8 BF16 of shared memory at element offset `offset` (a multiple of 8): one 16-byte access."""
+    ptr = cute.make_ptr(BFloat16, (sT.iterator + offset).toint(), cute.AddressSpace.smem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout(VEC))
 
 
 @cute.jit
@@ -214,6 +262,155 @@ def _bwd_params_launch(mG, mX, mW, mScale, mIdx, mRstd, mPartW, mPartShift, mPar
     )
 
 
+# ---- backward, fused: dx and the parameter partials in one pass over (grad, x) ------------------------------
+
+def fused_threads(width: int) -> int:
+    """Threads of a fused-backward CTA: one 8-column vector each of its width / CLUSTER column slice."""
+    return width // (VEC * CLUSTER)
+
+
+@cute.jit
+def _fused_terms(g, sTab: cute.Tensor, tab_off, w):
+    """dn = g * (1 + scale) and dxhat = dn * w of one 8-vector, FP32 (scale from the staged table slice)."""
+    dn = g.to(Float32) * (smem_bf16_vec(sTab, tab_off).load().to(Float32) + 1.0)
+    return dn, dn * w
+
+
+@cute.jit
+def _fused_step(mG, mX, mDx, mIdx, mTabRows, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, first, step,
+                rank, tidx, col, eps: Float32, rows: cutlass.Constexpr, step_rows: cutlass.Constexpr,
+                width: cutlass.Constexpr, threads: cutlass.Constexpr):
+    """Rows [first, first + rows) of this CTA's column slice: all loads first; the two per-row partial sums
+    (sum x^2, sum dxhat * x) reduced in the CTA and pushed to every CTA of the cluster; after the cluster
+    barrier each row's rstd and mean(dxhat * xhat) from the CLUSTER partials in rank order; then dx and the
+    accumulations in row order."""
+    warps = threads // 32
+    slice_width = threads * VEC
+    table_rows = mTabRows.shape[0]
+    # per row: its table row's offset in the staged slices and the poison factor (guarded_row); the row's
+    # global offset is base + i * width, an immediate
+    picks = [guarded_row(Int64(mIdx[first + i]), table_rows) for i in range(rows)]
+    tab = [Int32(picks[i][0]) * slice_width + tidx * VEC for i in range(rows)]
+    poison = [picks[i][1] for i in range(rows)]
+    base = Int64(first) * width + col
+    gs = [vec_view(mG, base + i * width).load() for i in range(rows)]
+    xs = [vec_view(mX, base + i * width).load() for i in range(rows)]
+    # this thread's share of both row sums, fixed order (vector elements in order, then the xor butterfly)
+    parts = []
+    for i in cutlass.range_constexpr(rows):
+        _, dxhat = _fused_terms(gs[i], sTab, tab[i], w)
+        x = xs[i].to(Float32)
+        ss = Float32(0.0)
+        dot = Float32(0.0)
+        for e in cutlass.range_constexpr(VEC):
+            ss = cute.math.fma(x[e], x[e], ss)
+            dot = cute.math.fma(dxhat[e], x[e], dot)
+        parts.append(ss)
+        parts.append(dot)
+    for j in cutlass.range_constexpr(2 * rows):
+        v = parts[j]
+        for off in cutlass.range_constexpr(5):
+            v = v + cute.arch.shuffle_sync_bfly(v, 16 >> off)
+        parts[j] = v
+    if tidx % 32 == 0:
+        for j in cutlass.range_constexpr(2 * rows):
+            sWarp[j * warps + tidx // 32] = parts[j]
+    cute.arch.sync_threads()
+    buf = step % 2
+    if tidx < 2 * rows:
+        total = sWarp[tidx * warps]
+        for wi in cutlass.range_constexpr(1, warps):
+            total = total + sWarp[tidx * warps + wi]
+        # slot (buf, rank, value) of every CTA's exchange buffer, this CTA's own included
+        slot = (buf * CLUSTER + rank) * (2 * step_rows) + tidx
+        for peer in cutlass.range_constexpr(CLUSTER):
+            store_cluster_f32(sPub.iterator + slot, peer, total)
+    cute.arch.cluster_arrive()  # release: the pushed partials are visible after the wait
+    cute.arch.cluster_wait()
+    if tidx < rows:
+        ss = Float32(0.0)
+        dot = Float32(0.0)
+        for peer in cutlass.range_constexpr(CLUSTER):
+            at = (buf * CLUSTER + peer) * (2 * step_rows) + 2 * tidx
+            ss = ss + sPub[at]
+            dot = dot + sPub[at + 1]
+        rstd = cute.math.rsqrt(ss / Float32(width) + eps, approx=True)
+        sRow[2 * tidx] = rstd
+        sRow[2 * tidx + 1] = rstd * dot / Float32(width)  # mean(dxhat * xhat)
+    cute.arch.sync_threads()
+    for i in cutlass.range_constexpr(rows):
+        rstd = sRow[2 * i]
+        mean_dot = sRow[2 * i + 1]
+        g = opaque_vec(gs[i])
+        dn, dxhat = _fused_terms(g, sTab, tab[i], w)
+        xhat = opaque_vec(xs[i]).to(Float32) * rstd
+        store_bf16(mDx, base + i * width, (dxhat - xhat * mean_dot) * rstd * poison[i])
+        if poison[i] == 1.0:  # rows with an out-of-range index add nothing
+            accW.store(accW.load() + dn * xhat)
+            aShift = smem_vec(sShift, tab[i])
+            aShift.store(aShift.load() + g.to(Float32))
+            aScale = smem_vec(sScale, tab[i])
+            aScale.store(aScale.load() + g.to(Float32) * (xhat * w))
+
+
+@cute.kernel
+def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: cute.Tensor, mIdx: cute.Tensor,
+                      mDx: cute.Tensor, mPartW: cute.Tensor, mPartShift: cute.Tensor, mPartScale: cute.Tensor,
+                      eps: Float32, width: cutlass.Constexpr, cap: cutlass.Constexpr, step_rows: cutlass.Constexpr):
+    threads = fused_threads(width)
+    slice_width = threads * VEC
+    tidx, _, _ = cute.arch.thread_idx()
+    _, group, _ = cute.arch.block_idx()
+    rank = cute.arch.block_idx_in_cluster()
+    smem = cutlass.memory.SmemAllocator()
+    sShift = smem.allocate_tensor(Float32, cute.make_layout(cap * slice_width), byte_alignment=32)
+    sScale = smem.allocate_tensor(Float32, cute.make_layout(cap * slice_width), byte_alignment=32)
+    sTab = smem.allocate_tensor(BFloat16, cute.make_layout(cap * slice_width), byte_alignment=16)
+    sPub = smem.allocate_tensor(Float32, cute.make_layout(2 * CLUSTER * 2 * step_rows), byte_alignment=16)
+    sWarp = smem.allocate_tensor(Float32, cute.make_layout(2 * step_rows * (threads // 32)), byte_alignment=16)
+    sRow = smem.allocate_tensor(Float32, cute.make_layout(2 * step_rows), byte_alignment=16)
+    col = rank * slice_width + tidx * VEC
+    table_rows = mScale.shape[0]
+    zero = cute.full((VEC,), 0.0, Float32)
+    for r in cutlass.range(cap):
+        smem_vec(sShift, r * slice_width + tidx * VEC).store(zero)
+        smem_vec(sScale, r * slice_width + tidx * VEC).store(zero)
+    for r in cutlass.range(table_rows):
+        smem_bf16_vec(sTab, r * slice_width + tidx * VEC).store(vec_view(mScale, r * mScale.stride[0] + col).load())
+    w = load_f32(mW, col)
+    accW = cute.make_rmem_tensor((VEC,), Float32)
+    accW.fill(0.0)
+    # every CTA of the cluster has started (its shared memory exists) before any partial is pushed to it
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    begin, end = row_range(mX.shape[0], group, mPartW.shape[0])
+    full_steps = (end - begin) // step_rows
+    batched_end = begin + full_steps * step_rows
+    for first in cutlass.range(begin, batched_end, step_rows):
+        _fused_step(mG, mX, mDx, mIdx, mScale, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, first,
+                    (first - begin) // step_rows, rank, tidx, col, eps, step_rows, step_rows, width, threads)
+    for first in cutlass.range(batched_end, end):  # the last rows one at a time
+        _fused_step(mG, mX, mDx, mIdx, mScale, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, first,
+                    full_steps + first - batched_end, rank, tidx, col, eps, 1, step_rows, width, threads)
+    vec_view(mPartW, Int64(group) * mPartW.stride[0] + col).store(accW.load())
+    for r in cutlass.range(table_rows):
+        src = r * slice_width + tidx * VEC
+        vec_view(mPartShift, Int64(group) * mPartShift.stride[0] + Int64(r) * mPartShift.stride[1] + col).store(
+            smem_vec(sShift, src).load())
+        vec_view(mPartScale, Int64(group) * mPartScale.stride[0] + Int64(r) * mPartScale.stride[1] + col).store(
+            smem_vec(sScale, src).load())
+
+
+@cute.jit
+def _bwd_fused_launch(mG, mX, mW, mScale, mIdx, mDx, mPartW, mPartShift, mPartScale, eps: Float32, stream,
+                      width: cutlass.Constexpr, cap: cutlass.Constexpr, step_rows: cutlass.Constexpr):
+    _bwd_fused_kernel(mG, mX, mW, mScale, mIdx, mDx, mPartW, mPartShift, mPartScale, eps, width, cap,
+                      step_rows).launch(
+        grid=(CLUSTER, mPartW.shape[0], 1), block=(fused_threads(width), 1, 1), cluster=(CLUSTER, 1, 1),
+        stream=stream
+    )
+
+
 # ---- fake tensors and specs ------------------------------------------------------------------------------
 
 def _check_width(width):
@@ -246,6 +443,17 @@ def build_backward_params(arch: str, *, width: int, cap: int):
                        env_stream(), width, cap)
 
 
+def build_backward_fused(arch: str, *, width: int, cap: int, step: int):
+    if width % (VEC * CLUSTER * 32):
+        raise ValueError(f"the fused norm_modulate backward needs a width divisible by {VEC * CLUSTER * 32}")
+    s, groups, table_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    part_w = make_fake_tensor(Float32, (groups, width), (cute.sym_int(divisibility=4), 1), assumed_align=16)
+    return compile_for(arch, _bwd_fused_launch, fake_rows(s, width), fake_rows(s, width), fake_vector(width),
+                       fake_table(width, table_rows), fake_indices(s), fake_rows(s, width), part_w,
+                       fake_partials(groups, table_rows, width), fake_partials(groups, table_rows, width),
+                       Float32(1e-5), env_stream(), width, cap, step)
+
+
 SPECS = [
     KernelSpec(
         name="norm_modulate_fwd",
@@ -266,8 +474,17 @@ SPECS = [
     KernelSpec(
         name="norm_modulate_bwd_params",
         build=build_backward_params,
-        variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS],
+        variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS if cap not in FUSED_CAPS],
         ptx_markers=("ld.global.v4.b32", "ld.shared.v", "st.shared.v"),  # v4.b32 (sm_90a) or v2.b64 (sm_100a)
+        ptx_forbidden=("atom.", "red.global", "red.shared"),
+    ),
+    KernelSpec(
+        name="norm_modulate_bwd_fused",
+        build=build_backward_fused,
+        variants=lambda arch: [dict(width=HIDDEN, cap=cap, step=step) for cap in FUSED_CAPS for step in FUSED_STEPS],
+        # st.shared::cluster + barrier.cluster: the row sums' exchange; rsqrt.approx: the forward's rstd formula
+        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "st.shared::cluster", "barrier.cluster.arrive",
+                     "barrier.cluster.wait", "rsqrt.approx.f32"),
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),
 ]

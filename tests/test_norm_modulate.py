@@ -99,6 +99,13 @@ def test_launch_constants_match_kernels():
     assert launch.TABLE_ROWS_CAPS == rowwise.TABLE_ROWS_CAPS
     assert launch.COL_TILE == rowwise.COL_TILE
     assert H % rowwise.COL_TILE == 0
+    from h3cute.kernels import norm_modulate as kernel
+
+    assert launch.FUSED_CAPS == kernel.FUSED_CAPS and launch.FUSED_CLUSTER == kernel.CLUSTER
+    assert launch.FUSED_STEP in kernel.FUSED_STEPS
+    assert H % (8 * 32 * kernel.CLUSTER) == 0  # whole warps per column slice
+    for arch, groups in launch.FUSED_ROW_GROUPS.items():
+        assert sorted(groups) == sorted(kernel.FUSED_CAPS), arch
 
 
 def test_table_rows_bound_is_a_clear_error():
@@ -202,8 +209,10 @@ def test_probe_row_bits_ignore_other_rows(junk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 7, 43, 44, 45, 44 * 7 + 1, 4097])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 43, 44, 45, 44 * 7 + 1, 32 * 16 + 1, 32 * 33 + 31, 4097])
 def test_backward_matches_fp64_and_is_repeatable(rows):
+    """Row counts around both backward layouts' boundaries: 44 row groups of the two-kernel path, 32 clusters
+    x 16-row exchange steps (+ single-row tail steps) of the fused one."""
     x, w, shift, scale, idx = _inputs(rows, seed=rows + 1)
     grad = torch.randn_like(x)
     _poison_allocator(8 * rows * H + 4 * 200 * H)
@@ -219,6 +228,38 @@ def test_backward_matches_fp64_and_is_repeatable(rows):
     again = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, scale.shape[0])
     for a, b in zip(got, again):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_fused_backward_dx_ignores_step_slot_and_neighbours():
+    """The fused backward reduces 16 rows per cluster exchange, single rows at a group's tail: a probe row's
+    dx is bitwise the same in every slot of a step, in a tail step, and next to NaN rows."""
+    x, w, _, scale, idx = _inputs(513, seed=21)  # 32 groups of 17 rows: one 16-row step + one tail row each
+    grad = torch.randn_like(x)
+    probe = 100
+    alone = launch.backward_rows(grad[probe:probe + 1], x[probe:probe + 1], w, scale, idx[probe:probe + 1], 1e-5)[0]
+    for pos in list(range(17)) + [33, 512]:
+        xb, gb, ib = x.clone(), grad.clone(), idx.clone()
+        xb[pos], gb[pos], ib[pos] = x[probe], grad[probe], idx[probe]
+        if pos % 2:
+            xb[pos - 1] = float("nan")  # a NaN neighbour in the same exchange step
+        dx = launch.backward_rows(gb, xb, w, scale, ib, 1e-5)[0]
+        assert torch.equal(dx[pos], alone[0]), pos
+
+
+@pytest.mark.gpu
+def test_fused_and_two_kernel_backward_agree():
+    """A 9-row table takes the fused backward; the same rows padded to 30 table rows (no index reaches the
+    padding) take bwd_rows + bwd_params. Both are FP32 math with one rounding (in other orders): within
+    2 BF16 ulps of the largest element."""
+    x, w, _, scale, idx = _inputs(3000, seed=22)
+    grad = torch.randn_like(x)
+    fused = launch.backward_rows(grad, x, w, scale, idx, 1e-5)
+    padded = torch.cat([scale, torch.randn(21, H, device="cuda").to(BF16)])
+    split = launch.backward_rows(grad, x, w, padded, idx, 1e-5)
+    assert not split[2][9:].any() and not split[3][9:].any()
+    for name, a, b in zip(("dx", "dweight", "dshift", "dscale"), fused, (split[0], split[1], split[2][:9], split[3][:9])):
+        assert _rel_err(a, b.double()) <= 2.0 ** -7, name  # 2 BF16 ulps of the largest element
 
 
 @pytest.mark.gpu

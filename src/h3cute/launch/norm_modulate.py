@@ -1,9 +1,11 @@
 """Host side of `h3::norm_modulate` on CUDA, and the row-kernel plumbing shared by the AdaLN row ops.
 
 forward: one launch of `norm_modulate_fwd` (kernels/norm_modulate.py): out = rms_norm(x, w, eps) *
-(1 + scale[idx]) + shift[idx], bitwise the diffusers replay. backward: `norm_modulate_bwd_rows` (dx and
-a per-row FP32 rstd workspace), `norm_modulate_bwd_params` (FP32 partials of dweight, dshift, dscale per
-fixed row group) and three `rowwise_fold` launches. No host sync anywhere.
+(1 + scale[idx]) + shift[idx], bitwise the diffusers replay. backward, tables of <= 24 rows:
+`norm_modulate_bwd_fused` (one pass over grad and x: dx and the FP32 partials of dweight, dshift, dscale
+per fixed row group, 7-CTA clusters) and three `rowwise_fold` launches; larger tables (<= 48 rows):
+`norm_modulate_bwd_rows` (dx and a per-row FP32 rstd workspace), `norm_modulate_bwd_params` (the
+partials) and the folds. No host sync anywhere.
 
 `forward_rows` / `backward_rows` take any row index vector and row-strided tables (read in place when
 their rows are 16-byte aligned, else copied compact first), so `final_adaln_out` reuses them with timestep_indices and
@@ -24,6 +26,13 @@ TABLE_ROWS_CAPS = (12, 24, 48)  # kernels/rowwise.py TABLE_ROWS_CAPS
 MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]
 # Row groups of the column reductions: (H / 256) x P one-warp CTAs, about 7 per SM.
 ROW_GROUPS = {"sm_90a": 44, "sm_100a": 49}
+# The fused backward (kernels/norm_modulate.py FUSED_CAPS, CLUSTER, FUSED_STEPS): row groups = clusters of
+# 7 CTAs, as many as are resident at once (cap 12: 2 CTAs per SM, shared memory 94 KB; cap 24: 1, 187 KB;
+# clusters live inside one GPC of 16-18 SMs).
+FUSED_CAPS = (12, 24)
+FUSED_STEP = 16
+FUSED_CLUSTER = 7
+FUSED_ROW_GROUPS = {"sm_90a": {12: 32, 24: 16}, "sm_100a": {12: 36, 24: 18}}
 
 
 def table_rows_cap(op: str, table_rows: int) -> int:
@@ -116,16 +125,22 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
     dscale = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
     if num_rows == 0:
         return dx, dweight.zero_(), dshift.zero_(), dscale.zero_()
-    rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
-    runtime.kernel("norm_modulate_bwd_rows", device, width=width)(grad, x, weight, scale, idx, dx, rstd, float(eps))
-    groups = row_groups(device)
+    fused = cap in FUSED_CAPS and width % (8 * 32 * FUSED_CLUSTER) == 0
+    groups = FUSED_ROW_GROUPS[runtime.arch_of(device)][cap] if fused else row_groups(device)
     # One buffer per group: [dweight | dshift rows | dscale rows], every element written by the kernel.
     partials = torch.empty((groups, (1 + 2 * table_rows) * width), dtype=torch.float32, device=device)
     part_w = partials[:, :width]
     part_shift = partials[:, width:(1 + table_rows) * width].view(groups, table_rows, width)
     part_scale = partials[:, (1 + table_rows) * width:].view(groups, table_rows, width)
-    runtime.kernel("norm_modulate_bwd_params", device, width=width, cap=cap)(
-        grad, x, weight, scale, idx, rstd, part_w, part_shift, part_scale)
+    if fused:
+        runtime.kernel("norm_modulate_bwd_fused", device, width=width, cap=cap, step=FUSED_STEP)(
+            grad, x, weight, scale, idx, dx, part_w, part_shift, part_scale, float(eps))
+    else:
+        rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
+        runtime.kernel("norm_modulate_bwd_rows", device, width=width)(grad, x, weight, scale, idx, dx, rstd,
+                                                                      float(eps))
+        runtime.kernel("norm_modulate_bwd_params", device, width=width, cap=cap)(
+            grad, x, weight, scale, idx, rstd, part_w, part_shift, part_scale)
     fold(part_w, dweight)
     fold(part_shift, dshift)
     fold(part_scale, dscale)
