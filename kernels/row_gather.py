@@ -5,9 +5,13 @@ Forward (`adaln_row_gather_fwd`): grid (S, 6), one 256-thread CTA per (row, chun
 pure copy: bitwise equal to `index_select`, and every row depends only on its own idx.
 
 Backward (`adaln_row_gather_bwd`): d_table[r, c*H + j] = sum over rows with idx = r of grad_c[s, j].
-One launch per chunk c in the column-reduction layout of kernels/rowwise.py: FP32 per (row group, table
-row, column) in shared memory, written into columns [c*H, (c+1)*H) of a (P, R, 6H) partial buffer;
-`rowwise_fold` sums the P groups in order and rounds once to BF16. No atomics, no sort.
+One launch for all six chunks, grid (H / 256 column tiles, P row groups, 6 chunks) of one-warp CTAs in the
+column-reduction layout of kernels/rowwise.py (the chunk picks its grad tensor, a uniform branch): FP32 per
+(row group, table row, column) in shared memory, written into columns [c*H, (c+1)*H) of a (P, R, 6H)
+partial buffer; `rowwise_fold` sums the P groups in order and rounds once to BF16. No atomics, no sort.
+Bytes in flight: a CTA reads one 512-byte row slice per row (no second operand as in gate_residual), so it
+issues GATHER_UNROLL = 16 rows at once, and the six chunks share one grid (about 16 resident warps per SM at
+cap 12 instead of the 7 CTAs per SM one chunk's grid gives).
 """
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ from cutlass import Float32, Int32, Int64
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
-from .rowwise import (COL_TILE, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, fake_indices, fake_partials, fake_rows,
+from .rowwise import (COL_TILE, ROW_THREADS, TABLE_ROWS_CAPS, VEC, fake_indices, fake_partials, fake_rows,
                       fake_table, load_f32, row_range, row_slots, smem_vec, store_bf16, vec_view)
 
 HIDDEN = 5376
 CHUNKS = 6
+GATHER_UNROLL = 16  # rows whose grad loads a backward step issues before accumulating
 
 
 @cute.kernel
@@ -67,33 +72,44 @@ def _backward_step(mG, mIdx, sAcc, table_rows, first, col, lane, rows: cutlass.C
             acc.store(acc.load() + gs[i])
 
 
+@cute.jit
+def _backward_chunk(mG, mIdx, mPart, sAcc, group, col, lane, chunk_col, width: cutlass.Constexpr):
+    """One chunk's rows of this group into sAcc, then its partials at columns chunk_col + col of mPart."""
+    table_rows = mPart.shape[1]
+    begin, end = row_range(mG.shape[0], group, mPart.shape[0])
+    batched_end = begin + (end - begin) // GATHER_UNROLL * GATHER_UNROLL
+    for first in cutlass.range(begin, batched_end, GATHER_UNROLL):
+        _backward_step(mG, mIdx, sAcc, table_rows, first, col, lane, GATHER_UNROLL, width)
+    for first in cutlass.range(batched_end, end):
+        _backward_step(mG, mIdx, sAcc, table_rows, first, col, lane, 1, width)
+    for r in cutlass.range(table_rows):
+        vec_view(mPart, Int64(group) * mPart.stride[0] + Int64(r) * mPart.stride[1] + chunk_col + col).store(
+            smem_vec(sAcc, r * COL_TILE + lane * VEC).load())
+
+
 @cute.kernel
-def _backward_kernel(mG: cute.Tensor, mIdx: cute.Tensor, mPart: cute.Tensor, width: cutlass.Constexpr,
+def _backward_kernel(mG0: cute.Tensor, mG1: cute.Tensor, mG2: cute.Tensor, mG3: cute.Tensor, mG4: cute.Tensor,
+                     mG5: cute.Tensor, mIdx: cute.Tensor, mPart: cute.Tensor, width: cutlass.Constexpr,
                      cap: cutlass.Constexpr):
     lane, _, _ = cute.arch.thread_idx()
-    tile, group, _ = cute.arch.block_idx()
+    tile, group, chunk = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
     sAcc = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
     col = tile * COL_TILE + lane * VEC
     zero = cute.full((VEC,), 0.0, Float32)
     for r in cutlass.range(cap):
         smem_vec(sAcc, r * COL_TILE + lane * VEC).store(zero)
-    table_rows = mPart.shape[1]
-    begin, end = row_range(mG.shape[0], group, mPart.shape[0])
-    batched_end = begin + (end - begin) // UNROLL * UNROLL
-    for first in cutlass.range(begin, batched_end, UNROLL):
-        _backward_step(mG, mIdx, sAcc, table_rows, first, col, lane, UNROLL, width)
-    for first in cutlass.range(batched_end, end):
-        _backward_step(mG, mIdx, sAcc, table_rows, first, col, lane, 1, width)
-    for r in cutlass.range(table_rows):
-        vec_view(mPart, Int64(group) * mPart.stride[0] + Int64(r) * mPart.stride[1] + col).store(
-            smem_vec(sAcc, r * COL_TILE + lane * VEC).load())
+    grads = (mG0, mG1, mG2, mG3, mG4, mG5)
+    for c in cutlass.range_constexpr(CHUNKS):
+        if chunk == c:
+            _backward_chunk(grads[c], mIdx, mPart, sAcc, group, col, lane, c * width, width)
 
 
 @cute.jit
-def _backward_launch(mG, mIdx, mPart, stream, width: cutlass.Constexpr, cap: cutlass.Constexpr):
-    _backward_kernel(mG, mIdx, mPart, width, cap).launch(
-        grid=(width // COL_TILE, mPart.shape[0], 1), block=(32, 1, 1), stream=stream
+def _backward_launch(mG0, mG1, mG2, mG3, mG4, mG5, mIdx, mPart, stream, width: cutlass.Constexpr,
+                     cap: cutlass.Constexpr):
+    _backward_kernel(mG0, mG1, mG2, mG3, mG4, mG5, mIdx, mPart, width, cap).launch(
+        grid=(width // COL_TILE, mPart.shape[0], CHUNKS), block=(32, 1, 1), stream=stream
     )
 
 
@@ -112,8 +128,9 @@ def build_forward(arch: str, *, width: int):
 def build_backward(arch: str, *, width: int, cap: int):
     _check_width(width)
     s, groups, table_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    return compile_for(arch, _backward_launch, fake_rows(s, width), fake_indices(s),
-                       fake_partials(groups, table_rows, width), env_stream(), width, cap)
+    grads = [fake_rows(s, width) for _ in range(CHUNKS)]
+    return compile_for(arch, _backward_launch, *grads, fake_indices(s),
+                       fake_partials(groups, table_rows, CHUNKS * width), env_stream(), width, cap)
 
 
 SPECS = [

@@ -67,8 +67,9 @@ def test_forward_rows_depend_only_on_their_index():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 7, 44, 45, 49 * 3 + 1, 4097])
+@pytest.mark.parametrize("rows", [1, 7, 44, 45, 49 * 3 + 1, 44 * 17, 4097])
 def test_backward_matches_fp64_and_is_repeatable(rows):
+    """44 * 17 rows: each of the 44 row groups has one 16-row step and one single-row tail step."""
     table, idx = _inputs(rows, seed=rows + 2)
     grads = [torch.randn(rows, H, device="cuda").to(BF16) for _ in range(6)]
     _poison_allocator(4 * 60 * 6 * H)

@@ -1,10 +1,10 @@
-"""Host side of `h3::adaln_row_gather` on CUDA: `adaln_row_gather_fwd`, and per-chunk
-`adaln_row_gather_bwd` + one `rowwise_fold`.
+"""Host side of `h3::adaln_row_gather` on CUDA: `adaln_row_gather_fwd`, and `adaln_row_gather_bwd` (all six
+chunks in one launch) + one `rowwise_fold`.
 
 forward: one launch (grid S x 6) copies the six (S, 5376) chunks table[idx, c*H:(c+1)*H] into six fresh
 tensors: bitwise `index_select`. backward: d_table[r] = sum over rows with idx = r of the six grads,
 FP32 partials per fixed row group (h3cute.launch.norm_modulate.ROW_GROUPS) written into columns
-[c*H, (c+1)*H) of one (P, R, 6H) buffer by six launches, then folded in group order, rounded once.
+[c*H, (c+1)*H) of one (P, R, 6H) buffer by one launch, then folded in group order, rounded once.
 """
 from __future__ import annotations
 
@@ -46,7 +46,5 @@ def backward(grads, adaln_indices, table_rows):
         return d_table.zero_()
     groups = row_groups(device)
     partials = torch.empty((groups, table_rows, CHUNKS * width), dtype=torch.float32, device=device)
-    reduce_chunk = runtime.kernel("adaln_row_gather_bwd", device, width=width, cap=cap)
-    for c, g in enumerate(grads):
-        reduce_chunk(g, idx, partials[:, :, c * width:(c + 1) * width])
+    runtime.kernel("adaln_row_gather_bwd", device, width=width, cap=cap)(*grads, idx, partials)
     return fold(partials, d_table)
