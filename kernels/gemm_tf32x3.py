@@ -5,7 +5,8 @@ Algorithm. A (M, K) and B (N, K) are FP32, both K-major and contiguous. Each CTA
 (tile_m|tile_n, tile_k) tiles through a `stages`-deep cp.async ring in swizzled shared memory,
 and for every k-block of 8 splits each operand element x into big = x with the low 13 mantissa
 bits cleared and small = tf32_rna(x - big) (the mma reads TF32 from the top 19 bits of a register,
-so both are exact operands). Per (m16, n8) atom and k-block, three `mma.sync.m16n8k8.tf32`,
+so both are exact operands; the rounding is an integer add of 2^12, see `tf32_small`). Per
+(m16, n8) atom and k-block, three `mma.sync.m16n8k8.tf32`,
 smallest terms first (small_a*big_b, big_a*small_b, big_a*big_b), accumulate into a zeroed chunk
 sum, which is then added to the running FP32 sum with an IEEE `add.rn.f32`.
 
@@ -74,18 +75,24 @@ class GemmConfig:
 
 
 K_CHUNK = 8  # k per tensor-core chunk sum: one m16n8k8 step (part of the numeric contract)
+MAX_INTERLEAVED = 8  # chunk chains in flight per warp (register budget; speed only)
 TF32_BIG_MASK = -8192  # 0xffffe000: sign, exponent and the 10 TF32 mantissa bits
 
 
 @dsl_user_op
 def tf32_small(x: cutlass.Int32, big: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
-    """Bits of tf32_rna(x - big) for FP32 bit patterns x and big = x & TF32_BIG_MASK (x - big is exact)."""
+    """TF32 operand bits of tf32_rna(x - big) for FP32 patterns x and big = x & TF32_BIG_MASK.
+
+    x - big is exact. The mma reads a TF32 operand from the top 19 bits of its register, so adding
+    2^12 to the pattern of x - big is round-half-away at bit 13: what cvt.rna.tf32.f32 compiles to
+    on sm_90a and sm_100a (ptxas emits that add, no mask), minus the inf/NaN guard around it, which
+    only matters for a non-finite x, whose x - big is NaN and stays NaN."""
     return cutlass.Int32(
         llvm.inline_asm(
             cutlass.Int32.mlir_type,
             [cutlass.Int32(x).ir_value(loc=loc, ip=ip), cutlass.Int32(big).ir_value(loc=loc, ip=ip)],
-            "{ .reg .f32 xf, bf, df; mov.b32 xf, $1; mov.b32 bf, $2; sub.rn.f32 df, xf, bf; "
-            "cvt.rna.tf32.f32 $0, df; }",
+            "{ .reg .f32 xf, bf, df; .reg .b32 db; mov.b32 xf, $1; mov.b32 bf, $2; sub.rn.f32 df, xf, bf; "
+            "mov.b32 db, df; add.s32 $0, db, 4096; }",
             "=r,r,r",
             has_side_effects=False,
             is_align_stack=False,
@@ -112,6 +119,14 @@ def add_rn(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutl
             ip=ip,
         )
     )
+
+
+def _atom_groups(m_atoms: int, n_atoms: int) -> list:
+    """(m, n) atoms whose chunk chains are interleaved: the whole warp tile when it has at most
+    MAX_INTERLEAVED atoms (4 live chunk registers each), else one n column at a time."""
+    if m_atoms * n_atoms <= MAX_INTERLEAVED:
+        return [[(m, n) for n in range(n_atoms) for m in range(m_atoms)]]
+    return [[(m, n) for m in range(m_atoms)] for n in range(n_atoms)]
 
 
 class GemmTF32x3:
@@ -306,8 +321,9 @@ class GemmTF32x3:
         b_small = cute.make_fragment_like(tCrB[None, None, 0])
         # One warp-level m16n8k8 atom: gemm on single (m, n) fragments issues exactly one mma.
         mma_atom = cute.make_mma_atom(cute.nvgpu.warp.MmaTF32Op((16, 8, K_CHUNK)))
-        chunk = cute.make_fragment_like(acc[None, 0, 0])
-        chunk_mn = cute.append_ones(chunk, 3)  # the (V, 1, 1) shape gemm dispatches on
+        atom_groups = _atom_groups(cute.size(acc, mode=[1]), cute.size(acc, mode=[2]))
+        chunks = [cute.make_fragment_like(acc[None, 0, 0]) for _ in atom_groups[0]]
+        chunks_mn = [cute.append_ones(c, 3) for c in chunks]  # the (V, 1, 1) shape gemm dispatches on
         k_blocks = cute.size(tCrA, mode=[2])
 
         read_slot = 0
@@ -342,17 +358,31 @@ class GemmTF32x3:
                 # Per (m16, n8) atom: the k8 chunk's three products, smallest first, into a
                 # zeroed chunk sum (the tensor core's truncating adds see only this chunk), then
                 # one IEEE round-to-nearest add into the running sum. The order is the contract.
-                for m in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-                    for n in cutlass.range_constexpr(cute.size(acc, mode=[2])):
-                        chunk.fill(0.0)
-                        a_s, a_b = cute.append_ones(a_small[None, m], 3), cute.append_ones(a_big[None, m], 3)
-                        b_s, b_b = cute.append_ones(b_small[None, n], 3), cute.append_ones(b_big[None, n], 3)
-                        cute.gemm(mma_atom, chunk_mn, a_s, b_b, chunk_mn)
-                        cute.gemm(mma_atom, chunk_mn, a_b, b_s, chunk_mn)
-                        cute.gemm(mma_atom, chunk_mn, a_b, b_b, chunk_mn)
+                # Issued pass by pass across a group of atoms: each chunk's three mma are a
+                # dependent chain, and interleaving the group's chains hides the mma latency that
+                # the atom-by-atom order left exposed (ptxas padded it with no-ops). Every value and
+                # its order of accumulation stay the same.
+                for g in cutlass.range_constexpr(len(atom_groups)):
+                    group = atom_groups[g]
+                    for j in cutlass.range_constexpr(len(group)):
+                        chunks[j].fill(0.0)
+                    for j in cutlass.range_constexpr(len(group)):
+                        m, n = group[j]
+                        cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_small[None, m], 3),
+                                  cute.append_ones(b_big[None, n], 3), chunks_mn[j])
+                    for j in cutlass.range_constexpr(len(group)):
+                        m, n = group[j]
+                        cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_big[None, m], 3),
+                                  cute.append_ones(b_small[None, n], 3), chunks_mn[j])
+                    for j in cutlass.range_constexpr(len(group)):
+                        m, n = group[j]
+                        cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_big[None, m], 3),
+                                  cute.append_ones(b_big[None, n], 3), chunks_mn[j])
+                    for j in cutlass.range_constexpr(len(group)):
+                        m, n = group[j]
                         acc_mn = acc[None, m, n]
-                        for i in cutlass.range_constexpr(cute.size(chunk)):
-                            acc_mn[i] = add_rn(acc_mn[i], chunk[i])
+                        for i in cutlass.range_constexpr(cute.size(chunks[j])):
+                            acc_mn[i] = add_rn(acc_mn[i], chunks[j][i])
 
             write_slot = read_slot
             read_slot = read_slot + 1

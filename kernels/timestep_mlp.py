@@ -234,7 +234,7 @@ SPECS = [
         name="timestep_mlp_gemm",
         build=build_gemm,
         variants=lambda arch: [dict(role=r, tile=t) for r, tiles in GEMM_TILES.items() for t in tiles],
-        ptx_markers=("mma.sync.aligned.m16n8k8", ".tf32", "cvt.rna.tf32.f32", "add.rn.f32", "cp.async"),
+        ptx_markers=("mma.sync.aligned.m16n8k8", ".tf32", "db, 4096;", "add.rn.f32", "cp.async", "griddepcontrol.wait"),
         ptx_forbidden=("atom.", "\tred."),  # no atomics, no reductions to memory
     ),
     KernelSpec(
