@@ -20,8 +20,8 @@ partials that `rowwise_fold` finishes. No atomics.
       CTA k owning columns [k * H/7, (k+1) * H/7) and that slice of the table accumulators in shared memory;
       per step of 16 rows the per-row sums of x^2 and dxhat * x are exchanged through distributed shared
       memory (each CTA pushes its partials to all, one cluster barrier), summed over ranks in order, and each
-      CTA finishes dx and the accumulations of its slice. rstd = rsqrt.approx(ss / H + eps) with ss in that
-      order (not torch's forward order).
+      CTA finishes dx and the accumulations of its slice (the next step's rows are prefetched into L2
+      meanwhile). rstd = rsqrt.approx(ss / H + eps) with ss in that order (not torch's forward order).
   `norm_modulate_bwd_rows` + `norm_modulate_bwd_params` (25..48 table rows): a row kernel (rstd exactly as the
       forward, dx, an FP32 rstd workspace) and the column reduction of kernels/rowwise.py re-reading grad, x.
 """
@@ -60,6 +60,22 @@ def store_cluster_f32(smem_ptr: cute.Pointer, peer, value, *, loc=None, ip=None)
         asm_string="{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $0, $1; "
                    "st.shared::cluster.f32 [remote], $2; }",
         constraints="r,r,f,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def prefetch_l2(gmem_ptr: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
+    """cp.async.bulk.prefetch.L2: bring `num_bytes` (a multiple of 16, 16-byte aligned) at `gmem_ptr` into L2;
+    no registers, no shared memory, no completion to wait for."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[Int64(gmem_ptr.toint()).ir_value(loc=loc, ip=ip), Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        asm_string="cp.async.bulk.prefetch.L2.global [$0], $1;",
+        constraints="l,r,~{memory}",
         has_side_effects=True,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
@@ -295,6 +311,15 @@ def _fused_step(mG, mX, mDx, mIdx, mTabRows, sTab, sShift, sScale, sWarp, sPub, 
     base = Int64(first) * width + col
     gs = [vec_view(mG, base + i * width).load() for i in range(rows)]
     xs = [vec_view(mX, base + i * width).load() for i in range(rows)]
+    if cutlass.const_expr(rows == step_rows):
+        # the next step's rows of this slice into L2 while this step waits on DRAM and the cluster barrier
+        ahead = first + step_rows + tidx % step_rows
+        if (tidx < 2 * step_rows) & (ahead < mX.shape[0]):
+            offset = Int64(ahead) * width + rank * slice_width
+            if tidx < step_rows:
+                prefetch_l2(mG.iterator + offset, slice_width * 2)
+            else:
+                prefetch_l2(mX.iterator + offset, slice_width * 2)
     # this thread's share of both row sums, fixed order (vector elements in order, then the xor butterfly)
     parts = []
     for i in cutlass.range_constexpr(rows):
@@ -484,7 +509,7 @@ SPECS = [
         variants=lambda arch: [dict(width=HIDDEN, cap=cap, step=step) for cap in FUSED_CAPS for step in FUSED_STEPS],
         # st.shared::cluster + barrier.cluster: the row sums' exchange; rsqrt.approx: the forward's rstd formula
         ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "st.shared::cluster", "barrier.cluster.arrive",
-                     "barrier.cluster.wait", "rsqrt.approx.f32"),
+                     "barrier.cluster.wait", "rsqrt.approx.f32", "cp.async.bulk.prefetch.L2"),
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),
 ]
