@@ -95,8 +95,15 @@ WGMMA_CONFIGS = {
     "wg_wide": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=3),
     "wg_wide_s4": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4),
 }
-# dW's K is T (usually tiny): a short bk wastes little on the zero-padded K tail.
-WGRAD_TILE = GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4)
+# dW's K is T (usually tiny): a short bk wastes little on the zero-padded K tail. K = T runs in k16
+# steps in ascending order whatever the tile, so the two give identical bits (tests check).
+WGRAD_CONFIGS = {
+    # T > 64: MMA-bound, the big tile.
+    "wgrad": GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4),
+    # T <= 64: writing dW (520 MB) is the whole cost; 36 KB of smem (the C tile reuses A's stages)
+    # lets 6 CTAs share an SM, so stores keep streaming while other CTAs load or compute.
+    "wgrad_n64": GemmTile(bm=128, bn=64, bk=32, warps_m=2, warps_n=2, stages=3),
+}
 WGRAD_WGMMA_TILE = GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=4)
 
 
@@ -694,12 +701,12 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
     )
 
 
-def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False):
+def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: str = "wgrad"):
     if wgmma:
         assert arch == "sm_90a"
         gemm = _WgmmaGemm(WGRAD_WGMMA_TILE, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
     else:
-        gemm = _WarpMmaGemm(WGRAD_TILE, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
+        gemm = _WarpMmaGemm(WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
 
     @cute.jit
     def adaln_proj_wgrad(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, stream):
@@ -879,7 +886,7 @@ SPECS = [
     KernelSpec(
         name="adaln_proj_wgrad",
         build=_build_wgrad,
-        variants=lambda arch: [dict(out_features=n) for n in OUT_FEATURES],
+        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in WGRAD_CONFIGS],
         ptx_markers=_MMA_MARKERS + ("ldmatrix.sync.aligned.m8n8.x4.trans",),
         ptx_forbidden=_NO_ATOMICS,
     ),

@@ -82,6 +82,7 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
 
     assert tuple(k.CONFIGS) == launch.CONFIGS
     assert tuple(k.WGMMA_CONFIGS) == launch.WGMMA_CONFIGS
+    assert tuple(k.WGRAD_CONFIGS) == launch.WGRAD_CONFIGS
     assert launch.SM90_FAMILY in ("warp", "wgmma")
     assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS
     assert k.BIAS_ROW_GROUPS == launch.BIAS_ROW_GROUPS
@@ -95,12 +96,13 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
             tile.check()
             assert tile.warps_m % 4 == 0 and tile.bm % (16 * tile.warps_m) == 0  # whole 64-row warpgroup slabs
             assert n % (k.DGRAD_SPLITS * tile.bk) == 0 and D % tile.bm == 0 and n % tile.bm == 0
-        for tile in (k.WGRAD_TILE, k.WGRAD_WGMMA_TILE):
+        for tile in (*k.WGRAD_CONFIGS.values(), k.WGRAD_WGMMA_TILE):
             tile.check()
             assert n % tile.bm == 0 and D % tile.bn == 0
     for rows in (1, 8, 16, 17, 64, 65, 2048, 4096):
         assert launch.config_for_rows(rows) in launch.CONFIGS
         assert launch.config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS
+        assert launch.wgrad_config_for_rows(rows) in launch.WGRAD_CONFIGS
 
 
 def test_launch_modules_do_not_import_cutlass():
@@ -185,6 +187,7 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows):
     assert ("adaln_proj_fwd", dict(out_features=n, config=launch.config_for_rows(rows))) in emu.calls
     grad = torch.randn((rows, n), generator=g).to(torch.bfloat16)
     got = launch.backward(grad, temb, w)
+    assert ("adaln_proj_wgrad", dict(out_features=n, config=launch.wgrad_config_for_rows(rows))) in emu.calls
     want = _fp64_grads_cpu(grad, temb, w)
     for a, ref, tol in zip(got, want, (1e-6, 4e-3, 4e-3)):
         assert _close(a, ref.to(a.dtype), tol)
@@ -429,11 +432,15 @@ def test_poisoned_outputs_are_fully_written(family, rows):
     runtime.kernel("adaln_proj_dgrad" + sfx, dev, out_features=N_FINAL, config=config)(
         grad, w, part[: launch.DGRAD_SPLITS * rows * D].view(launch.DGRAD_SPLITS, rows, D))
     assert not part[:-pad].isnan().any() and part[-pad:].isnan().all()
-    dw = torch.full((N_FINAL * D + pad,), nan16, dtype=torch.bfloat16, device=dev)
-    wgrad_static = dict(wgmma=True) if wgmma else {}
-    runtime.kernel("adaln_proj_wgrad" + sfx, dev, out_features=N_FINAL, **wgrad_static)(
-        grad, act, dw[:-pad].view(N_FINAL, D))
-    assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all()
+    dws = []
+    for wgrad_static in [dict(wgmma=True)] if wgmma else [dict(config=c) for c in launch.WGRAD_CONFIGS]:
+        dw = torch.full((N_FINAL * D + pad,), nan16, dtype=torch.bfloat16, device=dev)
+        runtime.kernel("adaln_proj_wgrad" + sfx, dev, out_features=N_FINAL, **wgrad_static)(
+            grad, act, dw[:-pad].view(N_FINAL, D))
+        assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), wgrad_static
+        dws.append(dw)
+    for dw, wgrad_static in zip(dws[1:], [dict(config=c) for c in launch.WGRAD_CONFIGS[1:]]):
+        _assert_same_bits(dw, dws[0], f"dW {wgrad_static} vs {launch.WGRAD_CONFIGS[0]}, T={rows}")
     db = torch.full((N_FINAL + pad,), nan16, dtype=torch.bfloat16, device=dev)
     bias_partial = torch.full((launch.BIAS_ROW_GROUPS, N_FINAL), nan16, device=dev)
     runtime.kernel("adaln_bias_grad", dev, out_features=N_FINAL)(grad, bias_partial, db[:-pad])

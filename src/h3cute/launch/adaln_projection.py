@@ -27,6 +27,8 @@ BIAS_ROW_GROUPS = 32  # kernels/adaln_gemm.BIAS_ROW_GROUPS
 # Names of kernels/adaln_gemm.CONFIGS and .WGMMA_CONFIGS (a CPU test checks they agree).
 CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")
 WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
+# dW tiles of the warp family (kernels/adaln_gemm.WGRAD_CONFIGS): same bits, picked from T for speed.
+WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
 # The family sm_90a devices use: "warp" until the wgmma family has passed the GPU suite on the
 # device (tests/test_adaln_projection.py runs both), then "wgmma" for its large-T speed.
 SM90_FAMILY = "warp"
@@ -41,6 +43,11 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
     if rows <= 64:
         return "mid"
     return "wide"
+
+
+def wgrad_config_for_rows(rows: int) -> str:
+    """The warp family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs."""
+    return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
 def _uses_wgmma(device, config: str | None) -> bool:
@@ -88,7 +95,8 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
     if wgmma:
         wgrad = runtime.kernel("adaln_proj_wgrad_wgmma", device, out_features=out_features, wgmma=True)
     else:
-        wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features)
+        wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features,
+                               config=wgrad_config_for_rows(rows))
     wgrad(grad, act, dweight)
     dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
     bias_partial = torch.empty((BIAS_ROW_GROUPS, out_features), dtype=torch.float32, device=device)
