@@ -149,6 +149,20 @@ def main() -> int:
             print("  op   " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in ops.items()))
         del buf
         torch.cuda.empty_cache()
+    # The fastest config of each GEMM per T and family: what config_for_rows / wgrad_config_for_rows
+    # should pick (every config of a family gives the same bits).
+    report["fastest"] = fastest = {}
+    for rows, per_family in report["sizes"].items():
+        for family, rec in per_family.items():
+            for phase, step in {(r["phase"], r["step"]) for r in rec["steps"] if r["config"] and "us" in r}:
+                timed = [r for r in rec["steps"] if (r["phase"], r["step"]) == (phase, step) and "us" in r]
+                best = min(timed, key=lambda r: r["us"])
+                chosen = next((r for r in timed if r["kind"] == "step"), best)
+                fastest[f"T={rows} {family} {phase} {step}"] = {"fastest": best["config"], "us": best["us"],
+                                                               "chosen": chosen["config"], "chosen_us": chosen["us"]}
+    print("\nfastest config per GEMM (chosen -> fastest):")
+    for key, v in fastest.items():
+        print(f"  {key:<32} {v['chosen']} {v['chosen_us']:.1f} -> {v['fastest']} {v['us']:.1f} us")
     report["wall_s"] = time.time() - t0
     out_dir = os.environ.get("H3CUTE_OUT", ".")
     with open(os.path.join(out_dir, "adaln_kernels.json"), "w") as f:

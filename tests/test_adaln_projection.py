@@ -314,6 +314,26 @@ def test_every_config_gives_identical_bits(family, rows):
 
 
 @gpu
+@pytest.mark.parametrize("rows", [5, 64, 65, 300])
+def test_wgrad_tiles_give_identical_bits(rows):
+    """dW's warp-family tiles (picked from T for speed) run the same k16 sequence: identical bits."""
+    from h3cute import runtime
+
+    w, _ = _params(N_FINAL, seed=rows)
+    act = launch.silu_bf16(_temb(rows, 3 * rows))
+    grad = torch.randn((rows, N_FINAL), generator=_gen(rows + 1), device="cuda").to(torch.bfloat16)
+    dws = {}
+    for c in launch.WGRAD_CONFIGS:
+        dws[c] = torch.full_like(w, float("nan"))
+        runtime.kernel("adaln_proj_wgrad", w.device, out_features=N_FINAL, config=c)(grad, act, dws[c])
+    first = launch.WGRAD_CONFIGS[0]
+    ref = grad.double().t() @ act.double()
+    assert _rel_err(dws[first], ref) <= BF16_ERR_CEILING
+    for c, dw in dws.items():
+        _assert_same_bits(dw, dws[first], f"dW tile {c} vs {first}, T={rows}")
+
+
+@gpu
 @pytest.mark.parametrize("rows", [1, 4, 33, 256, 2048])
 def test_wgmma_family_accuracy_and_row_invariance(block_params, rows):
     """The sm_90a wgmma family (what SM90_FAMILY = "wgmma" switches on), all three GEMMs."""
