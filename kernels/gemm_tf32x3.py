@@ -121,6 +121,25 @@ def add_rn(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutl
     )
 
 
+@cute.jit
+def _copy_k_rows(tiled_copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor, coords: cute.Tensor,
+                 pred: cute.Tensor, depth: cutlass.Int32, k_tail: cutlass.Constexpr):
+    """cp.async one tile; with k_tail, only the copy vectors whose k row is < depth, and the others
+    are zeroed in shared memory (each thread owns its vectors; the ring's barrier publishes both)."""
+    if cutlass.const_expr(k_tail):
+        for i in cutlass.range_constexpr(cute.size(pred, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(pred, mode=[1])):
+                pred[i, j] = cute.elem_less(coords[0, i, j][1], depth)
+        for i in cutlass.range_constexpr(cute.size(pred, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(pred, mode=[1])):
+                if pred[i, j]:
+                    cute.copy(tiled_copy, src[None, i, j], dst[None, i, j])
+                else:
+                    dst[None, i, j].fill(0)
+    else:
+        cute.copy(tiled_copy, src, dst)
+
+
 def _atom_groups(m_atoms: int, n_atoms: int) -> list:
     """(m, n) atoms whose chunk chains are interleaved: the whole warp tile when it has at most
     MAX_INTERLEAVED atoms (4 live chunk registers each), else one n column at a time."""
@@ -133,20 +152,25 @@ class GemmTF32x3:
     """One compiled GEMM: static config, epilogue, split count; M (and K when symbolic) at run time."""
 
     def __init__(self, config: GemmConfig, epilogue: str, splits: int, *, prefetch_b: bool = False,
-                 b_n_major: bool = False):
+                 a_m_major: bool = False, b_n_major: bool = False, k_tail: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {epilogue!r}; one of {EPILOGUES}")
         if epilogue != "partial" and splits != 1:
             raise ValueError("fused epilogues need the whole K in one CTA (splits=1)")
-        if b_n_major:
-            n_threads = config.tile_n // 4  # threads across one k row of the B tile, 16 B each
-            if config.tile_n % 32 or config.threads % n_threads or config.tile_k % (config.threads // n_threads):
-                raise ValueError(f"{config}: the N-major B copy needs tile_n % 32 == 0 and whole k-row passes")
+        for mn_major, rows in ((a_m_major, config.tile_m), (b_n_major, config.tile_n)):
+            vec_threads = rows // 4  # threads across one k row of the tile, 16 B each
+            if mn_major and (rows % 32 or config.threads % vec_threads
+                             or config.tile_k % (config.threads // vec_threads)):
+                raise ValueError(f"{config}: an MN-major copy needs tile rows % 32 == 0 and whole k-row passes")
+        if k_tail and (splits != 1 or not (a_m_major and b_n_major)):
+            raise ValueError("the K tail (zero-filled k rows) is built for one-slice MN-major GEMMs")
         self.config = config
         self.epilogue = epilogue
         self.splits = splits
         self.prefetch_b = prefetch_b
+        self.a_m_major = a_m_major
         self.b_n_major = b_n_major
+        self.k_tail = k_tail
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor,
@@ -155,36 +179,13 @@ class GemmTF32x3:
         for "bias_silu_h"; mBias (N,) is read by both bias epilogues, mH (M, N) (h) written by "bias_silu"."""
         cfg = self.config
         threads = cfg.threads
-        sA_layout = self._smem_layout(cfg.tile_m)
-        # Swizzles act on byte addresses. K-major tiles: 16-byte chunks of a 128-byte row XOR-ed with
-        # the row index mod 8: the mma fragment reads (8 rows x 4 k per warp) hit 32 distinct banks,
-        # cp.async writes stay 16 B.
-        swizzle_a = cute.make_swizzle(3, 4, 3)
-
         g2s_atom = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
             cutlass.Int32,
             num_bits_per_copy=128,
         )
-        chunks_per_row = cfg.tile_k // 4
-        g2s_threads = cute.make_layout((threads // chunks_per_row, chunks_per_row), stride=(chunks_per_row, 1))
-        tiled_copy_a = cute.make_tiled_copy_tv(g2s_atom, g2s_threads, cute.make_layout((1, 4)))
-        if cutlass.const_expr(self.b_n_major):
-            # B stored N-major (W^T read in place): 1 KB atoms of 8 k rows x 32 n (128 B per k row).
-            # A warp's fragment read is 8 n x 4 k: XOR-ing the 32-byte group of n (byte bits 5-6)
-            # with k mod 4 (byte bits 7-8) spreads it over 32 banks; 16-byte runs stay whole.
-            sB_layout = self._smem_layout_n_major(cfg.tile_n)
-            swizzle_b = cute.make_swizzle(2, 5, 2)
-            n_threads = cfg.tile_n // 4
-            tiled_copy_b = cute.make_tiled_copy_tv(
-                g2s_atom,
-                cute.make_layout((n_threads, threads // n_threads), stride=(1, n_threads)),
-                cute.make_layout((4, 1)),
-            )
-        else:
-            sB_layout = self._smem_layout(cfg.tile_n)
-            swizzle_b = swizzle_a
-            tiled_copy_b = tiled_copy_a
+        sA_layout, swizzle_a, tiled_copy_a = self._staging(cfg.tile_m, self.a_m_major, g2s_atom)
+        sB_layout, swizzle_b, tiled_copy_b = self._staging(cfg.tile_n, self.b_n_major, g2s_atom)
 
         tiled_mma = cute.make_tiled_mma(
             cute.nvgpu.warp.MmaTF32Op((16, 8, 8)),
@@ -201,15 +202,45 @@ class GemmTF32x3:
             use_pdl=True,
         )
 
-    def _smem_layout(self, rows: int):
+    def _staging(self, rows: int, mn_major: bool, g2s_atom):
+        """Shared layout, byte swizzle and cp.async tiling of one operand's (rows, tile_k) tiles."""
         cfg = self.config
-        atom = cute.make_layout((8, 32), stride=(32, 1))
-        return cute.tile_to_shape(atom, (rows, cfg.tile_k, cfg.stages), (0, 1, 2))
+        threads = cfg.threads
+        if mn_major:
+            # Stored MN-major (e.g. W^T read in place): 1 KB atoms of 8 k rows x 32 m|n (128 B per
+            # k row). A warp's fragment read is 8 m|n x 4 k: XOR-ing the 32-byte group (byte bits
+            # 5-6) with k mod 4 (byte bits 7-8) spreads it over 32 banks; 16-byte runs stay whole.
+            atom = cute.make_layout((32, 8), stride=(1, 32))
+            swizzle = cute.make_swizzle(2, 5, 2)
+            vec_threads = rows // 4
+            thr_layout = cute.make_layout((vec_threads, threads // vec_threads), stride=(1, vec_threads))
+            val_layout = cute.make_layout((4, 1))
+        else:
+            # K-major: 16-byte chunks of a 128-byte row XOR-ed with the row index mod 8: the mma
+            # fragment reads (8 rows x 4 k per warp) hit 32 distinct banks, cp.async writes stay 16 B.
+            atom = cute.make_layout((8, 32), stride=(32, 1))
+            swizzle = cute.make_swizzle(3, 4, 3)
+            chunks_per_row = cfg.tile_k // 4
+            thr_layout = cute.make_layout((threads // chunks_per_row, chunks_per_row), stride=(chunks_per_row, 1))
+            val_layout = cute.make_layout((1, 4))
+        layout = cute.tile_to_shape(atom, (rows, cfg.tile_k, cfg.stages), (0, 1, 2))
+        return layout, swizzle, cute.make_tiled_copy_tv(g2s_atom, thr_layout, val_layout)
 
-    def _smem_layout_n_major(self, rows: int):
-        cfg = self.config
-        atom = cute.make_layout((32, 8), stride=(1, 32))
-        return cute.tile_to_shape(atom, (rows, cfg.tile_k, cfg.stages), (0, 1, 2))
+    @cute.jit
+    def _load_a(self, tiled_copy: cute.TiledCopy, tAgA: cute.Tensor, tAsA: cute.Tensor, tAcA: cute.Tensor,
+                tApA: cute.Tensor, k_tile, slot, depth):
+        """One A tile into ring slot `slot`: K-major rows predicated on M, or MN-major (K tail)."""
+        if cutlass.const_expr(self.a_m_major):
+            _copy_k_rows(tiled_copy, tAgA[None, None, None, k_tile], tAsA[None, None, None, slot],
+                         tAcA[None, None, None, k_tile], tApA, depth, self.k_tail)
+        else:
+            cute.copy(tiled_copy, tAgA[None, None, None, k_tile], tAsA[None, None, None, slot], pred=tApA)
+
+    @cute.jit
+    def _load_b(self, tiled_copy: cute.TiledCopy, tBgB: cute.Tensor, tBsB: cute.Tensor, tBcB: cute.Tensor,
+                tBpB: cute.Tensor, k_tile, slot, depth):
+        _copy_k_rows(tiled_copy, tBgB[None, None, None, k_tile], tBsB[None, None, None, slot],
+                     tBcB[None, None, None, k_tile], tBpB, depth, self.k_tail)
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor,
@@ -219,7 +250,11 @@ class GemmTF32x3:
         tidx, _, _ = cute.arch.thread_idx()
         bid_m, bid_n, bid_s = cute.arch.block_idx()
         rows_a = cute.size(mA, mode=[0])
-        k_tiles_per_split = cute.size(mA, mode=[1]) // (cfg.tile_k * self.splits)
+        depth = cute.size(mA, mode=[1])
+        if cutlass.const_expr(self.k_tail):
+            k_tiles_per_split = (depth + cfg.tile_k - 1) // cfg.tile_k
+        else:
+            k_tiles_per_split = depth // (cfg.tile_k * self.splits)
         k_tile_first = bid_s * k_tiles_per_split
 
         if cutlass.const_expr(self.epilogue == "partial"):
@@ -233,6 +268,7 @@ class GemmTF32x3:
         gA = cute.local_tile(mA_bits, (cfg.tile_m, cfg.tile_k), (bid_m, None))  # (BM, BK, k_tiles)
         gB = cute.local_tile(mB_bits, (cfg.tile_n, cfg.tile_k), (bid_n, None))  # (BN, BK, k_tiles)
         cA = cute.local_tile(cute.make_identity_tensor(mA.shape), (cfg.tile_m, cfg.tile_k), (bid_m, None))
+        cB = cute.local_tile(cute.make_identity_tensor(mB.shape), (cfg.tile_n, cfg.tile_k), (bid_n, None))
         gC = cute.local_tile(mOut, (cfg.tile_m, cfg.tile_n), (bid_m, bid_n))
         cC = cute.local_tile(cute.make_identity_tensor(mOut.shape), (cfg.tile_m, cfg.tile_n), (bid_m, bid_n))
 
@@ -253,19 +289,28 @@ class GemmTF32x3:
         tBgB = thr_g2s_b.partition_S(gB)
         tBsB = thr_g2s_b.partition_D(sB)
         tAcA = thr_g2s_a.partition_S(cA)
+        tBcB = thr_g2s_b.partition_S(cB)
 
-        # Rows of A past M are never loaded (their smem stays zero); they only feed accumulator
-        # rows that the epilogue does not store.
-        tApA = cute.make_rmem_tensor(
-            cute.make_layout(
-                (tAgA.shape[0][1], cute.size(tAgA, mode=[1]), cute.size(tAgA, mode=[2])),
-                stride=(cute.size(tAgA, mode=[1]), 1, 0),
-            ),
-            cutlass.Boolean,
-        )
-        for rest_v in cutlass.range_constexpr(tApA.shape[0]):
-            for m in cutlass.range_constexpr(tApA.shape[1]):
-                tApA[rest_v, m, 0] = cute.elem_less(tAcA[(0, rest_v), m, 0, 0][0], rows_a)
+        if cutlass.const_expr(self.a_m_major):
+            # MN-major A (M a multiple of tile_m): the predicate is the K tail's, per copy vector.
+            tApA = cute.make_rmem_tensor(
+                cute.make_layout((cute.size(tAgA, mode=[1]), cute.size(tAgA, mode=[2]))), cutlass.Boolean)
+        else:
+            # Rows of A past M are never loaded (their smem stays zero); they only feed accumulator
+            # rows that the epilogue does not store.
+            tApA = cute.make_rmem_tensor(
+                cute.make_layout(
+                    (tAgA.shape[0][1], cute.size(tAgA, mode=[1]), cute.size(tAgA, mode=[2])),
+                    stride=(cute.size(tAgA, mode=[1]), 1, 0),
+                ),
+                cutlass.Boolean,
+            )
+            for rest_v in cutlass.range_constexpr(tApA.shape[0]):
+                for m in cutlass.range_constexpr(tApA.shape[1]):
+                    tApA[rest_v, m, 0] = cute.elem_less(tAcA[(0, rest_v), m, 0, 0][0], rows_a)
+        # K tail: per copy vector (one k row), whether that row is inside K.
+        tBpB = cute.make_rmem_tensor(cute.make_layout((cute.size(tBgB, mode=[1]), cute.size(tBgB, mode=[2]))),
+                                     cutlass.Boolean)
 
         tAsA.fill(0)
         cute.arch.sync_threads()
@@ -279,8 +324,7 @@ class GemmTF32x3:
         if cutlass.const_expr(self.prefetch_b):
             for stage in cutlass.range_constexpr(cfg.stages - 1):
                 if stage < k_tiles_per_split:
-                    cute.copy(tiled_copy_b, tBgB[None, None, None, k_tile_first + stage],
-                              tBsB[None, None, None, stage])
+                    self._load_b(tiled_copy_b, tBgB, tBsB, tBcB, tBpB, k_tile_first + stage, stage, depth)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -288,11 +332,9 @@ class GemmTF32x3:
         # holds every prefetched B tile: waiting on it waits for them all, which is only early).
         for stage in cutlass.range_constexpr(cfg.stages - 1):
             if stage < k_tiles_per_split:
-                cute.copy(tiled_copy_a, tAgA[None, None, None, k_tile_first + stage],
-                          tAsA[None, None, None, stage], pred=tApA)
+                self._load_a(tiled_copy_a, tAgA, tAsA, tAcA, tApA, k_tile_first + stage, stage, depth)
                 if cutlass.const_expr(not self.prefetch_b):
-                    cute.copy(tiled_copy_b, tBgB[None, None, None, k_tile_first + stage],
-                              tBsB[None, None, None, stage])
+                    self._load_b(tiled_copy_b, tBgB, tBsB, tBcB, tBpB, k_tile_first + stage, stage, depth)
             cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
@@ -334,10 +376,8 @@ class GemmTF32x3:
             # Refill the slot consumed in the previous iteration (all threads are past it).
             next_tile = k_tile + cfg.stages - 1
             if next_tile < k_tiles_per_split:
-                cute.copy(tiled_copy_a, tAgA[None, None, None, k_tile_first + next_tile],
-                          tAsA[None, None, None, write_slot], pred=tApA)
-                cute.copy(tiled_copy_b, tBgB[None, None, None, k_tile_first + next_tile],
-                          tBsB[None, None, None, write_slot])
+                self._load_a(tiled_copy_a, tAgA, tAsA, tAcA, tApA, k_tile_first + next_tile, write_slot, depth)
+                self._load_b(tiled_copy_b, tBgB, tBsB, tBcB, tBpB, k_tile_first + next_tile, write_slot, depth)
             cute.arch.cp_async_commit_group()
 
             for kb in cutlass.range_constexpr(k_blocks):

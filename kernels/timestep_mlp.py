@@ -1,7 +1,8 @@
 """timestep_mlp kernels: temb = linear(silu(linear(x, w1, b1)), w2, b2) in FP32, forward and backward.
 
-Every GEMM is `GemmTF32x3` (kernels/gemm_tf32x3.py: 3xTF32 on mma.sync, C = A B^T, both operands
-K-major). The roles, with T the row count (symbolic in every compiled kernel):
+Every GEMM is `GemmTF32x3` (kernels/gemm_tf32x3.py: 3xTF32 on mma.sync, C = A B^T; operands
+K-major, or read MN-major in place from the transposed views named below). The roles, with T the
+row count (symbolic in every compiled kernel):
 
 | role | C | A (M, K) | B (N, K) | K | epilogue |
 | --- | --- | --- | --- | --- | --- |
@@ -10,24 +11,25 @@ K-major). The roles, with T the row count (symbolic in every compiled kernel):
 | fc2 | temb partials (6, T, 2688) | h | w2 | 5376 | partial, folded + b2 |
 | fc2_dgrad | dh partials (3, T, 5376) | grad | w2^T (w2 read N-major) | 2688 | partial, folded * silu'(z) |
 | fc1_dgrad | dx partials (6, T, 256) | dz | w1^T (w1 read N-major) | 5376 | partial, folded |
-| fc2_wgrad | dW2 (2688, 5376) | grad^T | h^T | T padded to 32 | store |
-| fc1_wgrad | dW1 (5376, 256) | dz^T | x^T | T padded to 32 | store |
+| fc2_wgrad | dW2 (2688, 5376) | grad.t() (M-major) | h.t() (N-major) | T, tail zero-filled | store |
+| fc1_wgrad | dW1 (5376, 256) | dz.t() (M-major) | x.t() (N-major) | T, tail zero-filled | store |
 
 Split-K is part of the numeric contract: K is cut into K_SLICE = 896-long slices (one slice when K
 is not a multiple of it), each summed from +0 in increasing k as IEEE FP32 adds of 8-deep 3xTF32
 tensor-core chunk sums (gemm_tf32x3.K_CHUNK), and `timestep_mlp_fold` adds the
 slice partials in slice order, then the bias (or multiplies by silu'(z)). The slice count depends on
 K only, never on T or on the tile config, so forward outputs and dx are batch-invariant and every
-config gives the same bits. The weight-gradient GEMMs reduce over T (padded with zero rows) in one
-slice; db1/db2 are `timestep_mlp_rowsum` over the transposed operands: lane j sums elements j, j+32,
-... in order, then a fixed xor-butterfly across the warp. Deterministic, no atomics.
+config gives the same bits. The weight-gradient GEMMs reduce over T in one slice (the k rows past T
+of the last tile are zeroed in shared memory: they add +0); db1/db2 are `timestep_mlp_colsum` of
+grad / dz: row group g of 8 sums rows g, g+8, ... in order, then the 8 group sums are added in
+group order. Deterministic for a given T, no atomics.
 
 SiLU: h = z / (1 + exp(-z)); silu'(z) = s (1 + z (1 - s)) with s = 1 / (1 + exp(-z)); exp is the
 precise expf (range reduction + ex2), division IEEE.
 
 Every kernel is launched with programmatic dependent launch and waits (griddepcontrol.wait) before
-it reads or writes anything the previous kernel may touch; fc2 streams its first w2 tiles before
-the wait (PREFETCH_B_ROLES), overlapping fc1 and the launch gap.
+it reads or writes anything the previous kernel may touch; fc2 and the dgrad GEMMs stream their
+first weight tiles before the wait (PREFETCH_B_ROLES), overlapping the previous kernel and the gap.
 """
 from __future__ import annotations
 
@@ -42,9 +44,8 @@ SINUSOID_WIDTH = 256  # in_features of fc1
 HIDDEN = 5376  # fc1 out / fc2 in
 TEMB_WIDTH = 2688  # fc2 out
 K_SLICE = 896
-WGRAD_K_ALIGN = 32  # T is zero-padded to this for the weight-gradient GEMMs (tile_k divides it)
 FOLD_THREADS = 256
-ROWSUM_WARPS = 8
+COLSUM_GROUPS = 8  # row groups (warps) per bias-gradient CTA: part of db's summation order
 
 # role -> (rows M or None for T, N, K or None for padded T, epilogue)
 ROLES = {
@@ -63,7 +64,10 @@ FOLD_MODES = ("bias", "dsilu", "sum")
 PREFETCH_B_ROLES = ("fc2", "fc2_dgrad", "fc1_dgrad")
 # Roles whose B is W^T read in place: the kernel takes W.t() (an (N, K) view with strides (1, N))
 # and stages it N-major in shared memory; no transposed copy of w1 / w2 is ever made.
-B_N_MAJOR_ROLES = ("fc2_dgrad", "fc1_dgrad")
+B_N_MAJOR_ROLES = ("fc2_dgrad", "fc1_dgrad", "fc2_wgrad", "fc1_wgrad")
+# The T-deep weight gradients read both operands in place as (rows, T) views of the (T, rows)
+# activations (grad.t(), h.t(); dz.t(), x.t()) and zero-fill the k rows past T in shared memory.
+WGRAD_ROLES = ("fc2_wgrad", "fc1_wgrad")
 
 
 def k_splits(k: int | None) -> int:
@@ -97,6 +101,11 @@ def _gemm_bias_silu(gemm: cutlass.Constexpr, mA: cute.Tensor, mB: cute.Tensor, m
     gemm(mA, mB, mZ, mBias, mH, stream)
 
 
+def _mn_major(shape):
+    """(rows, K) view with strides (1, rows): the transpose of a row-major (K, rows) tensor."""
+    return make_fake_compact_tensor(cutlass.Float32, shape, stride_order=(0, 1), assumed_align=16)
+
+
 def _compact(shape):
     order = tuple(range(len(shape) - 1, -1, -1))
     return make_fake_compact_tensor(cutlass.Float32, shape, stride_order=order, assumed_align=16)
@@ -108,18 +117,16 @@ def build_gemm(arch: str, *, role: str, tile: tuple):
     config = GemmConfig(*tile)
     splits = k_splits(k)
     m_dim = cute.sym_int() if rows is None else rows
-    k_dim = cute.sym_int(divisibility=WGRAD_K_ALIGN) if k is None else k
+    k_dim = cute.sym_int() if k is None else k  # None: T, any value (the k tail is zero-filled)
     if k is not None and k % (splits * config.tile_k):
         raise ValueError(f"{role}: K={k} does not split into {splits} slices of whole {config.tile_k}-deep tiles")
-    if n % config.tile_n or (k is None and WGRAD_K_ALIGN % config.tile_k):
-        raise ValueError(f"{role}: tile {config} does not divide N={n} / the padded T")
-    gemm = GemmTF32x3(config, epilogue, splits, prefetch_b=role in PREFETCH_B_ROLES,
-                      b_n_major=role in B_N_MAJOR_ROLES)
-    mA = _compact((m_dim, k_dim))
-    if role in B_N_MAJOR_ROLES:
-        mB = make_fake_compact_tensor(cutlass.Float32, (n, k_dim), stride_order=(0, 1), assumed_align=16)
-    else:
-        mB = _compact((n, k_dim))
+    if n % config.tile_n or (rows is not None and rows % config.tile_m):
+        raise ValueError(f"{role}: tile {config} does not divide N={n} / M={rows}")
+    wgrad = role in WGRAD_ROLES
+    gemm = GemmTF32x3(config, epilogue, splits, prefetch_b=role in PREFETCH_B_ROLES, a_m_major=wgrad,
+                      b_n_major=role in B_N_MAJOR_ROLES, k_tail=wgrad)
+    mA = _mn_major((m_dim, k_dim)) if wgrad else _compact((m_dim, k_dim))
+    mB = _mn_major((n, k_dim)) if role in B_N_MAJOR_ROLES else _compact((n, k_dim))
     if epilogue == "partial":
         return compile_for(arch, _gemm_partial, gemm, mA, mB, _compact((splits, m_dim, n)), env_stream())
     if epilogue == "bias_silu_h":
@@ -177,39 +184,47 @@ def build_fold(arch: str, *, role: str, mode: str):
                        env_stream(), splits, n, mode)
 
 
-# --- rowsum: out[r] = sum_k A[r, k] (bias gradients over the transposed, zero-padded rows) -------
+# --- colsum: out[n] = sum_t A[t, n] (bias gradients over T rows, in a fixed order) -------------
 
 
 @cute.kernel
-def _rowsum_kernel(mA: cute.Tensor, mOut: cute.Tensor):
+def _colsum_kernel(mA: cute.Tensor, mOut: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     cute.arch.griddepcontrol_wait()  # PDL: the rows may be the previous kernel's output
     cute.arch.griddepcontrol_launch_dependents()
     lane = tidx % 32
-    row = bidx * ROWSUM_WARPS + tidx // 32
-    if row < mA.shape[0]:
-        acc = cutlass.Float32(0.0)
-        for j in range(mA.shape[1] // 32):
-            acc = acc + mA[row, j * 32 + lane]
-        for offset in cutlass.range_constexpr(5):
-            acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=16 >> offset)
-        if lane == 0:
-            mOut[row] = acc
+    group = tidx // 32
+    col = bidx * 32 + lane
+    smem = cutlass.utils.SmemAllocator()
+    sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((COLSUM_GROUPS, 32), stride=(32, 1)),
+                                 byte_alignment=16)
+    # Row group g (one warp) sums rows g, g + G, g + 2G, ... of its 32 columns in increasing order
+    # (a warp reads 128 contiguous bytes per row); then one thread adds the G partials in group order.
+    acc = cutlass.Float32(0.0)
+    for t in range(group, mA.shape[0], COLSUM_GROUPS):
+        acc = acc + mA[t, col]
+    sPart[group, lane] = acc
+    cute.arch.sync_threads()
+    if group == 0:
+        total = sPart[0, lane]
+        for g in cutlass.range_constexpr(1, COLSUM_GROUPS):
+            total = total + sPart[g, lane]
+        mOut[col] = total
 
 
 @cute.jit
-def _rowsum_launch(mA: cute.Tensor, mOut: cute.Tensor, stream):
-    rows = mA.shape[0]
-    _rowsum_kernel(mA, mOut).launch(
-        grid=((rows + ROWSUM_WARPS - 1) // ROWSUM_WARPS, 1, 1), block=(32 * ROWSUM_WARPS, 1, 1), stream=stream,
-        use_pdl=True,
+def _colsum_launch(mA: cute.Tensor, mOut: cute.Tensor, stream):
+    _colsum_kernel(mA, mOut).launch(
+        grid=(mA.shape[1] // 32, 1, 1), block=(32 * COLSUM_GROUPS, 1, 1), stream=stream, use_pdl=True,
     )
 
 
-def build_rowsum(arch: str, *, rows: int):
-    cols = cute.sym_int(divisibility=WGRAD_K_ALIGN)
-    return compile_for(arch, _rowsum_launch, _compact((rows, cols)), _compact((rows,)), env_stream())
+def build_colsum(arch: str, *, cols: int):
+    """db = column sums of a (T, cols) activation gradient; cols a multiple of 32."""
+    if cols % 32:
+        raise ValueError(f"colsum needs a multiple of 32 columns, got {cols}")
+    return compile_for(arch, _colsum_launch, _compact((cute.sym_int(), cols)), _compact((cols,)), env_stream())
 
 
 # --- what the launcher may ask for --------------------------------------------------------------
@@ -244,10 +259,10 @@ SPECS = [
         ptx_forbidden=("atom.", "\tred."),  # no atomics, no reductions to memory
     ),
     KernelSpec(
-        name="timestep_mlp_rowsum",
-        build=build_rowsum,
-        variants=lambda arch: [dict(rows=TEMB_WIDTH), dict(rows=HIDDEN)],
-        ptx_markers=("shfl.sync.bfly",),
+        name="timestep_mlp_colsum",
+        build=build_colsum,
+        variants=lambda arch: [dict(cols=TEMB_WIDTH), dict(cols=HIDDEN)],
+        ptx_markers=("bar.sync",),
         ptx_forbidden=("atom.", "\tred."),  # no atomics, no reductions to memory
     ),
 ]

@@ -3,10 +3,11 @@
 Runs against the prebuilt bundle (never compiles):
     bash perf/device_run.sh python3 perf/mlp_kernels.py
 For T in (1, 4, 64, 256, 2048), each step of `h3cute.launch.timestep_mlp.forward` / `backward` (the
-GEMMs, folds, row sums and the torch copies between them) is replayed on preallocated buffers and
+GEMMs, folds and bias column sums) is replayed on preallocated buffers and
 timed alone with CUDA events: median of 50 samples after 10 warm-ups. The whole forward and backward
 are also timed as one CUDA-graph replay (`graph`), which shows what launch overlap (PDL) buys over
-the sum of the isolated steps (`sum`). Prints a table; writes `$H3CUTE_OUT/mlp_kernels.json`.
+the sum of the isolated steps (`sum`), and so is every config of `CONFIGS` (the tile ranking per T).
+Prints a table; writes `$H3CUTE_OUT/mlp_kernels.json`.
 The step list mirrors the launcher: keep the two in step when the launcher changes.
 """
 from __future__ import annotations
@@ -72,9 +73,6 @@ def _steps(num_rows: int, dev):
     dz = torch.empty(num_rows, HIDDEN, **f32)
     p_dx = torch.empty(L.SPLITS["fc1_dgrad"], num_rows, F1, **f32)
     dx = torch.empty(num_rows, F1, **f32)
-    padded = -(-num_rows // L.WGRAD_K_ALIGN) * L.WGRAD_K_ALIGN
-    grad_t, dz_t = torch.empty(D, padded, **f32), torch.empty(HIDDEN, padded, **f32)
-    h_t, x_t = torch.empty(HIDDEN, padded, **f32), torch.empty(F1, padded, **f32)
     dw2, dw1 = torch.empty(1, D, HIDDEN, **f32), torch.empty(1, HIDDEN, F1, **f32)
     db2, db1 = torch.empty(D, **f32), torch.empty(HIDDEN, **f32)
     gemm = lambda role, tile: runtime.kernel("timestep_mlp_gemm", dev, role=role, tile=tile.astuple())  # noqa: E731
@@ -83,37 +81,39 @@ def _steps(num_rows: int, dev):
     fold_fc2, fold_dh, fold_dx = fold("fc2", "bias"), fold("fc2_dgrad", "dsilu"), fold("fc1_dgrad", "sum")
     dgrad2, dgrad1 = gemm("fc2_dgrad", cfg.fc2_dgrad), gemm("fc1_dgrad", cfg.fc1_dgrad)
     wgrad2, wgrad1 = gemm("fc2_wgrad", L.WGRAD_TILES["fc2_wgrad"]), gemm("fc1_wgrad", L.WGRAD_TILES["fc1_wgrad"])
-    rowsum2 = runtime.kernel("timestep_mlp_rowsum", dev, rows=D)
-    rowsum1 = runtime.kernel("timestep_mlp_rowsum", dev, rows=HIDDEN)
+    colsum2 = runtime.kernel("timestep_mlp_colsum", dev, cols=D)
+    colsum1 = runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN)
+    T = L.transposed
     one = dx.new_empty((1,))
-
-    def transpose_into(dst, src):
-        dst[:, : src.shape[0]].copy_(src.t())
-        dst[:, src.shape[0]:].zero_()
 
     steps = [
         ("fwd", "fc1 (h)", lambda: fc1(x, w1, b1, h)),
         ("fwd", "fc2 partials", lambda: fc2(h, w2, p_fc2)),
         ("fwd", "fold + b2", lambda: fold_fc2(p_fc2, b2, out)),
         ("bwd", "fc1 (z, h)", lambda: fc1_zh(x, w1, b1, z, h)),
-        ("bwd", "fc2_dgrad partials", lambda: dgrad2(grad, w2.t(), p_dh)),
+        ("bwd", "fc2_dgrad partials", lambda: dgrad2(grad, T(w2), p_dh)),
         ("bwd", "fold * silu'(z)", lambda: fold_dh(p_dh, z, dz)),
-        ("bwd", "fc1_dgrad partials", lambda: dgrad1(dz, w1.t(), p_dx)),
+        ("bwd", "fc1_dgrad partials", lambda: dgrad1(dz, T(w1), p_dx)),
         ("bwd", "fold dx", lambda: fold_dx(p_dx, one, dx)),
-        ("bwd", "transpose grad", lambda: transpose_into(grad_t, grad)),
-        ("bwd", "transpose dz", lambda: transpose_into(dz_t, dz)),
-        ("bwd", "transpose h", lambda: transpose_into(h_t, h)),
-        ("bwd", "transpose x", lambda: transpose_into(x_t, x)),
-        ("bwd", "fc2_wgrad dW2", lambda: wgrad2(grad_t, h_t, dw2)),
-        ("bwd", "fc1_wgrad dW1", lambda: wgrad1(dz_t, x_t, dw1)),
-        ("bwd", "rowsum db2", lambda: rowsum2(grad_t, db2)),
-        ("bwd", "rowsum db1", lambda: rowsum1(dz_t, db1)),
+        ("bwd", "fc2_wgrad dW2", lambda: wgrad2(T(grad), T(h), dw2)),
+        ("bwd", "fc1_wgrad dW1", lambda: wgrad1(T(dz), T(x), dw1)),
+        ("bwd", "colsum db2", lambda: colsum2(grad, db2)),
+        ("bwd", "colsum db1", lambda: colsum1(dz, db1)),
     ]
     whole = {
         "fwd": lambda: L.forward(x, w1, b1, w2, b2),
         "bwd": lambda: L.backward(grad, x, w1, b1, w2),
     }
-    return steps, whole
+    configurable = {
+        "fwd": lambda c: L.forward(x, w1, b1, w2, b2, config=c),
+        "bwd": lambda c: L.backward(grad, x, w1, b1, w2, config=c),
+    }
+    return steps, whole, configurable
+
+
+def _config_name(cfg) -> str:
+    """SMALL_T / WIDE_T / ... : the launcher's module-level name of a config."""
+    return next((n for n, v in vars(L).items() if v is cfg and n.isupper()), repr(cfg))
 
 
 def main() -> int:
@@ -124,19 +124,24 @@ def main() -> int:
     t0 = time.time()
     report = {"gpu": torch.cuda.get_device_name(dev), "samples": SAMPLES, "warmup": WARMUP, "sizes": {}}
     for num_rows in SIZES:
-        steps, whole = _steps(num_rows, dev)
+        steps, whole, configurable = _steps(num_rows, dev)
         cfg = L.pick_config(num_rows)
         rows = [{"phase": phase, "step": name, "us": _median_us(fn)} for phase, name, fn in steps]
         totals = {}
         for phase, fn in whole.items():
             totals[phase] = {"sum_us": sum(r["us"] for r in rows if r["phase"] == phase), "graph_us": _graph_us(fn)}
-        report["sizes"][str(num_rows)] = {"config": repr(cfg), "steps": rows, "totals": totals}
-        print(f"\nT = {num_rows}  {cfg}")
+        sweep = {name: {phase: _graph_us(lambda fn=fn, c=c: fn(c)) for phase, fn in configurable.items()}
+                 for name, c in ((_config_name(c), c) for c in L.CONFIGS)}
+        report["sizes"][str(num_rows)] = {"config": repr(cfg), "steps": rows, "totals": totals,
+                                          "config_sweep_graph_us": sweep}
+        print(f"\nT = {num_rows}  {_config_name(cfg)}")
         for r in rows:
             print(f"  {r['phase']}  {r['step']:<22} {r['us']:9.1f} us")
         for phase, t in totals.items():
             print(f"  {phase}  {'sum / graph':<22} {t['sum_us']:9.1f} / {t['graph_us']:.1f} us")
-        del steps, whole
+        for name, t in sweep.items():
+            print(f"  config {name:<18} graph fwd {t['fwd']:8.1f} us  bwd {t['bwd']:8.1f} us")
+        del steps, whole, configurable
         torch.cuda.empty_cache()
     report["wall_s"] = time.time() - t0
     out_dir = os.environ.get("H3CUTE_OUT", ".")

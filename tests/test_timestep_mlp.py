@@ -234,7 +234,7 @@ def _poison_allocator():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", (1, 5, 33))
+@pytest.mark.parametrize("num_rows", (1, 5, 33, 100))
 def test_each_gemm_role_against_fp64(num_rows):
     """Localizes a failure: fc1's z and h, the fc2 slice partials and a T-deep weight-gradient GEMM."""
     from h3cute import runtime
@@ -270,15 +270,27 @@ def test_each_gemm_role_against_fp64(num_rows):
         for s in range(6):
             k = slice(896 * s, 896 * (s + 1))
             assert _rel(dx_partials[s], h[:, k].double() @ w1[k].double()) <= FWD_TOL, (cfg, s)
-    padded = 32 * (-(-num_rows // 32))
-    x_t = L._transpose_padded(x, padded)
-    dz_t = L._transpose_padded(_randn((num_rows, HIDDEN), 73), padded)
-    assert dz_t.shape == (HIDDEN, padded) and torch.equal(dz_t[:, num_rows:], torch.zeros_like(dz_t[:, num_rows:]))
+    # The T-deep weight gradients and bias sums read (T, N) activations in place; the rows past T
+    # (NaN here, inside the allocation) must never be read: the K tail is zero-filled in smem.
+    def rows_then_nan(rows):
+        big = torch.full((num_rows + 40, rows.shape[1]), float("nan"), device="cuda")
+        big[:num_rows] = rows
+        return big[:num_rows]
+
+    dz = rows_then_nan(_randn((num_rows, HIDDEN), 73))
+    g, hh, xx = rows_then_nan(grad), rows_then_nan(h), rows_then_nan(x)
     dw1 = torch.full((1, HIDDEN, F1), float("nan"), device="cuda")
-    fc1_wgrad = runtime.kernel("timestep_mlp_gemm", x.device, role="fc1_wgrad",
-                               tile=L.WGRAD_TILES["fc1_wgrad"].astuple())
-    fc1_wgrad(dz_t, x_t, dw1)
-    assert _rel(dw1[0], dz_t.double() @ x_t.double().t()) <= GRAD_TOL
+    runtime.kernel("timestep_mlp_gemm", x.device, role="fc1_wgrad", tile=L.WGRAD_TILES["fc1_wgrad"].astuple())(
+        L.transposed(dz), L.transposed(xx), dw1)
+    assert _rel(dw1[0], dz.double().t() @ x.double()) <= GRAD_TOL
+    dw2 = torch.full((1, D, HIDDEN), float("nan"), device="cuda")
+    runtime.kernel("timestep_mlp_gemm", x.device, role="fc2_wgrad", tile=L.WGRAD_TILES["fc2_wgrad"].astuple())(
+        L.transposed(g), L.transposed(hh), dw2)
+    assert _rel(dw2[0], grad.double().t() @ h.double()) <= GRAD_TOL
+    for rows, cols in ((g, D), (dz, HIDDEN)):
+        db = torch.full((cols,), float("nan"), device="cuda")
+        runtime.kernel("timestep_mlp_colsum", x.device, cols=cols)(rows, db)
+        assert _rel(db, rows.double().sum(0)) <= GRAD_TOL
 
 
 @pytest.mark.gpu

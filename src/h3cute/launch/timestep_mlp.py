@@ -3,10 +3,9 @@
 Forward (3 launches): fc1 GEMM with bias + SiLU fused (h), fc2 GEMM into 6 fixed K-slice partials,
 fold (slice order, + b2). Backward (recomputes z, h with the forward's fc1 kernel: GEMM1 is 1/21 of
 the FLOPs, and the public op returns only temb): dh partials = grad w2 (3 slices), fold * silu'(z) ->
-dz; dx partials = dz w1 (6 slices), fold; dW2 = grad^T h and dW1 = dz^T x as T-deep GEMMs on
-transposed copies zero-padded to T_pad = ceil(T / 32) * 32; db2, db1 = row sums of grad^T, dz^T.
-The dgrad GEMMs read w2, w1 in place (the kernels take the W.t() views); the T-deep operands'
-transposes are torch copies: data movement only, no arithmetic.
+dz; dx partials = dz w1 (6 slices), fold; dW2 = grad^T h and dW1 = dz^T x as T-deep GEMMs;
+db2, db1 = column sums of grad, dz. No copies: the dgrad GEMMs read w2, w1 and the weight-gradient
+GEMMs read grad, h, dz, x in place, through their `transposed` views (9 launches, all PDL).
 
 Launch order is part of the kernels' PDL contract (kernels/timestep_mlp.py, PREFETCH_B_ROLES): fc2,
 fc2_dgrad and fc1_dgrad prefetch their weight before waiting on the previous kernel, so the kernel
@@ -30,7 +29,6 @@ HIDDEN = 5376
 TEMB_WIDTH = 2688
 # K-slice counts of the split GEMMs: K // 896 (kernels/timestep_mlp.py: k_splits; a CPU test pins it).
 SPLITS = {"fc2": HIDDEN // 896, "fc2_dgrad": TEMB_WIDTH // 896, "fc1_dgrad": HIDDEN // 896}
-WGRAD_K_ALIGN = 32
 
 
 @dataclass(frozen=True)
@@ -115,12 +113,10 @@ def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None) -> torch.Tensor:
     return out
 
 
-def _transpose_padded(a: torch.Tensor, padded_rows: int) -> torch.Tensor:
-    """(T, N) -> (N, T_pad) contiguous, the columns past T zero (they add +0 to every sum)."""
-    out = a.new_empty((a.shape[1], padded_rows))
-    out[:, : a.shape[0]].copy_(a.t())
-    out[:, a.shape[0]:].zero_()
-    return out
+def transposed(a: torch.Tensor) -> torch.Tensor:
+    """The (N, T) view with strides (1, N) of a contiguous (T, N) tensor, the layout the MN-major
+    kernels are compiled for (as_strided: a size-1 dim of a contiguous tensor may carry any stride)."""
+    return a.as_strided((a.shape[1], a.shape[0]), (1, a.shape[1]))
 
 
 def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None):
@@ -135,25 +131,22 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None):
     z, h = _fc1(x, w1, b1, cfg.fc1)
 
     dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, HIDDEN), **f32)
-    _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, w2.t(), dh_partials)  # w2 read N-major in place
+    _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)  # w2 read N-major in place
     dz = torch.empty((num_rows, HIDDEN), **f32)
     _fold(dev, "fc2_dgrad", "dsilu")(dh_partials, z, dz)
 
     dx_partials = torch.empty((SPLITS["fc1_dgrad"], num_rows, SINUSOID_WIDTH), **f32)
-    _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, w1.t(), dx_partials)
+    _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, transposed(w1), dx_partials)
     dx = torch.empty((num_rows, SINUSOID_WIDTH), **f32)
     _fold(dev, "fc1_dgrad", "sum")(dx_partials, dx.new_empty((1,)), dx)
 
-    padded = -(-num_rows // WGRAD_K_ALIGN) * WGRAD_K_ALIGN
-    grad_t = _transpose_padded(grad, padded)
-    dz_t = _transpose_padded(dz, padded)
     dw2 = torch.empty((1, TEMB_WIDTH, HIDDEN), **f32)
-    _gemm(dev, "fc2_wgrad", WGRAD_TILES["fc2_wgrad"])(grad_t, _transpose_padded(h, padded), dw2)
+    _gemm(dev, "fc2_wgrad", WGRAD_TILES["fc2_wgrad"])(transposed(grad), transposed(h), dw2)
     dw1 = torch.empty((1, HIDDEN, SINUSOID_WIDTH), **f32)
-    _gemm(dev, "fc1_wgrad", WGRAD_TILES["fc1_wgrad"])(dz_t, _transpose_padded(x, padded), dw1)
+    _gemm(dev, "fc1_wgrad", WGRAD_TILES["fc1_wgrad"])(transposed(dz), transposed(x), dw1)
 
     db2 = torch.empty((TEMB_WIDTH,), **f32)
-    runtime.kernel("timestep_mlp_rowsum", dev, rows=TEMB_WIDTH)(grad_t, db2)
+    runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH)(grad, db2)
     db1 = torch.empty((HIDDEN,), **f32)
-    runtime.kernel("timestep_mlp_rowsum", dev, rows=HIDDEN)(dz_t, db1)
+    runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN)(dz, db1)
     return dx, dw1[0], db1, dw2[0], db2
