@@ -106,7 +106,11 @@ WGRAD_CONFIGS = {
     # lets 6 CTAs share an SM, so stores keep streaming while other CTAs load or compute.
     "wgrad_n64": GemmTile(bm=128, bn=64, bk=32, warps_m=2, warps_n=2, stages=3),
 }
-WGRAD_WGMMA_TILE = GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=4)
+# The same two dW tiles for the wgmma family (2 warpgroups of 64 rows).
+WGRAD_WGMMA_CONFIGS = {
+    "wg_wgrad": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=4),
+    "wg_wgrad_n64": GemmTile(bm=128, bn=64, bk=32, warps_m=8, warps_n=1, stages=3),
+}
 
 
 class _WarpMmaGemm:
@@ -706,7 +710,7 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
 def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: str = "wgrad"):
     if wgmma:
         assert arch == "sm_90a"
-        gemm = _WgmmaGemm(WGRAD_WGMMA_TILE, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
+        gemm = _WgmmaGemm(WGRAD_WGMMA_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
     else:
         gemm = _WarpMmaGemm(WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
 
@@ -909,7 +913,8 @@ SPECS = [
     KernelSpec(
         name="adaln_proj_wgrad_wgmma",
         build=_build_wgrad,
-        variants=lambda arch: [dict(out_features=n, wgmma=True) for n in OUT_FEATURES],
+        variants=lambda arch: [dict(out_features=n, wgmma=True, config=c) for n in OUT_FEATURES
+                               for c in WGRAD_WGMMA_CONFIGS],
         ptx_markers=_WGMMA_MARKERS,
         ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
         archs=("sm_90a",),

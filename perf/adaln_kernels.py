@@ -75,15 +75,12 @@ def _steps(rows: int, family: str, buf: dict, dev):
                       gemm_flops, _kernel("adaln_proj_dgrad" + sfx, dev, out_features=N, config=c), (grad, w, partial)))
     steps.append(("bwd", "dtemb_fold", "", "step", (L.DGRAD_SPLITS + 2) * rows * D * F32, 0,
                   _kernel("adaln_dtemb_fold", dev, width=D), (partial, temb, dtemb)))
-    if wgmma:
-        wgrads = [("", "step", dict(wgmma=True))]
-    else:
-        chosen_wgrad = L.wgrad_config_for_rows(rows)
-        wgrads = [(c, "step" if c == chosen_wgrad else "alt", dict(config=c))
-                  for c in (chosen_wgrad, *[c for c in L.WGRAD_CONFIGS if c != chosen_wgrad])]
-    for c, kind, static in wgrads:
-        steps.append(("bwd", "proj_wgrad", c, kind, rows * (N + D) * BF16 + w_bytes, gemm_flops,
-                      _kernel("adaln_proj_wgrad" + sfx, dev, out_features=N, **static), (grad, act, dw)))
+    chosen_wgrad = L.wgrad_config_for_rows(rows, wgmma)
+    wgrad_static = dict(wgmma=True) if wgmma else {}
+    for c in (chosen_wgrad, *[c for c in (L.WGRAD_WGMMA_CONFIGS if wgmma else L.WGRAD_CONFIGS) if c != chosen_wgrad]):
+        steps.append(("bwd", "proj_wgrad", c, "step" if c == chosen_wgrad else "alt", rows * (N + D) * BF16 + w_bytes,
+                      gemm_flops, _kernel("adaln_proj_wgrad" + sfx, dev, out_features=N, config=c, **wgrad_static),
+                      (grad, act, dw)))
     steps.append(("bwd", "bias_grad", "", "step", rows * N * BF16 + 2 * L.BIAS_ROW_GROUPS * N * F32 + N * BF16, 0,
                   _kernel("adaln_bias_grad", dev, out_features=N), (grad, bias_partial, db)))
     return steps

@@ -83,6 +83,7 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert tuple(k.CONFIGS) == launch.CONFIGS
     assert tuple(k.WGMMA_CONFIGS) == launch.WGMMA_CONFIGS
     assert tuple(k.WGRAD_CONFIGS) == launch.WGRAD_CONFIGS
+    assert tuple(k.WGRAD_WGMMA_CONFIGS) == launch.WGRAD_WGMMA_CONFIGS
     assert launch.SM90_FAMILY in ("warp", "wgmma")
     assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS
     assert k.BIAS_ROW_GROUPS == launch.BIAS_ROW_GROUPS
@@ -96,13 +97,14 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
             tile.check()
             assert tile.warps_m % 4 == 0 and tile.bm % (16 * tile.warps_m) == 0  # whole 64-row warpgroup slabs
             assert n % (k.DGRAD_SPLITS * tile.bk) == 0 and D % tile.bm == 0 and n % tile.bm == 0
-        for tile in (*k.WGRAD_CONFIGS.values(), k.WGRAD_WGMMA_TILE):
+        for tile in (*k.WGRAD_CONFIGS.values(), *k.WGRAD_WGMMA_CONFIGS.values()):
             tile.check()
             assert n % tile.bm == 0 and D % tile.bn == 0
     for rows in (1, 8, 16, 17, 64, 65, 2048, 4096):
         assert launch.config_for_rows(rows) in launch.CONFIGS
         assert launch.config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS
         assert launch.wgrad_config_for_rows(rows) in launch.WGRAD_CONFIGS
+        assert launch.wgrad_config_for_rows(rows, wgmma=True) in launch.WGRAD_WGMMA_CONFIGS
 
 
 def test_launch_modules_do_not_import_cutlass():
@@ -313,20 +315,32 @@ def test_every_config_gives_identical_bits(family, rows):
         _assert_same_bits(dtemb, dtembs[configs[0]], f"dtemb config {c} vs {configs[0]}, T={rows}")
 
 
-@gpu
-@pytest.mark.parametrize("rows", [5, 64, 65, 300])
-def test_wgrad_tiles_give_identical_bits(rows):
-    """dW's warp-family tiles (picked from T for speed) run the same k16 sequence: identical bits."""
+def _wgrad_kernels(family):
+    """{config: compiled dW kernel} of a family (each picked from T for speed, same k16 sequence)."""
     from h3cute import runtime
 
+    _family_configs(family)  # skips the wgmma family off sm_90a
+    dev = torch.device("cuda")
+    if family == "wgmma":
+        return {c: runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=N_FINAL, wgmma=True, config=c)
+                for c in launch.WGRAD_WGMMA_CONFIGS}
+    return {c: runtime.kernel("adaln_proj_wgrad", dev, out_features=N_FINAL, config=c) for c in launch.WGRAD_CONFIGS}
+
+
+@gpu
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rows", [5, 64, 65, 300])
+def test_wgrad_tiles_give_identical_bits(family, rows):
+    """A family's dW tiles run the same k16 sequence: identical bits, every element written."""
+    kernels = _wgrad_kernels(family)
     w, _ = _params(N_FINAL, seed=rows)
     act = launch.silu_bf16(_temb(rows, 3 * rows))
     grad = torch.randn((rows, N_FINAL), generator=_gen(rows + 1), device="cuda").to(torch.bfloat16)
     dws = {}
-    for c in launch.WGRAD_CONFIGS:
+    for c, fn in kernels.items():
         dws[c] = torch.full_like(w, float("nan"))
-        runtime.kernel("adaln_proj_wgrad", w.device, out_features=N_FINAL, config=c)(grad, act, dws[c])
-    first = launch.WGRAD_CONFIGS[0]
+        fn(grad, act, dws[c])
+    first = next(iter(kernels))
     ref = grad.double().t() @ act.double()
     assert _rel_err(dws[first], ref) <= BF16_ERR_CEILING
     for c, dw in dws.items():
@@ -452,15 +466,15 @@ def test_poisoned_outputs_are_fully_written(family, rows):
     runtime.kernel("adaln_proj_dgrad" + sfx, dev, out_features=N_FINAL, config=config)(
         grad, w, part[: launch.DGRAD_SPLITS * rows * D].view(launch.DGRAD_SPLITS, rows, D))
     assert not part[:-pad].isnan().any() and part[-pad:].isnan().all()
-    dws = []
-    for wgrad_static in [dict(wgmma=True)] if wgmma else [dict(config=c) for c in launch.WGRAD_CONFIGS]:
+    dws = {}
+    for c, fn in _wgrad_kernels(family).items():
         dw = torch.full((N_FINAL * D + pad,), nan16, dtype=torch.bfloat16, device=dev)
-        runtime.kernel("adaln_proj_wgrad" + sfx, dev, out_features=N_FINAL, **wgrad_static)(
-            grad, act, dw[:-pad].view(N_FINAL, D))
-        assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), wgrad_static
-        dws.append(dw)
-    for dw, wgrad_static in zip(dws[1:], [dict(config=c) for c in launch.WGRAD_CONFIGS[1:]]):
-        _assert_same_bits(dw, dws[0], f"dW {wgrad_static} vs {launch.WGRAD_CONFIGS[0]}, T={rows}")
+        fn(grad, act, dw[:-pad].view(N_FINAL, D))
+        assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), c
+        dws[c] = dw
+    first = next(iter(dws))
+    for c, dw in dws.items():
+        _assert_same_bits(dw, dws[first], f"dW {c} vs {first}, T={rows}")
     db = torch.full((N_FINAL + pad,), nan16, dtype=torch.bfloat16, device=dev)
     bias_partial = torch.full((launch.BIAS_ROW_GROUPS, N_FINAL), nan16, device=dev)
     runtime.kernel("adaln_bias_grad", dev, out_features=N_FINAL)(grad, bias_partial, db[:-pad])

@@ -27,8 +27,10 @@ BIAS_ROW_GROUPS = 32  # kernels/adaln_gemm.BIAS_ROW_GROUPS
 # Names of kernels/adaln_gemm.CONFIGS and .WGMMA_CONFIGS (a CPU test checks they agree).
 CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")
 WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
-# dW tiles of the warp family (kernels/adaln_gemm.WGRAD_CONFIGS): same bits, picked from T for speed.
+# dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
+# the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
+WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64")
 # The family sm_90a devices use: "warp" until the wgmma family has passed the GPU suite on the
 # device (tests/test_adaln_projection.py runs both), then "wgmma" for its large-T speed.
 SM90_FAMILY = "warp"
@@ -45,9 +47,10 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
     return "wide"
 
 
-def wgrad_config_for_rows(rows: int) -> str:
-    """The warp family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs."""
-    return "wgrad_n64" if rows <= 64 else "wgrad"
+def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
+    """A family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs."""
+    config = "wgrad_n64" if rows <= 64 else "wgrad"
+    return "wg_" + config if wgmma else config
 
 
 def _uses_wgmma(device, config: str | None) -> bool:
@@ -92,11 +95,12 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
     dtemb = torch.empty((rows, TEMB_WIDTH), dtype=torch.float32, device=device)
     runtime.kernel("adaln_dtemb_fold", device, width=TEMB_WIDTH)(partial, temb, dtemb)
     dweight = torch.empty_like(weight)
+    wgrad_config = wgrad_config_for_rows(rows, wgmma)
     if wgmma:
-        wgrad = runtime.kernel("adaln_proj_wgrad_wgmma", device, out_features=out_features, wgmma=True)
+        wgrad = runtime.kernel("adaln_proj_wgrad_wgmma", device, out_features=out_features, wgmma=True,
+                               config=wgrad_config)
     else:
-        wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features,
-                               config=wgrad_config_for_rows(rows))
+        wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features, config=wgrad_config)
     wgrad(grad, act, dweight)
     dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
     bias_partial = torch.empty((BIAS_ROW_GROUPS, out_features), dtype=torch.float32, device=device)
