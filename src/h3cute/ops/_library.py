@@ -3,6 +3,11 @@
 `torch.library.Library("h3", "DEF")` plus `impl` costs about 8 us per call on the H200 against about 16 us
 for `@torch.library.custom_op`, so every op is defined through this one Library object.
 
+Autograd: `register_autograd` installs one Python kernel at the Autograd key, like
+`torch.library.register_autograd` but without its per-call schema walk (`fill_defaults` rebuilds the
+schema's argument list per argument: tens of us per call) and pytree/dataclass work. Without a gradient
+to record it redispatches below autograd; with one it applies a plain `autograd.Function`.
+
 Launch modules (`h3cute.launch.<op>`) are resolved once, at import. An op whose module is absent gets a
 stand-in whose `forward`/`backward` raise `NotImplementedError`: the CUDA path never falls back to a
 library call that is not batch-invariant.
@@ -10,6 +15,7 @@ library call that is not batch-invariant.
 import importlib
 
 import torch
+from torch import _C
 
 LIB = torch.library.Library("h3", "DEF")
 
@@ -21,6 +27,39 @@ def define(schema: str, cpu, cuda) -> str:
     LIB.impl(name, cpu, "CPU")
     LIB.impl(name, cuda, "CUDA")
     return f"h3::{name}"
+
+
+def register_autograd(name: str, backward, setup_context) -> None:
+    """Autograd for `h3::<name>`: `setup_context(ctx, inputs, output)` sees every argument (defaults filled
+    in); `backward(ctx, *grads)` returns one gradient per argument (trailing Nones may be dropped or
+    extra). A `Tensor[]` output travels through autograd as a tuple; `backward` then gets the grads as one
+    list, as `torch.library.register_autograd` gives them.
+    """
+    op = getattr(torch.ops.h3, name).default
+    defaults = tuple(a.default_value for a in op._schema.arguments)
+    returns_list = str(op._schema.returns[0].type) == "List[Tensor]"
+
+    def forward(ctx, *args):
+        with _C._AutoDispatchBelowAutograd():
+            out = op(*args)
+        setup_context(ctx, args + defaults[len(args):], out)
+        return tuple(out) if returns_list else out
+
+    grads_fn = (lambda ctx, *grads: backward(ctx, list(grads))) if returns_list else backward
+    fn = type(f"H3Autograd_{name}", (torch.autograd.Function,),
+              {"forward": staticmethod(forward), "backward": staticmethod(grads_fn)})
+    # Function.apply minus its functorch bookkeeping (a pytree walk per call), used when no functorch
+    # transform is active; under one, the full `fn.apply`.
+    apply_plain = super(torch.autograd.Function, fn).apply
+
+    def autograd_kernel(*args):
+        if _C.is_grad_enabled() and _C._any_requires_grad(*args):
+            out = fn.apply(*args) if _C._are_functorch_transforms_active() else apply_plain(*args)
+            return list(out) if returns_list else out
+        with _C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    LIB.impl(name, autograd_kernel, "Autograd")
 
 
 class MissingLaunch:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from h3cute import reference
 from h3cute.ops import validate
-from h3cute.ops._library import LIB, define, resolve_launch
+from h3cute.ops._library import LIB, define, register_autograd, resolve_launch
 from h3cute.ops.validate import BF16, BLOCK_CHUNKS, BLOCK_TABLE, F32, HIDDEN, MODALITIES, PROJECTION, TEMB
 
 _PROJECTION = resolve_launch("adaln_projection")
@@ -141,9 +141,7 @@ define(
 )
 torch.library.register_fake("h3::adaln_projection", _projection_fake, lib=LIB)
 torch.library.register_fake("h3::adaln_projection_backward", _projection_backward_fake, lib=LIB)
-torch.library.register_autograd(
-    "h3::adaln_projection", _projection_backward, setup_context=_projection_setup_context, lib=LIB
-)
+register_autograd("adaln_projection", _projection_backward, _projection_setup_context)
 
 
 # ---- adaln_row_gather ----------------------------------------------------------------------------------
@@ -213,7 +211,7 @@ define(
 )
 torch.library.register_fake("h3::adaln_row_gather", _gather_fake, lib=LIB)
 torch.library.register_fake("h3::adaln_row_gather_backward", _gather_backward_fake, lib=LIB)
-torch.library.register_autograd("h3::adaln_row_gather", _gather_backward, setup_context=_gather_setup_context, lib=LIB)
+register_autograd("adaln_row_gather", _gather_backward, _gather_setup_context)
 
 
 # ---- norm_modulate -------------------------------------------------------------------------------------
@@ -299,9 +297,7 @@ define(
 )
 torch.library.register_fake("h3::norm_modulate", _norm_modulate_fake, lib=LIB)
 torch.library.register_fake("h3::norm_modulate_backward", _norm_modulate_backward_fake, lib=LIB)
-torch.library.register_autograd(
-    "h3::norm_modulate", _norm_modulate_backward, setup_context=_norm_modulate_setup_context, lib=LIB
-)
+register_autograd("norm_modulate", _norm_modulate_backward, _norm_modulate_setup_context)
 
 
 # ---- gate_residual -------------------------------------------------------------------------------------
@@ -371,9 +367,7 @@ define(
 )
 torch.library.register_fake("h3::gate_residual", _gate_residual_fake, lib=LIB)
 torch.library.register_fake("h3::gate_residual_backward", _gate_residual_backward_fake, lib=LIB)
-torch.library.register_autograd(
-    "h3::gate_residual", _gate_residual_backward, setup_context=_gate_residual_setup_context, lib=LIB
-)
+register_autograd("gate_residual", _gate_residual_backward, _gate_residual_setup_context)
 
 
 # ---- final_adaln_out -----------------------------------------------------------------------------------
@@ -459,4 +453,4 @@ define(
 )
 torch.library.register_fake("h3::final_adaln_out", _final_fake, lib=LIB)
 torch.library.register_fake("h3::final_adaln_out_backward", _final_backward_fake, lib=LIB)
-torch.library.register_autograd("h3::final_adaln_out", _final_backward, setup_context=_final_setup_context, lib=LIB)
+register_autograd("final_adaln_out", _final_backward, _final_setup_context)

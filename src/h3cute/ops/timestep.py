@@ -3,7 +3,8 @@
 timestep_sinusoid: (T,) t in [0, 1] -> (T, 256) FP32 `[cos(t f_k) | sin(t f_k)]`, f_k = 10000^(-k/128).
 BF16/FP16/FP64 t is widened to FP32 first, exactly as diffusers' `timesteps[:, None].float()` does. The op
 has no backward: H3 timesteps are data, not parameters, so asking for a gradient through it is an error
-(raised at the forward, where the mistake is made).
+(raised at the forward, where the mistake is made). The impls raise it themselves (t.requires_grad under
+grad mode is visible below autograd): the op has no autograd kernel, whose Python call would cost every call.
 
 timestep_mlp: `linear(silu(linear(x, w1, b1)), w2, b2)`, all FP32, x (T, 256) -> (T, 2688). The CPU
 backward recomputes the hidden activation and works in FP32 throughout; CPU matmuls and sums are
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from h3cute import reference
 from h3cute.ops import validate
-from h3cute.ops._library import LIB, define, resolve_launch
+from h3cute.ops._library import LIB, define, register_autograd, resolve_launch
 from h3cute.ops.validate import F32, FREQ, TEMB
 
 _SINUSOID = resolve_launch("timestep_sinusoid")
@@ -23,15 +24,27 @@ _MLP = resolve_launch("timestep_mlp")
 
 # ---- timestep_sinusoid -----------------------------------------------------------------------------
 
-def _sinusoid_cpu(t, check_range=True):
+_NO_GRAD = (
+    "h3::timestep_sinusoid has no backward: H3 timesteps are inputs, not parameters; "
+    "pass t.detach() (the timestep MLP after it is differentiable)"
+)
+
+
+def _check_sinusoid(t):
     validate.check_timestep_sinusoid(t)
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(_NO_GRAD)
+
+
+def _sinusoid_cpu(t, check_range=True):
+    _check_sinusoid(t)
     if check_range:
         validate.check_timestep_values(t)
     return reference.timestep_sinusoid_replay(t)
 
 
 def _sinusoid_cuda(t, check_range=True):
-    validate.check_timestep_sinusoid(t)
+    _check_sinusoid(t)
     if t.dtype != F32:
         t = t.float()
     # The range check runs inside the kernel (a device-side trap, no host sync).
@@ -41,30 +54,12 @@ def _sinusoid_cuda(t, check_range=True):
 
 
 def _sinusoid_fake(t, check_range=True):
-    validate.check_timestep_sinusoid(t)
+    _check_sinusoid(t)
     return t.new_empty((t.shape[0], FREQ), dtype=F32)
-
-
-_NO_GRAD = (
-    "h3::timestep_sinusoid has no backward: H3 timesteps are inputs, not parameters; "
-    "pass t.detach() (the timestep MLP after it is differentiable)"
-)
-
-
-def _sinusoid_setup_context(ctx, inputs, output):
-    if inputs[0].requires_grad:
-        raise RuntimeError(_NO_GRAD)
-
-
-def _sinusoid_backward(ctx, grad):
-    raise RuntimeError(_NO_GRAD)
 
 
 define("timestep_sinusoid(Tensor t, bool check_range=True) -> Tensor", _sinusoid_cpu, _sinusoid_cuda)
 torch.library.register_fake("h3::timestep_sinusoid", _sinusoid_fake, lib=LIB)
-torch.library.register_autograd(
-    "h3::timestep_sinusoid", _sinusoid_backward, setup_context=_sinusoid_setup_context, lib=LIB
-)
 
 
 # ---- timestep_mlp ------------------------------------------------------------------------------------
@@ -129,4 +124,4 @@ define(
 )
 torch.library.register_fake("h3::timestep_mlp", _mlp_fake, lib=LIB)
 torch.library.register_fake("h3::timestep_mlp_backward", _mlp_backward_fake, lib=LIB)
-torch.library.register_autograd("h3::timestep_mlp", _mlp_backward, setup_context=_mlp_setup_context, lib=LIB)
+register_autograd("timestep_mlp", _mlp_backward, _mlp_setup_context)
