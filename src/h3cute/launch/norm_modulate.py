@@ -27,12 +27,13 @@ MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]
 # Row groups of the column reductions: (H / 256) x P one-warp CTAs, about 7 per SM.
 ROW_GROUPS = {"sm_90a": 44, "sm_100a": 49}
 # The fused backward (kernels/norm_modulate.py FUSED_CAPS, CLUSTER, FUSED_STEPS): row groups = clusters of
-# 7 CTAs, as many as are resident at once (cap 12: 2 CTAs per SM, shared memory 94 KB; cap 24: 1, 187 KB;
-# clusters live inside one GPC of 16-18 SMs).
+# 7 CTAs, no more than are resident at once. A cluster lives inside one GPC (8 GPCs of 14-20 SMs on H200 and
+# B200): cap 12 runs 2 CTAs per SM (94 KB of shared memory each), >= 4 clusters per GPC; cap 24 runs 1
+# (187 KB), 2 clusters per GPC.
 FUSED_CAPS = (12, 24)
 FUSED_STEP = 16
 FUSED_CLUSTER = 7
-FUSED_ROW_GROUPS = {"sm_90a": {12: 32, 24: 16}, "sm_100a": {12: 36, 24: 18}}
+FUSED_ROW_GROUPS = {"sm_90a": {12: 32, 24: 16}, "sm_100a": {12: 36, 24: 16}}
 
 
 def table_rows_cap(op: str, table_rows: int) -> int:
