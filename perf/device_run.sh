@@ -22,6 +22,11 @@ mkdir -p "$OUT"
 # shellcheck disable=SC1091
 source .devstage/rt/rt_env.sh || { echo "device_run: runtime install failed" >&2; exit 3; }
 
+# Optional pure-Python peers carried as wheels (e.g. diffusers for the real-module candidate).
+if ls .devstage/whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/h3-peers .devstage/whl/*.whl \
+    && export PYTHONPATH=/tmp/h3-peers${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
 export H3CUTE_PREBUILT=$ROOT/.prebuilt
 export H3CUTE_CACHE_DIR=/tmp/h3cute-cache   # stays empty unless something compiles (it cannot here)
