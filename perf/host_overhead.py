@@ -12,6 +12,8 @@ whole call from Python timed with CUDA events, median of 200 samples after 50 wa
   fwd_bwd    fresh leaves (detach().requires_grad_()), forward, backward(ones): the bench harness's call
   graph_fwd  the op_nograd call replayed in a CUDA graph: device time only
 
+Also: host us of a tvm_ffi `testing.nop` call with 0 and 6 CUDA tensors (the argument conversion alone),
+and whether torch.Tensor has the C DLPack exchange API (tvm_ffi's fast tensor path).
 Prints a table and writes JSON to the path argument, else $H3CUTE_OUT/host_overhead.json, else stdout only.
 """
 from __future__ import annotations
@@ -151,12 +153,31 @@ def measure(op: str, dev) -> dict:
     return res
 
 
+def ffi_conversion_us(dev) -> dict:
+    """Host us per tvm_ffi call of `testing.nop` (no kernel): the cost of converting torch tensors."""
+    import tvm_ffi
+
+    nop = tvm_ffi.get_global_func("testing.nop")
+    ts = [torch.empty(16, device=dev) for _ in range(6)]
+    out = {}
+    for label, args in (("none", ()), ("6_cuda_tensors", ts), ("6_cuda_tensors_float", (*ts, 1e-5))):
+        for _ in range(1000):
+            nop(*args)
+        t0 = time.perf_counter()
+        for _ in range(10000):
+            nop(*args)
+        out[label] = (time.perf_counter() - t0) / 10000 * 1e6
+    return out
+
+
 def main() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
     results = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
                "dlpack_c_exchange_api": hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
                "warmup": WARMUP, "samples": SAMPLES, "ops": {}}
+    results["tvm_ffi_nop_host_us"] = ffi_conversion_us(dev)
+    print("tvm_ffi testing.nop host us:", {k: round(v, 2) for k, v in results["tvm_ffi_nop_host_us"].items()})
     print(f"{'op':18s}" + "".join(f"{k:>11s}" for k in LAYERS) + "   (median us)")
     for op in reference.OPS:
         try:
