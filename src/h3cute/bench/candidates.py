@@ -2,7 +2,7 @@
 
 A candidate is a callable taking the op's tensor arguments in schema order. The harness compares:
 
-- `h3cute`: `torch.ops.h3.<op>` (host value checks off, as a hot loop would call it);
+- `h3cute`: `torch.ops.h3.<op>` (checks that sync the host off, as a hot loop would call it; in-kernel checks stay on);
 - `diffusers`: the op-for-op replay `h3cute.reference.<op>_replay` (GEMM ops: `diffusers[<mode>]`);
 - `diffusers_module`: the real diffusers module where `import diffusers` works and an adapter exists;
 - `torch_bare_op` (timestep_sinusoid only): `t + 1`, the one-launch floor of any op call;
