@@ -47,7 +47,7 @@ def test_every_pickable_tile_is_a_built_variant(K):
         assert cfg.fc1.astuple() in K.GEMM_TILES["fc1_zh"], cfg  # the backward's recompute uses cfg.fc1
     for role, tile in L.WGRAD_TILES.items():
         assert tile.astuple() in K.GEMM_TILES[role]
-    assert {L.pick_config(t) for t in range(1, 5000)} == set(L.CONFIGS)
+    assert {L.pick_config(t) for t in range(1, 5000)} <= set(L.CONFIGS)  # the rest are sweep candidates
 
 
 def test_gemm_config_rejects_tiles_the_kernel_cannot_run():

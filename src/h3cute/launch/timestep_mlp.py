@@ -62,10 +62,14 @@ _MID = GemmTile(64, 64, 32, 4, 2, 2)
 _LARGE = GemmTile(128, 128, 32, 3, 2, 4)
 _SMALL_NARROW = GemmTile(16, 32, 32, 6, 1, 4)  # fc1 (168 CTAs on 132 SMs), fc1_dgrad (N = 256)
 SMALL_T = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_SMALL_NARROW)
+# Sweep candidate for small T (not picked yet): 64-deep k tiles, i.e. 256-byte runs per weight row
+# and tile (DRAM page locality) and 1.6x the weight bytes in flight per CTA (5 stages, 100 KB smem).
+SMALL_T_K64 = MlpConfig(fc1=GemmTile(16, 32, 64, 6, 1, 4), fc2=GemmTile(16, 64, 64, 5, 1, 4),
+                        fc2_dgrad=GemmTile(16, 64, 64, 5, 1, 4), fc1_dgrad=GemmTile(16, 32, 64, 6, 1, 4))
 WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE)
-CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T)  # everything pick_config may return (and the harness may sweep)
+CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64)  # pick_config's choices + sweep candidates
 WGRAD_TILES = {"fc2_wgrad": _LARGE, "fc1_wgrad": _MID}
 
 
