@@ -23,6 +23,19 @@ TINY = checks.Plan(all_rows_sizes=(5, 9), all_rows_seeds=(3, 4), sub_seeds=(3,),
                    warmup=1, samples=3)
 
 
+def _child_env():
+    """The environment for `python -m h3cute.bench` children: this h3cute, installed or from a checkout."""
+    import os
+
+    import h3cute
+
+    root = str(Path(h3cute.__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
+_CHILD_ENV = _child_env()
+
+
 def _toy_draw(n, seed, device):
     return {"x": randn((n, 4), seed, 0, device), "w": randn((4,), seed, 1, device),
             "b": randn((4,), seed, 2, device, 0.02)}
@@ -208,7 +221,7 @@ def test_cli_quick_prior_art_sinusoid_subprocess(tmp_path):
                            "--quick", "--out", str(out), "--plan", "all_rows_sizes=[5]", "--plan", "full_batch=64",
                            "--plan", "sub_batch_sizes=[1, 7, 32]", "--plan", "sweep_pool=32",
                            "--plan", "accuracy_sizes=[1, 4]", "--plan", "samples=3"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=_CHILD_ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = report.load_report(out)
     assert rep["quick"] is True and rep["environment"]["mode_environment"] == {"plain": {}}
@@ -261,7 +274,7 @@ def test_gpu_modes_run_in_their_own_processes(tmp_path):
     out = tmp_path / "mlp.json"
     proc = subprocess.run([sys.executable, "-m", "h3cute.bench", "prior-art", "--op", "timestep_mlp", "--quick",
                            "--out", str(out), "--plan", "all_rows_sizes=[64]", "--plan", "sweep_pool=128",
-                           "--plan", "accuracy_sizes=[1, 64]"], capture_output=True, text=True, timeout=600)
+                           "--plan", "accuracy_sizes=[1, 64]"], capture_output=True, text=True, timeout=600, env=_CHILD_ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = report.load_report(out)
     assert set(rep["results"]) == {"plain", "vllm"}

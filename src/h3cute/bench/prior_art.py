@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+import h3cute
+
 from h3cute.bench import checks, report
 from h3cute.bench.candidates import MODES, Candidate, apply_mode, candidates_for, modes_for
 from h3cute.bench.problems import PROBLEMS, Problem, take_rows
@@ -128,6 +130,9 @@ def _mode_subprocess(op: str, mode: str, quick: bool, overrides: dict, workdir: 
     for key, value in overrides.items():
         cmd += ["--plan", f"{key}={json.dumps(value)}"]
     env = {**os.environ, **MODES[mode]}
+    # The child imports the same h3cute as this process, installed or run from a checkout.
+    package_root = str(Path(h3cute.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     log(f"mode {mode}: {' '.join(f'{k}={v}' for k, v in MODES[mode].items())} subprocess")
     proc = subprocess.run(cmd, env=env)
     if out.exists():
