@@ -3,7 +3,7 @@
 A `Problem` draws a *pool* of `n` rows for one seed (`draw(n, seed, device)`); every batch the checks
 run is a row selection of that pool (`take_rows`): per-row inputs are indexed, shared inputs (weights,
 tables, timestep embeddings of the S-ops) stay the same tensors. Inputs follow the seed reports
-(/work/shared/H3_OPS.md, "How the seed reports judge an op"):
+(H3_OPS.md, "How the seed reports judge an op"):
 
 - every random tensor is `randn`/`rand` from its own generator seeded `seed * 1000 + salt` on the
   device the tensors live on; T-op weights are scaled by fan_in^-0.5, biases by 0.02;
