@@ -45,7 +45,7 @@ from .rowwise import (COL_TILE, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNRO
 HIDDEN = 5376
 CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768 (96 threads of one vector)
 # Rows per cluster exchange of the fused backward (their loads in flight together): the launcher uses 16
-# (ptxas: 255 registers, 88 B spilled), 8 (193 registers, no spill) is bundled for perf/row_kernels.py.
+# (ptxas: 255 registers, ~88 B spilled), 8 (~194 registers, no spill) is bundled for perf/row_kernels.py.
 FUSED_STEPS = (16, 8)
 FUSED_CAPS = (12, 24)  # table-row capacities the fused backward holds in shared memory; 48 takes rows + params
 
