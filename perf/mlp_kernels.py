@@ -111,6 +111,19 @@ def _steps(num_rows: int, dev):
     return steps, whole, configurable
 
 
+def _safe(timer, fn):
+    """A timing in us, or the error as a string (one failing step must not hide the others)."""
+    try:
+        return timer(fn)
+    except Exception as e:  # noqa: BLE001  (recorded in the report)
+        torch.cuda.synchronize()
+        return f"{type(e).__name__}: {e}"[:300]
+
+
+def _fmt(us) -> str:
+    return f"{us:9.1f} us" if isinstance(us, float) else f"FAILED {us}"
+
+
 def _config_name(cfg) -> str:
     """SMALL_T / WIDE_T / ... : the launcher's module-level name of a config."""
     return next((n for n, v in vars(L).items() if v is cfg and n.isupper()), repr(cfg))
@@ -126,21 +139,22 @@ def main() -> int:
     for num_rows in SIZES:
         steps, whole, configurable = _steps(num_rows, dev)
         cfg = L.pick_config(num_rows)
-        rows = [{"phase": phase, "step": name, "us": _median_us(fn)} for phase, name, fn in steps]
+        rows = [{"phase": phase, "step": name, "us": _safe(_median_us, fn)} for phase, name, fn in steps]
         totals = {}
         for phase, fn in whole.items():
-            totals[phase] = {"sum_us": sum(r["us"] for r in rows if r["phase"] == phase), "graph_us": _graph_us(fn)}
-        sweep = {name: {phase: _graph_us(lambda fn=fn, c=c: fn(c)) for phase, fn in configurable.items()}
+            timed = [r["us"] for r in rows if r["phase"] == phase and isinstance(r["us"], float)]
+            totals[phase] = {"sum_us": sum(timed), "graph_us": _safe(_graph_us, fn)}
+        sweep = {name: {phase: _safe(_graph_us, lambda fn=fn, c=c: fn(c)) for phase, fn in configurable.items()}
                  for name, c in ((_config_name(c), c) for c in L.CONFIGS)}
         report["sizes"][str(num_rows)] = {"config": repr(cfg), "steps": rows, "totals": totals,
                                           "config_sweep_graph_us": sweep}
         print(f"\nT = {num_rows}  {_config_name(cfg)}")
         for r in rows:
-            print(f"  {r['phase']}  {r['step']:<22} {r['us']:9.1f} us")
+            print(f"  {r['phase']}  {r['step']:<22} {_fmt(r['us'])}")
         for phase, t in totals.items():
-            print(f"  {phase}  {'sum / graph':<22} {t['sum_us']:9.1f} / {t['graph_us']:.1f} us")
+            print(f"  {phase}  {'sum / graph':<22} {_fmt(t['sum_us'])} / {_fmt(t['graph_us'])}")
         for name, t in sweep.items():
-            print(f"  config {name:<18} graph fwd {t['fwd']:8.1f} us  bwd {t['bwd']:8.1f} us")
+            print(f"  config {name:<18} graph fwd {_fmt(t['fwd'])}  bwd {_fmt(t['bwd'])}")
         del steps, whole, configurable
         torch.cuda.empty_cache()
     report["wall_s"] = time.time() - t0

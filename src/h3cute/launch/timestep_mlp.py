@@ -69,7 +69,11 @@ SMALL_T_K64 = MlpConfig(fc1=GemmTile(16, 32, 64, 6, 1, 4), fc2=GemmTile(16, 64, 
 WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE)
-CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64)  # pick_config's choices + sweep candidates
+# Sweep candidate for large T (not picked yet): the 128 x 128 tile runs one CTA per SM (235
+# registers x 256 threads), so shared memory is free for a 5-deep ring (160 KB) instead of 3.
+_LARGE_S5 = GemmTile(128, 128, 32, 5, 2, 4)
+LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dgrad=_LARGE_S5)
+CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 WGRAD_TILES = {"fc2_wgrad": _LARGE, "fc1_wgrad": _MID}
 
 
