@@ -50,6 +50,15 @@ def test_every_pickable_tile_is_a_built_variant(K):
     assert {L.pick_config(t) for t in range(1, 5000)} <= set(L.CONFIGS)  # the rest are sweep candidates
 
 
+def test_transposed_views_have_the_compiled_strides():
+    """The MN-major kernels are compiled for (N, T) views with strides (1, N); a contiguous (1, N)
+    tensor may report any stride for its size-1 dim (here the .t() of an (N, 1) column)."""
+    for a in (torch.randn(5, 96), torch.randn(96, 1).t(), torch.randn(3, 96)[1:2]):
+        assert a.is_contiguous()
+        v = L.transposed(a)
+        assert v.shape == (96, a.shape[0]) and v.stride() == (1, 96) and torch.equal(v, a.t())
+
+
 def test_gemm_config_rejects_tiles_the_kernel_cannot_run():
     from h3cute.kernels.gemm_tf32x3 import GemmConfig
 
