@@ -43,11 +43,17 @@ from .rowwise import (COL_TILE, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNRO
                       row_slots, smem_vec, store_bf16, torch_sumsq, vec_view)
 
 HIDDEN = 5376
-CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768 (96 threads of one vector)
-# Rows per cluster exchange of the fused backward (their loads in flight together): the launcher uses 16
-# (ptxas: 255 registers, ~88 B spilled), 8 (~194 registers, no spill) is bundled for perf/row_kernels.py.
+CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768
+# BF16 per thread of the fused backward (one 8-byte vector): 192 threads per 768-column slice, 12 warps per SM
+# at 2 CTAs per SM. With 16-byte vectors (96 threads) the SM had 6 warps, too few to hide the latency of the
+# per-step compute between the cluster barriers (H200: 0.46 of copy bandwidth).
+FUSED_VEC = 4
+# Rows per cluster exchange of the fused backward (their loads in flight together): the launcher uses 16,
+# 8 is bundled for perf/row_kernels.py. Both must stay <= 168 registers (ptxas, sm_90a): 2 CTAs of 192 threads
+# per SM.
 FUSED_STEPS = (16, 8)
 FUSED_CAPS = (12, 24)  # table-row capacities the fused backward holds in shared memory; 48 takes rows + params
+FUSED_CTAS_PER_SM = {12: 2, 24: 1}  # by shared memory: 94 KB, 187 KB per CTA
 
 
 @dsl_user_op
@@ -85,21 +91,24 @@ def prefetch_l2(gmem_ptr: cute.Pointer, num_bytes: int, *, loc=None, ip=None):
 
 @dsl_user_op
 def opaque_vec(v: cute.TensorSSA, *, loc=None, ip=None) -> cute.TensorSSA:
-    """`v` (8 BF16) passed through empty asm movs: its later conversions cannot be merged (CSE) with those
-    before the cluster barrier, so only the raw 16 bytes of a row stay live across it, not 2 x 8 FP32."""
+    """`v` (BF16, an even count) passed through empty asm movs: its later conversions cannot be merged (CSE) with
+    those before the cluster barrier, so only the raw bytes of a row stay live across it, not their FP32."""
     words = v.bitcast(Int32)
+    count = cute.size(v.shape) // 2
     moved = [llvm.inline_asm(res=T.i32(), operands_=[Int32(words[k]).ir_value(loc=loc, ip=ip)],
                              asm_string="mov.b32 $0, $1;", constraints="=r,r", has_side_effects=False,
-                             asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip) for k in range(4)]
-    packed = vector.from_elements(ir.VectorType.get([4], T.i32()), moved, loc=loc, ip=ip)
-    return cute.TensorSSA(packed, (4,), Int32).bitcast(BFloat16)
+                             asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip) for k in range(count)]
+    packed = vector.from_elements(ir.VectorType.get([count], T.i32()), moved, loc=loc, ip=ip)
+    return cute.TensorSSA(packed, (count,), Int32).bitcast(BFloat16)
 
 
 @cute.jit
-def smem_bf16_vec(sT: cute.Tensor, offset):
-    """8 BF16 of shared memory at element offset `offset` (a multiple of 8): one 16-byte access."""
-    ptr = cute.make_ptr(BFloat16, (sT.iterator + offset).toint(), cute.AddressSpace.smem, assumed_align=16)
-    return cute.make_tensor(ptr, cute.make_layout(VEC))
+def fused_vec(t: cute.Tensor, offset, space: cutlass.Constexpr):
+    """FUSED_VEC elements of `t` (gmem or smem, any dtype) at element offset `offset` (a multiple of FUSED_VEC):
+    one aligned access (8 bytes of BF16, 16 bytes of FP32)."""
+    align = FUSED_VEC * t.element_type.width // 8
+    ptr = cute.make_ptr(t.element_type, (t.iterator + offset).toint(), space, assumed_align=align)
+    return cute.make_tensor(ptr, cute.make_layout(FUSED_VEC))
 
 
 @cute.jit
@@ -281,14 +290,14 @@ def _bwd_params_launch(mG, mX, mW, mScale, mIdx, mRstd, mPartW, mPartShift, mPar
 # ---- backward, fused: dx and the parameter partials in one pass over (grad, x) ------------------------------
 
 def fused_threads(width: int) -> int:
-    """Threads of a fused-backward CTA: one 8-column vector each of its width / CLUSTER column slice."""
-    return width // (VEC * CLUSTER)
+    """Threads of a fused-backward CTA: one FUSED_VEC-column vector each of its width / CLUSTER column slice."""
+    return width // (FUSED_VEC * CLUSTER)
 
 
 @cute.jit
 def _fused_terms(g, sTab: cute.Tensor, tab_off, w):
-    """dn = g * (1 + scale) and dxhat = dn * w of one 8-vector, FP32 (scale from the staged table slice)."""
-    dn = g.to(Float32) * (smem_bf16_vec(sTab, tab_off).load().to(Float32) + 1.0)
+    """dn = g * (1 + scale) and dxhat = dn * w of one vector, FP32 (scale from the staged table slice)."""
+    dn = g.to(Float32) * (fused_vec(sTab, tab_off, cute.AddressSpace.smem).load().to(Float32) + 1.0)
     return dn, dn * w
 
 
@@ -301,16 +310,16 @@ def _fused_step(mG, mX, mDx, mIdx, mTabRows, sTab, sShift, sScale, sWarp, sPub, 
     barrier each row's rstd and mean(dxhat * xhat) from the CLUSTER partials in rank order; then dx and the
     accumulations in row order."""
     warps = threads // 32
-    slice_width = threads * VEC
+    slice_width = threads * FUSED_VEC
     table_rows = mTabRows.shape[0]
     # per row: its table row's offset in the staged slices and the poison factor (guarded_row); the row's
     # global offset is base + i * width, an immediate
     picks = [guarded_row(Int64(mIdx[first + i]), table_rows) for i in range(rows)]
-    tab = [Int32(picks[i][0]) * slice_width + tidx * VEC for i in range(rows)]
+    tab = [Int32(picks[i][0]) * slice_width + tidx * FUSED_VEC for i in range(rows)]
     poison = [picks[i][1] for i in range(rows)]
     base = Int64(first) * width + col
-    gs = [vec_view(mG, base + i * width).load() for i in range(rows)]
-    xs = [vec_view(mX, base + i * width).load() for i in range(rows)]
+    gs = [fused_vec(mG, base + i * width, cute.AddressSpace.gmem).load() for i in range(rows)]
+    xs = [fused_vec(mX, base + i * width, cute.AddressSpace.gmem).load() for i in range(rows)]
     if cutlass.const_expr(rows == step_rows):
         # the next step's rows of this slice into L2 while this step waits on DRAM and the cluster barrier
         ahead = first + step_rows + tidx % step_rows
@@ -327,7 +336,7 @@ def _fused_step(mG, mX, mDx, mIdx, mTabRows, sTab, sShift, sScale, sWarp, sPub, 
         x = xs[i].to(Float32)
         ss = Float32(0.0)
         dot = Float32(0.0)
-        for e in cutlass.range_constexpr(VEC):
+        for e in cutlass.range_constexpr(FUSED_VEC):
             ss = cute.math.fma(x[e], x[e], ss)
             dot = cute.math.fma(dxhat[e], x[e], dot)
         parts.append(ss)
@@ -369,12 +378,12 @@ def _fused_step(mG, mX, mDx, mIdx, mTabRows, sTab, sShift, sScale, sWarp, sPub, 
         g = opaque_vec(gs[i])
         dn, dxhat = _fused_terms(g, sTab, tab[i], w)
         xhat = opaque_vec(xs[i]).to(Float32) * rstd
-        store_bf16(mDx, base + i * width, (dxhat - xhat * mean_dot) * rstd * poison[i])
+        fused_vec(mDx, base + i * width, cute.AddressSpace.gmem).store(((dxhat - xhat * mean_dot) * rstd * poison[i]).to(BFloat16))
         if poison[i] == 1.0:  # rows with an out-of-range index add nothing
             accW.store(accW.load() + dn * xhat)
-            aShift = smem_vec(sShift, tab[i])
+            aShift = fused_vec(sShift, tab[i], cute.AddressSpace.smem)
             aShift.store(aShift.load() + g.to(Float32))
-            aScale = smem_vec(sScale, tab[i])
+            aScale = fused_vec(sScale, tab[i], cute.AddressSpace.smem)
             aScale.store(aScale.load() + g.to(Float32) * (xhat * w))
 
 
@@ -383,7 +392,7 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
                       mDx: cute.Tensor, mPartW: cute.Tensor, mPartShift: cute.Tensor, mPartScale: cute.Tensor,
                       eps: Float32, width: cutlass.Constexpr, cap: cutlass.Constexpr, step_rows: cutlass.Constexpr):
     threads = fused_threads(width)
-    slice_width = threads * VEC
+    slice_width = threads * FUSED_VEC
     tidx, _, _ = cute.arch.thread_idx()
     _, group, _ = cute.arch.block_idx()
     rank = cute.arch.block_idx_in_cluster()
@@ -394,16 +403,17 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
     sPub = smem.allocate_tensor(Float32, cute.make_layout(2 * CLUSTER * 2 * step_rows), byte_alignment=16)
     sWarp = smem.allocate_tensor(Float32, cute.make_layout(2 * step_rows * (threads // 32)), byte_alignment=16)
     sRow = smem.allocate_tensor(Float32, cute.make_layout(2 * step_rows), byte_alignment=16)
-    col = rank * slice_width + tidx * VEC
+    col = rank * slice_width + tidx * FUSED_VEC
+    own = tidx * FUSED_VEC
     table_rows = mScale.shape[0]
-    zero = cute.full((VEC,), 0.0, Float32)
+    zero = cute.full((FUSED_VEC,), 0.0, Float32)
     for r in cutlass.range(cap):
-        smem_vec(sShift, r * slice_width + tidx * VEC).store(zero)
-        smem_vec(sScale, r * slice_width + tidx * VEC).store(zero)
+        fused_vec(sShift, r * slice_width + own, cute.AddressSpace.smem).store(zero)
+        fused_vec(sScale, r * slice_width + own, cute.AddressSpace.smem).store(zero)
     for r in cutlass.range(table_rows):
-        smem_bf16_vec(sTab, r * slice_width + tidx * VEC).store(vec_view(mScale, r * mScale.stride[0] + col).load())
-    w = load_f32(mW, col)
-    accW = cute.make_rmem_tensor((VEC,), Float32)
+        fused_vec(sTab, r * slice_width + own, cute.AddressSpace.smem).store(fused_vec(mScale, r * mScale.stride[0] + col, cute.AddressSpace.gmem).load())
+    w = fused_vec(mW, col, cute.AddressSpace.gmem).load().to(Float32)
+    accW = cute.make_rmem_tensor((FUSED_VEC,), Float32)
     accW.fill(0.0)
     # every CTA of the cluster has started (its shared memory exists) before any partial is pushed to it
     cute.arch.cluster_arrive()
@@ -417,13 +427,13 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
     for first in cutlass.range(batched_end, end):  # the last rows one at a time
         _fused_step(mG, mX, mDx, mIdx, mScale, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, first,
                     full_steps + first - batched_end, rank, tidx, col, eps, 1, step_rows, width, threads)
-    vec_view(mPartW, Int64(group) * mPartW.stride[0] + col).store(accW.load())
+    fused_vec(mPartW, Int64(group) * mPartW.stride[0] + col, cute.AddressSpace.gmem).store(accW.load())
     for r in cutlass.range(table_rows):
-        src = r * slice_width + tidx * VEC
-        vec_view(mPartShift, Int64(group) * mPartShift.stride[0] + Int64(r) * mPartShift.stride[1] + col).store(
-            smem_vec(sShift, src).load())
-        vec_view(mPartScale, Int64(group) * mPartScale.stride[0] + Int64(r) * mPartScale.stride[1] + col).store(
-            smem_vec(sScale, src).load())
+        src = r * slice_width + own
+        part = Int64(group) * mPartShift.stride[0] + Int64(r) * mPartShift.stride[1] + col
+        fused_vec(mPartShift, part, cute.AddressSpace.gmem).store(fused_vec(sShift, src, cute.AddressSpace.smem).load())
+        part = Int64(group) * mPartScale.stride[0] + Int64(r) * mPartScale.stride[1] + col
+        fused_vec(mPartScale, part, cute.AddressSpace.gmem).store(fused_vec(sScale, src, cute.AddressSpace.smem).load())
 
 
 @cute.jit
@@ -432,6 +442,9 @@ def _bwd_fused_launch(mG, mX, mW, mScale, mIdx, mDx, mPartW, mPartShift, mPartSc
     _bwd_fused_kernel(mG, mX, mW, mScale, mIdx, mDx, mPartW, mPartShift, mPartScale, eps, width, cap,
                       step_rows).launch(
         grid=(CLUSTER, mPartW.shape[0], 1), block=(fused_threads(width), 1, 1), cluster=(CLUSTER, 1, 1),
+        # ptxas keeps <= 168 registers at cap 12 (.maxntid + .minnctapersm 2: two CTAs per SM); carveout at max
+        max_number_threads=(fused_threads(width), 1, 1), min_blocks_per_mp=FUSED_CTAS_PER_SM[cap],
+        preferred_smem_carveout=100,
         stream=stream
     )
 
@@ -469,8 +482,8 @@ def build_backward_params(arch: str, *, width: int, cap: int):
 
 
 def build_backward_fused(arch: str, *, width: int, cap: int, step: int):
-    if width % (VEC * CLUSTER * 32):
-        raise ValueError(f"the fused norm_modulate backward needs a width divisible by {VEC * CLUSTER * 32}")
+    if width % (FUSED_VEC * CLUSTER * 32):
+        raise ValueError(f"the fused norm_modulate backward needs a width divisible by {FUSED_VEC * CLUSTER * 32}")
     s, groups, table_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
     part_w = make_fake_tensor(Float32, (groups, width), (cute.sym_int(divisibility=4), 1), assumed_align=16)
     return compile_for(arch, _bwd_fused_launch, fake_rows(s, width), fake_rows(s, width), fake_vector(width),
@@ -507,8 +520,9 @@ SPECS = [
         name="norm_modulate_bwd_fused",
         build=build_backward_fused,
         variants=lambda arch: [dict(width=HIDDEN, cap=cap, step=step) for cap in FUSED_CAPS for step in FUSED_STEPS],
-        # st.shared::cluster + barrier.cluster: the row sums' exchange; rsqrt.approx: the forward's rstd formula
-        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "st.shared::cluster", "barrier.cluster.arrive",
+        # v2.b32: the 8-byte row vectors; st.shared::cluster + barrier.cluster: the row sums' exchange;
+        # rsqrt.approx: the forward's rstd formula
+        ptx_markers=("ld.global.v2.b32", "st.global.v2.b32", "st.shared::cluster", "barrier.cluster.arrive",
                      "barrier.cluster.wait", "rsqrt.approx.f32", "cp.async.bulk.prefetch.L2"),
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),

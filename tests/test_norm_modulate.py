@@ -102,8 +102,9 @@ def test_launch_constants_match_kernels():
     from h3cute.kernels import norm_modulate as kernel
 
     assert launch.FUSED_CAPS == kernel.FUSED_CAPS and launch.FUSED_CLUSTER == kernel.CLUSTER
+    assert launch.FUSED_VEC == kernel.FUSED_VEC
     assert launch.FUSED_STEP in kernel.FUSED_STEPS
-    assert H % (8 * 32 * kernel.CLUSTER) == 0  # whole warps per column slice
+    assert H % (kernel.FUSED_VEC * 32 * kernel.CLUSTER) == 0  # whole warps per column slice
     for arch, groups in launch.FUSED_ROW_GROUPS.items():
         assert sorted(groups) == sorted(kernel.FUSED_CAPS), arch
 

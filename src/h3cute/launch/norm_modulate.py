@@ -26,13 +26,14 @@ TABLE_ROWS_CAPS = (12, 24, 48)  # kernels/rowwise.py TABLE_ROWS_CAPS
 MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]
 # Row groups of the column reductions: (H / 256) x P one-warp CTAs, about 7 per SM.
 ROW_GROUPS = {"sm_90a": 44, "sm_100a": 49}
-# The fused backward (kernels/norm_modulate.py FUSED_CAPS, CLUSTER, FUSED_STEPS): row groups = clusters of
+# The fused backward (kernels/norm_modulate.py FUSED_CAPS, CLUSTER, FUSED_VEC, FUSED_STEPS): row groups = clusters of
 # 7 CTAs, no more than are resident at once. A cluster lives inside one GPC (8 GPCs of 14-20 SMs on H200 and
 # B200): cap 12 runs 2 CTAs per SM (94 KB of shared memory each), >= 4 clusters per GPC; cap 24 runs 1
 # (187 KB), 2 clusters per GPC.
 FUSED_CAPS = (12, 24)
 FUSED_STEP = 16
 FUSED_CLUSTER = 7
+FUSED_VEC = 4  # columns per thread of a fused CTA (192 threads per 768-column slice)
 FUSED_ROW_GROUPS = {"sm_90a": {12: 32, 24: 16}, "sm_100a": {12: 36, 24: 16}}
 
 
@@ -126,7 +127,7 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
     dscale = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
     if num_rows == 0:
         return dx, dweight.zero_(), dshift.zero_(), dscale.zero_()
-    fused = cap in FUSED_CAPS and width % (8 * 32 * FUSED_CLUSTER) == 0
+    fused = cap in FUSED_CAPS and width % (FUSED_VEC * 32 * FUSED_CLUSTER) == 0
     groups = FUSED_ROW_GROUPS[runtime.arch_of(device)][cap] if fused else row_groups(device)
     # One buffer per group: [dweight | dshift rows | dscale rows], every element written by the kernel.
     partials = torch.empty((groups, (1 + 2 * table_rows) * width), dtype=torch.float32, device=device)
