@@ -47,6 +47,13 @@ OUT_FEATURES = (BLOCK_OUT_FEATURES, FINAL_OUT_FEATURES)
 # d_temb = grad @ W reduces over N_out; it is split into this many fixed, equal K chunks so that
 # the whole GPU streams W even at T = 1. Never depends on T (batch invariance of d_temb).
 DGRAD_SPLITS = 12
+# db sums T rows: fixed row groups (contiguous, ceil(T / G) rows each) keep enough loads in flight
+# at T = 2048; each group's FP32 column sums are folded in group order. Deterministic for each T.
+BIAS_ROW_GROUPS = 32
+# Up to this T the dW kernel also writes db (same group order, same bits as adaln_bias_grad): the
+# separate launch costs more than its work there. Beyond it the launch runs adaln_bias_grad.
+FUSED_DBIAS_ROWS = 64
+assert FUSED_DBIAS_ROWS <= 2 * BIAS_ROW_GROUPS  # _store_dbias handles groups of one or two rows
 _MMA_SHAPE = (16, 8, 16)
 _COPY_BITS = 128
 
@@ -124,11 +131,14 @@ class _WarpMmaGemm:
     BF16 epilogues are staged through shared memory and stored as 16-byte vectors along C's contiguous
     mode (`c_n_major` says which): the MMA fragment's own 2-byte stores would scatter every warp store
     over 8 rows (dW and the T = 2048 table are 520 / 396 MB).
+    `dbias_rows`: the dW GEMM's bias gradient rides along: when K = T <= FUSED_DBIAS_ROWS, the CTAs of
+    the first N tile also write mBias[m] = bf16(sum_k A[m, k]) (`_store_dbias`); else mBias is untouched.
     """
 
     def __init__(self, tile: GemmTile, a_k_major: bool, b_k_major: bool, epilogue: str, k_splits: int = 1,
-                 ieee_steps: bool = False, c_n_major: bool = False):
+                 ieee_steps: bool = False, c_n_major: bool = False, dbias_rows: bool = False):
         tile.check()
+        self.dbias_rows = dbias_rows
         self.ieee_steps = ieee_steps
         self.c_n_major = c_n_major
         self.tile = tile
@@ -239,6 +249,29 @@ class _WarpMmaGemm:
             for n in cutlass.range_constexpr(cute.size(tSgC, mode=[2])):
                 if cute.elem_less(tScC[None, m, n][0], c_shape):
                     cute.copy(c_copy, tSrC[None, m, n], tSgC[None, m, n])
+
+    @cute.jit
+    def _store_dbias(self, mA: cute.Tensor, mDbias: cute.Tensor, n_tile, m_tile, tidx):
+        """db[m] = bf16(sum_t grad^T[m, t]) by one thread per row m of the first N tile's CTAs, in
+        adaln_bias_grad's order: ascending rows within BIAS_ROW_GROUPS groups of ceil(T / G) rows (1 or
+        2 here), group sums folded in group order, so the same bits. All T <= FUSED_DBIAS_ROWS loads are
+        issued before the first add (absent rows read as 0, which leaves every sum unchanged)."""
+        rows = cute.size(mA, mode=[1])
+        m = m_tile * self.tile.bm + tidx
+        if n_tile == 0 and rows <= FUSED_DBIAS_ROWS and tidx < self.tile.bm and m < cute.size(mA, mode=[0]):
+            vals = cute.make_rmem_tensor(cute.make_layout(FUSED_DBIAS_ROWS), cutlass.Float32)
+            for r in cutlass.range_constexpr(FUSED_DBIAS_ROWS):
+                vals[r] = cutlass.Float32(0.0)
+                if r < rows:
+                    vals[r] = mA[m, r].to(cutlass.Float32)
+            acc = cutlass.Float32(0.0)
+            if rows <= BIAS_ROW_GROUPS:  # one row per group
+                for g in cutlass.range_constexpr(BIAS_ROW_GROUPS):
+                    acc = acc + (cutlass.Float32(0.0) + vals[g])
+            else:  # two rows per group
+                for g in cutlass.range_constexpr(BIAS_ROW_GROUPS):
+                    acc = acc + ((cutlass.Float32(0.0) + vals[2 * g]) + vals[2 * g + 1])
+            mDbias[m] = acc.to(cutlass.BFloat16)
 
     @cute.jit
     def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
@@ -452,6 +485,8 @@ class _WarpMmaGemm:
                     tCgC[i] = acc[i]
         else:
             self._store_c_bf16(acc, thr_mma, tidx, self._c_tile(storage), gC, cC, gC_full.shape, mBias)
+        if cutlass.const_expr(self.dbias_rows):
+            self._store_dbias(mA, mBias, n_tile, m_tile, tidx)
 
 
 class _WgmmaGemm(_WarpMmaGemm):
@@ -648,6 +683,8 @@ class _WgmmaGemm(_WarpMmaGemm):
                     tCgC[i] = acc[i]
         else:
             self._store_c_bf16(acc, thr_mma, tidx, self._c_tile(storage), gC, cC, gC_full.shape, mBias)
+        if cutlass.const_expr(self.dbias_rows):
+            self._store_dbias(mA, mBias, n_tile, m_tile, tidx)
 
 
 # ------------------------------------------------------------------------------ the projection
@@ -710,16 +747,19 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
 def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: str = "wgrad"):
     if wgmma:
         assert arch == "sm_90a"
-        gemm = _WgmmaGemm(WGRAD_WGMMA_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
+        gemm = _WgmmaGemm(WGRAD_WGMMA_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16",
+                          c_n_major=True, dbias_rows=True)
     else:
-        gemm = _WarpMmaGemm(WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
+        gemm = _WarpMmaGemm(WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True,
+                            dbias_rows=True)
 
     @cute.jit
-    def adaln_proj_wgrad(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, stream):
-        # dW[n, d] = sum_t grad[t, n] act[t, d]: A = grad^T (N_out, T), B = act^T (D, T), both MN-major.
+    def adaln_proj_wgrad(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, dbias: cute.Tensor, stream):
+        """dW[n, d] = sum_t grad[t, n] act[t, d]: A = grad^T (N_out, T), B = act^T (D, T), both MN-major;
+        for T <= FUSED_DBIAS_ROWS also dbias (adaln_bias_grad's bits), else dbias is not touched."""
         grad_t = cute.make_tensor(grad.iterator, cute.select(grad.layout, mode=[1, 0]))
         act_t = cute.make_tensor(act.iterator, cute.select(act.layout, mode=[1, 0]))
-        gemm.launch(grad_t, act_t, dweight, grad, stream)
+        gemm.launch(grad_t, act_t, dweight, dbias, stream)
 
     rows = cute.sym_int()
     return compile_for(
@@ -728,6 +768,7 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
         _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
         _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
         _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.BFloat16, (out_features,)),
         env_stream(),
     )
 
@@ -778,7 +819,7 @@ def _build_silu_cast(arch: str, *, width: int):
 
 
 @cute.kernel
-def _dtemb_fold_kernel(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor):
+def _dtemb_fold_kernel(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, act: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
     col_block, row, _ = cute.arch.block_idx()
     col = col_block * _EW_THREADS + tidx
@@ -789,16 +830,18 @@ def _dtemb_fold_kernel(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tens
         x = temb[row, col]
         sig = _sigmoid(x)
         dtemb[row, col] = d_act * (sig + x * sig * (cutlass.Float32(1.0) - sig))
+        act[row, col] = _silu(x).to(cutlass.BFloat16)  # adaln_silu_cast's expression: the same bits
 
 
 def _build_dtemb_fold(arch: str, *, width: int):
     assert width == TEMB_WIDTH
 
     @cute.jit
-    def adaln_dtemb_fold(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, stream):
-        """dtemb = (sum over splits of the FP32 d_act partials, in split order) * silu'(temb)."""
+    def adaln_dtemb_fold(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, act: cute.Tensor, stream):
+        """dtemb = (sum over splits of the FP32 d_act partials, in split order) * silu'(temb), and the dW
+        GEMM's operand act = bf16(silu(temb)) while temb is in registers (no second silu_cast launch)."""
         grid = (cute.ceil_div(width, _EW_THREADS), cute.size(temb, mode=[0]), 1)
-        _dtemb_fold_kernel(partial, temb, dtemb).launch(grid=grid, block=[_EW_THREADS, 1, 1], stream=stream)
+        _dtemb_fold_kernel(partial, temb, dtemb, act).launch(grid=grid, block=[_EW_THREADS, 1, 1], stream=stream)
 
     rows = cute.sym_int()
     return compile_for(
@@ -807,14 +850,12 @@ def _build_dtemb_fold(arch: str, *, width: int):
         _fake(cutlass.Float32, (DGRAD_SPLITS, rows, width), (2, 1, 0)),
         _fake(cutlass.Float32, (rows, width), (1, 0)),
         _fake(cutlass.Float32, (rows, width), (1, 0)),
+        _fake(cutlass.BFloat16, (rows, width), (1, 0)),
         env_stream(),
     )
 
 
 _BIAS_COLS_PER_THREAD = 8  # one 16-byte BF16 vector per row: enough bytes in flight at T = 2048
-# db sums T rows: fixed row groups (contiguous, ceil(T / G) rows each) keep enough loads in flight
-# at T = 2048; each group's FP32 column sums are folded in group order. Deterministic for each T.
-BIAS_ROW_GROUPS = 32
 
 
 @cute.kernel

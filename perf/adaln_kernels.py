@@ -67,21 +67,22 @@ def _steps(rows: int, family: str, buf: dict, dev):
         kind = "step" if c == chosen else "alt"
         steps.append(("fwd", "proj_fwd", c, kind, w_bytes + rows * D * BF16 + N * BF16 + rows * N * BF16, gemm_flops,
                       _kernel("adaln_proj_fwd" + sfx, dev, out_features=N, config=c), (act, w, b, out)))
-    steps.append(("bwd", "silu_cast", "", "step", rows * D * (F32 + BF16), 0,
-                  _kernel("adaln_silu_cast", dev, width=D), (temb, act)))
     for c in (chosen, *[c for c in configs if c != chosen]):
         kind = "step" if c == chosen else "alt"
         steps.append(("bwd", "proj_dgrad", c, kind, w_bytes + rows * N * BF16 + L.DGRAD_SPLITS * rows * D * F32,
                       gemm_flops, _kernel("adaln_proj_dgrad" + sfx, dev, out_features=N, config=c), (grad, w, partial)))
-    steps.append(("bwd", "dtemb_fold", "", "step", (L.DGRAD_SPLITS + 2) * rows * D * F32, 0,
-                  _kernel("adaln_dtemb_fold", dev, width=D), (partial, temb, dtemb)))
+    # The fold also writes the dW GEMM's act (the backward has no silu_cast launch).
+    steps.append(("bwd", "dtemb_fold", "", "step", (L.DGRAD_SPLITS + 2) * rows * D * F32 + rows * D * BF16, 0,
+                  _kernel("adaln_dtemb_fold", dev, width=D), (partial, temb, dtemb, act)))
     chosen_wgrad = L.wgrad_config_for_rows(rows, wgmma)
     wgrad_static = dict(wgmma=True) if wgmma else {}
     for c in (chosen_wgrad, *[c for c in (L.WGRAD_WGMMA_CONFIGS if wgmma else L.WGRAD_CONFIGS) if c != chosen_wgrad]):
         steps.append(("bwd", "proj_wgrad", c, "step" if c == chosen_wgrad else "alt", rows * (N + D) * BF16 + w_bytes,
                       gemm_flops, _kernel("adaln_proj_wgrad" + sfx, dev, out_features=N, config=c, **wgrad_static),
-                      (grad, act, dw)))
-    steps.append(("bwd", "bias_grad", "", "step", rows * N * BF16 + 2 * L.BIAS_ROW_GROUPS * N * F32 + N * BF16, 0,
+                      (grad, act, dw, db)))
+    # Up to FUSED_DBIAS_ROWS the dW kernel writes db: the standalone kernel is then only for comparison.
+    bias_kind = "step" if rows > L.FUSED_DBIAS_ROWS else "alt"
+    steps.append(("bwd", "bias_grad", "", bias_kind, rows * N * BF16 + 2 * L.BIAS_ROW_GROUPS * N * F32 + N * BF16, 0,
                   _kernel("adaln_bias_grad", dev, out_features=N), (grad, bias_partial, db)))
     return steps
 

@@ -87,6 +87,7 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert launch.SM90_FAMILY in ("warp", "wgmma")
     assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS
     assert k.BIAS_ROW_GROUPS == launch.BIAS_ROW_GROUPS
+    assert k.FUSED_DBIAS_ROWS == launch.FUSED_DBIAS_ROWS
     assert k.TEMB_WIDTH == launch.TEMB_WIDTH == D
     for n in k.OUT_FEATURES:
         for tile in k.CONFIGS.values():
@@ -125,7 +126,7 @@ class _KernelEmulator:
 
     def __call__(self, name, device, **static):
         self.calls.append((name, static))
-        return getattr(self, name[len("adaln_"):])
+        return getattr(self, name[len("adaln_"):].removesuffix("_wgmma"))
 
     @staticmethod
     def _check(t, dtype, shape):
@@ -153,15 +154,20 @@ class _KernelEmulator:
             cols = slice(s * chunk, (s + 1) * chunk)
             partial[s] = (grad[:, cols].double() @ weight[cols].double()).float()
 
-    def dtemb_fold(self, partial, temb, dtemb):
+    def dtemb_fold(self, partial, temb, dtemb, act):
         self._check(dtemb, torch.float32, temb.shape)
+        self._check(act, torch.bfloat16, temb.shape)
         sig = torch.sigmoid(temb)
         dtemb.copy_(partial.sum(0) * (sig + temb * sig * (1 - sig)))
+        act.copy_(torch.nn.functional.silu(temb).to(torch.bfloat16))
 
-    def proj_wgrad(self, grad, act, dweight):
+    def proj_wgrad(self, grad, act, dweight, dbias):
         self._check(act, torch.bfloat16, (grad.shape[0], D))
         self._check(dweight, torch.bfloat16, (grad.shape[1], D))
+        self._check(dbias, torch.bfloat16, (grad.shape[1],))
         dweight.copy_((grad.double().t() @ act.double()).to(torch.bfloat16))
+        if grad.shape[0] <= launch.FUSED_DBIAS_ROWS:  # else dbias is left to adaln_bias_grad
+            dbias.copy_(grad.double().sum(0).to(torch.bfloat16))
 
     def bias_grad(self, grad, partial, dbias):
         self._check(partial, torch.float32, (launch.BIAS_ROW_GROUPS, grad.shape[1]))
@@ -174,11 +180,16 @@ def _close(a, b, tol):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item() <= tol
 
 
-@pytest.mark.parametrize("rows", [1, 5, 70])
-def test_launch_glue_on_cpu_emulation(monkeypatch, rows):
-    """forward/backward call the kernels with the right arguments and assemble the op's results."""
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("rows", [1, 5, 64, 65, 70])
+def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
+    """forward/backward call the kernels with the right arguments and assemble the op's results; the
+    device's arch picks the family (SM90_FAMILY on sm_90a, warp elsewhere)."""
     emu = _KernelEmulator()
     monkeypatch.setattr(launch.runtime, "kernel", emu)
+    monkeypatch.setattr(launch.runtime, "arch_of", lambda device: arch)
+    wgmma = arch == "sm_90a" and launch.SM90_FAMILY == "wgmma"
+    sfx, wgrad_static = ("_wgmma", dict(wgmma=True)) if wgmma else ("", {})
     g = torch.Generator().manual_seed(rows)
     n = N_FINAL
     temb = torch.randn((rows, D), generator=g)
@@ -186,10 +197,16 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows):
     b = (torch.randn((n,), generator=g) * 0.02).to(torch.bfloat16)
     out = launch.forward(temb, w, b)
     assert _close(out, reference.adaln_projection_replay(temb, w, b), 4e-3)
-    assert ("adaln_proj_fwd", dict(out_features=n, config=launch.config_for_rows(rows))) in emu.calls
+    assert ("adaln_proj_fwd" + sfx, dict(out_features=n, config=launch.config_for_rows(rows, wgmma))) in emu.calls
     grad = torch.randn((rows, n), generator=g).to(torch.bfloat16)
+    emu.calls.clear()
     got = launch.backward(grad, temb, w)
-    assert ("adaln_proj_wgrad", dict(out_features=n, config=launch.wgrad_config_for_rows(rows))) in emu.calls
+    wgrad_call = dict(out_features=n, **wgrad_static, config=launch.wgrad_config_for_rows(rows, wgmma))
+    assert ("adaln_proj_wgrad" + sfx, wgrad_call) in emu.calls
+    assert ("adaln_proj_dgrad" + sfx, dict(out_features=n, config=launch.config_for_rows(rows, wgmma))) in emu.calls
+    # The backward's act comes from dtemb_fold (no silu_cast); db from the dW kernel up to FUSED_DBIAS_ROWS.
+    assert not any(name == "adaln_silu_cast" for name, _ in emu.calls)
+    assert any(name == "adaln_bias_grad" for name, _ in emu.calls) == (rows > launch.FUSED_DBIAS_ROWS)
     want = _fp64_grads_cpu(grad, temb, w)
     for a, ref, tol in zip(got, want, (1e-6, 4e-3, 4e-3)):
         assert _close(a, ref.to(a.dtype), tol)
@@ -327,24 +344,63 @@ def _wgrad_kernels(family):
     return {c: runtime.kernel("adaln_proj_wgrad", dev, out_features=N_FINAL, config=c) for c in launch.WGRAD_CONFIGS}
 
 
+def _bias_grad_kernel(grad):
+    """db from the standalone adaln_bias_grad kernel (the order the fused db must reproduce)."""
+    from h3cute import runtime
+
+    rows, n = grad.shape
+    db = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=grad.device)
+    partial = torch.full((launch.BIAS_ROW_GROUPS, n), float("nan"), device=grad.device)
+    runtime.kernel("adaln_bias_grad", grad.device, out_features=n)(grad, partial, db)
+    return db
+
+
 @gpu
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("rows", [5, 64, 65, 300])
+@pytest.mark.parametrize("rows", [1, 5, 31, 32, 33, 63, 64, 65, 300])
 def test_wgrad_tiles_give_identical_bits(family, rows):
-    """A family's dW tiles run the same k16 sequence: identical bits, every element written."""
+    """A family's dW tiles run the same k16 sequence: identical bits, every element written. Up to
+    FUSED_DBIAS_ROWS they also write db with adaln_bias_grad's bits (odd T: a half-filled last row
+    group); beyond it they leave db alone."""
     kernels = _wgrad_kernels(family)
     w, _ = _params(N_FINAL, seed=rows)
     act = launch.silu_bf16(_temb(rows, 3 * rows))
     grad = torch.randn((rows, N_FINAL), generator=_gen(rows + 1), device="cuda").to(torch.bfloat16)
-    dws = {}
+    grad[:, 7] = -0.0  # an all-negative-zero column: the fused and standalone db must agree on its sign
+    dws, dbs = {}, {}
     for c, fn in kernels.items():
         dws[c] = torch.full_like(w, float("nan"))
-        fn(grad, act, dws[c])
+        dbs[c] = torch.full((N_FINAL,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fn(grad, act, dws[c], dbs[c])
     first = next(iter(kernels))
     ref = grad.double().t() @ act.double()
     assert _rel_err(dws[first], ref) <= BF16_ERR_CEILING
+    standalone = _bias_grad_kernel(grad)
     for c, dw in dws.items():
         _assert_same_bits(dw, dws[first], f"dW tile {c} vs {first}, T={rows}")
+        if rows <= launch.FUSED_DBIAS_ROWS:
+            assert torch.equal(dbs[c].view(torch.int16), standalone.view(torch.int16)), f"fused db {c}, T={rows}"
+        else:
+            assert dbs[c].isnan().all(), f"dW tile {c} wrote db at T={rows}"
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_dtemb_fold_act_matches_silu_cast(rows):
+    """The backward's act (written by adaln_dtemb_fold) has adaln_silu_cast's exact bits."""
+    from h3cute import runtime
+
+    temb = _temb(rows, 50 + rows)
+    temb[0, :4] = torch.tensor([0.0, -0.0, 88.0, -90.0])
+    dev = temb.device
+    partial = torch.randn((launch.DGRAD_SPLITS, rows, D), generator=_gen(rows), device=dev)
+    dtemb = torch.full((rows, D), float("nan"), device=dev)
+    act = torch.full((rows, D), float("nan"), dtype=torch.bfloat16, device=dev)
+    runtime.kernel("adaln_dtemb_fold", dev, width=D)(partial, temb, dtemb, act)
+    assert torch.equal(act.view(torch.int16), launch.silu_bf16(temb).view(torch.int16))
+    sig = torch.sigmoid(temb.double())
+    ref = partial.double().sum(0) * (sig + temb.double() * sig * (1 - sig))
+    assert not dtemb.isnan().any() and _rel_err(dtemb, ref) <= DTEMB_TOL
 
 
 @gpu
@@ -469,8 +525,10 @@ def test_poisoned_outputs_are_fully_written(family, rows):
     dws = {}
     for c, fn in _wgrad_kernels(family).items():
         dw = torch.full((N_FINAL * D + pad,), nan16, dtype=torch.bfloat16, device=dev)
-        fn(grad, act, dw[:-pad].view(N_FINAL, D))
+        fused_db = torch.full((N_FINAL + pad,), nan16, dtype=torch.bfloat16, device=dev)
+        fn(grad, act, dw[:-pad].view(N_FINAL, D), fused_db[:-pad])
         assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), c
+        assert not fused_db[:-pad].isnan().any() and fused_db[-pad:].isnan().all(), c  # rows <= FUSED_DBIAS_ROWS
         dws[c] = dw
     first = next(iter(dws))
     for c, dw in dws.items():

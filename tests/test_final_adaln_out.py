@@ -40,6 +40,7 @@ def test_final_adaln_out_glue_on_cpu_emulation(monkeypatch):
     monkeypatch.setattr(launch, "norm_modulate",
                         types.SimpleNamespace(forward_rows=forward_rows, backward_rows=backward_rows))
     monkeypatch.setattr(projection.runtime, "kernel", _KernelEmulator())
+    monkeypatch.setattr(projection.runtime, "arch_of", lambda device: "sm_90a")  # picks SM90_FAMILY
 
     g = torch.Generator().manual_seed(0)
     rows, timesteps = 37, 3

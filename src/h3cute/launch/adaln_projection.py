@@ -2,10 +2,13 @@
 
 Kernels (kernels/adaln_gemm.py): `adaln_silu_cast` makes the GEMM operand a = bf16(silu(temb));
 `adaln_proj_fwd` computes out^T = W a^T + b with mma.sync m16n8k16 (W rows are the MMA's M, T its N).
-The backward recomputes a, then: `adaln_proj_dgrad` (grad @ W as `DGRAD_SPLITS` fixed-chunk FP32
-partials) + `adaln_dtemb_fold` (sum in split order, times silu'(temb), FP32: the BF16 cast passes the
-gradient through unrounded); `adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out); `adaln_bias_grad`
-(db = sum_t grad: FP32 sums over fixed row groups, folded in group order, BF16 out). No atomics: every result is bitwise repeatable.
+The backward: `adaln_proj_dgrad` (grad @ W as `DGRAD_SPLITS` fixed-chunk FP32 partials) +
+`adaln_dtemb_fold` (sum in split order, times silu'(temb), FP32: the BF16 cast passes the gradient
+through unrounded; it also recomputes a, with silu_cast's bits, for the next kernel);
+`adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out; for T <= `FUSED_DBIAS_ROWS` also db);
+`adaln_bias_grad` for larger T (db = sum_t grad: FP32 sums over fixed row groups, folded in group
+order, BF16 out; the fused db uses the same order, so the same bits). No atomics: every result is
+bitwise repeatable.
 
 The tile config is picked from T (`config_for_rows`) purely for speed: every config runs the same
 k16 MMA sequence per output element, so the bits do not depend on it (tests check this). Used with
@@ -24,6 +27,7 @@ from h3cute import runtime
 TEMB_WIDTH = 2688
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
 BIAS_ROW_GROUPS = 32  # kernels/adaln_gemm.BIAS_ROW_GROUPS
+FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T the dW kernel writes db
 # Names of kernels/adaln_gemm.CONFIGS and .WGMMA_CONFIGS (a CPU test checks they agree).
 CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")
 WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
@@ -31,9 +35,9 @@ WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
 WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64")
-# The family sm_90a devices use: "warp" until the wgmma family has passed the GPU suite on the
-# device (tests/test_adaln_projection.py runs both), then "wgmma" for its large-T speed.
-SM90_FAMILY = "warp"
+# The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
+# and was as fast or faster at every T measured (1, 4, 64, 256, 2048); sm_100a uses the warp family.
+SM90_FAMILY = "wgmma"
 
 
 def config_for_rows(rows: int, wgmma: bool = False) -> str:
@@ -87,13 +91,13 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
     if rows == 0:
         return temb.new_empty((0, TEMB_WIDTH)), torch.zeros_like(weight), weight.new_zeros((out_features,))
     grad, temb, weight = grad.contiguous(), temb.contiguous(), weight.contiguous()
-    act = silu_bf16(temb)
     partial = torch.empty((DGRAD_SPLITS, rows, TEMB_WIDTH), dtype=torch.float32, device=device)
     wgmma = _uses_wgmma(device, config)
     runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", device, out_features=out_features,
                    config=config or config_for_rows(rows, wgmma))(grad, weight, partial)
     dtemb = torch.empty((rows, TEMB_WIDTH), dtype=torch.float32, device=device)
-    runtime.kernel("adaln_dtemb_fold", device, width=TEMB_WIDTH)(partial, temb, dtemb)
+    act = torch.empty((rows, TEMB_WIDTH), dtype=torch.bfloat16, device=device)  # bf16(silu(temb))
+    runtime.kernel("adaln_dtemb_fold", device, width=TEMB_WIDTH)(partial, temb, dtemb, act)
     dweight = torch.empty_like(weight)
     wgrad_config = wgrad_config_for_rows(rows, wgmma)
     if wgmma:
@@ -101,8 +105,9 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
                                config=wgrad_config)
     else:
         wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features, config=wgrad_config)
-    wgrad(grad, act, dweight)
     dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
-    bias_partial = torch.empty((BIAS_ROW_GROUPS, out_features), dtype=torch.float32, device=device)
-    runtime.kernel("adaln_bias_grad", device, out_features=out_features)(grad, bias_partial, dbias)
+    wgrad(grad, act, dweight, dbias)
+    if rows > FUSED_DBIAS_ROWS:
+        bias_partial = torch.empty((BIAS_ROW_GROUPS, out_features), dtype=torch.float32, device=device)
+        runtime.kernel("adaln_bias_grad", device, out_features=out_features)(grad, bias_partial, dbias)
     return dtemb, dweight, dbias
