@@ -90,6 +90,30 @@ def test_reduction_order_check_has_power():
     assert any(merged_halves(x) != _torch_fused_sumsq(x) for x in xs)
 
 
+
+@pytest.mark.parametrize("values", [32, 16, 2])  # 2 x rows of a fused step: 16, 8, a tail row
+def test_fused_warp_reduce_scatter_is_the_xor_butterfly(values):
+    """The fused backward's warp sums (kernels/norm_modulate._fused_step): a reduce-scatter over offsets
+    16..1, lane l ending with value l // (32 / values), must give the xor all-reduce's bits for every value."""
+    rng = np.random.default_rng(values)
+    lanes = (rng.standard_normal((32, values)) * np.exp2(rng.integers(-20, 20, (32, values)))).astype(np.float32)
+    allreduce = lanes.copy()
+    for off in (16, 8, 4, 2, 1):
+        allreduce = allreduce + allreduce[np.arange(32) ^ off]
+    held = [list(row) for row in lanes]
+    for off in (16, 8, 4, 2, 1):
+        half = len(held[0]) // 2
+        if half == 0:
+            held = [[held[lane][0] + held[lane ^ off][0]] for lane in range(32)]
+            continue
+        upper = [bool(lane & off) for lane in range(32)]
+        keep = [held[lane][half:] if upper[lane] else held[lane][:half] for lane in range(32)]
+        send = [held[lane][:half] if upper[lane] else held[lane][half:] for lane in range(32)]
+        held = [[np.float32(k + r) for k, r in zip(keep[lane], send[lane ^ off])] for lane in range(32)]
+    spread = 32 // values
+    for lane in range(0, 32, spread):
+        assert held[lane][0].tobytes() == allreduce[0, lane // spread].tobytes()
+
 def test_launch_constants_match_kernels():
     from h3cute.runtime.sources import kernels_package
 
