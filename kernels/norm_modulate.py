@@ -302,7 +302,20 @@ def _fused_terms(g, sTab: cute.Tensor, tab_off, w):
 
 
 @cute.jit
-def _fused_step(mG, mX, mDx, mIdx, mTabRows, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, first, step,
+def _flush_run(sShift: cute.Tensor, sScale: cute.Tensor, run: cute.Tensor, runShift: cute.Tensor,
+               runScale: cute.Tensor):
+    """Add the run's sums to its table row's shared accumulators (this thread's columns) and clear them."""
+    aShift = fused_vec(sShift, run[0], cute.AddressSpace.smem)
+    aShift.store(aShift.load() + runShift.load())
+    aScale = fused_vec(sScale, run[0], cute.AddressSpace.smem)
+    aScale.store(aScale.load() + runScale.load())
+    runShift.fill(0.0)
+    runScale.fill(0.0)
+
+
+@cute.jit
+def _fused_step(mG, mX, mDx, mIdx, mTabRows, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, run, runShift,
+                runScale, first, step,
                 rank, tidx, col, eps: Float32, rows: cutlass.Constexpr, step_rows: cutlass.Constexpr,
                 width: cutlass.Constexpr, threads: cutlass.Constexpr):
     """Rows [first, first + rows) of this CTA's column slice: all loads first; the two per-row partial sums
@@ -389,13 +402,15 @@ def _fused_step(mG, mX, mDx, mIdx, mTabRows, sTab, sShift, sScale, sWarp, sPub, 
         g = opaque_vec(gs[i])
         dn, dxhat = _fused_terms(g, sTab, tab[i], w)
         xhat = opaque_vec(xs[i]).to(Float32) * rstd
-        fused_vec(mDx, base + i * width, cute.AddressSpace.gmem).store(((dxhat - xhat * mean_dot) * rstd * poison[i]).to(BFloat16))
+        dx = (dxhat - xhat * mean_dot) * rstd * poison[i]
+        fused_vec(mDx, base + i * width, cute.AddressSpace.gmem).store(dx.to(BFloat16))
         if poison[i] == 1.0:  # rows with an out-of-range index add nothing
             accW.store(accW.load() + dn * xhat)
-            aShift = fused_vec(sShift, tab[i], cute.AddressSpace.smem)
-            aShift.store(aShift.load() + g.to(Float32))
-            aScale = fused_vec(sScale, tab[i], cute.AddressSpace.smem)
-            aScale.store(aScale.load() + g.to(Float32) * (xhat * w))
+            if tab[i] != run[0]:
+                _flush_run(sShift, sScale, run, runShift, runScale)
+                run[0] = tab[i]
+            runShift.store(runShift.load() + g.to(Float32))
+            runScale.store(runScale.load() + g.to(Float32) * (xhat * w))
 
 
 @cute.kernel
@@ -422,10 +437,18 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
         fused_vec(sShift, r * slice_width + own, cute.AddressSpace.smem).store(zero)
         fused_vec(sScale, r * slice_width + own, cute.AddressSpace.smem).store(zero)
     for r in cutlass.range(table_rows):
-        fused_vec(sTab, r * slice_width + own, cute.AddressSpace.smem).store(fused_vec(mScale, r * mScale.stride[0] + col, cute.AddressSpace.gmem).load())
+        scale_row = fused_vec(mScale, r * mScale.stride[0] + col, cute.AddressSpace.gmem).load()
+        fused_vec(sTab, r * slice_width + own, cute.AddressSpace.smem).store(scale_row)
     w = fused_vec(mW, col, cute.AddressSpace.gmem).load().to(Float32)
     accW = cute.make_rmem_tensor((FUSED_VEC,), Float32)
     accW.fill(0.0)
+    # the current run of rows with one table row (its slice offset in run[0]; row 0 and zeros to begin with)
+    run = cute.make_rmem_tensor((1,), Int32)
+    run[0] = own
+    runShift = cute.make_rmem_tensor((FUSED_VEC,), Float32)
+    runShift.fill(0.0)
+    runScale = cute.make_rmem_tensor((FUSED_VEC,), Float32)
+    runScale.fill(0.0)
     # every CTA of the cluster has started (its shared memory exists) before any partial is pushed to it
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
@@ -433,11 +456,14 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
     full_steps = (end - begin) // step_rows
     batched_end = begin + full_steps * step_rows
     for first in cutlass.range(begin, batched_end, step_rows):
-        _fused_step(mG, mX, mDx, mIdx, mScale, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, first,
-                    (first - begin) // step_rows, rank, tidx, col, eps, step_rows, step_rows, width, threads)
+        _fused_step(mG, mX, mDx, mIdx, mScale, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, run, runShift,
+                    runScale, first, (first - begin) // step_rows, rank, tidx, col, eps, step_rows, step_rows, width,
+                    threads)
     for first in cutlass.range(batched_end, end):  # the last rows one at a time
-        _fused_step(mG, mX, mDx, mIdx, mScale, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, first,
-                    full_steps + first - batched_end, rank, tidx, col, eps, 1, step_rows, width, threads)
+        _fused_step(mG, mX, mDx, mIdx, mScale, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, run, runShift,
+                    runScale, first, full_steps + first - batched_end, rank, tidx, col, eps, 1, step_rows, width,
+                    threads)
+    _flush_run(sShift, sScale, run, runShift, runScale)
     fused_vec(mPartW, Int64(group) * mPartW.stride[0] + col, cute.AddressSpace.gmem).store(accW.load())
     for r in cutlass.range(table_rows):
         src = r * slice_width + own
