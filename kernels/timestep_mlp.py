@@ -9,7 +9,7 @@ row count (symbolic in every compiled kernel):
 | fc1 | h = silu(z) (T, 5376) | x (T, 256) | w1 | 256 | bias + SiLU, fused |
 | fc1_zh | z and h (backward recompute) | x | w1 | 256 | bias + SiLU, fused |
 | fc2 | temb partials (6, T, 2688) | h | w2 | 5376 | partial, folded + b2 |
-| fc2_dgrad | dh partials (3, T, 5376) | grad | w2^T (w2 read N-major) | 2688 | partial, folded * silu'(z) |
+| fc2_dgrad | dh partials (3, T, 5376) | grad | w2^T (w2 read N-major) | 2688 | partial, folded * silu'(z) (+ db1) |
 | fc1_dgrad | dx partials (6, T, 256) | dz | w1^T (w1 read N-major) | 5376 | partial, folded |
 | fc2_wgrad | dW2 (2688, 5376) | grad.t() (M-major) | h.t() (N-major) | T, tail zero-filled | store |
 | fc1_wgrad | dW1 (5376, 256) | dz.t() (M-major) | x.t() (N-major) | T, tail zero-filled | store |
@@ -17,7 +17,8 @@ row count (symbolic in every compiled kernel):
 Split-K is part of the numeric contract: K is cut into K_SLICE = 896-long slices (one slice when K
 is not a multiple of it), each summed from +0 in increasing k as IEEE FP32 adds of 8-deep 3xTF32
 tensor-core chunk sums (gemm_tf32x3.K_CHUNK), and `timestep_mlp_fold` adds the
-slice partials in slice order, then the bias (or multiplies by silu'(z)). The slice count depends on
+slice partials in slice order, then the bias (the dz mode of `timestep_mlp_colsum` multiplies by
+silu'(z) instead, and sums the dz rows into db1 on the way). The slice count depends on
 K only, never on T or on the tile config, so forward outputs and dx are batch-invariant and every
 config gives the same bits. The weight-gradient GEMMs reduce over T in one slice (the k rows past T
 of the last tile are zeroed in shared memory: they add +0); db1/db2 are `timestep_mlp_colsum` of
@@ -57,10 +58,10 @@ ROLES = {
     "fc2_wgrad": (TEMB_WIDTH, HIDDEN, None, "partial"),
     "fc1_wgrad": (HIDDEN, SINUSOID_WIDTH, None, "partial"),
 }
-FOLD_MODES = ("bias", "dsilu", "sum")
+FOLD_MODES = ("bias", "sum")
 # Roles whose B operand (a weight) the immediately preceding kernel of the launcher never writes:
 # their first B tiles are streamed before the PDL wait (fc2 and fc2_dgrad follow fc1, which writes
-# z / h; fc1_dgrad follows the dsilu fold, which writes dz).
+# z / h; fc1_dgrad follows the dz kernel, which writes dz and db1).
 PREFETCH_B_ROLES = ("fc2", "fc2_dgrad", "fc1_dgrad")
 # Roles whose B is W^T read in place: the kernel takes W.t() (an (N, K) view with strides (1, N))
 # and stages it N-major in shared memory; no transposed copy of w1 / w2 is ever made.
@@ -155,10 +156,6 @@ def _fold_kernel(mP: cute.Tensor, mAux: cute.Tensor, mOut: cute.Tensor, splits: 
             acc = acc + mP[s, m, c]
         if cutlass.const_expr(mode == "bias"):
             acc = acc + mAux[c]
-        if cutlass.const_expr(mode == "dsilu"):
-            z = mAux[m, c]
-            sig = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-z))
-            acc = acc * (sig * (cutlass.Float32(1.0) + z * (cutlass.Float32(1.0) - sig)))
         mOut[m, c] = acc
 
 
@@ -173,22 +170,34 @@ def _fold_launch(mP: cute.Tensor, mAux: cute.Tensor, mOut: cute.Tensor, stream, 
 
 
 def build_fold(arch: str, *, role: str, mode: str):
-    """Fold the split-K partials of `role`: "bias" (aux = bias (N,)), "dsilu" (aux = z (T, N)), "sum"."""
+    """Fold the split-K partials of `role`: "bias" (aux = bias (N,)) or "sum" (aux unused)."""
     if mode not in FOLD_MODES:
         raise ValueError(f"unknown fold mode {mode!r}; one of {FOLD_MODES}")
     rows, n, k, _ = ROLES[role]
     splits = k_splits(k)
     m_dim = cute.sym_int()
-    aux = {"bias": (n,), "dsilu": (m_dim, n), "sum": (1,)}[mode]
+    aux = {"bias": (n,), "sum": (1,)}[mode]
     return compile_for(arch, _fold_launch, _compact((splits, m_dim, n)), _compact(aux), _compact((m_dim, n)),
                        env_stream(), splits, n, mode)
 
 
-# --- colsum: out[n] = sum_t A[t, n] (bias gradients over T rows, in a fixed order) -------------
+# --- colsum: db[n] = sum_t A[t, n] (bias gradients over T rows, in a fixed order) --------------
+
+
+@cute.jit
+def _dz(mP: cute.Tensor, mZ: cute.Tensor, t, col):
+    """dz = (dh slice partials added in slice order) * silu'(z), silu'(z) = s (1 + z (1 - s))."""
+    acc = mP[0, t, col]
+    for s in cutlass.range_constexpr(1, cute.size(mP, mode=[0])):
+        acc = acc + mP[s, t, col]
+    z = mZ[t, col]
+    sig = cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(-z))
+    return acc * (sig * (cutlass.Float32(1.0) + z * (cutlass.Float32(1.0) - sig)))
 
 
 @cute.kernel
-def _colsum_kernel(mA: cute.Tensor, mOut: cute.Tensor):
+def _colsum_kernel(mA: cute.Tensor, mZ: cute.Tensor, mDz: cute.Tensor, mOut: cute.Tensor,
+                   fold_dz: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     cute.arch.griddepcontrol_wait()  # PDL: the rows may be the previous kernel's output
@@ -201,10 +210,16 @@ def _colsum_kernel(mA: cute.Tensor, mOut: cute.Tensor):
                                  byte_alignment=16)
     # Row group g (one warp) sums rows g, g + G, g + 2G, ... of its 32 columns in increasing order
     # (a warp reads 128 contiguous bytes per row; unrolled so several rows' loads are in flight);
-    # then one thread adds the G partials in group order.
+    # then one thread adds the G partials in group order. fold_dz: the rows are dz, made here from
+    # fc2_dgrad's partials and z and stored on the way (db1 without a second pass over dz).
     acc = cutlass.Float32(0.0)
-    for t in cutlass.range(group, mA.shape[0], COLSUM_GROUPS, unroll=4):
-        acc = acc + mA[t, col]
+    for t in cutlass.range(group, mZ.shape[0], COLSUM_GROUPS, unroll=4):
+        if cutlass.const_expr(fold_dz):
+            v = _dz(mA, mZ, t, col)
+            mDz[t, col] = v
+            acc = acc + v
+        else:
+            acc = acc + mA[t, col]
     sPart[group, lane] = acc
     cute.arch.sync_threads()
     if group == 0:
@@ -215,17 +230,22 @@ def _colsum_kernel(mA: cute.Tensor, mOut: cute.Tensor):
 
 
 @cute.jit
-def _colsum_launch(mA: cute.Tensor, mOut: cute.Tensor, stream):
-    _colsum_kernel(mA, mOut).launch(
-        grid=(mA.shape[1] // 32, 1, 1), block=(32 * COLSUM_GROUPS, 1, 1), stream=stream, use_pdl=True,
+def _colsum_launch(mA: cute.Tensor, mZ: cute.Tensor, mDz: cute.Tensor, mOut: cute.Tensor, stream,
+                   fold_dz: cutlass.Constexpr):
+    _colsum_kernel(mA, mZ, mDz, mOut, fold_dz).launch(
+        grid=(mOut.shape[0] // 32, 1, 1), block=(32 * COLSUM_GROUPS, 1, 1), stream=stream, use_pdl=True,
     )
 
 
-def build_colsum(arch: str, *, cols: int):
-    """db = column sums of a (T, cols) activation gradient; cols a multiple of 32."""
+def build_colsum(arch: str, *, cols: int, fold_dz: bool):
+    """db (cols,) = column sums of a (T, cols) tensor A, called (A, A, A, db); or with fold_dz, of
+    dz = fold(fc2_dgrad partials) * silu'(z), called (partials (3, T, cols), z, dz out, db1)."""
     if cols % 32:
         raise ValueError(f"colsum needs a multiple of 32 columns, got {cols}")
-    return compile_for(arch, _colsum_launch, _compact((cute.sym_int(), cols)), _compact((cols,)), env_stream())
+    rows = cute.sym_int()
+    first = _compact((role_splits("fc2_dgrad"), rows, cols)) if fold_dz else _compact((rows, cols))
+    return compile_for(arch, _colsum_launch, first, _compact((rows, cols)), _compact((rows, cols)),
+                       _compact((cols,)), env_stream(), fold_dz)
 
 
 # --- what the launcher may ask for --------------------------------------------------------------
@@ -243,7 +263,7 @@ GEMM_TILES = {
     "fc2_wgrad": ((128, 128, 32, 3, 2, 4),),
     "fc1_wgrad": ((64, 64, 32, 4, 2, 2),),
 }
-FOLDS = (("fc2", "bias"), ("fc2_dgrad", "dsilu"), ("fc1_dgrad", "sum"))
+FOLDS = (("fc2", "bias"), ("fc1_dgrad", "sum"))  # fc2_dgrad's partials: the colsum kernel's dz mode
 
 
 SPECS = [
@@ -263,7 +283,7 @@ SPECS = [
     KernelSpec(
         name="timestep_mlp_colsum",
         build=build_colsum,
-        variants=lambda arch: [dict(cols=TEMB_WIDTH), dict(cols=HIDDEN)],
+        variants=lambda arch: [dict(cols=TEMB_WIDTH, fold_dz=False), dict(cols=HIDDEN, fold_dz=True)],
         ptx_markers=("bar.sync",),
         ptx_forbidden=("atom.", "\tred."),  # no atomics, no reductions to memory
     ),

@@ -78,11 +78,11 @@ def _steps(num_rows: int, dev):
     gemm = lambda role, tile: runtime.kernel("timestep_mlp_gemm", dev, role=role, tile=tile.astuple())  # noqa: E731
     fold = lambda role, mode: runtime.kernel("timestep_mlp_fold", dev, role=role, mode=mode)  # noqa: E731
     fc1, fc2, fc1_zh = gemm("fc1", cfg.fc1), gemm("fc2", cfg.fc2), gemm("fc1_zh", cfg.fc1)
-    fold_fc2, fold_dh, fold_dx = fold("fc2", "bias"), fold("fc2_dgrad", "dsilu"), fold("fc1_dgrad", "sum")
+    fold_fc2, fold_dx = fold("fc2", "bias"), fold("fc1_dgrad", "sum")
     dgrad2, dgrad1 = gemm("fc2_dgrad", cfg.fc2_dgrad), gemm("fc1_dgrad", cfg.fc1_dgrad)
     wgrad2, wgrad1 = gemm("fc2_wgrad", L.WGRAD_TILES["fc2_wgrad"]), gemm("fc1_wgrad", L.WGRAD_TILES["fc1_wgrad"])
-    colsum2 = runtime.kernel("timestep_mlp_colsum", dev, cols=D)
-    colsum1 = runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN)
+    colsum2 = runtime.kernel("timestep_mlp_colsum", dev, cols=D, fold_dz=False)
+    dz_db1 = runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True)
     T = L.transposed
     one = dx.new_empty((1,))
 
@@ -92,13 +92,12 @@ def _steps(num_rows: int, dev):
         ("fwd", "fold + b2", lambda: fold_fc2(p_fc2, b2, out)),
         ("bwd", "fc1 (z, h)", lambda: fc1_zh(x, w1, b1, z, h)),
         ("bwd", "fc2_dgrad partials", lambda: dgrad2(grad, T(w2), p_dh)),
-        ("bwd", "fold * silu'(z)", lambda: fold_dh(p_dh, z, dz)),
+        ("bwd", "dz fold + db1", lambda: dz_db1(p_dh, z, dz, db1)),
         ("bwd", "fc1_dgrad partials", lambda: dgrad1(dz, T(w1), p_dx)),
         ("bwd", "fold dx", lambda: fold_dx(p_dx, one, dx)),
         ("bwd", "fc2_wgrad dW2", lambda: wgrad2(T(grad), T(h), dw2)),
         ("bwd", "fc1_wgrad dW1", lambda: wgrad1(T(dz), T(x), dw1)),
-        ("bwd", "colsum db2", lambda: colsum2(grad, db2)),
-        ("bwd", "colsum db1", lambda: colsum1(dz, db1)),
+        ("bwd", "colsum db2", lambda: colsum2(grad, grad, grad, db2)),
     ]
     whole = {
         "fwd": lambda: L.forward(x, w1, b1, w2, b2),

@@ -34,7 +34,7 @@ def test_split_counts_match_the_kernels(K):
     assert L.SPLITS == {r: K.role_splits(r) for r in L.SPLITS}
     assert L.SPLITS == {"fc2": 6, "fc2_dgrad": 3, "fc1_dgrad": 6}
     assert K.role_splits("fc1") == 1 and K.role_splits("fc2_wgrad") == 1
-    assert {r for r, _ in K.FOLDS} == set(L.SPLITS)
+    assert {r for r, _ in K.FOLDS} | {"fc2_dgrad"} == set(L.SPLITS)  # fc2_dgrad: colsum's dz mode
 
 
 def test_every_pickable_tile_is_a_built_variant(K):
@@ -296,10 +296,19 @@ def test_each_gemm_role_against_fp64(num_rows):
     runtime.kernel("timestep_mlp_gemm", x.device, role="fc2_wgrad", tile=L.WGRAD_TILES["fc2_wgrad"].astuple())(
         L.transposed(g), L.transposed(hh), dw2)
     assert _rel(dw2[0], grad.double().t() @ h.double()) <= GRAD_TOL
-    for rows, cols in ((g, D), (dz, HIDDEN)):
-        db = torch.full((cols,), float("nan"), device="cuda")
-        runtime.kernel("timestep_mlp_colsum", x.device, cols=cols)(rows, db)
-        assert _rel(db, rows.double().sum(0)) <= GRAD_TOL
+    db2 = torch.full((D,), float("nan"), device="cuda")
+    runtime.kernel("timestep_mlp_colsum", x.device, cols=D, fold_dz=False)(g, g, g, db2)
+    assert _rel(db2, grad.double().sum(0)) <= GRAD_TOL
+    # dz mode: dz = (dh slice partials in order) * silu'(z), and db1 = its column sums
+    dh_partials = torch.stack([_randn((num_rows, HIDDEN), 74 + s) for s in range(3)])
+    zz = rows_then_nan(z)
+    dz_out = torch.full((num_rows, HIDDEN), float("nan"), device="cuda")
+    db1 = torch.full((HIDDEN,), float("nan"), device="cuda")
+    runtime.kernel("timestep_mlp_colsum", x.device, cols=HIDDEN, fold_dz=True)(dh_partials, zz, dz_out, db1)
+    sig = torch.sigmoid(z.double())
+    dz64 = dh_partials.double().sum(0) * sig * (1 + z.double() * (1 - sig))
+    assert _rel(dz_out, dz64) <= FWD_TOL
+    assert _rel(db1, dz_out.double().sum(0)) <= GRAD_TOL
 
 
 @pytest.mark.gpu

@@ -3,13 +3,14 @@
 Forward (3 launches): fc1 GEMM with bias + SiLU fused (h), fc2 GEMM into 6 fixed K-slice partials,
 fold (slice order, + b2). Backward (recomputes z, h with the forward's fc1 kernel: GEMM1 is 1/21 of
 the FLOPs, and the public op returns only temb): dh partials = grad w2 (3 slices), fold * silu'(z) ->
-dz; dx partials = dz w1 (6 slices), fold; dW2 = grad^T h and dW1 = dz^T x as T-deep GEMMs;
-db2, db1 = column sums of grad, dz. No copies: the dgrad GEMMs read w2, w1 and the weight-gradient
-GEMMs read grad, h, dz, x in place, through their `transposed` views (9 launches, all PDL).
+dz (and db1 = column sums of dz, same kernel); dx partials = dz w1 (6 slices), fold; dW2 = grad^T h
+and dW1 = dz^T x as T-deep GEMMs; db2 = column sums of grad. No copies: the dgrad GEMMs read w2, w1
+and the weight-gradient GEMMs read grad, h, dz, x in place, through their `transposed` views
+(8 launches, all PDL).
 
 Launch order is part of the kernels' PDL contract (kernels/timestep_mlp.py, PREFETCH_B_ROLES): fc2,
 fc2_dgrad and fc1_dgrad prefetch their weight before waiting on the previous kernel, so the kernel
-launched right before each must not write that weight (fc1 / fc1_zh / the dsilu fold do not).
+launched right before each must not write that weight (fc1 / fc1_zh / the dz kernel do not).
 
 Config choice may look at T (it changes only speed): every config in CONFIGS gives the same bits,
 because the summation order is fixed by K and the slice count (kernels/timestep_mlp.py). The op
@@ -141,7 +142,9 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None):
     dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, HIDDEN), **f32)
     _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)  # w2 read N-major in place
     dz = torch.empty((num_rows, HIDDEN), **f32)
-    _fold(dev, "fc2_dgrad", "dsilu")(dh_partials, z, dz)
+    db1 = torch.empty((HIDDEN,), **f32)
+    # dz = fold(dh partials) * silu'(z), and db1 = column sums of dz, in one pass
+    runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True)(dh_partials, z, dz, db1)
 
     dx_partials = torch.empty((SPLITS["fc1_dgrad"], num_rows, SINUSOID_WIDTH), **f32)
     _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, transposed(w1), dx_partials)
@@ -154,7 +157,5 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None):
     _gemm(dev, "fc1_wgrad", WGRAD_TILES["fc1_wgrad"])(transposed(dz), transposed(x), dw1)
 
     db2 = torch.empty((TEMB_WIDTH,), **f32)
-    runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH)(grad, db2)
-    db1 = torch.empty((HIDDEN,), **f32)
-    runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN)(dz, db1)
+    runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH, fold_dz=False)(grad, grad, grad, db2)
     return dx, dw1[0], db1, dw2[0], db2
