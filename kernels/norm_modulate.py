@@ -17,11 +17,13 @@ Backward, FP32 math as the CPU reference (h3cute.ops.adaln._modulate_backward_fp
 dweight = sum dn * xhat, dshift[r] = sum g, dscale[r] = sum g * (xhat * w), per fixed row group as FP32
 partials that `rowwise_fold` finishes. No atomics.
   `norm_modulate_bwd_fused` (tables of <= 24 rows): one pass over (grad, x). A 7-CTA cluster per row group,
-      CTA k owning columns [k * H/7, (k+1) * H/7) and that slice of the table accumulators in shared memory;
-      per step of 16 rows the per-row sums of x^2 and dxhat * x are exchanged through distributed shared
-      memory (each CTA pushes its partials to all, one cluster barrier), summed over ranks in order, and each
-      CTA finishes dx and the accumulations of its slice (the next step's rows are prefetched into L2
-      meanwhile). rstd = rsqrt.approx(ss / H + eps) with ss in that order (not torch's forward order).
+      CTA k owning columns [k * H/7, (k+1) * H/7) (192 threads of 4 columns) and that slice of the table
+      accumulators in shared memory; per step of 16 rows the per-row sums of x^2 and dxhat * x are exchanged
+      through distributed shared memory (each CTA pushes its partials to all, one cluster barrier), summed over
+      ranks in order, and each CTA finishes dx and the accumulations of its slice (the next step's rows are
+      prefetched into L2 meanwhile). rstd = rsqrt.approx(ss / H + eps) with ss in that order (not torch's
+      forward order). dshift/dscale: each run of consecutive rows with one table row is summed in registers and
+      added to shared memory when the table row changes (docs/row_kernels.md).
   `norm_modulate_bwd_rows` + `norm_modulate_bwd_params` (25..48 table rows): a row kernel (rstd exactly as the
       forward, dx, an FP32 rstd workspace) and the column reduction of kernels/rowwise.py re-reading grad, x.
 """
@@ -49,8 +51,8 @@ CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768
 # per-step compute between the cluster barriers (H200: 0.46 of copy bandwidth).
 FUSED_VEC = 4
 # Rows per cluster exchange of the fused backward (their loads in flight together): the launcher uses 16,
-# 8 is bundled for perf/row_kernels.py. Both must stay <= 168 registers (ptxas, sm_90a): 2 CTAs of 192 threads
-# per SM.
+# 8 is bundled for perf/row_kernels.py. The launch caps registers at 168 for 2 CTAs of 192 threads per SM
+# (ptxas, sm_90a: 168 + 64 B of spills at 16, 146 at 8).
 FUSED_STEPS = (16, 8)
 FUSED_CAPS = (12, 24)  # table-row capacities the fused backward holds in shared memory; 48 takes rows + params
 FUSED_CTAS_PER_SM = {12: 2, 24: 1}  # by shared memory: 94 KB, 187 KB per CTA
