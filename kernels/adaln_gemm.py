@@ -54,13 +54,15 @@ BIAS_ROW_GROUPS = 32
 # separate launch costs more than its work there. Beyond it the launch runs adaln_bias_grad.
 FUSED_DBIAS_ROWS = 64
 assert FUSED_DBIAS_ROWS <= 2 * BIAS_ROW_GROUPS  # _store_dbias handles groups of one or two rows
+_DBIAS_BATCH = 16
 _MMA_SHAPE = (16, 8, 16)
 _COPY_BITS = 128
 
 
 @dataclass(frozen=True)
 class GemmTile:
-    """CTA tile (bm x bn x bk), warp grid (warps_m x warps_n) and cp.async pipeline depth."""
+    """CTA tile (bm x bn x bk), warp grid (warps_m x warps_n) and cp.async pipeline depth;
+    `ctas_per_sm` > 0 asks ptxas for that many resident CTAs (.maxntid + .minnctapersm: a register cap)."""
 
     bm: int
     bn: int
@@ -68,10 +70,18 @@ class GemmTile:
     warps_m: int
     warps_n: int
     stages: int
+    ctas_per_sm: int = 0
 
     @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n
+
+    def launch_bounds(self) -> dict:
+        """Extra launch arguments: the occupancy request (with the largest smem carveout) if any."""
+        if not self.ctas_per_sm:
+            return {}
+        return dict(max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
+                    preferred_smem_carveout=100)
 
     def check(self) -> None:
         # The tiled MMA is (16 warps_m) x (16 warps_n) x 16 (two n8 atoms per warp so ldmatrix.x4
@@ -109,14 +119,19 @@ WGMMA_CONFIGS = {
 WGRAD_CONFIGS = {
     # T > 64: MMA-bound, the big tile.
     "wgrad": GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4),
-    # T <= 64: writing dW (520 MB) is the whole cost; 36 KB of smem (the C tile reuses A's stages)
-    # lets 6 CTAs share an SM, so stores keep streaming while other CTAs load or compute.
-    "wgrad_n64": GemmTile(bm=128, bn=64, bk=32, warps_m=2, warps_n=2, stages=3),
+    # T <= 64: writing dW (520 MB) is the whole cost, so resident CTAs (dW bytes in flight) matter:
+    # 36 KB of smem (the C tile reuses A's stages) would allow 6 per SM, registers allow 3 (ptxas:
+    # 140); the cap at 4 per SM costs ptxas 12 bytes of spill (sm_90a). 5 would spill 260 bytes.
+    "wgrad_n64": GemmTile(bm=128, bn=64, bk=32, warps_m=2, warps_n=2, stages=3, ctas_per_sm=4),
 }
-# The same two dW tiles for the wgmma family (2 warpgroups of 64 rows).
+# The same dW tiles for the wgmma family (2 warpgroups of 64 rows): wg_wgrad_n64 needs 64 registers
+# (4 CTAs per SM; a cap at 5 does not assemble). One more tile to measure against it.
 WGRAD_WGMMA_CONFIGS = {
     "wg_wgrad": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=4),
     "wg_wgrad_n64": GemmTile(bm=128, bn=64, bk=32, warps_m=8, warps_n=1, stages=3),
+    # One warpgroup over both 64-row slabs: 96 registers x 128 threads, 5 CTAs per SM without spills
+    # (a cap at 6 spills 1 KB), 25% more dW bytes in flight than wg_wgrad_n64 if its epilogue keeps up.
+    "wg_wgrad_n64_1wg": GemmTile(bm=128, bn=64, bk=32, warps_m=4, warps_n=1, stages=3, ctas_per_sm=5),
 }
 
 
@@ -254,23 +269,26 @@ class _WarpMmaGemm:
     def _store_dbias(self, mA: cute.Tensor, mDbias: cute.Tensor, n_tile, m_tile, tidx):
         """db[m] = bf16(sum_t grad^T[m, t]) by one thread per row m of the first N tile's CTAs, in
         adaln_bias_grad's order: ascending rows within BIAS_ROW_GROUPS groups of ceil(T / G) rows (1 or
-        2 here), group sums folded in group order, so the same bits. All T <= FUSED_DBIAS_ROWS loads are
-        issued before the first add (absent rows read as 0, which leaves every sum unchanged)."""
+        2 here), group sums folded in group order, so the same bits. Loads go out a batch at a time before
+        its adds (absent rows read as 0, which leaves every sum unchanged: no sum here is ever -0)."""
         rows = cute.size(mA, mode=[1])
         m = m_tile * self.tile.bm + tidx
         if n_tile == 0 and rows <= FUSED_DBIAS_ROWS and tidx < self.tile.bm and m < cute.size(mA, mode=[0]):
-            vals = cute.make_rmem_tensor(cute.make_layout(FUSED_DBIAS_ROWS), cutlass.Float32)
-            for r in cutlass.range_constexpr(FUSED_DBIAS_ROWS):
-                vals[r] = cutlass.Float32(0.0)
-                if r < rows:
-                    vals[r] = mA[m, r].to(cutlass.Float32)
+            # Loads in batches of _DBIAS_BATCH rows (few registers next to the dW kernel's own).
+            vals = cute.make_rmem_tensor(cute.make_layout(_DBIAS_BATCH), cutlass.Float32)
             acc = cutlass.Float32(0.0)
-            if rows <= BIAS_ROW_GROUPS:  # one row per group
-                for g in cutlass.range_constexpr(BIAS_ROW_GROUPS):
-                    acc = acc + (cutlass.Float32(0.0) + vals[g])
-            else:  # two rows per group
-                for g in cutlass.range_constexpr(BIAS_ROW_GROUPS):
-                    acc = acc + ((cutlass.Float32(0.0) + vals[2 * g]) + vals[2 * g + 1])
+            for b in cutlass.range_constexpr(FUSED_DBIAS_ROWS // _DBIAS_BATCH):
+                for i in cutlass.range_constexpr(_DBIAS_BATCH):
+                    vals[i] = cutlass.Float32(0.0)
+                    if b * _DBIAS_BATCH + i < rows:
+                        vals[i] = mA[m, b * _DBIAS_BATCH + i].to(cutlass.Float32)
+                if rows <= BIAS_ROW_GROUPS:  # one row per group: groups b * batch + i
+                    if cutlass.const_expr(b * _DBIAS_BATCH < BIAS_ROW_GROUPS):
+                        for i in cutlass.range_constexpr(_DBIAS_BATCH):
+                            acc = acc + (cutlass.Float32(0.0) + vals[i])
+                else:  # two rows per group
+                    for i in cutlass.range_constexpr(_DBIAS_BATCH // 2):
+                        acc = acc + ((cutlass.Float32(0.0) + vals[2 * i]) + vals[2 * i + 1])
             mDbias[m] = acc.to(cutlass.BFloat16)
 
     @cute.jit
@@ -293,7 +311,7 @@ class _WarpMmaGemm:
             self.k_splits,
         )
         self.kernel(mA, mB, mC, mBias, sA_layout, sA_swizzle, sB_layout, sB_swizzle, copy_A, copy_B, tiled_mma).launch(
-            grid=grid, block=[t.threads, 1, 1], stream=stream
+            grid=grid, block=[t.threads, 1, 1], stream=stream, **t.launch_bounds()
         )
 
     # --------------------------------------------------------------------------------- device
@@ -533,7 +551,7 @@ class _WgmmaGemm(_WarpMmaGemm):
             self.k_splits,
         )
         self.wgmma_kernel(mA, mB, mC, mBias, sA_layout, sB_layout, copy_A, copy_B, tiled_mma).launch(
-            grid=grid, block=[t.threads, 1, 1], stream=stream
+            grid=grid, block=[t.threads, 1, 1], stream=stream, **t.launch_bounds()
         )
 
     @cute.kernel
