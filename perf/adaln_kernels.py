@@ -67,8 +67,9 @@ def _steps(rows: int, family: str, buf: dict, dev):
         kind = "step" if c == chosen else "alt"
         steps.append(("fwd", "proj_fwd", c, kind, w_bytes + rows * D * BF16 + N * BF16 + rows * N * BF16, gemm_flops,
                       _kernel("adaln_proj_fwd" + sfx, dev, out_features=N, config=c), (act, w, b, out)))
-    for c in (chosen, *[c for c in configs if c != chosen]):
-        kind = "step" if c == chosen else "alt"
+    chosen_dgrad = L.dgrad_config_for_rows(rows, wgmma)
+    for c in (chosen_dgrad, *[c for c in configs if c != chosen_dgrad]):
+        kind = "step" if c == chosen_dgrad else "alt"
         steps.append(("bwd", "proj_dgrad", c, kind, w_bytes + rows * N * BF16 + L.DGRAD_SPLITS * rows * D * F32,
                       gemm_flops, _kernel("adaln_proj_dgrad" + sfx, dev, out_features=N, config=c), (grad, w, partial)))
     # The fold also writes the dW GEMM's act (the backward has no silu_cast launch).
@@ -111,6 +112,7 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     t0 = time.time()
     families = ["warp"] + (["wgmma"] if runtime.arch_of(dev) == "sm_90a" else [])
+    default_family = L.SM90_FAMILY if runtime.arch_of(dev) == "sm_90a" else "warp"
     report = {"gpu": torch.cuda.get_device_name(dev), "arch": runtime.arch_of(dev), "samples": SAMPLES,
               "warmup": WARMUP, "out_features": N, "sm90_family": L.SM90_FAMILY, "sizes": {}}
     for rows in SIZES:
@@ -127,10 +129,13 @@ def main() -> int:
                     rec.update(us=us, gbps=nbytes / us * 1e-3, tflops=flops / us * 1e-6)
                 records.append(rec)
             config = L.config_for_rows(rows, family == "wgmma")
+            # The device's own family runs as the op does (config=None: per-GEMM configs); the other
+            # family only through an explicit config (the forward's, for its dgrad too).
+            op_config = None if family == default_family else config
             ops = {}
             try:
-                ops["fwd"] = _median_us(lambda: L.forward(buf["temb"], buf["w"], buf["b"], config=config))
-                ops["bwd"] = _median_us(lambda: L.backward(buf["grad"], buf["temb"], buf["w"], config=config))
+                ops["fwd"] = _median_us(lambda: L.forward(buf["temb"], buf["w"], buf["b"], config=op_config))
+                ops["bwd"] = _median_us(lambda: L.backward(buf["grad"], buf["temb"], buf["w"], config=op_config))
             except Exception as exc:  # a missing kernel: the steps above say which
                 ops["error"] = f"{type(exc).__name__}: {exc}"[:200]
             for phase in ("fwd", "bwd"):

@@ -104,6 +104,8 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     for rows in (1, 8, 16, 17, 64, 65, 2048, 4096):
         assert launch.config_for_rows(rows) in launch.CONFIGS
         assert launch.config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS
+        assert launch.dgrad_config_for_rows(rows) in launch.CONFIGS
+        assert launch.dgrad_config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS
         assert launch.wgrad_config_for_rows(rows) in launch.WGRAD_CONFIGS
         assert launch.wgrad_config_for_rows(rows, wgmma=True) in launch.WGRAD_WGMMA_CONFIGS
 
@@ -203,7 +205,7 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     got = launch.backward(grad, temb, w)
     wgrad_call = dict(out_features=n, **wgrad_static, config=launch.wgrad_config_for_rows(rows, wgmma))
     assert ("adaln_proj_wgrad" + sfx, wgrad_call) in emu.calls
-    assert ("adaln_proj_dgrad" + sfx, dict(out_features=n, config=launch.config_for_rows(rows, wgmma))) in emu.calls
+    assert ("adaln_proj_dgrad" + sfx, dict(out_features=n, config=launch.dgrad_config_for_rows(rows, wgmma))) in emu.calls
     # The backward's act comes from dtemb_fold (no silu_cast); db from the dW kernel up to FUSED_DBIAS_ROWS.
     assert not any(name == "adaln_silu_cast" for name, _ in emu.calls)
     assert any(name == "adaln_bias_grad" for name, _ in emu.calls) == (rows > launch.FUSED_DBIAS_ROWS)

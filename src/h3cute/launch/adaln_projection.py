@@ -51,6 +51,18 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
     return "wide"
 
 
+def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
+    """The d_temb GEMM's config for T rows (same bits whatever the config): the fastest on the H200 at
+    2b6f15b, which beyond T = 64 is not the forward's (wgmma T = 256: wg_mid 447 us vs wg_wide 544)."""
+    if wgmma:
+        return "wg_skinny" if rows <= 16 else "wg_mid"
+    if rows <= 16:
+        return "skinny"
+    if rows <= 64:
+        return "mid"
+    return "wide" if rows <= 256 else "wide_8warps"
+
+
 def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     """A family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs."""
     config = "wgrad_n64" if rows <= 64 else "wgrad"
@@ -94,7 +106,7 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
     partial = torch.empty((DGRAD_SPLITS, rows, TEMB_WIDTH), dtype=torch.float32, device=device)
     wgmma = _uses_wgmma(device, config)
     runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", device, out_features=out_features,
-                   config=config or config_for_rows(rows, wgmma))(grad, weight, partial)
+                   config=config or dgrad_config_for_rows(rows, wgmma))(grad, weight, partial)
     dtemb = torch.empty((rows, TEMB_WIDTH), dtype=torch.float32, device=device)
     act = torch.empty((rows, TEMB_WIDTH), dtype=torch.bfloat16, device=device)  # bf16(silu(temb))
     runtime.kernel("adaln_dtemb_fold", device, width=TEMB_WIDTH)(partial, temb, dtemb, act)
