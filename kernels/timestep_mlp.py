@@ -260,7 +260,7 @@ GEMM_TILES = {
     "fc2": ((16, 64, 32, 6, 1, 4), (16, 64, 64, 5, 1, 4)) + _SHARED_TILES,
     "fc2_dgrad": ((16, 64, 32, 6, 1, 4), (16, 64, 64, 5, 1, 4)) + _SHARED_TILES,
     "fc1_dgrad": ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4)) + _SHARED_TILES,
-    "fc2_wgrad": ((128, 128, 32, 3, 2, 4),),
+    "fc2_wgrad": ((128, 128, 32, 3, 2, 4), (128, 128, 32, 5, 2, 4), (64, 64, 32, 4, 2, 2)),
     "fc1_wgrad": ((64, 64, 32, 4, 2, 2),),
 }
 FOLDS = (("fc2", "bias"), ("fc1_dgrad", "sum"))  # fc2_dgrad's partials: the colsum kernel's dz mode

@@ -80,7 +80,7 @@ def _steps(num_rows: int, dev):
     fc1, fc2, fc1_zh = gemm("fc1", cfg.fc1), gemm("fc2", cfg.fc2), gemm("fc1_zh", cfg.fc1)
     fold_fc2, fold_dx = fold("fc2", "bias"), fold("fc1_dgrad", "sum")
     dgrad2, dgrad1 = gemm("fc2_dgrad", cfg.fc2_dgrad), gemm("fc1_dgrad", cfg.fc1_dgrad)
-    wgrad2, wgrad1 = gemm("fc2_wgrad", L.WGRAD_TILES["fc2_wgrad"]), gemm("fc1_wgrad", L.WGRAD_TILES["fc1_wgrad"])
+    wgrad2, wgrad1 = gemm("fc2_wgrad", cfg.fc2_wgrad), gemm("fc1_wgrad", cfg.fc1_wgrad)
     colsum2 = runtime.kernel("timestep_mlp_colsum", dev, cols=D, fold_dz=False)
     dz_db1 = runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True)
     T = L.transposed

@@ -42,11 +42,9 @@ def test_every_pickable_tile_is_a_built_variant(K):
 
     assert [f.name for f in dataclasses.fields(L.GemmTile)] == [f.name for f in dataclasses.fields(GemmConfig)]
     for cfg in L.CONFIGS:
-        for role in ("fc1", "fc2", "fc2_dgrad", "fc1_dgrad"):
+        for role in ("fc1", "fc2", "fc2_dgrad", "fc1_dgrad", "fc2_wgrad", "fc1_wgrad"):
             assert getattr(cfg, role).astuple() in K.GEMM_TILES[role], (cfg, role)
         assert cfg.fc1.astuple() in K.GEMM_TILES["fc1_zh"], cfg  # the backward's recompute uses cfg.fc1
-    for role, tile in L.WGRAD_TILES.items():
-        assert tile.astuple() in K.GEMM_TILES[role]
     assert {L.pick_config(t) for t in range(1, 5000)} <= set(L.CONFIGS)  # the rest are sweep candidates
 
 
@@ -288,14 +286,16 @@ def test_each_gemm_role_against_fp64(num_rows):
 
     dz = rows_then_nan(_randn((num_rows, HIDDEN), 73))
     g, hh, xx = rows_then_nan(grad), rows_then_nan(h), rows_then_nan(x)
-    dw1 = torch.full((1, HIDDEN, F1), float("nan"), device="cuda")
-    runtime.kernel("timestep_mlp_gemm", x.device, role="fc1_wgrad", tile=L.WGRAD_TILES["fc1_wgrad"].astuple())(
-        L.transposed(dz), L.transposed(xx), dw1)
-    assert _rel(dw1[0], dz.double().t() @ x.double()) <= GRAD_TOL
-    dw2 = torch.full((1, D, HIDDEN), float("nan"), device="cuda")
-    runtime.kernel("timestep_mlp_gemm", x.device, role="fc2_wgrad", tile=L.WGRAD_TILES["fc2_wgrad"].astuple())(
-        L.transposed(g), L.transposed(hh), dw2)
-    assert _rel(dw2[0], grad.double().t() @ h.double()) <= GRAD_TOL
+    for tile in {cfg.fc1_wgrad for cfg in L.CONFIGS}:
+        dw1 = torch.full((1, HIDDEN, F1), float("nan"), device="cuda")
+        runtime.kernel("timestep_mlp_gemm", x.device, role="fc1_wgrad", tile=tile.astuple())(
+            L.transposed(dz), L.transposed(xx), dw1)
+        assert _rel(dw1[0], dz.double().t() @ x.double()) <= GRAD_TOL, tile
+    for tile in {cfg.fc2_wgrad for cfg in L.CONFIGS}:
+        dw2 = torch.full((1, D, HIDDEN), float("nan"), device="cuda")
+        runtime.kernel("timestep_mlp_gemm", x.device, role="fc2_wgrad", tile=tile.astuple())(
+            L.transposed(g), L.transposed(hh), dw2)
+        assert _rel(dw2[0], grad.double().t() @ h.double()) <= GRAD_TOL, tile
     db2 = torch.full((D,), float("nan"), device="cuda")
     runtime.kernel("timestep_mlp_colsum", x.device, cols=D, fold_dz=False)(g, g, g, db2)
     assert _rel(db2, grad.double().sum(0)) <= GRAD_TOL

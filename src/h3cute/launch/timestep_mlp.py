@@ -49,12 +49,14 @@ class GemmTile:
 
 @dataclass(frozen=True)
 class MlpConfig:
-    """One tile per row-count-dependent GEMM (the weight-gradient GEMMs have one fixed tile each)."""
+    """One tile per GEMM role (every choice gives the same bits)."""
 
     fc1: GemmTile
     fc2: GemmTile
     fc2_dgrad: GemmTile
     fc1_dgrad: GemmTile
+    fc2_wgrad: GemmTile
+    fc1_wgrad: GemmTile
 
 
 _SMALL = GemmTile(16, 64, 32, 6, 1, 4)  # deep ring: small T streams the weights
@@ -62,20 +64,26 @@ _WIDE = GemmTile(32, 128, 64, 3, 2, 4)  # 64-deep k tiles: also checks tile_k le
 _MID = GemmTile(64, 64, 32, 4, 2, 2)
 _LARGE = GemmTile(128, 128, 32, 3, 2, 4)
 _SMALL_NARROW = GemmTile(16, 32, 32, 6, 1, 4)  # fc1 (168 CTAs on 132 SMs), fc1_dgrad (N = 256)
-SMALL_T = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_SMALL_NARROW)
+# The T-deep dW2 GEMM at T <= 64 (one or two k-tiles) is bound by writing 57.8 MB: the 64 x 64
+# tile (158 registers, 3 CTAs per SM) keeps more CTAs' loads and stores in flight than the
+# 128 x 128 one (235 registers x 256 threads: one CTA per SM), which wins once K = T is deep.
+_WGRAD_SHALLOW = dict(fc2_wgrad=_MID, fc1_wgrad=_MID)
+_WGRAD_DEEP = dict(fc2_wgrad=_LARGE, fc1_wgrad=_MID)
+SMALL_T = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_SMALL_NARROW, **_WGRAD_SHALLOW)
 # Sweep candidate for small T (not picked yet): 64-deep k tiles, i.e. 256-byte runs per weight row
 # and tile (DRAM page locality) and 1.6x the weight bytes in flight per CTA (5 stages, 100 KB smem).
 SMALL_T_K64 = MlpConfig(fc1=GemmTile(16, 32, 64, 6, 1, 4), fc2=GemmTile(16, 64, 64, 5, 1, 4),
-                        fc2_dgrad=GemmTile(16, 64, 64, 5, 1, 4), fc1_dgrad=GemmTile(16, 32, 64, 6, 1, 4))
-WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE)
-MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID)
-LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE)
+                        fc2_dgrad=GemmTile(16, 64, 64, 5, 1, 4), fc1_dgrad=GemmTile(16, 32, 64, 6, 1, 4),
+                        **_WGRAD_SHALLOW)
+WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE, **_WGRAD_SHALLOW)
+MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID, **_WGRAD_DEEP)
+LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, **_WGRAD_DEEP)
 # Sweep candidate for large T (not picked yet): the 128 x 128 tile runs one CTA per SM (235
 # registers x 256 threads), so shared memory is free for a 5-deep ring (160 KB) instead of 3.
 _LARGE_S5 = GemmTile(128, 128, 32, 5, 2, 4)
-LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dgrad=_LARGE_S5)
+LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dgrad=_LARGE_S5,
+                       fc2_wgrad=_LARGE_S5, fc1_wgrad=_MID)
 CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
-WGRAD_TILES = {"fc2_wgrad": _LARGE, "fc1_wgrad": _MID}
 
 
 def pick_config(num_rows: int) -> MlpConfig:
@@ -152,9 +160,9 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None):
     _fold(dev, "fc1_dgrad", "sum")(dx_partials, dx.new_empty((1,)), dx)
 
     dw2 = torch.empty((1, TEMB_WIDTH, HIDDEN), **f32)
-    _gemm(dev, "fc2_wgrad", WGRAD_TILES["fc2_wgrad"])(transposed(grad), transposed(h), dw2)
+    _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)(transposed(grad), transposed(h), dw2)
     dw1 = torch.empty((1, HIDDEN, SINUSOID_WIDTH), **f32)
-    _gemm(dev, "fc1_wgrad", WGRAD_TILES["fc1_wgrad"])(transposed(dz), transposed(x), dw1)
+    _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)(transposed(dz), transposed(x), dw1)
 
     db2 = torch.empty((TEMB_WIDTH,), **f32)
     runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH, fold_dz=False)(grad, grad, grad, db2)
