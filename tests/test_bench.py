@@ -311,3 +311,12 @@ def test_broken_candidates_are_recorded_and_the_run_goes_on():
     assert res["broken"]["unavailable"] == "failed during checks: RuntimeError: four rows"
     assert res["rowwise"]["batch_invariance"]["batch_invariant"] is True
     assert report.validate_report(prior_art.merge("toy_scale", [part], quick=True)) == []
+
+
+def test_cpu_runs_the_method_at_smoke_scale_and_gpu_at_the_seeds():
+    """Without a GPU the command shrinks the sizes (the H3 weights stay full size); on a GPU the plan is untouched."""
+    mlp, norm = PROBLEMS["timestep_mlp"], PROBLEMS["norm_modulate"]
+    cpu_mlp = checks.plan_for_device(checks.QUICK, CPU, mlp)
+    assert cpu_mlp.accuracy_sizes == (1, 3, 4) and cpu_mlp.full_batch == 64 and not cpu_mlp.graphs
+    assert checks.plan_for_device(checks.QUICK, CPU, norm).accuracy_sizes == (257,)
+    assert checks.plan_for_device(checks.FULL, torch.device("cuda"), norm) is checks.FULL

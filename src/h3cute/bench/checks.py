@@ -68,6 +68,19 @@ class Plan:
 FULL = Plan()
 QUICK = Plan(all_rows_sizes=(64, 257), all_rows_seeds=(3,), sub_seeds=(3,), sweep_pool=512,
              sweep_seeds=(3,), warmup=5, samples=30)
+# Where there is no GPU the same method runs at smoke scale, so that the whole command finishes on a
+# 2-core machine (the H3 weights are full size: a 520 MB projection per call). Not a measurement.
+CPU_SMOKE = Plan(all_rows_sizes=(9,), all_rows_seeds=(3,), sub_seeds=(3,), full_batch=64,
+                 sub_batch_sizes=(1, 7, 32), sweep_pool=17, sweep_seeds=(3,), warmup=1, samples=3,
+                 graphs=False)
+
+
+def plan_for_device(plan: Plan, device: torch.device, problem: Problem) -> Plan:
+    """`plan` on a GPU; `CPU_SMOKE` on a CPU, with the op's smallest accuracy size (<= 257 rows)."""
+    if device.type != "cpu":
+        return plan
+    sizes = tuple(n for n in problem.accuracy_sizes if n <= 4) or (257,)
+    return replace(CPU_SMOKE, accuracy_sizes=sizes)
 
 
 # ---- running a candidate -------------------------------------------------------------------------

@@ -72,7 +72,9 @@ def _mode(args) -> int:
     """Child process of one cuBLAS mode (its environment was set by the parent)."""
     from h3cute.bench import checks
     from h3cute.bench.prior_art import run_mode
-    plan = (checks.QUICK if args.quick else checks.FULL).with_overrides(_overrides(args.plan))
+    from h3cute.bench.prior_art import default_device
+    plan = checks.plan_for_device(checks.QUICK if args.quick else checks.FULL, default_device(), PROBLEMS[args.op])
+    plan = plan.with_overrides(_overrides(args.plan))
     with console.status(f"{args.op} [{args.mode}]"):
         run_mode(PROBLEMS[args.op], args.mode, plan, out=args.out, log=lambda m: _log(f"[{args.mode}] {m}"))
     return 0

@@ -63,6 +63,7 @@ def environment(device, mode_environment: dict) -> dict:
         "mode_environment": mode_environment,
         "h3cute": h3cute_commit(),
         "timer": "cuda_event" if cuda else "perf_counter (CPU wall time; not comparable with GPU reports)",
+        "scale": "seed method" if cuda else "CPU smoke scale (checks.CPU_SMOKE): no GPU, not a measurement",
     }
 
 
@@ -219,6 +220,7 @@ def summary_markdown(report: dict) -> str:
         f"GPU {env.get('gpu')} (capability {env.get('capability')}), torch {env.get('torch')}, CUDA {env.get('cuda')}, "
         f"python {env.get('python')}, TF32 {env.get('tf32')}, timer {env.get('timer', 'cuda_event')}, "
         f"h3cute {h3.get('commit')}{' (dirty)' if h3.get('tree_dirty') else ''}.",
+        *([f"Scale: {env['scale']}."] if env.get("scale", "seed method") != "seed method" else []),
         "",
         "## Batch invariance",
         "",
@@ -308,6 +310,9 @@ def write_plots(report: dict, stem: Path, say=print) -> list[Path]:
     phases = [p for p in ("fwd_us", "fwd_bwd_us")
               if any(p in e for c in cands.values() for e in c["accuracy_latency"].values())]
     written = []
+    if not phases:
+        say(f"{report['op']}: no candidate has latencies: skipping the latency plot")
+        return written
     fig, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4.5), squeeze=False)
     for ax, phase in zip(axes[0], phases):
         for name, c in cands.items():
