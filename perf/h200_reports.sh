@@ -16,6 +16,10 @@ for op in "${OPS[@]}"; do
     timeout 120 python3 perf/host_overhead.py "$OUT_DIR/host_overhead.json" || rc=1
     continue
   fi
+  if [ "$op" = host_profile ]; then
+    timeout 180 python3 perf/host_profile.py "$OUT_DIR/host_profile.json" || rc=1
+    continue
+  fi
   start=$(date +%s)
   timeout "${H3CUTE_OP_TIMEOUT:-240}" python3 -m h3cute.bench prior-art --op "$op" --out "$OUT_DIR/$op.json" || rc=1
   echo "h200_reports: $op took $(( $(date +%s) - start )) s"

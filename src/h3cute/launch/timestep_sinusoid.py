@@ -32,8 +32,17 @@ def forward(t: torch.Tensor, check_range: bool = True) -> torch.Tensor:
 
 def launch(t: torch.Tensor, out: torch.Tensor, check_range: bool = False) -> None:
     """Writes the embedding of t into a preallocated contiguous (T, 256) FP32 `out` (16-byte aligned)."""
-    key = (t.get_device(), check_range)
+    _kernel(t.get_device(), check_range)(t, out)
+
+
+def _kernel(device: int, check_range: bool):
+    key = (device, bool(check_range))
     fn = _kernels.get(key)
     if fn is None:
-        fn = _kernels[key] = runtime.kernel(KERNEL, t.device, width=WIDTH, check_range=check_range)
-    fn(t, out)
+        fn = _kernels[key] = runtime.kernel(KERNEL, torch.device("cuda", device), width=WIDTH, check_range=key[1])
+    return fn
+
+
+def kernel_handle(device: int, check_range: int) -> int:
+    """The C ABI handle of the kernel for the C++ impl (h3cute.native); `_kernels` keeps it alive."""
+    return _kernel(device, bool(check_range)).__chandle__()

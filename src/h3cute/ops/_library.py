@@ -8,6 +8,10 @@ Autograd: `register_autograd` installs one Python kernel at the Autograd key, li
 schema's argument list per argument: tens of us per call) and pytree/dataclass work. Without a gradient
 to record it redispatches below autograd; with one it applies a plain `autograd.Function`.
 
+C++ CUDA impls (`h3cute.native`): ops the C++ layer implements get no Python CUDA impl here; `install_native`
+registers the C++ ones once every op is defined. The C++ impl hands any input off its fast path to the
+Python CUDA impl, so errors and rare cases keep one implementation.
+
 Launch modules (`h3cute.launch.<op>`) are resolved once, at import. An op whose module is absent gets a
 stand-in whose `forward`/`backward` raise `NotImplementedError`: the CUDA path never falls back to a
 library call that is not batch-invariant.
@@ -17,16 +21,27 @@ import importlib
 import torch
 from torch import _C
 
+from h3cute import native
+
 LIB = torch.library.Library("h3", "DEF")
+NATIVE_OPS = native.native_ops()
 
 
 def define(schema: str, cpu, cuda) -> str:
-    """Defines `h3::<schema>` with its CPU and CUDA impls; returns the qualified name `h3::<op>`."""
+    """Defines `h3::<schema>` with its CPU and CUDA impls (the CUDA one in C++ where `h3cute.native` has
+    it); returns the qualified name `h3::<op>`."""
     name = schema.split("(", 1)[0]
     LIB.define(schema)
     LIB.impl(name, cpu, "CPU")
-    LIB.impl(name, cuda, "CUDA")
+    if name not in NATIVE_OPS:
+        LIB.impl(name, cuda, "CUDA")
     return f"h3::{name}"
+
+
+def install_native() -> None:
+    """Registers the C++ CUDA impls (call after every op is defined); no-op without the C++ layer."""
+    if NATIVE_OPS:
+        native.load().install()
 
 
 def register_autograd(name: str, backward, setup_context) -> None:

@@ -1,0 +1,79 @@
+"""The C++ op layer (`h3_native.cpp`): CUDA impls of the one-launch `torch.ops.h3` calls, no Python per call.
+
+It is built against the running torch with its C++ extension builder (a C++ compiler and ninja), once per
+torch / tvm-ffi / Python version and source hash, under `$H3CUTE_CACHE_DIR/native/`. It is optional:
+`load()` returns None when `H3CUTE_NATIVE=0`, when no CUDA device is visible (CPU tensors take the
+Python reference impls), or when the build fails (the reason is logged once). Then the ops keep their
+Python CUDA impls: the same kernels and bits, more host time per call.
+
+Order matters: the ops are defined in Python first (`h3cute.ops`), the ops in `OPS` get no Python CUDA
+impl, and `install()` registers the C++ ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("h3_native.cpp")
+MODULE_NAME = "h3cute_native"
+log = logging.getLogger("h3cute.native")
+_loaded: dict[str, object] = {}
+
+
+def build_dir() -> Path:
+    """Build folder keyed by the source and every ABI the extension binds to."""
+    import torch
+    import tvm_ffi
+
+    from h3cute.runtime.cache import cache_dir
+
+    record = f"{torch.__version__}|{tvm_ffi.__version__}|{sys.version_info[:2]}".encode()
+    return cache_dir() / "native" / hashlib.sha256(SOURCE.read_bytes() + record).hexdigest()[:16]
+
+
+def build(verbose: bool = False):
+    """Compiles the extension (or reuses the cached build) and imports it; raises when it cannot."""
+    import tvm_ffi.libinfo
+    from torch.utils.cpp_extension import load as load_extension
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    libdir = str(Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
+    return load_extension(
+        name=MODULE_NAME,
+        sources=[str(SOURCE)],
+        extra_include_paths=tvm_ffi.libinfo.include_paths(),
+        extra_cflags=["-O2"],
+        extra_ldflags=[f"-L{libdir}", "-ltvm_ffi", f"-Wl,-rpath,{libdir}"],
+        build_directory=str(folder),
+        with_cuda=False,  # c10's device-generic stream API only: no CUDA headers needed
+        verbose=verbose,
+    )
+
+
+def load():
+    """The extension module, or None (see the module docstring). Decided once per process."""
+    if "module" in _loaded:
+        return _loaded["module"]
+    module = None
+    if os.environ.get("H3CUTE_NATIVE", "1") != "0":
+        import torch
+
+        if torch.cuda.is_available():
+            try:
+                if not any(build_dir().glob(f"{MODULE_NAME}*.so")):
+                    log.warning("h3cute: building the C++ op layer for torch %s (once)", torch.__version__)
+                module = build()
+            except Exception as err:  # no compiler, headers, ...: the Python impls serve
+                log.warning("h3cute: C++ op layer unavailable, CUDA ops use their Python impls (%s: %s)",
+                            type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+    _loaded["module"] = module
+    return module
+
+
+def native_ops() -> frozenset[str]:
+    module = load()
+    return frozenset(module.OPS) if module is not None else frozenset()
