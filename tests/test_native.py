@@ -10,7 +10,13 @@ import torch
 
 import h3cute  # noqa: F401
 from h3cute import native, reference
-from h3cute.ops import timestep
+from h3cute.ops import adaln, timestep
+
+# The ops the C++ layer implements (their CUDA impls); every other op keeps its Python CUDA impl.
+NATIVE_OPS = ("timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate", "norm_modulate_backward",
+              "gate_residual", "gate_residual_backward", "final_adaln_out")
+# The ops whose autograd kernel is the C++ one.
+NATIVE_AUTOGRAD_OPS = ("timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 no_compiler = shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None
@@ -20,8 +26,9 @@ import torch, h3cute
 from h3cute import native
 module = native.build()
 module.install()
-print(list(module.OPS))
+print(list(module.OPS), list(module.AUTOGRAD_OPS))
 print(torch._C._dispatch_dump("h3::timestep_sinusoid"))
+print(torch._C._dispatch_dump("h3::norm_modulate"))
 """
 
 
@@ -34,9 +41,11 @@ def test_builds_against_this_torch_and_registers_the_cuda_impl(tmp_path):
                           timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ops_line, dump = proc.stdout.split("\n", 1)
-    assert ops_line == "['timestep_sinusoid']"
+    assert ops_line == f"{list(NATIVE_OPS)} {list(NATIVE_AUTOGRAD_OPS)}"
     cuda = [line for line in dump.splitlines() if line.startswith("CUDA:")]
-    assert len(cuda) == 1 and "h3_native.cpp" in cuda[0], dump
+    assert len(cuda) == 2 and all("h3_native.cpp" in line for line in cuda), dump
+    autograd = [line for line in dump.splitlines() if line.startswith("Autograd[alias]:")]
+    assert autograd and all("h3_native.cpp" in line for line in autograd), dump
     assert any(p.name.startswith(native.MODULE_NAME) for p in tmp_path.glob("native/*/*.so"))
 
 
@@ -56,15 +65,94 @@ def test_build_folder_tracks_the_source_and_torch():
 gpu = pytest.mark.gpu
 
 
-def _dispatches_to_native(op: str) -> bool:
-    cuda = [line for line in torch._C._dispatch_dump(f"h3::{op}").splitlines() if line.startswith("CUDA:")]
-    return bool(cuda) and "h3_native.cpp" in cuda[0]
+def _dispatches_to_native(op: str, key: str = "CUDA") -> bool:
+    lines = [line for line in torch._C._dispatch_dump(f"h3::{op}").splitlines() if line.startswith(key + ":")]
+    return len(lines) == 1 and "h3_native.cpp" in lines[0]
 
 
 @gpu
-def test_sinusoid_dispatches_to_the_cpp_impl():
+@pytest.mark.parametrize("op", NATIVE_OPS)
+def test_dispatches_to_the_cpp_impl(op):
     assert native.load() is not None, "the C++ op layer did not build on the GPU machine (see the log)"
-    assert _dispatches_to_native("timestep_sinusoid")
+    assert _dispatches_to_native(op)
+    assert _dispatches_to_native(op, "Autograd[alias]") == (op in NATIVE_AUTOGRAD_OPS)
+
+
+def _bits_equal(a, b):
+    a, b = (list(v) if isinstance(v, (tuple, list)) else [v] for v in (a, b))
+    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(
+        x.view(torch.int16 if x.element_size() == 2 else torch.int32),
+        y.view(torch.int16 if y.element_size() == 2 else torch.int32)) for x, y in zip(a, b))
+
+
+def _seeded(shape, seed, dtype=torch.float32, scale=1.0):
+    g = torch.Generator("cuda").manual_seed(seed)
+    return (torch.randn(shape, device="cuda", generator=g) * scale).to(dtype)
+
+
+@gpu
+@pytest.mark.parametrize("num_rows", [1, 4, 17, 65, 300])  # every tile-config range of pick_config
+def test_timestep_mlp_cpp_equals_python_impl(num_rows):
+    x = _seeded((num_rows, 256), 1)
+    w1, b1 = _seeded((5376, 256), 2, scale=0.05), _seeded((5376,), 3, scale=0.05)
+    w2, b2 = _seeded((2688, 5376), 4, scale=0.02), _seeded((2688,), 5, scale=0.02)
+    grad = _seeded((num_rows, 2688), 6)
+    assert _bits_equal(torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2), timestep._mlp_cuda(x, w1, b1, w2, b2))
+    assert _bits_equal(torch.ops.h3.timestep_mlp_backward(grad, x, w1, b1, w2),
+                       timestep._mlp_backward_cuda(grad, x, w1, b1, w2))
+
+
+def _norm_inputs(rows, table_rows=9):
+    x = _seeded((rows, 5376), 7, torch.bfloat16, 2.0)
+    weight = (0.5 + torch.rand(5376, device="cuda")).to(torch.bfloat16)
+    shift = _seeded((table_rows, 5376), 8, torch.bfloat16)
+    scale = _seeded((table_rows, 5376), 9, torch.bfloat16)
+    idx = torch.randint(0, table_rows, (rows,), device="cuda")
+    return x, weight, shift, scale, idx
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 7, 4097])
+def test_norm_modulate_cpp_equals_python_impl(rows):
+    x, weight, shift, scale, idx = _norm_inputs(rows)
+    for check in (False, True):  # check_indices=True is the Python impl's (a host read of the indices)
+        assert _bits_equal(torch.ops.h3.norm_modulate(x, weight, shift, scale, idx, 1e-5, check),
+                           adaln._norm_modulate_cuda(x, weight, shift, scale, idx, 1e-5, check))
+    # row-strided tables read in place, and tables the kernel cannot read in place (copied by Python)
+    wide = _seeded((9, 2 * 5376), 10, torch.bfloat16)
+    odd = _seeded((9, 5376 + 4), 11, torch.bfloat16)
+    for sh, sc in ((wide[:, :5376], wide[:, 5376:]), (odd[:, :5376], odd[:, 4:])):
+        assert _bits_equal(torch.ops.h3.norm_modulate(x, weight, sh, sc, idx, 1e-5, False),
+                           reference.norm_modulate_replay(x, weight, sh, sc, idx, 1e-5))
+
+
+@gpu
+def test_norm_modulate_cpp_keeps_the_python_messages():
+    x, weight, shift, scale, idx = _norm_inputs(5)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        torch.ops.h3.norm_modulate(x, weight, shift, scale, idx, 0.0, False)
+    with pytest.raises(TypeError, match="x must be bfloat16"):
+        torch.ops.h3.norm_modulate(x.float(), weight, shift, scale, idx, 1e-5, False)
+    with pytest.raises(IndexError, match=r"adaln_indices\[3\] = 9 is outside"):
+        bad = idx.clone()
+        bad[3] = 9
+        torch.ops.h3.norm_modulate(x, weight, shift, scale, bad)
+    assert torch.ops.h3.norm_modulate(x[:0], weight, shift, scale, idx[:0], 1e-5, False).shape == (0, 5376)
+
+
+@gpu
+@pytest.mark.parametrize("timesteps", [1, 3, 20, 70])  # every projection-config range
+def test_final_adaln_out_cpp_equals_python_impl(timesteps):
+    rows = 1031
+    x = _seeded((rows, 5376), 12, torch.bfloat16, 2.0)
+    nw = (0.5 + torch.rand(5376, device="cuda")).to(torch.bfloat16)
+    temb = _seeded((timesteps, 2688), 13)
+    pw = _seeded((10752, 2688), 14, torch.bfloat16, 0.02)
+    pb = _seeded((10752,), 15, torch.bfloat16, 0.02)
+    ti = torch.randint(0, timesteps, (rows,), device="cuda")
+    for check in (False, True):
+        assert _bits_equal(torch.ops.h3.final_adaln_out(x, nw, temb, pw, pb, ti, 1e-6, check),
+                           adaln._final_cuda(x, nw, temb, pw, pb, ti, 1e-6, check))
 
 
 @gpu
@@ -113,3 +201,65 @@ def test_sinusoid_cpp_under_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, reference.timestep_sinusoid_replay(t))
+
+
+@gpu
+@pytest.mark.parametrize("table_rows", [9, 24, 30])  # fused caps 12 and 24 in C++; 30 is the Python impl's
+def test_norm_modulate_backward_cpp_equals_python_impl(table_rows):
+    x, weight, _, scale, idx = _norm_inputs(4097, table_rows)
+    grad = _seeded((4097, 5376), 16, torch.bfloat16)
+    args = (grad, x, weight, scale, idx, 1e-5, table_rows)
+    assert _bits_equal(torch.ops.h3.norm_modulate_backward(*args), adaln._norm_modulate_backward_cuda(*args))
+
+
+@gpu
+@pytest.mark.parametrize("table_rows", [3, 9, 48])
+def test_gate_residual_cpp_equals_python_impl(table_rows):
+    rows = 4097
+    residual, y = _seeded((rows, 5376), 17, torch.bfloat16), _seeded((rows, 5376), 18, torch.bfloat16)
+    gate = _seeded((table_rows, 5376), 19, torch.bfloat16)
+    idx = torch.randint(0, table_rows, (rows,), device="cuda")
+    grad = _seeded((rows, 5376), 20, torch.bfloat16)
+    for check in (False, True):
+        assert _bits_equal(torch.ops.h3.gate_residual(residual, y, gate, idx, check),
+                           adaln._gate_residual_cuda(residual, y, gate, idx, check))
+    assert _bits_equal(torch.ops.h3.gate_residual_backward(grad, y, gate, idx),
+                       adaln._gate_residual_backward_cuda(grad, y, gate, idx))
+
+
+def _autograd_grads(op, args, grad):
+    """Gradients of every floating argument through the op's autograd kernel."""
+    leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+              for a in args]
+    out = getattr(torch.ops.h3, op)(*leaves)
+    torch.autograd.backward(out, grad)
+    return out.detach(), [a.grad for a in leaves if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+
+@gpu
+def test_cpp_autograd_gives_the_backward_ops_gradients():
+    rows = 1031
+    x, weight, shift, scale, idx = _norm_inputs(rows)
+    g = _seeded((rows, 5376), 21, torch.bfloat16)
+    out, grads = _autograd_grads("norm_modulate", (x, weight, shift, scale, idx, 1e-5, False), g)
+    assert _bits_equal(out, adaln._norm_modulate_cuda(x, weight, shift, scale, idx, 1e-5, False))
+    assert _bits_equal(grads, adaln._norm_modulate_backward_cuda(g, x, weight, scale, idx, 1e-5, 9))
+
+    y = _seeded((rows, 5376), 22, torch.bfloat16)
+    out, grads = _autograd_grads("gate_residual", (x, y, shift, idx, False), g)
+    assert _bits_equal(out, adaln._gate_residual_cuda(x, y, shift, idx, False))
+    assert _bits_equal(grads, (g, *adaln._gate_residual_backward_cuda(g, y, shift, idx)))
+
+    temb, ti = _seeded((3, 2688), 23), torch.randint(0, 3, (rows,), device="cuda")
+    pw, pb = _seeded((10752, 2688), 24, torch.bfloat16, 0.02), _seeded((10752,), 25, torch.bfloat16, 0.02)
+    out, grads = _autograd_grads("final_adaln_out", (x, weight, temb, pw, pb, ti, 1e-6, False), g)
+    assert _bits_equal(out, adaln._final_cuda(x, weight, temb, pw, pb, ti, 1e-6, False))
+    assert _bits_equal(grads, adaln._final_backward_cuda(g, x, weight, temb, pw, pb, ti, 1e-6))
+
+    xm = _seeded((5, 256), 26)
+    w1, b1 = _seeded((5376, 256), 27, scale=0.05), _seeded((5376,), 28, scale=0.05)
+    w2, b2 = _seeded((2688, 5376), 29, scale=0.02), _seeded((2688,), 30, scale=0.02)
+    gm = _seeded((5, 2688), 31)
+    out, grads = _autograd_grads("timestep_mlp", (xm, w1, b1, w2, b2), gm)
+    assert _bits_equal(out, timestep._mlp_cuda(xm, w1, b1, w2, b2))
+    assert _bits_equal(grads, timestep._mlp_backward_cuda(gm, xm, w1, b1, w2))

@@ -12,14 +12,37 @@ from __future__ import annotations
 
 import torch
 
+from h3cute import runtime
 from h3cute.launch import adaln_projection, norm_modulate
 
 HIDDEN = 5376
+PROJECTION = 2 * HIDDEN
+# adaln_projection.config_for_rows's T ranges (both families)
+T_BOUNDS = (16, 64, runtime.MAX_ROWS)
 
 
 def _shift_scale(temb, proj_weight, proj_bias):
     proj = adaln_projection.forward(temb, proj_weight, proj_bias)
     return proj[:, :HIDDEN], proj[:, HIDDEN:]
+
+
+def kernel_handles(device: int, variant: int, num_rows: int) -> tuple[int, int, list[int]]:
+    """For the C++ forward impl (h3cute.native): the T range sharing one projection config, and the C
+    handles of `adaln_silu_cast`, the projection GEMM of that config and `norm_modulate_fwd`."""
+    dev = torch.device("cuda", device)
+    lo = 0
+    for hi in T_BOUNDS:
+        if num_rows <= hi:
+            break
+        lo = hi + 1
+    wgmma = adaln_projection._uses_wgmma(dev, None)
+    config = adaln_projection.config_for_rows(num_rows, wgmma)
+    assert all(adaln_projection.config_for_rows(n, wgmma) == config for n in (max(lo, 1), hi)), "T_BOUNDS is stale"
+    fns = [runtime.kernel("adaln_silu_cast", dev, width=adaln_projection.TEMB_WIDTH),
+           runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", dev, out_features=PROJECTION,
+                          config=config),
+           runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN)]
+    return lo, hi, [fn.__chandle__() for fn in fns]
 
 
 def forward(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):

@@ -86,6 +86,21 @@ def _check_vector(op: str, name: str, t: torch.Tensor, width: int) -> None:
         raise ValueError(f"h3::{op}: {name} must be a contiguous 16-byte aligned ({width},) BF16 tensor")
 
 
+def kernel_handles(device: int, variant: int, num_rows: int):
+    """For the C++ impls (h3cute.native), every row count: variant 0, the forward's `norm_modulate_fwd`;
+    variant R (table rows, fused caps only), the backward's `norm_modulate_bwd_fused` and `rowwise_fold`
+    with its row-group count."""
+    dev = torch.device("cuda", device)
+    if variant == 0:
+        return 0, runtime.MAX_ROWS, [runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN).__chandle__()]
+    cap = table_rows_cap("norm_modulate_backward", variant)
+    if cap not in FUSED_CAPS:
+        raise ValueError(f"norm_modulate: no fused backward for {variant} table rows")
+    fns = [runtime.kernel("norm_modulate_bwd_fused", dev, width=HIDDEN, cap=cap, step=FUSED_STEP),
+           runtime.kernel("rowwise_fold", dev)]
+    return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [FUSED_ROW_GROUPS[runtime.arch_of(dev)][cap]]
+
+
 def forward(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
     """(S, 5376) BF16 `rms_norm(x, weight, eps) * (1 + scale[idx]) + shift[idx]` (indices checked upstream)."""
     return forward_rows(x, weight, shift, scale, adaln_indices, eps)

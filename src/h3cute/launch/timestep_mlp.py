@@ -18,7 +18,6 @@ layer validates shapes/dtypes/devices; here inputs are contiguous FP32 on one CU
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +43,7 @@ class GemmTile:
     warps_n: int = 4
 
     def astuple(self) -> tuple:
-        return dataclasses.astuple(self)
+        return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.warps_m, self.warps_n)
 
 
 @dataclass(frozen=True)
@@ -86,15 +85,39 @@ LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dg
 CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
+# pick_config's T ranges: up to each bound, its config.
+T_BOUNDS = ((16, SMALL_T), (64, WIDE_T), (256, MID_T), (runtime.MAX_ROWS, LARGE_T))
+
+
 def pick_config(num_rows: int) -> MlpConfig:
     """Speed only: 16-row tiles while the weights stream (memory-bound), bigger tiles as T grows."""
-    if num_rows <= 16:
-        return SMALL_T
-    if num_rows <= 64:
-        return WIDE_T
-    if num_rows <= 256:
-        return MID_T
-    return LARGE_T
+    return _bucket(num_rows)[2]
+
+
+def _bucket(num_rows: int) -> tuple[int, int, MlpConfig]:
+    lo = 0
+    for hi, config in T_BOUNDS:
+        if num_rows <= hi:
+            return lo, hi, config
+        lo = hi + 1
+    raise ValueError(f"timestep_mlp: {num_rows} rows is past {runtime.MAX_ROWS}")
+
+
+def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int, list[int]]:
+    """For the C++ impls (h3cute.native): the T range sharing pick_config's config for `num_rows`, and the
+    C handles of the forward's kernels (fc1, fc2, fold) or the backward's (fc1_zh, fc2_dgrad, colsum_dz,
+    fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2), in launch order. runtime keeps them alive."""
+    lo, hi, cfg = _bucket(num_rows)
+    dev = torch.device("cuda", device)
+    if not backward:
+        fns = [_gemm(dev, "fc1", cfg.fc1), _gemm(dev, "fc2", cfg.fc2), _fold(dev, "fc2", "bias")]
+    else:
+        fns = [_gemm(dev, "fc1_zh", cfg.fc1), _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad),
+               runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True),
+               _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum"),
+               _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad), _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad),
+               runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH, fold_dz=False)]
+    return lo, hi, [fn.__chandle__() for fn in fns]
 
 
 def _gemm(device, role: str, tile: GemmTile):

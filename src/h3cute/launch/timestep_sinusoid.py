@@ -43,6 +43,6 @@ def _kernel(device: int, check_range: bool):
     return fn
 
 
-def kernel_handle(device: int, check_range: int) -> int:
-    """The C ABI handle of the kernel for the C++ impl (h3cute.native); `_kernels` keeps it alive."""
-    return _kernel(device, bool(check_range)).__chandle__()
+def kernel_handles(device: int, check_range: int, num_rows: int) -> tuple[int, int, list[int]]:
+    """For the C++ impl (h3cute.native): every row count, the kernel's C handle (`_kernels` keeps it alive)."""
+    return 0, runtime.MAX_ROWS, [_kernel(device, bool(check_range)).__chandle__()]

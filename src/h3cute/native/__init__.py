@@ -1,4 +1,5 @@
-"""The C++ op layer (`h3_native.cpp`): CUDA impls of the one-launch `torch.ops.h3` calls, no Python per call.
+"""The C++ op layer (`h3_native.cpp`): CUDA impls and autograd kernels of the hot `torch.ops.h3` calls, with
+no Python per call.
 
 It is built against the running torch with its C++ extension builder (a C++ compiler and ninja), once per
 torch / tvm-ffi / Python version and source hash, under `$H3CUTE_CACHE_DIR/native/`. It is optional:
@@ -7,7 +8,7 @@ Python reference impls), or when the build fails (the reason is logged once). Th
 Python CUDA impls: the same kernels and bits, more host time per call.
 
 Order matters: the ops are defined in Python first (`h3cute.ops`), the ops in `OPS` get no Python CUDA
-impl, and `install()` registers the C++ ones.
+impl and those in `AUTOGRAD_OPS` no Python autograd kernel, and `install()` registers the C++ ones.
 """
 from __future__ import annotations
 
@@ -75,5 +76,12 @@ def load():
 
 
 def native_ops() -> frozenset[str]:
+    """Ops whose CUDA impl is the C++ one."""
     module = load()
     return frozenset(module.OPS) if module is not None else frozenset()
+
+
+def native_autograd_ops() -> frozenset[str]:
+    """Ops whose autograd kernel is the C++ one."""
+    module = load()
+    return frozenset(module.AUTOGRAD_OPS) if module is not None else frozenset()

@@ -17,6 +17,7 @@
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 
@@ -57,89 +58,514 @@ TVMFFIAny any_tensor(DLTensor* d) {
   return a;
 }
 
-// Runs a compiled kernel on torch's current stream of `device`; a kernel error becomes a RuntimeError.
-void call_kernel(TVMFFIObjectHandle fn, TVMFFIAny* args, int32_t num_args, int device) {
-  c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
-  void* stream = guard.getStream(c10::Device(c10::DeviceType::CUDA, device)).native_handle();
-  TVMFFIStreamHandle previous = nullptr;
-  TVMFFIEnvSetStream(kDLCUDA, device, stream, &previous);
+// Sets torch's current stream of `device` as tvm-ffi's environment stream (which the compiled kernels
+// launch on) for one op's launches, and restores the previous one.
+class StreamScope {
+ public:
+  explicit StreamScope(int device) : device_(device) {
+    c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
+    void* stream = guard.getStream(c10::Device(c10::DeviceType::CUDA, device)).native_handle();
+    TVMFFIEnvSetStream(kDLCUDA, device, stream, &previous_);
+  }
+  ~StreamScope() { TVMFFIEnvSetStream(kDLCUDA, device_, previous_, nullptr); }
+
+ private:
+  int device_;
+  TVMFFIStreamHandle previous_ = nullptr;
+};
+
+// Calls one compiled kernel; a kernel-side error (its argument checks) becomes a RuntimeError.
+void call_kernel(TVMFFIObjectHandle fn, std::initializer_list<TVMFFIAny> args) {
   TVMFFIAny result;
   result.type_index = kTVMFFINone;
   result.zero_padding = 0;
   result.v_int64 = 0;
-  int rc = TVMFFIFunctionCall(fn, args, num_args, &result);
-  TVMFFIEnvSetStream(kDLCUDA, device, previous, nullptr);
-  if (rc != 0) {
-    TVMFFIObjectHandle err = nullptr;
-    TVMFFIErrorMoveFromRaised(&err);
-    std::string msg = "h3cute kernel call failed";
-    if (err != nullptr) {
-      TVMFFIErrorCell* cell = TVMFFIErrorGetCellPtr(err);
-      msg = std::string(cell->kind.data, cell->kind.size) + ": " +
-            std::string(cell->message.data, cell->message.size);
-      TVMFFIObjectDecRef(err);
-    }
-    TORCH_CHECK(false, msg);
+  if (TVMFFIFunctionCall(fn, const_cast<TVMFFIAny*>(args.begin()), static_cast<int32_t>(args.size()), &result) == 0)
+    return;
+  TVMFFIObjectHandle err = nullptr;
+  TVMFFIErrorMoveFromRaised(&err);
+  std::string msg = "h3cute kernel call failed";
+  if (err != nullptr) {
+    TVMFFIErrorCell* cell = TVMFFIErrorGetCellPtr(err);
+    msg = std::string(cell->kind.data, cell->kind.size) + ": " + std::string(cell->message.data, cell->message.size);
+    TVMFFIObjectDecRef(err);
   }
+  TORCH_CHECK(false, msg);
 }
 
-// (device, variant) -> tvm-ffi function handle, filled once from `<module>.kernel_handle(device, variant)`.
-template <int Variants>
-class KernelSlots {
- public:
-  explicit KernelSlots(const char* module) : module_(module) {}
+TVMFFIAny any_float(double v) {
+  TVMFFIAny a;
+  a.type_index = kTVMFFIFloat;
+  a.zero_padding = 0;
+  a.v_float64 = v;
+  return a;
+}
 
-  TVMFFIObjectHandle get(int device, int variant) {
+// The compiled kernels of one op, per (device, variant, row range): `<module>.kernel_handles(device,
+// variant, rows)` answers (lo, hi, [handles]) or (lo, hi, [handles], [ints]) for the rows range [lo, hi]
+// that shares one tile config; the ints are launch constants decided in Python (e.g. row-group counts).
+// Entries are appended under the GIL and published by the count (readers take no lock).
+class KernelTable {
+ public:
+  static constexpr int kMaxKernels = 8, kMaxParams = 4, kMaxEntries = 32;
+  struct Entry {
+    int64_t variant, lo, hi;
+    TVMFFIObjectHandle fns[kMaxKernels];
+    int64_t params[kMaxParams];
+  };
+
+  explicit KernelTable(const char* module) : module_(module) {}
+
+  const Entry& get(int device, int64_t variant, int64_t rows) {
     TORCH_CHECK(device >= 0 && device < kMaxDevices, "h3cute native: CUDA device index ", device);
-    void* fn = slots_[device][variant].load(std::memory_order_acquire);
-    if (fn != nullptr) return fn;
-    // Under the GIL only (no mutex: the lookup may release the GIL while it compiles); two threads that
-    // miss together both get the same function, which the Python runtime memoizes and keeps alive.
-    py::gil_scoped_acquire gil;
-    auto handle = py::module_::import(module_).attr("kernel_handle")(device, variant).cast<uintptr_t>();
-    fn = reinterpret_cast<void*>(handle);
-    slots_[device][variant].store(fn, std::memory_order_release);
-    return fn;
+    const int n = count_[device].load(std::memory_order_acquire);
+    for (int i = 0; i < n; ++i) {
+      const Entry& e = entries_[device][i];
+      if (e.variant == variant && e.lo <= rows && rows <= e.hi) return e;
+    }
+    return fetch(device, variant, rows);
   }
 
  private:
+  const Entry& fetch(int device, int64_t variant, int64_t rows) {
+    // The lookup may load or compile (and release the GIL meanwhile); a racing thread that fetched the
+    // same entry first is found on the re-scan. The Python runtime memoizes the functions and keeps them alive.
+    py::gil_scoped_acquire gil;
+    auto answer = py::module_::import(module_).attr("kernel_handles")(device, variant, rows).cast<py::tuple>();
+    const int n = count_[device].load(std::memory_order_acquire);
+    for (int i = 0; i < n; ++i) {
+      const Entry& e = entries_[device][i];
+      if (e.variant == variant && e.lo <= rows && rows <= e.hi) return e;
+    }
+    TORCH_CHECK(n < kMaxEntries, "h3cute native: kernel table of ", module_, " is full");
+    Entry& e = entries_[device][n];
+    e.variant = variant;
+    e.lo = answer[0].cast<int64_t>();
+    e.hi = answer[1].cast<int64_t>();
+    auto handles = answer[2].cast<py::list>();
+    TORCH_CHECK(handles.size() <= kMaxKernels && e.lo <= rows && rows <= e.hi, module_, ".kernel_handles: bad answer");
+    for (size_t i = 0; i < handles.size(); ++i) e.fns[i] = reinterpret_cast<void*>(handles[i].cast<uintptr_t>());
+    if (answer.size() > 3) {
+      auto params = answer[3].cast<py::list>();
+      TORCH_CHECK(params.size() <= kMaxParams, module_, ".kernel_handles: too many launch constants");
+      for (size_t i = 0; i < params.size(); ++i) e.params[i] = params[i].cast<int64_t>();
+    }
+    count_[device].store(n + 1, std::memory_order_release);
+    return e;
+  }
+
   const char* module_;
-  std::atomic<void*> slots_[kMaxDevices][Variants] = {};
+  Entry entries_[kMaxDevices][kMaxEntries] = {};
+  std::atomic<int> count_[kMaxDevices] = {};
 };
+
+// Calls `<module>.<fn>(*args)`, the op's Python CUDA impl, for every input off the C++ fast path.
+template <typename R, typename... Args>
+R python_impl(const char* module, const char* fn, const Args&... args) {
+  py::gil_scoped_acquire gil;
+  return py::module_::import(module).attr(fn)(args...).template cast<R>();
+}
+
+// Fast-path predicate: dtype, device, exact sizes (-1: any), dense row-major layout.
+bool dense(const at::Tensor& t, at::ScalarType dtype, int device, std::initializer_list<int64_t> sizes) {
+  if (t.scalar_type() != dtype || !t.is_cuda() || t.get_device() != device ||
+      t.dim() != static_cast<int64_t>(sizes.size()))
+    return false;
+  int d = 0;
+  for (int64_t want : sizes) {
+    if (want >= 0 && t.size(d) != want) return false;
+    ++d;
+  }
+  return t.is_contiguous();
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // ---- timestep_sinusoid ------------------------------------------------------------------------------
 
-KernelSlots<2> sinusoid_kernels("h3cute.launch.timestep_sinusoid");  // variant = check_range
-
-at::Tensor timestep_sinusoid_python(const at::Tensor& t, bool check_range) {
-  py::gil_scoped_acquire gil;
-  return py::module_::import("h3cute.ops.timestep").attr("_sinusoid_cuda")(t, check_range).cast<at::Tensor>();
-}
+KernelTable sinusoid_kernels("h3cute.launch.timestep_sinusoid");  // variant = check_range
 
 at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
   // Fast path: 1-D contiguous FP32, no gradient asked for. Anything else (widening, errors with their
   // messages, the no-gradient refusal) is the Python impl's.
   const bool fast = t.dim() == 1 && t.scalar_type() == at::kFloat && (t.size(0) <= 1 || t.stride(0) == 1) &&
                     !(t.requires_grad() && at::GradMode::is_enabled());
-  if (!fast) return timestep_sinusoid_python(t, check_range);
+  if (!fast) return python_impl<at::Tensor>("h3cute.ops.timestep", "_sinusoid_cuda", t, check_range);
   const int64_t rows = t.size(0);
   at::Tensor out = at::empty({rows, kSinusoidWidth}, t.options());
   if (rows == 0) return out;  // a zero-sized grid is not a valid launch
   const int device = t.get_device();
+  const TVMFFIObjectHandle* fn = sinusoid_kernels.get(device, check_range ? 1 : 0, rows).fns;
   DLTensor dt = dl_view(t), dout = dl_view(out);
-  TVMFFIAny args[2] = {any_tensor(&dt), any_tensor(&dout)};
-  call_kernel(sinusoid_kernels.get(device, check_range ? 1 : 0), args, 2, device);
+  StreamScope stream(device);
+  call_kernel(fn[0], {any_tensor(&dt), any_tensor(&dout)});
   return out;
 }
 
+// ---- timestep_mlp (h3cute/launch/timestep_mlp.py: the same launches in the same order, PDL) -------------
+
+constexpr int64_t kFreq = 256, kMlpHidden = 5376, kTemb = 2688;
+constexpr int64_t kFc2Splits = kMlpHidden / 896, kFc2DgradSplits = kTemb / 896, kFc1DgradSplits = kMlpHidden / 896;
+KernelTable mlp_kernels("h3cute.launch.timestep_mlp");  // variant 0: forward kernels, 1: backward kernels
+
+bool mlp_fast(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, int d) {
+  return dense(x, at::kFloat, d, {-1, kFreq}) && x.size(0) > 0 && dense(w1, at::kFloat, d, {kMlpHidden, kFreq}) &&
+         dense(b1, at::kFloat, d, {kMlpHidden}) && dense(w2, at::kFloat, d, {kTemb, kMlpHidden});
+}
+
+// A DLTensor over a tensor's memory with its own shape and strides (elements), from element `offset`: the
+// views the kernels are compiled for that torch does not hold (transposed operands, column blocks, ...).
+// `dl()` points the DLTensor at this object's arrays, so a View may be copied.
+struct View {
+  View(const at::Tensor& base, std::initializer_list<int64_t> dims, std::initializer_list<int64_t> steps,
+       int64_t offset = 0)
+      : tensor_(dl_view(base)) {
+    TORCH_CHECK(dims.size() == steps.size() && dims.size() <= 3, "h3cute native: bad view");
+    std::copy(dims.begin(), dims.end(), shape_);
+    std::copy(steps.begin(), steps.end(), strides_);
+    tensor_.ndim = static_cast<int32_t>(dims.size());
+    tensor_.data = static_cast<char*>(base.data_ptr()) + offset * base.element_size();
+  }
+  TVMFFIAny any() {
+    tensor_.shape = shape_, tensor_.strides = strides_;
+    return any_tensor(&tensor_);
+  }
+
+ private:
+  DLTensor tensor_;
+  int64_t shape_[3], strides_[3];
+};
+
+// The (cols, rows) view with strides (1, cols) of a dense (rows, cols) tensor: the MN-major operand layout.
+View transposed(const at::Tensor& t) { return View(t, {t.size(1), t.size(0)}, {1, t.size(1)}); }
+
+// A dense tensor as one flat vector (the folds' output).
+View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
+
+at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                             const at::Tensor& b2) {
+  const int d = x.is_cuda() ? x.get_device() : -1;
+  if (!(mlp_fast(x, w1, b1, w2, d) && dense(b2, at::kFloat, d, {kTemb})))
+    return python_impl<at::Tensor>("h3cute.ops.timestep", "_mlp_cuda", x, w1, b1, w2, b2);
+  const int64_t rows = x.size(0);
+  const TVMFFIObjectHandle* fn = mlp_kernels.get(d, 0, rows).fns;  // fc1, fc2, fold_fc2
+  at::Tensor out = at::empty({rows, kTemb}, x.options());
+  at::Tensor h = at::empty({rows, kMlpHidden}, x.options());
+  at::Tensor partials = at::empty({kFc2Splits, rows, kTemb}, x.options());
+  DLTensor dx = dl_view(x), dw1 = dl_view(w1), db1 = dl_view(b1), dw2 = dl_view(w2), db2 = dl_view(b2);
+  DLTensor dh = dl_view(h), dp = dl_view(partials), dout = dl_view(out);
+  StreamScope stream(d);
+  call_kernel(fn[0], {any_tensor(&dx), any_tensor(&dw1), any_tensor(&db1), any_tensor(&dh)});
+  call_kernel(fn[1], {any_tensor(&dh), any_tensor(&dw2), any_tensor(&dp)});
+  call_kernel(fn[2], {any_tensor(&dp), any_tensor(&db2), any_tensor(&dout)});
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_cuda(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2) {
+  const int d = x.is_cuda() ? x.get_device() : -1;
+  if (!(mlp_fast(x, w1, b1, w2, d) && dense(grad, at::kFloat, d, {x.size(0), kTemb}))) {
+    using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+    return python_impl<R>("h3cute.ops.timestep", "_mlp_backward_cuda", grad, x, w1, b1, w2);
+  }
+  const int64_t rows = x.size(0);
+  // fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2
+  const TVMFFIObjectHandle* fn = mlp_kernels.get(d, 1, rows).fns;
+  const auto f32 = x.options();
+  at::Tensor z = at::empty({rows, kMlpHidden}, f32), h = at::empty({rows, kMlpHidden}, f32);
+  at::Tensor dh_partials = at::empty({kFc2DgradSplits, rows, kMlpHidden}, f32);
+  at::Tensor dz = at::empty({rows, kMlpHidden}, f32), db1 = at::empty({kMlpHidden}, f32);
+  at::Tensor dx_partials = at::empty({kFc1DgradSplits, rows, kFreq}, f32);
+  at::Tensor dx = at::empty({rows, kFreq}, f32);
+  at::Tensor dw2 = at::empty({kTemb, kMlpHidden}, f32), dw1 = at::empty({kMlpHidden, kFreq}, f32);
+  at::Tensor db2 = at::empty({kTemb}, f32);
+
+  DLTensor tx = dl_view(x), tw1 = dl_view(w1), tb1 = dl_view(b1), tz = dl_view(z), th = dl_view(h);
+  DLTensor tgrad = dl_view(grad), tdhp = dl_view(dh_partials), tdz = dl_view(dz), tdb1 = dl_view(db1);
+  DLTensor tdxp = dl_view(dx_partials), tdx = dl_view(dx), tdb2 = dl_view(db2);
+  View unused_bias(dx, {1}, {1});  // the "sum" fold takes a (1,) aux operand it never reads
+  View w2_t = transposed(w2), w1_t = transposed(w1), grad_t = transposed(grad), h_t = transposed(h);
+  View dz_t = transposed(dz), x_t = transposed(x);
+  // the weight-gradient GEMMs write a (1, N, K) batch
+  View dw2_b(dw2, {1, kTemb, kMlpHidden}, {kTemb * kMlpHidden, kMlpHidden, 1});
+  View dw1_b(dw1, {1, kMlpHidden, kFreq}, {kMlpHidden * kFreq, kFreq, 1});
+
+  StreamScope stream(d);
+  call_kernel(fn[0], {any_tensor(&tx), any_tensor(&tw1), any_tensor(&tb1), any_tensor(&tz), any_tensor(&th)});
+  call_kernel(fn[1], {any_tensor(&tgrad), w2_t.any(), any_tensor(&tdhp)});
+  call_kernel(fn[2], {any_tensor(&tdhp), any_tensor(&tz), any_tensor(&tdz), any_tensor(&tdb1)});
+  call_kernel(fn[3], {any_tensor(&tdz), w1_t.any(), any_tensor(&tdxp)});
+  call_kernel(fn[4], {any_tensor(&tdxp), unused_bias.any(), any_tensor(&tdx)});
+  call_kernel(fn[5], {grad_t.any(), h_t.any(), dw2_b.any()});
+  call_kernel(fn[6], {dz_t.any(), x_t.any(), dw1_b.any()});
+  call_kernel(fn[7], {any_tensor(&tgrad), any_tensor(&tgrad), any_tensor(&tgrad), any_tensor(&tdb2)});
+  return {dx, dw1, db1, dw2, db2};
+}
+
+// ---- norm_modulate / final_adaln_out forward (h3cute/launch/norm_modulate.py forward_rows) -------------
+
+constexpr int64_t kHidden = 5376, kFinalProjection = 2 * kHidden;
+KernelTable norm_modulate_kernels("h3cute.launch.norm_modulate");  // variant 0: [norm_modulate_fwd]
+KernelTable final_kernels("h3cute.launch.final_adaln_out");  // variant 0: [silu_cast, proj_fwd, norm_modulate_fwd]
+
+// x (S, H) and out-shaped row tensors: BF16, dense, 16-byte aligned, S >= 1.
+bool rows_fast(const at::Tensor& x, int d) {
+  return dense(x, at::kBFloat16, d, {-1, kHidden}) && x.size(0) > 0 && aligned16(x);
+}
+
+// A (R, H) BF16 table read in place with 16-byte row loads: unit column stride, rows 16-byte aligned.
+bool table_fast(const at::Tensor& t, int d) {
+  return t.scalar_type() == at::kBFloat16 && t.is_cuda() && t.get_device() == d && t.dim() == 2 &&
+         t.size(0) > 0 && t.size(1) == kHidden && t.stride(1) == 1 && t.stride(0) >= kHidden &&
+         t.stride(0) % 8 == 0 && aligned16(t);
+}
+
+at::Tensor norm_modulate_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& shift,
+                              const at::Tensor& scale, const at::Tensor& idx, double eps, bool check_indices) {
+  // check_indices reads the indices on the host (a sync, and an error naming the row): the Python impl's.
+  const int d = x.is_cuda() ? x.get_device() : -1;
+  const bool fast = !check_indices && eps > 0 && rows_fast(x, d) && dense(weight, at::kBFloat16, d, {kHidden}) &&
+                    aligned16(weight) && table_fast(shift, d) && table_fast(scale, d) &&
+                    shift.size(0) == scale.size(0) && dense(idx, at::kLong, d, {x.size(0)});
+  if (!fast)
+    return python_impl<at::Tensor>("h3cute.ops.adaln", "_norm_modulate_cuda", x, weight, shift, scale, idx, eps,
+                                   check_indices);
+  const TVMFFIObjectHandle* fn = norm_modulate_kernels.get(d, 0, x.size(0)).fns;
+  at::Tensor out = at::empty_like(x);
+  DLTensor tx = dl_view(x), tw = dl_view(weight), tsh = dl_view(shift), tsc = dl_view(scale), ti = dl_view(idx);
+  DLTensor tout = dl_view(out);
+  StreamScope stream(d);
+  call_kernel(fn[0], {any_tensor(&tx), any_tensor(&tw), any_tensor(&tsh), any_tensor(&tsc), any_tensor(&ti),
+                      any_tensor(&tout), any_float(eps)});
+  return out;
+}
+
+at::Tensor final_adaln_out_cuda(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& temb,
+                                const at::Tensor& proj_weight, const at::Tensor& proj_bias, const at::Tensor& ti,
+                                double eps, bool check_indices) {
+  const int d = x.is_cuda() ? x.get_device() : -1;
+  const bool fast = !check_indices && eps > 0 && rows_fast(x, d) && dense(norm_weight, at::kBFloat16, d, {kHidden}) &&
+                    aligned16(norm_weight) && dense(temb, at::kFloat, d, {-1, kTemb}) && temb.size(0) > 0 &&
+                    dense(proj_weight, at::kBFloat16, d, {kFinalProjection, kTemb}) &&
+                    dense(proj_bias, at::kBFloat16, d, {kFinalProjection}) && dense(ti, at::kLong, d, {x.size(0)});
+  if (!fast)
+    return python_impl<at::Tensor>("h3cute.ops.adaln", "_final_cuda", x, norm_weight, temb, proj_weight, proj_bias,
+                                   ti, eps, check_indices);
+  const int64_t timesteps = temb.size(0);
+  const TVMFFIObjectHandle* fn = final_kernels.get(d, 0, timesteps).fns;
+  at::Tensor act = at::empty({timesteps, kTemb}, x.options());  // bf16(silu(temb))
+  at::Tensor proj = at::empty({timesteps, kFinalProjection}, x.options());  // shift | scale
+  at::Tensor out = at::empty_like(x);
+  DLTensor ttemb = dl_view(temb), tact = dl_view(act), tpw = dl_view(proj_weight), tpb = dl_view(proj_bias);
+  DLTensor tproj = dl_view(proj), tx = dl_view(x), tnw = dl_view(norm_weight), tti = dl_view(ti), tout = dl_view(out);
+  // shift | scale halves of the projection, read in place as row-strided (T, H) tables
+  View shift(proj, {timesteps, kHidden}, {kFinalProjection, 1}), scale(proj, {timesteps, kHidden}, {kFinalProjection, 1}, kHidden);
+  StreamScope stream(d);
+  call_kernel(fn[0], {any_tensor(&ttemb), any_tensor(&tact)});
+  call_kernel(fn[1], {any_tensor(&tact), any_tensor(&tpw), any_tensor(&tpb), any_tensor(&tproj)});
+  call_kernel(fn[2], {any_tensor(&tx), any_tensor(&tnw), shift.any(), scale.any(),
+                      any_tensor(&tti), any_tensor(&tout), any_float(eps)});
+  return out;
+}
+
+// ---- norm_modulate backward (fused path) and gate_residual (h3cute/launch/norm_modulate.py, gate_residual.py) ---
+
+constexpr int64_t kMaxFusedTableRows = 24, kMaxTableRows = 48;  // launch/norm_modulate.py FUSED_CAPS, TABLE_ROWS_CAPS
+
+// kernels/rowwise.py rowwise_fold: out (N,) = in-order sum over the P rows of partials (P, N), rounded once.
+void fold(TVMFFIObjectHandle fn, View partials, View out) { call_kernel(fn, {partials.any(), out.any()}); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backward_cuda(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+    const at::Tensor& idx, double eps, int64_t table_rows) {
+  const int d = x.is_cuda() ? x.get_device() : -1;
+  const bool fast = eps > 0 && rows_fast(x, d) && rows_fast(grad, d) && grad.size(0) == x.size(0) &&
+                    dense(weight, at::kBFloat16, d, {kHidden}) && aligned16(weight) && table_fast(scale, d) &&
+                    scale.size(0) == table_rows && table_rows <= kMaxFusedTableRows &&
+                    dense(idx, at::kLong, d, {x.size(0)});
+  if (!fast) {
+    using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+    return python_impl<R>("h3cute.ops.adaln", "_norm_modulate_backward_cuda", grad, x, weight, scale, idx, eps,
+                          table_rows);
+  }
+  // variant = table rows: [norm_modulate_bwd_fused of its cap, rowwise_fold], params [row groups]
+  const KernelTable::Entry& k = norm_modulate_kernels.get(d, table_rows, 0);
+  const int64_t groups = k.params[0], stride = (1 + 2 * table_rows) * kHidden;
+  at::Tensor dx = at::empty_like(x), dweight = at::empty_like(weight);
+  at::Tensor dshift = at::empty({table_rows, kHidden}, x.options()), dscale = at::empty({table_rows, kHidden}, x.options());
+  // one FP32 buffer per row group: [dweight | dshift rows | dscale rows], every element written by the kernel
+  at::Tensor partials = at::empty({groups, stride}, x.options().dtype(at::kFloat));
+  View part_w(partials, {groups, kHidden}, {stride, 1});
+  View part_shift(partials, {groups, table_rows, kHidden}, {stride, kHidden, 1}, kHidden);
+  View part_scale(partials, {groups, table_rows, kHidden}, {stride, kHidden, 1}, (1 + table_rows) * kHidden);
+  DLTensor tg = dl_view(grad), tx = dl_view(x), tw = dl_view(weight), tsc = dl_view(scale), ti = dl_view(idx);
+  DLTensor tdx = dl_view(dx);
+  StreamScope stream(d);
+  call_kernel(k.fns[0], {any_tensor(&tg), any_tensor(&tx), any_tensor(&tw), any_tensor(&tsc), any_tensor(&ti),
+                         any_tensor(&tdx), part_w.any(), part_shift.any(), part_scale.any(), any_float(eps)});
+  fold(k.fns[1], part_w, flat(dweight));
+  fold(k.fns[1], View(partials, {groups, table_rows * kHidden}, {stride, 1}, kHidden), flat(dshift));
+  fold(k.fns[1], View(partials, {groups, table_rows * kHidden}, {stride, 1}, (1 + table_rows) * kHidden), flat(dscale));
+  return {dx, dweight, dshift, dscale};
+}
+
+KernelTable gate_residual_kernels("h3cute.launch.gate_residual");  // 0: [fwd]; R rows: [bwd, fold], [groups]
+
+at::Tensor gate_residual_cuda(const at::Tensor& residual, const at::Tensor& y, const at::Tensor& gate,
+                              const at::Tensor& idx, bool check_indices) {
+  const int d = y.is_cuda() ? y.get_device() : -1;
+  const bool fast = !check_indices && rows_fast(y, d) && rows_fast(residual, d) && residual.size(0) == y.size(0) &&
+                    table_fast(gate, d) && dense(idx, at::kLong, d, {y.size(0)});
+  if (!fast)
+    return python_impl<at::Tensor>("h3cute.ops.adaln", "_gate_residual_cuda", residual, y, gate, idx, check_indices);
+  const TVMFFIObjectHandle* fn = gate_residual_kernels.get(d, 0, y.size(0)).fns;
+  at::Tensor out = at::empty_like(y);
+  DLTensor tr = dl_view(residual), ty = dl_view(y), tg = dl_view(gate), ti = dl_view(idx), tout = dl_view(out);
+  StreamScope stream(d);
+  call_kernel(fn[0], {any_tensor(&tr), any_tensor(&ty), any_tensor(&tg), any_tensor(&ti), any_tensor(&tout)});
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> gate_residual_backward_cuda(const at::Tensor& grad, const at::Tensor& y,
+                                                               const at::Tensor& gate, const at::Tensor& idx) {
+  const int d = y.is_cuda() ? y.get_device() : -1;
+  const bool fast = rows_fast(y, d) && rows_fast(grad, d) && grad.size(0) == y.size(0) && table_fast(gate, d) &&
+                    gate.size(0) <= kMaxTableRows && dense(idx, at::kLong, d, {y.size(0)});
+  if (!fast)
+    return python_impl<std::tuple<at::Tensor, at::Tensor>>("h3cute.ops.adaln", "_gate_residual_backward_cuda", grad,
+                                                           y, gate, idx);
+  const int64_t table_rows = gate.size(0);
+  const KernelTable::Entry& k = gate_residual_kernels.get(d, table_rows, 0);
+  const int64_t groups = k.params[0];
+  at::Tensor dy = at::empty_like(y), dgate = at::empty({table_rows, kHidden}, y.options());
+  at::Tensor partials = at::empty({groups, table_rows * kHidden}, y.options().dtype(at::kFloat));
+  DLTensor tgr = dl_view(grad), ty = dl_view(y), tg = dl_view(gate), ti = dl_view(idx), tdy = dl_view(dy);
+  View part3(partials, {groups, table_rows, kHidden}, {table_rows * kHidden, kHidden, 1});
+  StreamScope stream(d);
+  call_kernel(k.fns[0], {any_tensor(&tgr), any_tensor(&ty), any_tensor(&tg), any_tensor(&ti), any_tensor(&tdy),
+                         part3.any()});
+  fold(k.fns[1], View(partials, {groups, table_rows * kHidden}, {table_rows * kHidden, 1}), flat(dgate));
+  return {dy, dgate};
+}
+
+// ---- autograd (the Python register_autograd kernels of h3cute/ops, in C++) ---------------------------
+// Forward: the op below autograd (its CUDA or CPU impl), saving what the backward op needs; backward: the
+// h3 backward op through the dispatcher (so fake tensors and torch.compile trace it), one gradient per argument.
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> h3_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+using T = at::Tensor;
+using CT = const at::Tensor&;
+
+struct TimestepMlpFn : torch::autograd::Function<TimestepMlpFn> {
+  static T forward(AutogradContext* ctx, CT x, CT w1, CT b1, CT w2, CT b2) {
+    static auto op = h3_op<T(CT, CT, CT, CT, CT)>("h3::timestep_mlp");
+    ctx->save_for_backward({x, w1, b1, w2});
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(x, w1, b1, w2, b2);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = h3_op<std::tuple<T, T, T, T, T>(CT, CT, CT, CT, CT)>("h3::timestep_mlp_backward");
+    auto s = ctx->get_saved_variables();
+    auto [dx, dw1, db1, dw2, db2] = op.call(grads[0].contiguous(), s[0], s[1], s[2], s[3]);
+    return {dx, dw1, db1, dw2, db2};
+  }
+};
+
+struct NormModulateFn : torch::autograd::Function<NormModulateFn> {
+  static T forward(AutogradContext* ctx, CT x, CT weight, CT shift, CT scale, CT idx, double eps, bool check) {
+    static auto op = h3_op<T(CT, CT, CT, CT, CT, double, bool)>("h3::norm_modulate");
+    ctx->save_for_backward({x, weight, scale, idx});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["table_rows"] = shift.size(0);
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(x, weight, shift, scale, idx, eps, check);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = h3_op<std::tuple<T, T, T, T>(CT, CT, CT, CT, CT, double, int64_t)>("h3::norm_modulate_backward");
+    auto s = ctx->get_saved_variables();
+    auto [dx, dweight, dshift, dscale] = op.call(grads[0].contiguous(), s[0], s[1], s[2], s[3],
+                                                 ctx->saved_data["eps"].toDouble(), ctx->saved_data["table_rows"].toInt());
+    return {dx, dweight, dshift, dscale, T(), T(), T()};
+  }
+};
+
+struct GateResidualFn : torch::autograd::Function<GateResidualFn> {
+  static T forward(AutogradContext* ctx, CT residual, CT y, CT gate, CT idx, bool check) {
+    static auto op = h3_op<T(CT, CT, CT, CT, bool)>("h3::gate_residual");
+    ctx->save_for_backward({y, gate, idx});
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(residual, y, gate, idx, check);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = h3_op<std::tuple<T, T>(CT, CT, CT, CT)>("h3::gate_residual_backward");
+    auto s = ctx->get_saved_variables();
+    T grad = grads[0].contiguous();
+    auto [dy, dgate] = op.call(grad, s[0], s[1], s[2]);
+    return {grad, dy, dgate, T(), T()};  // d residual is the upstream gradient itself
+  }
+};
+
+struct FinalAdalnOutFn : torch::autograd::Function<FinalAdalnOutFn> {
+  static T forward(AutogradContext* ctx, CT x, CT nw, CT temb, CT pw, CT pb, CT ti, double eps, bool check) {
+    static auto op = h3_op<T(CT, CT, CT, CT, CT, CT, double, bool)>("h3::final_adaln_out");
+    ctx->save_for_backward({x, nw, temb, pw, pb, ti});
+    ctx->saved_data["eps"] = eps;
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(x, nw, temb, pw, pb, ti, eps, check);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op =
+        h3_op<std::tuple<T, T, T, T, T>(CT, CT, CT, CT, CT, CT, CT, double)>("h3::final_adaln_out_backward");
+    auto s = ctx->get_saved_variables();
+    auto [dx, dnw, dtemb, dpw, dpb] = op.call(grads[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5],
+                                              ctx->saved_data["eps"].toDouble());
+    return {dx, dnw, dtemb, dpw, dpb, T(), T(), T()};
+  }
+};
+
+T timestep_mlp_autograd(CT x, CT w1, CT b1, CT w2, CT b2) { return TimestepMlpFn::apply(x, w1, b1, w2, b2); }
+T norm_modulate_autograd(CT x, CT w, CT shift, CT scale, CT idx, double eps, bool check) {
+  return NormModulateFn::apply(x, w, shift, scale, idx, eps, check);
+}
+T gate_residual_autograd(CT residual, CT y, CT gate, CT idx, bool check) {
+  return GateResidualFn::apply(residual, y, gate, idx, check);
+}
+T final_adaln_out_autograd(CT x, CT nw, CT temb, CT pw, CT pb, CT ti, double eps, bool check) {
+  return FinalAdalnOutFn::apply(x, nw, temb, pw, pb, ti, eps, check);
+}
+
 // The ops this library implements; h3cute.ops registers no Python CUDA impl for them.
-const char* const kNativeOps[] = {"timestep_sinusoid"};
+const char* const kNativeOps[] = {"timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate",
+                                  "norm_modulate_backward", "gate_residual", "gate_residual_backward",
+                                  "final_adaln_out"};
+// The ops whose autograd kernel is this library's (h3cute.ops registers no Python one for them).
+const char* const kAutogradOps[] = {"timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out"};
 
 void install() {
   static torch::Library* lib = nullptr;
+  static torch::Library* autograd = nullptr;
   if (lib != nullptr) return;
+  autograd = new torch::Library(torch::Library::IMPL, "h3", c10::DispatchKey::Autograd, __FILE__, __LINE__);
+  autograd->impl("timestep_mlp", TORCH_FN(timestep_mlp_autograd));
+  autograd->impl("norm_modulate", TORCH_FN(norm_modulate_autograd));
+  autograd->impl("gate_residual", TORCH_FN(gate_residual_autograd));
+  autograd->impl("final_adaln_out", TORCH_FN(final_adaln_out_autograd));
   lib = new torch::Library(torch::Library::IMPL, "h3", c10::DispatchKey::CUDA, __FILE__, __LINE__);
   lib->impl("timestep_sinusoid", TORCH_FN(timestep_sinusoid_cuda));
+  lib->impl("timestep_mlp", TORCH_FN(timestep_mlp_cuda));
+  lib->impl("timestep_mlp_backward", TORCH_FN(timestep_mlp_backward_cuda));
+  lib->impl("norm_modulate", TORCH_FN(norm_modulate_cuda));
+  lib->impl("norm_modulate_backward", TORCH_FN(norm_modulate_backward_cuda));
+  lib->impl("gate_residual", TORCH_FN(gate_residual_cuda));
+  lib->impl("gate_residual_backward", TORCH_FN(gate_residual_backward_cuda));
+  lib->impl("final_adaln_out", TORCH_FN(final_adaln_out_cuda));
 }
 
 }  // namespace h3native
@@ -150,4 +576,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::list ops;
   for (const char* op : h3native::kNativeOps) ops.append(op);
   m.attr("OPS") = ops;
+  py::list autograd_ops;
+  for (const char* op : h3native::kAutogradOps) autograd_ops.append(op);
+  m.attr("AUTOGRAD_OPS") = autograd_ops;
 }

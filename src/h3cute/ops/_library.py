@@ -8,8 +8,8 @@ Autograd: `register_autograd` installs one Python kernel at the Autograd key, li
 schema's argument list per argument: tens of us per call) and pytree/dataclass work. Without a gradient
 to record it redispatches below autograd; with one it applies a plain `autograd.Function`.
 
-C++ CUDA impls (`h3cute.native`): ops the C++ layer implements get no Python CUDA impl here; `install_native`
-registers the C++ ones once every op is defined. The C++ impl hands any input off its fast path to the
+C++ CUDA impls and autograd kernels (`h3cute.native`): ops the C++ layer implements get no Python CUDA impl
+(or autograd kernel) here; `install_native` registers the C++ ones once every op is defined. The C++ impl hands any input off its fast path to the
 Python CUDA impl, so errors and rare cases keep one implementation.
 
 Launch modules (`h3cute.launch.<op>`) are resolved once, at import. An op whose module is absent gets a
@@ -25,6 +25,7 @@ from h3cute import native
 
 LIB = torch.library.Library("h3", "DEF")
 NATIVE_OPS = native.native_ops()
+NATIVE_AUTOGRAD_OPS = native.native_autograd_ops()
 
 
 def define(schema: str, cpu, cuda) -> str:
@@ -50,6 +51,8 @@ def register_autograd(name: str, backward, setup_context) -> None:
     extra). A `Tensor[]` output travels through autograd as a tuple; `backward` then gets the grads as one
     list, as `torch.library.register_autograd` gives them.
     """
+    if name in NATIVE_AUTOGRAD_OPS:  # the same logic in C++ (h3cute/native/h3_native.cpp)
+        return
     op = getattr(torch.ops.h3, name).default
     defaults = tuple(a.default_value for a in op._schema.arguments)
     returns_list = str(op._schema.returns[0].type) == "List[Tensor]"

@@ -15,10 +15,13 @@ import threading
 from .sources import map_source_tree_kernels
 from .spec import SM_COUNT, SUPPORTED_ARCHS, KernelSpec, canonical_static
 
-__all__ = ["KernelSpec", "compile_for", "kernel", "kernel_for_arch", "arch_of", "SM_COUNT", "SUPPORTED_ARCHS",
+__all__ = ["MAX_ROWS", "KernelSpec", "compile_for", "kernel", "kernel_for_arch", "arch_of", "SM_COUNT", "SUPPORTED_ARCHS",
            "canonical_static"]
 
 log = logging.getLogger("h3cute.runtime")
+
+# Row-count bound of `kernel_handles` answers (h3cute.native's kernel tables): "any number of rows".
+MAX_ROWS = 1 << 62
 
 _by_call: dict = {}  # (name, device, static items) -> function: the hot path
 _by_arch: dict = {}  # (name, arch, canonical static) -> function
