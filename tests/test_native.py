@@ -14,9 +14,10 @@ from h3cute.ops import adaln, timestep
 
 # The ops the C++ layer implements (their CUDA impls); every other op keeps its Python CUDA impl.
 NATIVE_OPS = ("timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate", "norm_modulate_backward",
-              "gate_residual", "gate_residual_backward", "final_adaln_out")
+              "gate_residual", "gate_residual_backward", "final_adaln_out", "final_adaln_out_backward",
+              "adaln_row_gather", "adaln_row_gather_backward")
 # The ops whose autograd kernel is the C++ one.
-NATIVE_AUTOGRAD_OPS = ("timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out")
+NATIVE_AUTOGRAD_OPS = ("timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out", "adaln_row_gather")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 no_compiler = shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None
@@ -263,3 +264,34 @@ def test_cpp_autograd_gives_the_backward_ops_gradients():
     out, grads = _autograd_grads("timestep_mlp", (xm, w1, b1, w2, b2), gm)
     assert _bits_equal(out, timestep._mlp_cuda(xm, w1, b1, w2, b2))
     assert _bits_equal(grads, timestep._mlp_backward_cuda(gm, xm, w1, b1, w2))
+
+
+@gpu
+@pytest.mark.parametrize("timesteps", [1, 12, 13, 20, 24, 30])  # C++ up to 24 (fused caps), 30: the Python impl
+def test_final_adaln_out_backward_cpp_equals_python_impl(timesteps):
+    rows = 2053
+    x, g = _seeded((rows, 5376), 32, torch.bfloat16, 2.0), _seeded((rows, 5376), 33, torch.bfloat16)
+    nw = (0.5 + torch.rand(5376, device="cuda")).to(torch.bfloat16)
+    temb = _seeded((timesteps, 2688), 34)
+    pw, pb = _seeded((10752, 2688), 35, torch.bfloat16, 0.02), _seeded((10752,), 36, torch.bfloat16, 0.02)
+    ti = torch.randint(0, timesteps, (rows,), device="cuda")
+    args = (g, x, nw, temb, pw, pb, ti, 1e-6)
+    assert _bits_equal(torch.ops.h3.final_adaln_out_backward(*args), adaln._final_backward_cuda(*args))
+
+
+@gpu
+@pytest.mark.parametrize("table_rows", [3, 30])
+def test_adaln_row_gather_cpp_equals_python_impl(table_rows):
+    rows = 4097
+    table = _seeded((table_rows, 6 * 5376), 37, torch.bfloat16)
+    idx = torch.randint(0, table_rows, (rows,), device="cuda")
+    grads = [_seeded((rows, 5376), 38 + c, torch.bfloat16) for c in range(6)]
+    for check in (False, True):
+        assert _bits_equal(torch.ops.h3.adaln_row_gather(table, idx, check), adaln._gather_cuda(table, idx, check))
+    assert _bits_equal(torch.ops.h3.adaln_row_gather(table, idx, False),
+                       reference.adaln_row_gather_replay(table, idx))
+    assert _bits_equal(torch.ops.h3.adaln_row_gather_backward(grads, idx, table_rows),
+                       adaln._gather_backward_cuda(grads, idx, table_rows))
+    leaf = table.detach().clone().requires_grad_(True)
+    torch.autograd.backward(torch.ops.h3.adaln_row_gather(leaf, idx, False), grads)
+    assert _bits_equal(leaf.grad, adaln._gather_backward_cuda(grads, idx, table_rows))

@@ -17,32 +17,59 @@ from h3cute.launch import adaln_projection, norm_modulate
 
 HIDDEN = 5376
 PROJECTION = 2 * HIDDEN
-# adaln_projection.config_for_rows's T ranges (both families)
-T_BOUNDS = (16, 64, runtime.MAX_ROWS)
+# Where some launch choice of the C++ impls changes with T: the projection configs (forward 16, 64; d_temb
+# 16, 64, 256; dW 64) and the fused norm backward's table caps (12, 24).
+T_BOUNDS = (12, 16, 24, 64, 256, runtime.MAX_ROWS)
 
 
-def _shift_scale(temb, proj_weight, proj_bias):
-    proj = adaln_projection.forward(temb, proj_weight, proj_bias)
-    return proj[:, :HIDDEN], proj[:, HIDDEN:]
+def _choices(dev, rows: int, backward: bool) -> tuple:
+    wgmma = adaln_projection._uses_wgmma(dev, None)
+    fwd = adaln_projection.config_for_rows(rows, wgmma)
+    if not backward:
+        return wgmma, fwd
+    return (wgmma, fwd, adaln_projection.dgrad_config_for_rows(rows, wgmma),
+            adaln_projection.wgrad_config_for_rows(rows, wgmma), norm_modulate.table_rows_cap("final_adaln_out", rows))
 
 
-def kernel_handles(device: int, variant: int, num_rows: int) -> tuple[int, int, list[int]]:
-    """For the C++ forward impl (h3cute.native): the T range sharing one projection config, and the C
-    handles of `adaln_silu_cast`, the projection GEMM of that config and `norm_modulate_fwd`."""
+def kernel_handles(device: int, backward: int, num_rows: int):
+    """For the C++ impls (h3cute.native): the T range sharing every launch choice, and the C handles of the
+    forward's kernels (`adaln_silu_cast`, the projection GEMM, `norm_modulate_fwd`) or, for T <= 24, the
+    backward's (silu_cast, projection, `norm_modulate_bwd_fused`, `rowwise_fold`, the d_temb GEMM,
+    `adaln_dtemb_fold`, the dW GEMM; db fused into it) with the fused norm's row-group count."""
     dev = torch.device("cuda", device)
     lo = 0
     for hi in T_BOUNDS:
         if num_rows <= hi:
             break
         lo = hi + 1
-    wgmma = adaln_projection._uses_wgmma(dev, None)
-    config = adaln_projection.config_for_rows(num_rows, wgmma)
-    assert all(adaln_projection.config_for_rows(n, wgmma) == config for n in (max(lo, 1), hi)), "T_BOUNDS is stale"
-    fns = [runtime.kernel("adaln_silu_cast", dev, width=adaln_projection.TEMB_WIDTH),
-           runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", dev, out_features=PROJECTION,
-                          config=config),
-           runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN)]
-    return lo, hi, [fn.__chandle__() for fn in fns]
+    choices = _choices(dev, num_rows, bool(backward))
+    assert _choices(dev, max(lo, 1), bool(backward)) == choices == _choices(dev, hi, bool(backward)), "stale T_BOUNDS"
+    wgmma, fwd = choices[:2]
+    head = [runtime.kernel("adaln_silu_cast", dev, width=adaln_projection.TEMB_WIDTH),
+            runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", dev, out_features=PROJECTION,
+                           config=fwd)]
+    if not backward:
+        fns = head + [runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN)]
+        return lo, hi, [fn.__chandle__() for fn in fns]
+    _, _, dgrad, wgrad, cap = choices
+    if cap not in norm_modulate.FUSED_CAPS or num_rows > adaln_projection.FUSED_DBIAS_ROWS:
+        raise ValueError(f"final_adaln_out: the C++ backward takes T <= 24, got {num_rows}")
+    fns = head + [
+        runtime.kernel("norm_modulate_bwd_fused", dev, width=HIDDEN, cap=cap, step=norm_modulate.FUSED_STEP),
+        runtime.kernel("rowwise_fold", dev),
+        runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=PROJECTION,
+                       config=dgrad),
+        runtime.kernel("adaln_dtemb_fold", dev, width=adaln_projection.TEMB_WIDTH),
+        runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=PROJECTION, wgmma=True, config=wgrad) if wgmma
+        else runtime.kernel("adaln_proj_wgrad", dev, out_features=PROJECTION, config=wgrad),
+    ]
+    groups = norm_modulate.FUSED_ROW_GROUPS[runtime.arch_of(dev)][cap]
+    return lo, hi, [fn.__chandle__() for fn in fns], [groups]
+
+
+def _shift_scale(temb, proj_weight, proj_bias):
+    proj = adaln_projection.forward(temb, proj_weight, proj_bias)
+    return proj[:, :HIDDEN], proj[:, HIDDEN:]
 
 
 def forward(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):

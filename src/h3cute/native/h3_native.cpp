@@ -305,8 +305,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
 // ---- norm_modulate / final_adaln_out forward (h3cute/launch/norm_modulate.py forward_rows) -------------
 
 constexpr int64_t kHidden = 5376, kFinalProjection = 2 * kHidden;
+constexpr int64_t kDgradSplits = 12;  // launch/adaln_projection.py DGRAD_SPLITS
 KernelTable norm_modulate_kernels("h3cute.launch.norm_modulate");  // variant 0: [norm_modulate_fwd]
-KernelTable final_kernels("h3cute.launch.final_adaln_out");  // variant 0: [silu_cast, proj_fwd, norm_modulate_fwd]
+// variant 0: [silu_cast, proj_fwd, norm_modulate_fwd]; 1 (T <= 24): the backward's, see final_adaln_out_backward_cuda
+KernelTable final_kernels("h3cute.launch.final_adaln_out");
 
 // x (S, H) and out-shaped row tensors: BF16, dense, 16-byte aligned, S >= 1.
 bool rows_fast(const at::Tensor& x, int d) {
@@ -314,9 +316,9 @@ bool rows_fast(const at::Tensor& x, int d) {
 }
 
 // A (R, H) BF16 table read in place with 16-byte row loads: unit column stride, rows 16-byte aligned.
-bool table_fast(const at::Tensor& t, int d) {
+bool table_fast(const at::Tensor& t, int d, int64_t width = kHidden) {
   return t.scalar_type() == at::kBFloat16 && t.is_cuda() && t.get_device() == d && t.dim() == 2 &&
-         t.size(0) > 0 && t.size(1) == kHidden && t.stride(1) == 1 && t.stride(0) >= kHidden &&
+         t.size(0) > 0 && t.size(1) == width && t.stride(1) == 1 && t.stride(0) >= width &&
          t.stride(0) % 8 == 0 && aligned16(t);
 }
 
@@ -375,6 +377,29 @@ constexpr int64_t kMaxFusedTableRows = 24, kMaxTableRows = 48;  // launch/norm_m
 // kernels/rowwise.py rowwise_fold: out (N,) = in-order sum over the P rows of partials (P, N), rounded once.
 void fold(TVMFFIObjectHandle fn, View partials, View out) { call_kernel(fn, {partials.any(), out.any()}); }
 
+// The fused norm backward (one pass over grad and x: dx and FP32 partials of dweight, dshift, dscale per row
+// group) and the three folds; `scale` is the (R, H) table, possibly a row-strided half of a projection.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_backward_fused(
+    const KernelTable::Entry& k, int fused, int fold_fn, const at::Tensor& grad, const at::Tensor& x,
+    const at::Tensor& weight, View scale, const at::Tensor& idx, double eps, int64_t table_rows) {
+  const int64_t groups = k.params[0], stride = (1 + 2 * table_rows) * kHidden;
+  at::Tensor dx = at::empty_like(x), dweight = at::empty_like(weight);
+  at::Tensor dshift = at::empty({table_rows, kHidden}, x.options()), dscale = at::empty({table_rows, kHidden}, x.options());
+  // one FP32 buffer per row group: [dweight | dshift rows | dscale rows], every element written by the kernel
+  at::Tensor partials = at::empty({groups, stride}, x.options().dtype(at::kFloat));
+  View part_w(partials, {groups, kHidden}, {stride, 1});
+  View part_shift(partials, {groups, table_rows, kHidden}, {stride, kHidden, 1}, kHidden);
+  View part_scale(partials, {groups, table_rows, kHidden}, {stride, kHidden, 1}, (1 + table_rows) * kHidden);
+  DLTensor tg = dl_view(grad), tx = dl_view(x), tw = dl_view(weight), ti = dl_view(idx), tdx = dl_view(dx);
+  call_kernel(k.fns[fused], {any_tensor(&tg), any_tensor(&tx), any_tensor(&tw), scale.any(), any_tensor(&ti),
+                             any_tensor(&tdx), part_w.any(), part_shift.any(), part_scale.any(), any_float(eps)});
+  fold(k.fns[fold_fn], part_w, flat(dweight));
+  fold(k.fns[fold_fn], View(partials, {groups, table_rows * kHidden}, {stride, 1}, kHidden), flat(dshift));
+  fold(k.fns[fold_fn], View(partials, {groups, table_rows * kHidden}, {stride, 1}, (1 + table_rows) * kHidden),
+       flat(dscale));
+  return {dx, dweight, dshift, dscale};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
     const at::Tensor& idx, double eps, int64_t table_rows) {
@@ -390,23 +415,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backwar
   }
   // variant = table rows: [norm_modulate_bwd_fused of its cap, rowwise_fold], params [row groups]
   const KernelTable::Entry& k = norm_modulate_kernels.get(d, table_rows, 0);
-  const int64_t groups = k.params[0], stride = (1 + 2 * table_rows) * kHidden;
-  at::Tensor dx = at::empty_like(x), dweight = at::empty_like(weight);
-  at::Tensor dshift = at::empty({table_rows, kHidden}, x.options()), dscale = at::empty({table_rows, kHidden}, x.options());
-  // one FP32 buffer per row group: [dweight | dshift rows | dscale rows], every element written by the kernel
-  at::Tensor partials = at::empty({groups, stride}, x.options().dtype(at::kFloat));
-  View part_w(partials, {groups, kHidden}, {stride, 1});
-  View part_shift(partials, {groups, table_rows, kHidden}, {stride, kHidden, 1}, kHidden);
-  View part_scale(partials, {groups, table_rows, kHidden}, {stride, kHidden, 1}, (1 + table_rows) * kHidden);
-  DLTensor tg = dl_view(grad), tx = dl_view(x), tw = dl_view(weight), tsc = dl_view(scale), ti = dl_view(idx);
-  DLTensor tdx = dl_view(dx);
   StreamScope stream(d);
-  call_kernel(k.fns[0], {any_tensor(&tg), any_tensor(&tx), any_tensor(&tw), any_tensor(&tsc), any_tensor(&ti),
-                         any_tensor(&tdx), part_w.any(), part_shift.any(), part_scale.any(), any_float(eps)});
-  fold(k.fns[1], part_w, flat(dweight));
-  fold(k.fns[1], View(partials, {groups, table_rows * kHidden}, {stride, 1}, kHidden), flat(dshift));
-  fold(k.fns[1], View(partials, {groups, table_rows * kHidden}, {stride, 1}, (1 + table_rows) * kHidden), flat(dscale));
-  return {dx, dweight, dshift, dscale};
+  return norm_backward_fused(k, 0, 1, grad, x, weight, View(scale, {table_rows, kHidden}, {scale.stride(0), 1}), idx,
+                             eps, table_rows);
+}
+
+// final_adaln_out's backward for T <= 24 timesteps (the fused norm backward's table sizes; h3cute/launch/
+// final_adaln_out.py backward): recompute the projection, the norm backward on its scale half, then the
+// projection's backward (d_temb through FP32 partials and their fold, dW with db fused: T <= 64).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_adaln_out_backward_cuda(
+    const at::Tensor& grad, const at::Tensor& x, const at::Tensor& nw, const at::Tensor& temb,
+    const at::Tensor& pw, const at::Tensor& pb, const at::Tensor& ti, double eps) {
+  const int d = x.is_cuda() ? x.get_device() : -1;
+  const bool fast = eps > 0 && rows_fast(x, d) && rows_fast(grad, d) && grad.size(0) == x.size(0) &&
+                    dense(nw, at::kBFloat16, d, {kHidden}) && aligned16(nw) && dense(temb, at::kFloat, d, {-1, kTemb}) &&
+                    temb.size(0) > 0 && temb.size(0) <= kMaxFusedTableRows &&
+                    dense(pw, at::kBFloat16, d, {kFinalProjection, kTemb}) &&
+                    dense(pb, at::kBFloat16, d, {kFinalProjection}) && dense(ti, at::kLong, d, {x.size(0)});
+  if (!fast) {
+    using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+    return python_impl<R>("h3cute.ops.adaln", "_final_backward_cuda", grad, x, nw, temb, pw, pb, ti, eps);
+  }
+  const int64_t timesteps = temb.size(0);
+  // [silu_cast, proj_fwd, norm_modulate_bwd_fused, rowwise_fold, proj_dgrad, dtemb_fold, proj_wgrad], [row groups]
+  const KernelTable::Entry& k = final_kernels.get(d, 1, timesteps);
+  const auto bf16 = x.options(), f32 = temb.options();
+  at::Tensor act = at::empty({timesteps, kTemb}, bf16), proj = at::empty({timesteps, kFinalProjection}, bf16);
+  DLTensor ttemb = dl_view(temb), tact = dl_view(act), tpw = dl_view(pw), tpb = dl_view(pb), tproj = dl_view(proj);
+  StreamScope stream(d);
+  call_kernel(k.fns[0], {any_tensor(&ttemb), any_tensor(&tact)});
+  call_kernel(k.fns[1], {any_tensor(&tact), any_tensor(&tpw), any_tensor(&tpb), any_tensor(&tproj)});
+  auto [dx, dnw, dshift, dscale] = norm_backward_fused(
+      k, 2, 3, grad, x, nw, View(proj, {timesteps, kHidden}, {kFinalProjection, 1}, kHidden), ti, eps, timesteps);
+  at::Tensor dproj = at::cat({dshift, dscale}, 1);  // (T, 2H), shift first like the table
+  at::Tensor partial = at::empty({kDgradSplits, timesteps, kTemb}, f32);
+  at::Tensor dtemb = at::empty({timesteps, kTemb}, f32), act_again = at::empty({timesteps, kTemb}, bf16);
+  at::Tensor dpw = at::empty_like(pw), dpb = at::empty({kFinalProjection}, bf16);
+  DLTensor tdproj = dl_view(dproj), tpart = dl_view(partial), tdtemb = dl_view(dtemb), tact2 = dl_view(act_again);
+  DLTensor tdpw = dl_view(dpw), tdpb = dl_view(dpb);
+  call_kernel(k.fns[4], {any_tensor(&tdproj), any_tensor(&tpw), any_tensor(&tpart)});
+  call_kernel(k.fns[5], {any_tensor(&tpart), any_tensor(&ttemb), any_tensor(&tdtemb), any_tensor(&tact2)});
+  call_kernel(k.fns[6], {any_tensor(&tdproj), any_tensor(&tact2), any_tensor(&tdpw), any_tensor(&tdpb)});
+  return {dx, dnw, dtemb, dpw, dpb};
 }
 
 KernelTable gate_residual_kernels("h3cute.launch.gate_residual");  // 0: [fwd]; R rows: [bwd, fold], [groups]
@@ -446,6 +496,50 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_backward_cuda(const at::Tensor&
                          part3.any()});
   fold(k.fns[1], View(partials, {groups, table_rows * kHidden}, {table_rows * kHidden, 1}), flat(dgate));
   return {dy, dgate};
+}
+
+// ---- adaln_row_gather (h3cute/launch/adaln_row_gather.py) ---------------------------------------------
+
+constexpr int64_t kChunks = 6, kBlockTable = kChunks * kHidden;
+KernelTable row_gather_kernels("h3cute.launch.adaln_row_gather");  // 0: [fwd]; R rows: [bwd, fold], [groups]
+
+std::vector<at::Tensor> adaln_row_gather_cuda(const at::Tensor& table, const at::Tensor& idx, bool check_indices) {
+  const int d = table.is_cuda() ? table.get_device() : -1;
+  const bool fast = !check_indices && table_fast(table, d, kBlockTable) && dense(idx, at::kLong, d, {-1}) &&
+                    idx.size(0) > 0;
+  if (!fast)
+    return python_impl<std::vector<at::Tensor>>("h3cute.ops.adaln", "_gather_cuda", table, idx, check_indices);
+  const int64_t rows = idx.size(0);
+  const TVMFFIObjectHandle* fn = row_gather_kernels.get(d, 0, rows).fns;
+  std::vector<at::Tensor> outs;
+  for (int c = 0; c < kChunks; ++c) outs.push_back(at::empty({rows, kHidden}, table.options()));
+  DLTensor tt = dl_view(table), ti = dl_view(idx), o[kChunks];
+  for (int c = 0; c < kChunks; ++c) o[c] = dl_view(outs[c]);
+  StreamScope stream(d);
+  call_kernel(fn[0], {any_tensor(&tt), any_tensor(&ti), any_tensor(&o[0]), any_tensor(&o[1]), any_tensor(&o[2]),
+                      any_tensor(&o[3]), any_tensor(&o[4]), any_tensor(&o[5])});
+  return outs;
+}
+
+at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor& idx, int64_t table_rows) {
+  const int d = idx.is_cuda() ? idx.get_device() : -1;
+  bool fast = grads.size() == kChunks && dense(idx, at::kLong, d, {-1}) && idx.size(0) > 0 && table_rows > 0 &&
+              table_rows <= kMaxTableRows;
+  for (size_t c = 0; fast && c < grads.size(); ++c) fast = rows_fast(grads[c], d) && grads[c].size(0) == idx.size(0);
+  if (!fast)
+    return python_impl<at::Tensor>("h3cute.ops.adaln", "_gather_backward_cuda",
+                                   std::vector<at::Tensor>(grads.begin(), grads.end()), idx, table_rows);
+  const KernelTable::Entry& k = row_gather_kernels.get(d, table_rows, 0);
+  const int64_t groups = k.params[0];
+  at::Tensor dtable = at::empty({table_rows, kBlockTable}, grads[0].options());
+  at::Tensor partials = at::empty({groups, table_rows, kBlockTable}, grads[0].options().dtype(at::kFloat));
+  DLTensor g[kChunks], ti = dl_view(idx), tp = dl_view(partials);
+  for (int c = 0; c < kChunks; ++c) g[c] = dl_view(grads[c]);
+  StreamScope stream(d);
+  call_kernel(k.fns[0], {any_tensor(&g[0]), any_tensor(&g[1]), any_tensor(&g[2]), any_tensor(&g[3]),
+                         any_tensor(&g[4]), any_tensor(&g[5]), any_tensor(&ti), any_tensor(&tp)});
+  fold(k.fns[1], View(partials, {groups, table_rows * kBlockTable}, {table_rows * kBlockTable, 1}), flat(dtable));
+  return dtable;
 }
 
 // ---- autograd (the Python register_autograd kernels of h3cute/ops, in C++) ---------------------------
@@ -530,6 +624,23 @@ struct FinalAdalnOutFn : torch::autograd::Function<FinalAdalnOutFn> {
   }
 };
 
+struct RowGatherFn : torch::autograd::Function<RowGatherFn> {
+  static variable_list forward(AutogradContext* ctx, CT table, CT idx, bool check) {
+    static auto op = h3_op<std::vector<T>(CT, CT, bool)>("h3::adaln_row_gather");
+    ctx->save_for_backward({idx});
+    ctx->saved_data["table_rows"] = table.size(0);
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(table, idx, check);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = h3_op<T(at::TensorList, CT, int64_t)>("h3::adaln_row_gather_backward");
+    std::vector<T> contiguous;
+    for (const T& g : grads) contiguous.push_back(g.contiguous());
+    T dtable = op.call(contiguous, ctx->get_saved_variables()[0], ctx->saved_data["table_rows"].toInt());
+    return {dtable, T(), T()};
+  }
+};
+
 T timestep_mlp_autograd(CT x, CT w1, CT b1, CT w2, CT b2) { return TimestepMlpFn::apply(x, w1, b1, w2, b2); }
 T norm_modulate_autograd(CT x, CT w, CT shift, CT scale, CT idx, double eps, bool check) {
   return NormModulateFn::apply(x, w, shift, scale, idx, eps, check);
@@ -537,6 +648,7 @@ T norm_modulate_autograd(CT x, CT w, CT shift, CT scale, CT idx, double eps, boo
 T gate_residual_autograd(CT residual, CT y, CT gate, CT idx, bool check) {
   return GateResidualFn::apply(residual, y, gate, idx, check);
 }
+std::vector<T> adaln_row_gather_autograd(CT table, CT idx, bool check) { return RowGatherFn::apply(table, idx, check); }
 T final_adaln_out_autograd(CT x, CT nw, CT temb, CT pw, CT pb, CT ti, double eps, bool check) {
   return FinalAdalnOutFn::apply(x, nw, temb, pw, pb, ti, eps, check);
 }
@@ -544,9 +656,11 @@ T final_adaln_out_autograd(CT x, CT nw, CT temb, CT pw, CT pb, CT ti, double eps
 // The ops this library implements; h3cute.ops registers no Python CUDA impl for them.
 const char* const kNativeOps[] = {"timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate",
                                   "norm_modulate_backward", "gate_residual", "gate_residual_backward",
-                                  "final_adaln_out"};
+                                  "final_adaln_out", "final_adaln_out_backward", "adaln_row_gather",
+                                  "adaln_row_gather_backward"};
 // The ops whose autograd kernel is this library's (h3cute.ops registers no Python one for them).
-const char* const kAutogradOps[] = {"timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out"};
+const char* const kAutogradOps[] = {"timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out",
+                                    "adaln_row_gather"};
 
 void install() {
   static torch::Library* lib = nullptr;
@@ -557,6 +671,7 @@ void install() {
   autograd->impl("norm_modulate", TORCH_FN(norm_modulate_autograd));
   autograd->impl("gate_residual", TORCH_FN(gate_residual_autograd));
   autograd->impl("final_adaln_out", TORCH_FN(final_adaln_out_autograd));
+  autograd->impl("adaln_row_gather", TORCH_FN(adaln_row_gather_autograd));
   lib = new torch::Library(torch::Library::IMPL, "h3", c10::DispatchKey::CUDA, __FILE__, __LINE__);
   lib->impl("timestep_sinusoid", TORCH_FN(timestep_sinusoid_cuda));
   lib->impl("timestep_mlp", TORCH_FN(timestep_mlp_cuda));
@@ -565,6 +680,9 @@ void install() {
   lib->impl("norm_modulate_backward", TORCH_FN(norm_modulate_backward_cuda));
   lib->impl("gate_residual", TORCH_FN(gate_residual_cuda));
   lib->impl("gate_residual_backward", TORCH_FN(gate_residual_backward_cuda));
+  lib->impl("final_adaln_out_backward", TORCH_FN(final_adaln_out_backward_cuda));
+  lib->impl("adaln_row_gather", TORCH_FN(adaln_row_gather_cuda));
+  lib->impl("adaln_row_gather_backward", TORCH_FN(adaln_row_gather_backward_cuda));
   lib->impl("final_adaln_out", TORCH_FN(final_adaln_out_cuda));
 }
 
