@@ -320,3 +320,15 @@ def test_cpu_runs_the_method_at_smoke_scale_and_gpu_at_the_seeds():
     assert cpu_mlp.accuracy_sizes == (1, 3, 4) and cpu_mlp.full_batch == 64 and not cpu_mlp.graphs
     assert checks.plan_for_device(checks.QUICK, CPU, norm).accuracy_sizes == (257,)
     assert checks.plan_for_device(checks.FULL, torch.device("cuda"), norm) is checks.FULL
+
+
+def test_report_commit_prefers_the_declared_snapshot(monkeypatch):
+    # A snapshot run elsewhere declares its commit; git beside the package is read only without it.
+    from h3cute.bench import report
+
+    monkeypatch.setenv("H3CUTE_COMMIT", "abc1234")
+    monkeypatch.setenv("H3CUTE_TREE_DIRTY", "0")
+    assert report.h3cute_commit() == {"commit": "abc1234", "tree_dirty": False}
+    monkeypatch.delenv("H3CUTE_COMMIT")
+    found = report.h3cute_commit()
+    assert set(found) == {"commit", "tree_dirty"} and found["commit"] != "abc1234"

@@ -33,19 +33,26 @@ def _version(dist: str):
 
 
 def h3cute_commit() -> dict:
-    """{commit, tree_dirty} from git beside the package, else from H3CUTE_COMMIT / H3CUTE_TREE_DIRTY
-    (the device copy of the tree has no .git)."""
+    """{commit, tree_dirty}: H3CUTE_COMMIT / H3CUTE_TREE_DIRTY when set (a snapshot of a commit run elsewhere,
+    e.g. on the device), else git, when the checkout beside the package is a repository's top level (a
+    snapshot inside another checkout must not report that checkout's HEAD)."""
+    if os.environ.get("H3CUTE_COMMIT"):
+        dirty = os.environ.get("H3CUTE_TREE_DIRTY")
+        return {"commit": os.environ["H3CUTE_COMMIT"],
+                "tree_dirty": None if dirty is None else dirty.lower() in ("1", "true", "yes")}
     root = Path(__file__).resolve().parents[3]
     try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, check=True, timeout=10).stdout.strip()
+        if Path(top).resolve() != root:
+            return {"commit": None, "tree_dirty": None}
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                                 text=True, check=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, check=True, timeout=10).stdout.strip() != ""
         return {"commit": commit, "tree_dirty": dirty}
     except (OSError, subprocess.SubprocessError):
-        dirty = os.environ.get("H3CUTE_TREE_DIRTY")
-        return {"commit": os.environ.get("H3CUTE_COMMIT"),
-                "tree_dirty": None if dirty is None else dirty.lower() in ("1", "true", "yes")}
+        return {"commit": None, "tree_dirty": None}
 
 
 def environment(device, mode_environment: dict) -> dict:
