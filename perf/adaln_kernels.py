@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 from h3cute import runtime
+from h3cute.bench import timing
 from h3cute.launch import adaln_projection as L
 
 SIZES = (1, 4, 64, 256, 2048)
@@ -30,17 +30,7 @@ D, N = L.TEMB_WIDTH, 96768
 BF16, F32 = 2, 4
 
 
-def _median_us(fn) -> float:
-    for _ in range(WARMUP):
-        fn()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(SAMPLES)]
-    stop = [torch.cuda.Event(enable_timing=True) for _ in range(SAMPLES)]
-    for a, b in zip(start, stop):
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return 1e3 * statistics.median(a.elapsed_time(b) for a, b in zip(start, stop))
+_median_us = timing.timer("cuda", WARMUP, SAMPLES)
 
 
 def _kernel(name, dev, **static):

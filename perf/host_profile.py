@@ -20,14 +20,13 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
 
 import torch
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import runtime
-from h3cute.bench import problems
+from h3cute.bench import problems, timing
 from h3cute.launch import norm_modulate, timestep_mlp, timestep_sinusoid
 from h3cute.ops import adaln, timestep
 
@@ -35,34 +34,14 @@ WARMUP, SAMPLES = 30, 300
 DEV = torch.device("cuda")
 
 
-def median_us(fn) -> float:
-    for _ in range(WARMUP):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(SAMPLES)]
-    for start, end in ev:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in ev)
+median_us = timing.timer("cuda", WARMUP, SAMPLES)
 
 
 def graph_us(fn) -> float | None:
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return median_us(g.replay)
-    except Exception as e:  # recorded, never fatal
-        print(f"  graph capture failed: {e}", file=sys.stderr)
-        return None
+    us, why = timing.graph_time(fn, median_us, "cuda")
+    if why:
+        print(f"  graph capture failed: {why}", file=sys.stderr)
+    return us
 
 
 def cprofile_top(fn, calls: int = 200, top: int = 25) -> str:

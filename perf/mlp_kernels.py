@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 from h3cute import runtime
+from h3cute.bench import timing
 from h3cute.launch import timestep_mlp as L
 
 SIZES = (1, 4, 64, 256, 2048)
@@ -31,31 +31,15 @@ WARMUP, SAMPLES = 10, 50
 F1, HIDDEN, D = L.SINUSOID_WIDTH, L.HIDDEN, L.TEMB_WIDTH
 
 
-def _median_us(fn) -> float:
-    for _ in range(WARMUP):
-        fn()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(SAMPLES)]
-    stop = [torch.cuda.Event(enable_timing=True) for _ in range(SAMPLES)]
-    for a, b in zip(start, stop):
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return 1e3 * statistics.median(a.elapsed_time(b) for a, b in zip(start, stop))
+_median_us = timing.timer("cuda", WARMUP, SAMPLES)
 
 
 def _graph_us(fn) -> float:
     fn()  # resolve every kernel before capture
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _median_us(graph.replay)
+    us, why = timing.graph_time(fn, _median_us, "cuda")
+    if why:
+        raise RuntimeError(why)
+    return us
 
 
 def _steps(num_rows: int, dev):

@@ -22,12 +22,11 @@ times replay a captured CUDA graph of one call (null with the reason where captu
 """
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from h3cute.bench import timing
 from h3cute.bench.candidates import Candidate, default_blas
 from h3cute.bench.problems import Problem, take_rows
 
@@ -279,58 +278,10 @@ class Reference:
         return self.cache[n]
 
 
-def _timer(device, warmup: int, samples: int):
-    def measure(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(samples)]
-            for start, end in ev:
-                start.record()
-                fn()
-                end.record()
-            torch.cuda.synchronize(device)
-            times = [s.elapsed_time(e) * 1e3 for s, e in ev]
-        else:
-            times = []
-            for _ in range(samples):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
-    return measure
-
-
-def _graph_time(fn, measure, device):
-    """Median replay time of one captured call, or (None, reason)."""
-    if device.type != "cuda":
-        return None, "CUDA graphs need a CUDA device"
-    try:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return measure(graph.replay), None
-    except Exception as e:
-        reason = f"not capturable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        try:   # a failed capture may leave an error pending on the stream; surface it here, not later
-            torch.cuda.synchronize(device)
-        except Exception as late:
-            reason += f" (then {type(late).__name__}: {late})"
-        return None, reason
-
-
 def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, reference: Reference,
                      sizes=None, log=None) -> dict:
     plan = plan.for_problem(problem)
-    measure = _timer(device, plan.warmup, plan.samples)
+    measure = timing.timer(device, plan.warmup, plan.samples)
     backward = cand.has_backward and problem.has_backward
     grad_args = problem.row_grads + problem.param_grads
     result = {}
@@ -354,7 +305,7 @@ def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, refe
         entry["fwd_us"] = measure(lambda: cand.fn(*args))
         kernel_notes = {}
         if plan.graphs:
-            entry["fwd_kernel_us"], kernel_notes["fwd"] = _graph_time(lambda: cand.fn(*args), measure, device)
+            entry["fwd_kernel_us"], kernel_notes["fwd"] = timing.graph_time(lambda: cand.fn(*args), measure, device)
         if backward:
             ones = [torch.ones_like(o) for o in _as_list(cand.fn(*args))]
 
@@ -368,7 +319,7 @@ def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, refe
 
                 def graphed():
                     torch.autograd.grad(_as_list(cand.fn(*static_args)), list(static.values()), ones)
-                entry["fwd_bwd_kernel_us"], kernel_notes["fwd_bwd"] = _graph_time(graphed, measure, device)
+                entry["fwd_bwd_kernel_us"], kernel_notes["fwd_bwd"] = timing.graph_time(graphed, measure, device)
         notes = {k: v for k, v in kernel_notes.items() if v}
         if notes:
             entry["kernel_us_unavailable"] = notes
@@ -383,7 +334,7 @@ def measure_ceilings(device, samples: int = 10) -> dict:
     if device.type != "cuda":
         return {"copy_bytes_per_s": None, "bf16_flops_per_s": None, "fp32_flops_per_s": None,
                 "note": "no CUDA device: floors carry bytes and flops only"}
-    measure = _timer(device, 3, samples)
+    measure = timing.timer(device, 3, samples)
     src = torch.empty(1 << 28, dtype=torch.float32, device=device)   # 1 GiB
     dst = torch.empty_like(src)
     copy_us = measure(lambda: dst.copy_(src))

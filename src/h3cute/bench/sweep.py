@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from h3cute.bench import checks, report
+from h3cute.bench import checks, report, timing
 from h3cute.bench.candidates import Candidate
 from h3cute.bench.problems import Problem
 
@@ -41,7 +41,7 @@ def sweep(problem: Problem, configs: list[tuple[str, object]], forward, plan: ch
           log=lambda m: None) -> dict:
     """Judge and rank `configs`; `forward(*tensor_args, config=cfg)` is the op's launch forward."""
     plan = plan.for_problem(problem)
-    measure = checks._timer(device, plan.warmup, plan.samples)
+    measure = timing.timer(device, plan.warmup, plan.samples)
     first_outs: dict[int, list] = {}
     results = {}
     for name, cfg in configs:

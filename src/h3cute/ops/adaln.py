@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from h3cute import reference
 from h3cute.ops import validate
 from h3cute.ops._library import LIB, define, register_autograd, resolve_launch
-from h3cute.ops.validate import BF16, BLOCK_CHUNKS, BLOCK_TABLE, F32, HIDDEN, MODALITIES, PROJECTION, TEMB
+from h3cute.ops.validate import BF16, BLOCK_CHUNKS, BLOCK_TABLE, HIDDEN, MODALITIES, PROJECTION, TEMB
 
 _PROJECTION = resolve_launch("adaln_projection")
 _ROW_GATHER = resolve_launch("adaln_row_gather")
