@@ -295,3 +295,32 @@ def test_adaln_row_gather_cpp_equals_python_impl(table_rows):
     leaf = table.detach().clone().requires_grad_(True)
     torch.autograd.backward(torch.ops.h3.adaln_row_gather(leaf, idx, False), grads)
     assert _bits_equal(leaf.grad, adaln._gather_backward_cuda(grads, idx, table_rows))
+
+
+# ---- CPU: the row ranges the C++ kernel tables cache by ---------------------------------------------------
+# A kernel_handles answer (lo, hi, ...) is reused for every row count in [lo, hi]: each launch choice the
+# Python launcher would make must be the same across that whole range.
+
+def test_mlp_row_ranges_hold_one_config():
+    from h3cute.launch import timestep_mlp as L
+
+    for rows in range(1, 3000):
+        lo, hi, config = L._bucket(rows)
+        assert lo <= rows <= hi and config == L.pick_config(rows)
+        assert L.pick_config(max(lo, 1)) == config == L.pick_config(min(hi, 4096))
+
+
+@pytest.mark.parametrize("wgmma", [False, True])
+@pytest.mark.parametrize("backward", [False, True])
+def test_final_adaln_out_row_ranges_hold_every_launch_choice(monkeypatch, wgmma, backward):
+    from h3cute.launch import adaln_projection, final_adaln_out as F
+
+    monkeypatch.setattr(adaln_projection, "_uses_wgmma", lambda device, config: wgmma)
+    top = 24 if backward else 3000  # the C++ backward takes T <= 24 (fused norm backward caps)
+    bounds = (0,) + F.T_BOUNDS
+    for rows in range(1, top + 1):
+        hi = next(b for b in F.T_BOUNDS if rows <= b)
+        lo = bounds[bounds.index(hi) - 1] + 1 if hi != F.T_BOUNDS[0] else 0
+        ends = (max(lo, 1), min(hi, top))
+        assert F._choices(None, rows, backward) == F._choices(None, ends[0], backward) == \
+            F._choices(None, ends[1], backward), (rows, lo, hi)
