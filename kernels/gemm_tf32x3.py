@@ -36,42 +36,14 @@ Constraints: N % tile_n == 0, K % (splits * tile_k) == 0, tile_k 32 or 64 (the s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+from h3cute.kernels._tiles import GemmConfig
+
 EPILOGUES = ("partial", "bias_silu", "bias_silu_h")
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """CTA tile and pipeline shape. Never changes the bits of the result, only the speed."""
-
-    tile_m: int
-    tile_n: int
-    tile_k: int = 32
-    stages: int = 4
-    warps_m: int = 1
-    warps_n: int = 4
-
-    def __post_init__(self):
-        if self.tile_m % (16 * self.warps_m) or self.tile_n % (8 * self.warps_n):
-            raise ValueError(f"{self}: tile_m must divide by 16*warps_m and tile_n by 8*warps_n")
-        if self.tile_k not in (32, 64):
-            raise ValueError(f"{self}: tile_k must be 32 or 64 (128-byte swizzle rows)")
-        if self.stages < 3:
-            raise ValueError(f"{self}: the cp.async ring needs at least 3 stages")
-        threads = 32 * self.warps_m * self.warps_n
-        rows_per_pass = threads // (self.tile_k // 4)
-        if self.tile_m % rows_per_pass or self.tile_n % rows_per_pass:
-            raise ValueError(f"{self}: each cp.async pass covers {rows_per_pass} rows; tiles must divide by it")
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
 
 
 K_CHUNK = 8  # k per tensor-core chunk sum: one m16n8k8 step (part of the numeric contract)

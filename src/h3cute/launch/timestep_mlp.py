@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from h3cute import runtime
+from h3cute.kernels._tiles import GemmConfig
 
 SINUSOID_WIDTH = 256
 HIDDEN = 5376
@@ -32,37 +33,22 @@ SPLITS = {"fc2": HIDDEN // 896, "fc2_dgrad": TEMB_WIDTH // 896, "fc1_dgrad": HID
 
 
 @dataclass(frozen=True)
-class GemmTile:
-    """A GemmConfig of kernels/gemm_tf32x3.py, field for field (passed to the kernel as a tuple)."""
-
-    tile_m: int
-    tile_n: int
-    tile_k: int = 32
-    stages: int = 4
-    warps_m: int = 1
-    warps_n: int = 4
-
-    def astuple(self) -> tuple:
-        return (self.tile_m, self.tile_n, self.tile_k, self.stages, self.warps_m, self.warps_n)
-
-
-@dataclass(frozen=True)
 class MlpConfig:
     """One tile per GEMM role (every choice gives the same bits)."""
 
-    fc1: GemmTile
-    fc2: GemmTile
-    fc2_dgrad: GemmTile
-    fc1_dgrad: GemmTile
-    fc2_wgrad: GemmTile
-    fc1_wgrad: GemmTile
+    fc1: GemmConfig
+    fc2: GemmConfig
+    fc2_dgrad: GemmConfig
+    fc1_dgrad: GemmConfig
+    fc2_wgrad: GemmConfig
+    fc1_wgrad: GemmConfig
 
 
-_SMALL = GemmTile(16, 64, 32, 6, 1, 4)  # deep ring: small T streams the weights
-_WIDE = GemmTile(32, 128, 64, 3, 2, 4)  # 64-deep k tiles: also checks tile_k leaves the bits alone
-_MID = GemmTile(64, 64, 32, 4, 2, 2)
-_LARGE = GemmTile(128, 128, 32, 3, 2, 4)
-_SMALL_NARROW = GemmTile(16, 32, 32, 6, 1, 4)  # fc1 (168 CTAs on 132 SMs), fc1_dgrad (N = 256)
+_SMALL = GemmConfig(16, 64, 32, 6, 1, 4)  # deep ring: small T streams the weights
+_WIDE = GemmConfig(32, 128, 64, 3, 2, 4)  # 64-deep k tiles: also checks tile_k leaves the bits alone
+_MID = GemmConfig(64, 64, 32, 4, 2, 2)
+_LARGE = GemmConfig(128, 128, 32, 3, 2, 4)
+_SMALL_NARROW = GemmConfig(16, 32, 32, 6, 1, 4)  # fc1 (168 CTAs on 132 SMs), fc1_dgrad (N = 256)
 # The T-deep dW2 GEMM at T <= 64 (one or two k-tiles) is bound by writing 57.8 MB: the 64 x 64
 # tile (158 registers, 3 CTAs per SM) keeps more CTAs' loads and stores in flight than the
 # 128 x 128 one (235 registers x 256 threads: one CTA per SM), which wins once K = T is deep.
@@ -71,15 +57,15 @@ _WGRAD_DEEP = dict(fc2_wgrad=_LARGE, fc1_wgrad=_MID)
 SMALL_T = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_SMALL_NARROW, **_WGRAD_SHALLOW)
 # Sweep candidate for small T (not picked yet): 64-deep k tiles, i.e. 256-byte runs per weight row
 # and tile (DRAM page locality) and 1.6x the weight bytes in flight per CTA (5 stages, 100 KB smem).
-SMALL_T_K64 = MlpConfig(fc1=GemmTile(16, 32, 64, 6, 1, 4), fc2=GemmTile(16, 64, 64, 5, 1, 4),
-                        fc2_dgrad=GemmTile(16, 64, 64, 5, 1, 4), fc1_dgrad=GemmTile(16, 32, 64, 6, 1, 4),
+SMALL_T_K64 = MlpConfig(fc1=GemmConfig(16, 32, 64, 6, 1, 4), fc2=GemmConfig(16, 64, 64, 5, 1, 4),
+                        fc2_dgrad=GemmConfig(16, 64, 64, 5, 1, 4), fc1_dgrad=GemmConfig(16, 32, 64, 6, 1, 4),
                         **_WGRAD_SHALLOW)
 WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE, **_WGRAD_SHALLOW)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID, **_WGRAD_DEEP)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, **_WGRAD_DEEP)
 # Sweep candidate for large T (not picked yet): the 128 x 128 tile runs one CTA per SM (235
 # registers x 256 threads), so shared memory is free for a 5-deep ring (160 KB) instead of 3.
-_LARGE_S5 = GemmTile(128, 128, 32, 5, 2, 4)
+_LARGE_S5 = GemmConfig(128, 128, 32, 5, 2, 4)
 LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dgrad=_LARGE_S5,
                        fc2_wgrad=_LARGE_S5, fc1_wgrad=_MID)
 CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
@@ -120,7 +106,7 @@ def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int,
     return lo, hi, [fn.__chandle__() for fn in fns]
 
 
-def _gemm(device, role: str, tile: GemmTile):
+def _gemm(device, role: str, tile: GemmConfig):
     return runtime.kernel("timestep_mlp_gemm", device, role=role, tile=tile.astuple())
 
 
@@ -128,7 +114,7 @@ def _fold(device, role: str, mode: str):
     return runtime.kernel("timestep_mlp_fold", device, role=role, mode=mode)
 
 
-def _fc1(x, w1, b1, tile: GemmTile):
+def _fc1(x, w1, b1, tile: GemmConfig):
     """Backward's recompute: z (for silu') and h (for dW2)."""
     num_rows = x.shape[0]
     z = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=x.device)
