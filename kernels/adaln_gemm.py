@@ -291,52 +291,14 @@ class _WarpMmaGemm:
                         acc = acc + ((cutlass.Float32(0.0) + vals[2 * i]) + vals[2 * i + 1])
             mDbias[m] = acc.to(cutlass.BFloat16)
 
-    @cute.jit
-    def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
-        t = self.tile
-        sA_layout, sA_swizzle = self._smem_layout(self.a_k_major, t.bm)
-        sB_layout, sB_swizzle = self._smem_layout(self.b_k_major, t.bn)
-        copy_A = self._gmem_copy(self.a_k_major, t.bm)
-        copy_B = self._gmem_copy(self.b_k_major, t.bn)
-        mma_op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, _MMA_SHAPE)
-        tiled_mma = cute.make_tiled_mma(
-            mma_op,
-            cute.make_layout((t.warps_m, t.warps_n, 1)),
-            permutation_mnk=(16 * t.warps_m, 16 * t.warps_n, 16),
-        )
-        # grid x walks N fastest: CTAs resident together share their A (weight-sized) tile in L2.
-        grid = (
-            cute.ceil_div(cute.size(mB, mode=[0]), t.bn),
-            cute.ceil_div(cute.size(mA, mode=[0]), t.bm),
-            self.k_splits,
-        )
-        self.kernel(mA, mB, mC, mBias, sA_layout, sA_swizzle, sB_layout, sB_swizzle, copy_A, copy_B, tiled_mma).launch(
-            grid=grid, block=[t.threads, 1, 1], stream=stream, **t.launch_bounds()
-        )
+    # ---- shared by the warp-MMA and wgmma kernels: operand tiles, cp.async prologue, output tiles, epilogue
 
-    # --------------------------------------------------------------------------------- device
-    @cute.kernel
-    def kernel(
-        self,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mC: cute.Tensor,
-        mBias: cute.Tensor,
-        sA_layout: cute.Layout,
-        sA_swizzle: cute.Swizzle,
-        sB_layout: cute.Layout,
-        sB_swizzle: cute.Swizzle,
-        copy_A: cute.TiledCopy,
-        copy_B: cute.TiledCopy,
-        tiled_mma: cute.TiledMma,
-    ):
+    def _k_tiles(self, mA: cute.Tensor, mB: cute.Tensor, m_tile, n_tile, split):
+        """(bm, bk, k_tiles) / (bn, bk, k_tiles) views of A and B, their coordinate tensors, and this
+        CTA's k-tile range. The K tail (dW only: K = T) is handled by shifting the tiles back so the
+        *first* tile is the partial one; its out-of-range K columns have negative coordinates and are
+        never loaded (smem stays zero there)."""
         t = self.tile
-        tidx, _, _ = cute.arch.thread_idx()
-        n_tile, m_tile, split = cute.arch.block_idx()
-
-        # (bm, bk, k_tiles) / (bn, bk, k_tiles) views. The K tail (dW only: K = T) is handled by
-        # shifting the tiles back so the *first* tile is the partial one; its out-of-range K
-        # columns have negative coordinates and are never loaded (smem stays zero there).
         gA = cute.local_tile(mA, (t.bm, t.bk), (m_tile, None))
         gB = cute.local_tile(mB, (t.bn, t.bk), (n_tile, None))
         residual_k = cute.size(mA, mode=[1]) - cutlass.Int32(t.bk) * cute.size(gA, mode=[2])
@@ -353,11 +315,14 @@ class _WarpMmaGemm:
             # Fixed, equal chunks: the launch asserts K tiles divide evenly (no K tail with splits).
             k_tile_count = k_tile_count // self.k_splits
             k_tile_first = split * k_tile_count
+        return gA, gB, cA, cB, k_tile_count, k_tile_first
 
-        storage = self._allocate_smem(sA_layout, sB_layout, 16)
-        sA = storage.a.get_tensor(sA_layout, swizzle=sA_swizzle)
-        sB = storage.b.get_tensor(sB_layout, swizzle=sB_swizzle)
-
+    @cute.jit
+    def _prologue(self, tidx, mA: cute.Tensor, mB: cute.Tensor, gA, gB, cA, cB, sA, sB, copy_A, copy_B,
+                  k_tile_first, k_tile_count):
+        """Partitions the gmem -> smem copies, zeroes smem, and issues the first stages - 1 k tiles
+        (one cp.async group each). Returns the partitions, the M/N predicates and the next k tile."""
+        t = self.tile
         thr_copy_A = copy_A.get_slice(tidx)
         thr_copy_B = copy_B.get_slice(tidx)
         tAgA = thr_copy_A.partition_S(gA)
@@ -414,12 +379,11 @@ class _WarpMmaGemm:
             cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, k_tile], pred=tBpB)
             k_tile_index = k_tile_index + 1
             cute.arch.cp_async_commit_group()
+        return tAgA, tAsA, tBgB, tBsB, tApA, tBpB, k_tile_index
 
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCsA = thr_mma.partition_A(sA)
-        tCsB = thr_mma.partition_B(sB)
-        tCrA = tiled_mma.make_fragment_A(tCsA[None, None, None, 0])
-        tCrB = tiled_mma.make_fragment_B(tCsB[None, None, None, 0])
+    def _c_tiles(self, mC: cute.Tensor, thr_mma, m_tile, n_tile, split):
+        """This CTA's output tile (of its K split's slice), its coordinates, and their MMA partitions."""
+        t = self.tile
         gC_full = mC
         if cutlass.const_expr(self.k_splits > 1):
             gC_full = mC[None, None, split]
@@ -427,6 +391,79 @@ class _WarpMmaGemm:
         cC = cute.local_tile(cute.make_identity_tensor(gC_full.shape), (t.bm, t.bn), (m_tile, n_tile))
         tCgC = thr_mma.partition_C(gC)
         tCcC = thr_mma.partition_C(cC)
+        return gC_full, gC, cC, tCgC, tCcC
+
+    @cute.jit
+    def _epilogue(self, acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile):
+        if cutlass.const_expr(self.epilogue == "f32"):
+            # FP32 partials straight from registers, element by element, bounds-checked on M and N.
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                if cute.elem_less(tCcC[i], gC_full.shape):
+                    tCgC[i] = acc[i]
+        else:
+            self._store_c_bf16(acc, thr_mma, tidx, self._c_tile(storage), gC, cC, gC_full.shape, mBias)
+        if cutlass.const_expr(self.dbias_rows):
+            self._store_dbias(mA, mBias, n_tile, m_tile, tidx)
+
+    @cute.jit
+    def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
+        t = self.tile
+        sA_layout, sA_swizzle = self._smem_layout(self.a_k_major, t.bm)
+        sB_layout, sB_swizzle = self._smem_layout(self.b_k_major, t.bn)
+        copy_A = self._gmem_copy(self.a_k_major, t.bm)
+        copy_B = self._gmem_copy(self.b_k_major, t.bn)
+        mma_op = cute.nvgpu.warp.MmaF16BF16Op(cutlass.BFloat16, cutlass.Float32, _MMA_SHAPE)
+        tiled_mma = cute.make_tiled_mma(
+            mma_op,
+            cute.make_layout((t.warps_m, t.warps_n, 1)),
+            permutation_mnk=(16 * t.warps_m, 16 * t.warps_n, 16),
+        )
+        # grid x walks N fastest: CTAs resident together share their A (weight-sized) tile in L2.
+        grid = (
+            cute.ceil_div(cute.size(mB, mode=[0]), t.bn),
+            cute.ceil_div(cute.size(mA, mode=[0]), t.bm),
+            self.k_splits,
+        )
+        self.kernel(mA, mB, mC, mBias, sA_layout, sA_swizzle, sB_layout, sB_swizzle, copy_A, copy_B, tiled_mma).launch(
+            grid=grid, block=[t.threads, 1, 1], stream=stream, **t.launch_bounds()
+        )
+
+    # --------------------------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        mBias: cute.Tensor,
+        sA_layout: cute.Layout,
+        sA_swizzle: cute.Swizzle,
+        sB_layout: cute.Layout,
+        sB_swizzle: cute.Swizzle,
+        copy_A: cute.TiledCopy,
+        copy_B: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+    ):
+        t = self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        n_tile, m_tile, split = cute.arch.block_idx()
+
+        gA, gB, cA, cB, k_tile_count, k_tile_first = self._k_tiles(mA, mB, m_tile, n_tile, split)
+
+        storage = self._allocate_smem(sA_layout, sB_layout, 16)
+        sA = storage.a.get_tensor(sA_layout, swizzle=sA_swizzle)
+        sB = storage.b.get_tensor(sB_layout, swizzle=sB_swizzle)
+
+        tAgA, tAsA, tBgB, tBsB, tApA, tBpB, k_tile_index = self._prologue(
+            tidx, mA, mB, gA, gB, cA, cB, sA, sB, copy_A, copy_B, k_tile_first, k_tile_count)
+        num_stages = t.stages
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA[None, None, None, 0])
+        tCrB = tiled_mma.make_fragment_B(tCsB[None, None, None, 0])
+        gC_full, gC, cC, tCgC, tCcC = self._c_tiles(mC, thr_mma, m_tile, n_tile, split)
         acc = tiled_mma.make_fragment_C(tCgC)
         acc.fill(0.0)
         # ieee_steps: one m16n8k16 atom issued on single (m, n) fragments, into a zeroed step sum.
@@ -495,16 +532,7 @@ class _WarpMmaGemm:
                 else:
                     cute.gemm(tiled_mma, acc, tCrA[None, None, k_block], tCrB[None, None, k_block], acc)
         cute.arch.cp_async_wait_group(0)
-
-        if cutlass.const_expr(self.epilogue == "f32"):
-            # FP32 partials straight from registers, element by element, bounds-checked on M and N.
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                if cute.elem_less(tCcC[i], gC_full.shape):
-                    tCgC[i] = acc[i]
-        else:
-            self._store_c_bf16(acc, thr_mma, tidx, self._c_tile(storage), gC, cC, gC_full.shape, mBias)
-        if cutlass.const_expr(self.dbias_rows):
-            self._store_dbias(mA, mBias, n_tile, m_tile, tidx)
+        self._epilogue(acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
 
 
 class _WgmmaGemm(_WarpMmaGemm):
@@ -571,88 +599,20 @@ class _WgmmaGemm(_WarpMmaGemm):
         tidx, _, _ = cute.arch.thread_idx()
         n_tile, m_tile, split = cute.arch.block_idx()
 
-        gA = cute.local_tile(mA, (t.bm, t.bk), (m_tile, None))
-        gB = cute.local_tile(mB, (t.bn, t.bk), (n_tile, None))
-        residual_k = cute.size(mA, mode=[1]) - cutlass.Int32(t.bk) * cute.size(gA, mode=[2])
-        gA = cute.domain_offset((0, residual_k, 0), gA)
-        gB = cute.domain_offset((0, residual_k, 0), gB)
-        gA = cute.make_tensor(gA.iterator.align(16), gA.layout)
-        gB = cute.make_tensor(gB.iterator.align(16), gB.layout)
-        cA = cute.domain_offset((0, residual_k, 0), cute.local_tile(cute.make_identity_tensor(mA.shape), (t.bm, t.bk), (m_tile, None)))
-        cB = cute.domain_offset((0, residual_k, 0), cute.local_tile(cute.make_identity_tensor(mB.shape), (t.bn, t.bk), (n_tile, None)))
-
-        k_tile_count = cute.size(gA, mode=[2])
-        k_tile_first = cutlass.Int32(0)
-        if cutlass.const_expr(self.k_splits > 1):
-            k_tile_count = k_tile_count // self.k_splits
-            k_tile_first = split * k_tile_count
+        gA, gB, cA, cB, k_tile_count, k_tile_first = self._k_tiles(mA, mB, m_tile, n_tile, split)
 
         storage = self._allocate_smem(sA_layout, sB_layout, 1024)
         sA = storage.a.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.b.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
 
-        thr_copy_A = copy_A.get_slice(tidx)
-        thr_copy_B = copy_B.get_slice(tidx)
-        tAgA = thr_copy_A.partition_S(gA)
-        tAsA = thr_copy_A.partition_D(sA)
-        tBgB = thr_copy_B.partition_S(gB)
-        tBsB = thr_copy_B.partition_D(sB)
-        tAcA = thr_copy_A.partition_S(cA)
-        tBcB = thr_copy_B.partition_S(cB)
-        tApA = cute.make_rmem_tensor(
-            cute.make_layout(
-                (tAgA.shape[0][1], cute.size(tAgA, mode=[1]), cute.size(tAgA, mode=[2])),
-                stride=(cute.size(tAgA, mode=[1]), 1, 0),
-            ),
-            cutlass.Boolean,
-        )
-        tBpB = cute.make_rmem_tensor(
-            cute.make_layout(
-                (tBgB.shape[0][1], cute.size(tBgB, mode=[1]), cute.size(tBgB, mode=[2])),
-                stride=(cute.size(tBgB, mode=[1]), 1, 0),
-            ),
-            cutlass.Boolean,
-        )
-        for v in range(tApA.shape[0]):
-            for m in range(tApA.shape[1]):
-                tApA[v, m, 0] = cute.elem_less(tAcA[(0, v), m, 0, 0][0], mA.shape[0])
-        for v in range(tBpB.shape[0]):
-            for n in range(tBpB.shape[1]):
-                tBpB[v, n, 0] = cute.elem_less(tBcB[(0, v), n, 0, 0][0], mB.shape[0])
-
-        tAsA.fill(0)
-        tBsB.fill(0)
-        cute.arch.sync_threads()
-
+        tAgA, tAsA, tBgB, tBsB, tApA, tBpB, k_tile_index = self._prologue(
+            tidx, mA, mB, gA, gB, cA, cB, sA, sB, copy_A, copy_B, k_tile_first, k_tile_count)
         num_stages = t.stages
-        k_tile_index = k_tile_first
-        for k in range(tApA.shape[2]):
-            if cute.elem_less(cutlass.Int32(-1), tAcA[0, 0, k, k_tile_index][1]):
-                cute.copy(copy_A, tAgA[None, None, k, k_tile_index], tAsA[None, None, k, 0], pred=tApA[None, None, k])
-        for k in range(tBpB.shape[2]):
-            if cute.elem_less(cutlass.Int32(-1), tBcB[0, 0, k, k_tile_index][1]):
-                cute.copy(copy_B, tBgB[None, None, k, k_tile_index], tBsB[None, None, k, 0], pred=tBpB[None, None, k])
-        k_tile_index = k_tile_index + 1
-        cute.arch.cp_async_commit_group()
-        for k_tile in range(1, num_stages - 1):
-            if k_tile == k_tile_count:
-                tApA.fill(0)
-                tBpB.fill(0)
-            cute.copy(copy_A, tAgA[None, None, None, k_tile_index], tAsA[None, None, None, k_tile], pred=tApA)
-            cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, k_tile], pred=tBpB)
-            k_tile_index = k_tile_index + 1
-            cute.arch.cp_async_commit_group()
 
         thr_mma = tiled_mma.get_slice(tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        gC_full = mC
-        if cutlass.const_expr(self.k_splits > 1):
-            gC_full = mC[None, None, split]
-        gC = cute.local_tile(gC_full, (t.bm, t.bn), (m_tile, n_tile))
-        cC = cute.local_tile(cute.make_identity_tensor(gC_full.shape), (t.bm, t.bn), (m_tile, n_tile))
-        tCgC = thr_mma.partition_C(gC)
-        tCcC = thr_mma.partition_C(cC)
+        gC_full, gC, cC, tCgC, tCcC = self._c_tiles(mC, thr_mma, m_tile, n_tile, split)
         acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
         acc.fill(0.0)
         # Chained: accumulate from the first step on (acc is zero), every k16 step the same operation.
@@ -693,16 +653,7 @@ class _WgmmaGemm(_WarpMmaGemm):
             if smem_read == num_stages:
                 smem_read = 0
         cute.arch.cp_async_wait_group(0)
-
-        if cutlass.const_expr(self.epilogue == "f32"):
-            # FP32 partials straight from registers, element by element, bounds-checked on M and N.
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                if cute.elem_less(tCcC[i], gC_full.shape):
-                    tCgC[i] = acc[i]
-        else:
-            self._store_c_bf16(acc, thr_mma, tidx, self._c_tile(storage), gC, cC, gC_full.shape, mBias)
-        if cutlass.const_expr(self.dbias_rows):
-            self._store_dbias(mA, mBias, n_tile, m_tile, tidx)
+        self._epilogue(acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
 
 
 # ------------------------------------------------------------------------------ the projection
