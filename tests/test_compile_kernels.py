@@ -54,3 +54,31 @@ def test_spec_compiles_with_expected_ptx(name, arch):
         present = [f for f in spec.ptx_forbidden if f in text]
         assert not missing, f"{name} {arch} {static}: PTX lacks {missing}"
         assert not present, f"{name} {arch} {static}: PTX contains forbidden {present}"
+
+
+@pytest.mark.slow
+def test_ptx_digest_is_stable_and_names_what_changed(tmp_path):
+    # `python -m h3cute ptx-digest` (refactors of kernel source that must not change device code): two
+    # compiles of the same source give the same digests; a changed, added or removed variant is named.
+    import json
+    import subprocess
+    import sys
+
+    from h3cute.runtime import ptx_digest
+
+    args = ["--arch", "sm_90a", "--arch", "sm_100a", "--kernel", "timestep_sinusoid"]
+    first = tmp_path / "first.json"
+    run = subprocess.run([sys.executable, "-m", "h3cute", "ptx-digest", *args, "--out", str(first)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    digests = json.loads(first.read_text())
+    assert len(digests) == 4 and all(len(v) == 64 for v in digests.values())  # 2 archs x check_range on/off
+    assert ptx_digest.digests(["sm_90a", "sm_100a"], ["timestep_sinusoid"], log=lambda _: None) == digests
+
+    key = sorted(digests)[0]
+    tampered = dict(digests, **{key: "0" * 64, "sm_90a gone []": "1" * 64})
+    (tmp_path / "old.json").write_text(json.dumps(tampered))
+    again = subprocess.run([sys.executable, "-m", "h3cute", "ptx-digest", *args, "--out", str(tmp_path / "new.json"),
+                            "--against", str(tmp_path / "old.json")], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 1
+    assert f"changed  {key}" in again.stdout and "removed  sm_90a gone []" in again.stdout

@@ -1,9 +1,17 @@
-"""`python -m h3cute build ...`: prebuild kernel bundles (see h3cute.runtime.bundle)."""
+"""`python -m h3cute build ...`: prebuild kernel bundles (h3cute.runtime.bundle);
+`python -m h3cute ptx-digest ...`: PTX digests of every kernel variant (h3cute.runtime.ptx_digest)."""
 import sys
 
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["build"]:
-        sys.exit("usage: python -m h3cute build --arch sm_90a [--arch sm_100a] --out DIR [--kernel NAME ...]")
-    from h3cute.runtime.bundle import main
+USAGE = ("usage: python -m h3cute build --arch sm_90a [--arch sm_100a] --out DIR [--kernel NAME ...]\n"
+         "       python -m h3cute ptx-digest --arch sm_90a [--arch sm_100a] --out FILE [--against FILE] "
+         "[--kernel NAME ...]")
 
+if __name__ == "__main__":
+    command = sys.argv[1:2]
+    if command == ["build"]:
+        from h3cute.runtime.bundle import main
+    elif command == ["ptx-digest"]:
+        from h3cute.runtime.ptx_digest import main
+    else:
+        sys.exit(USAGE)
     sys.exit(main(sys.argv[2:]))

@@ -1,0 +1,70 @@
+"""`python -m h3cute ptx-digest`: a sha256 of the generated PTX of every kernel variant, for refactors.
+
+A change to kernel source that should not change the device code (a helper extracted, a config moved) is
+shown to be exactly that when every variant's PTX digest is unchanged. Compiles on a machine without a GPU.
+
+    python -m h3cute ptx-digest --arch sm_90a --arch sm_100a --out before.json
+    ... edit kernels/ ...
+    python -m h3cute ptx-digest --arch sm_90a --arch sm_100a --out after.json --against before.json
+
+With `--against`, prints the variants whose PTX changed, appeared or disappeared and exits 1 if any did.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+from .spec import SUPPORTED_ARCHS, canonical_static, static_key
+
+
+def digests(archs: Sequence[str], names: Sequence[str] | None = None, log=print) -> dict[str, str]:
+    """{"<arch> <kernel> <static>": sha256 of the variant's PTX} for every variant of the named kernels."""
+    from .dsl import compile_variant
+    from .sources import kernels_package
+
+    specs = kernels_package().all_specs()
+    unknown = sorted(set(names or ()) - set(specs))
+    if unknown:
+        raise ValueError(f"unknown kernel(s) {unknown}; known: {sorted(specs)}")
+    out = {}
+    for arch in archs:
+        for name in sorted(names or specs):
+            spec = specs[name]
+            if arch not in spec.archs:
+                continue
+            for static in spec.variants(arch):
+                _, ptxs = compile_variant(spec, arch, static, keep_ptx=True)
+                key = f"{arch} {name} {static_key(canonical_static(static))}"
+                out[key] = hashlib.sha256("\n".join(ptxs).encode()).hexdigest()
+                log(f"{key} {out[key][:12]}")
+    return out
+
+
+def compare(new: dict[str, str], old: dict[str, str]) -> list[str]:
+    """One line per variant that differs between two digest maps (sorted); empty when identical."""
+    lines = [f"changed  {k}" for k in sorted(new.keys() & old.keys()) if new[k] != old[k]]
+    lines += [f"added    {k}" for k in sorted(new.keys() - old.keys())]
+    lines += [f"removed  {k}" for k in sorted(old.keys() - new.keys())]
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m h3cute ptx-digest`: PTX digests of kernel variants, optionally compared with an earlier file."""
+    parser = argparse.ArgumentParser(prog="python -m h3cute ptx-digest", description=main.__doc__)
+    parser.add_argument("--arch", action="append", choices=SUPPORTED_ARCHS, required=True,
+                        help="target arch (repeatable)")
+    parser.add_argument("--kernel", action="append", metavar="NAME", help="only these kernels (repeatable)")
+    parser.add_argument("--out", type=Path, required=True, help="where to write the digests (JSON)")
+    parser.add_argument("--against", type=Path, help="an earlier digest file: report and fail on differences")
+    args = parser.parse_args(argv)
+    new = digests(args.arch, args.kernel, log=lambda line: None)
+    args.out.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
+    print(f"{len(new)} variants -> {args.out}")
+    if args.against is None:
+        return 0
+    lines = compare(new, json.loads(args.against.read_text()))
+    print("\n".join(lines) if lines else f"identical PTX for all {len(new)} variants")
+    return 1 if lines else 0
