@@ -324,3 +324,53 @@ def test_final_adaln_out_row_ranges_hold_every_launch_choice(monkeypatch, wgmma,
         ends = (max(lo, 1), min(hi, top))
         assert F._choices(None, rows, backward) == F._choices(None, ends[0], backward) == \
             F._choices(None, ends[1], backward), (rows, lo, hi)
+
+
+class _FakeKernel:
+    """Stands in for a compiled kernel: its C handle encodes what was asked of the runtime."""
+
+    asked: list = []
+
+    def __init__(self, name, static):
+        self.key = (name, tuple(sorted(static.items())))
+
+    def __chandle__(self):
+        _FakeKernel.asked.append(self.key)
+        return len(_FakeKernel.asked)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
+    # Each answer the C++ tables cache: which kernels, in launch order, with which launch constants.
+    from h3cute import runtime
+    from h3cute.launch import (adaln_projection, adaln_row_gather, final_adaln_out, gate_residual, norm_modulate,
+                               timestep_mlp, timestep_sinusoid)
+
+    monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
+    monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
+
+    def asked(module, variant, rows):
+        _FakeKernel.asked = []
+        answer = module.kernel_handles(0, variant, rows)
+        assert answer[2] == list(range(1, len(answer[2]) + 1))
+        return [name for name, _ in _FakeKernel.asked], answer[3:] and answer[3]
+
+    groups = norm_modulate.ROW_GROUPS[arch]
+    assert asked(gate_residual, 0, 5) == (["gate_residual_fwd"], ())
+    assert asked(gate_residual, 30, 5) == (["gate_residual_bwd", "rowwise_fold"], [groups])
+    assert asked(adaln_row_gather, 9, 5) == (["adaln_row_gather_bwd", "rowwise_fold"], [groups])
+    fused = norm_modulate.FUSED_ROW_GROUPS[arch][12]
+    assert asked(norm_modulate, 9, 5) == (["norm_modulate_bwd_fused", "rowwise_fold"], [fused])
+    assert asked(timestep_sinusoid, 1, 5)[0] == ["timestep_sinusoid"]
+    assert asked(timestep_mlp, 0, 3)[0] == ["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"]
+    assert asked(timestep_mlp, 1, 3)[0] == ["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_colsum",
+                                            "timestep_mlp_gemm", "timestep_mlp_fold", "timestep_mlp_gemm",
+                                            "timestep_mlp_gemm", "timestep_mlp_colsum"]
+    proj = "adaln_proj_fwd_wgmma" if arch == "sm_90a" and adaln_projection.SM90_FAMILY == "wgmma" else "adaln_proj_fwd"
+    assert asked(final_adaln_out, 0, 3)[0] == ["adaln_silu_cast", proj, "norm_modulate_fwd"]
+    names, constants = asked(final_adaln_out, 1, 3)
+    assert names[:4] == ["adaln_silu_cast", proj, "norm_modulate_bwd_fused", "rowwise_fold"]
+    assert names[4:] == [proj.replace("fwd", "dgrad"), "adaln_dtemb_fold", proj.replace("fwd", "wgrad")]
+    assert constants == [fused]
+    with pytest.raises(ValueError):
+        final_adaln_out.kernel_handles(0, 1, 30)  # the C++ backward takes T <= 24

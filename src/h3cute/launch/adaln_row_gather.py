@@ -12,21 +12,16 @@ import torch
 
 from h3cute import runtime
 
-from .norm_modulate import HIDDEN, check_rows, fold, index_vector, row_groups, table_rows_cap, table_view
+from .norm_modulate import (check_rows, fold, index_vector, row_groups, row_op_kernel_handles, table_rows_cap,
+                            table_view)
 
 CHUNKS = 6
 
 
 def kernel_handles(device: int, variant: int, num_rows: int):
-    """For the C++ impls (h3cute.native), every row count: variant 0, the forward's `adaln_row_gather_fwd`;
-    variant R (table rows), the backward's `adaln_row_gather_bwd` and `rowwise_fold` with its row-group count."""
-    dev = torch.device("cuda", device)
-    width = HIDDEN
-    if variant == 0:
-        return 0, runtime.MAX_ROWS, [runtime.kernel("adaln_row_gather_fwd", dev, width=width).__chandle__()]
-    cap = table_rows_cap("adaln_row_gather_backward", variant)
-    fns = [runtime.kernel("adaln_row_gather_bwd", dev, width=width, cap=cap), runtime.kernel("rowwise_fold", dev)]
-    return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [row_groups(dev)]
+    """For the C++ impls (h3cute.native): `adaln_row_gather_fwd`; `adaln_row_gather_bwd` + `rowwise_fold`."""
+    return row_op_kernel_handles(device, variant, "adaln_row_gather_backward", "adaln_row_gather_fwd",
+                                 "adaln_row_gather_bwd")
 
 
 def forward(table, adaln_indices, check_indices=True):

@@ -11,19 +11,13 @@ import torch
 
 from h3cute import runtime
 
-from .norm_modulate import HIDDEN, check_rows, fold, index_vector, row_groups, table_rows_cap, table_view
+from .norm_modulate import (check_rows, fold, index_vector, row_groups, row_op_kernel_handles, table_rows_cap,
+                            table_view)
 
 
 def kernel_handles(device: int, variant: int, num_rows: int):
-    """For the C++ impls (h3cute.native), every row count: variant 0, the forward's `gate_residual_fwd`;
-    variant R (table rows), the backward's `gate_residual_bwd` and `rowwise_fold` with its row-group count."""
-    dev = torch.device("cuda", device)
-    width = HIDDEN
-    if variant == 0:
-        return 0, runtime.MAX_ROWS, [runtime.kernel("gate_residual_fwd", dev, width=width).__chandle__()]
-    cap = table_rows_cap("gate_residual_backward", variant)
-    fns = [runtime.kernel("gate_residual_bwd", dev, width=width, cap=cap), runtime.kernel("rowwise_fold", dev)]
-    return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [row_groups(dev)]
+    """For the C++ impls (h3cute.native): `gate_residual_fwd`; `gate_residual_bwd` + `rowwise_fold`."""
+    return row_op_kernel_handles(device, variant, "gate_residual_backward", "gate_residual_fwd", "gate_residual_bwd")
 
 
 def forward(residual, y, gate, adaln_indices, check_indices=True):

@@ -101,6 +101,18 @@ def kernel_handles(device: int, variant: int, num_rows: int):
     return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [FUSED_ROW_GROUPS[runtime.arch_of(dev)][cap]]
 
 
+def row_op_kernel_handles(device: int, variant: int, op: str, forward_kernel: str, backward_kernel: str):
+    """kernel_handles of a row op with a one-kernel forward and a backward of `backward_kernel` (by table cap)
+    plus `rowwise_fold` over ROW_GROUPS: variant 0, [forward]; variant R (table rows), [backward, fold] and
+    [row groups]. Every row count shares the answer."""
+    dev = torch.device("cuda", device)
+    if variant == 0:
+        return 0, runtime.MAX_ROWS, [runtime.kernel(forward_kernel, dev, width=HIDDEN).__chandle__()]
+    cap = table_rows_cap(op, variant)
+    fns = [runtime.kernel(backward_kernel, dev, width=HIDDEN, cap=cap), runtime.kernel("rowwise_fold", dev)]
+    return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [row_groups(dev)]
+
+
 def forward(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
     """(S, 5376) BF16 `rms_norm(x, weight, eps) * (1 + scale[idx]) + shift[idx]` (indices checked upstream)."""
     return forward_rows(x, weight, shift, scale, adaln_indices, eps)
