@@ -22,6 +22,8 @@ import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 from h3cute.launch import adaln_projection as launch
 
+from bitwise import assert_same_bits
+
 D = 2688
 N_BLOCK = 96768
 N_FINAL = 10752
@@ -288,17 +290,6 @@ def _assert_no_worse_than_replay(ours, replay, ref, what):
     assert err <= REPLAY_SLACK * replay_err + 1e-7, f"{what}: rel err {err:.4g} vs replay (cuBLAS) {replay_err:.4g}"
 
 
-def _bits(x):
-    return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
-
-
-def _assert_same_bits(a, b, what):
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    if not torch.equal(_bits(a), _bits(b)):
-        bad = (_bits(a) != _bits(b)).nonzero()
-        raise AssertionError(f"{what}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}")
-
-
 def _fp64_grads(grad, temb, weight):
     """FP64 dtemb, dW, db of linear(bf16(silu(temb)), W, b) (the BF16 cast passes the gradient through)."""
     g, t, w = grad.double(), temb.double(), weight.double()
@@ -327,11 +318,11 @@ def test_every_config_gives_identical_bits(family, rows):
     temb = _temb(rows, 7 * rows)
     outs = {c: launch.forward(temb, w, b, config=c) for c in configs}
     for c, out in outs.items():
-        _assert_same_bits(out, outs[configs[0]], f"forward config {c} vs {configs[0]}, T={rows}")
+        assert_same_bits(out, outs[configs[0]], f"forward config {c} vs {configs[0]}, T={rows}")
     grad = torch.randn((rows, N_FINAL), generator=_gen(rows), device="cuda").to(torch.bfloat16)
     dtembs = {c: launch.backward(grad, temb, w, config=c)[0] for c in configs}
     for c, dtemb in dtembs.items():
-        _assert_same_bits(dtemb, dtembs[configs[0]], f"dtemb config {c} vs {configs[0]}, T={rows}")
+        assert_same_bits(dtemb, dtembs[configs[0]], f"dtemb config {c} vs {configs[0]}, T={rows}")
 
 
 def _wgrad_kernels(family):
@@ -379,7 +370,7 @@ def test_wgrad_tiles_give_identical_bits(family, rows):
     assert _rel_err(dws[first], ref) <= BF16_ERR_CEILING
     standalone = _bias_grad_kernel(grad)
     for c, dw in dws.items():
-        _assert_same_bits(dw, dws[first], f"dW tile {c} vs {first}, T={rows}")
+        assert_same_bits(dw, dws[first], f"dW tile {c} vs {first}, T={rows}")
         if rows <= launch.FUSED_DBIAS_ROWS:
             assert torch.equal(dbs[c].view(torch.int16), standalone.view(torch.int16)), f"fused db {c}, T={rows}"
         else:
@@ -425,8 +416,8 @@ def test_wgmma_family_accuracy_and_row_invariance(block_params, rows):
     for start, size in ((0, 1), (rows // 2, 1), (rows - 1, 1), (0, max(rows // 3, 1))):
         sl = slice(start, start + size)
         for c in configs:
-            _assert_same_bits(launch.forward(temb[sl], w, b, config=c), out[sl], f"wgmma {c} rows {start}+{size}")
-        _assert_same_bits(launch.backward(grad[sl], temb[sl], w, config=config)[0], dtemb[sl], f"wgmma dtemb {start}")
+            assert_same_bits(launch.forward(temb[sl], w, b, config=c), out[sl], f"wgmma {c} rows {start}+{size}")
+        assert_same_bits(launch.backward(grad[sl], temb[sl], w, config=config)[0], dtemb[sl], f"wgmma dtemb {start}")
 
 
 @gpu
@@ -446,13 +437,13 @@ def test_batch_invariance_forward_and_dtemb(block_params):
     for size in sizes:
         for start in {0, (full_rows - size) // 2, full_rows - size}:
             sl = slice(start, start + size)
-            _assert_same_bits(launch.forward(temb[sl], w, b), full[sl], f"forward rows {start}+{size}")
-            _assert_same_bits(launch.backward(grad[sl], temb[sl], w)[0], full_dtemb[sl], f"dtemb rows {start}+{size}")
+            assert_same_bits(launch.forward(temb[sl], w, b), full[sl], f"forward rows {start}+{size}")
+            assert_same_bits(launch.backward(grad[sl], temb[sl], w)[0], full_dtemb[sl], f"dtemb rows {start}+{size}")
     rev = torch.arange(full_rows - 1, -1, -1, device="cuda")
-    _assert_same_bits(launch.forward(temb[rev], w, b), full[rev], "forward reversed")
-    _assert_same_bits(launch.backward(grad[rev], temb[rev], w)[0], full_dtemb[rev], "dtemb reversed")
+    assert_same_bits(launch.forward(temb[rev], w, b), full[rev], "forward reversed")
+    assert_same_bits(launch.backward(grad[rev], temb[rev], w)[0], full_dtemb[rev], "dtemb reversed")
     big = torch.cat([temb, temb])  # T = 4096, the full_vs_sub_batches size
-    _assert_same_bits(launch.forward(big, w, b)[full_rows:], full, "forward T=4096 second half")
+    assert_same_bits(launch.forward(big, w, b)[full_rows:], full, "forward T=4096 second half")
 
 
 @gpu
@@ -479,9 +470,9 @@ def test_autograd_matches_backward_op(block_params):
     grad = torch.randn(out.shape, generator=_gen(4), device="cuda").to(torch.bfloat16)
     out.backward(grad)
     dtemb, dw, db = torch.ops.h3.adaln_projection_backward(grad, temb.detach(), w)
-    _assert_same_bits(temb.grad, dtemb, "dtemb")
-    _assert_same_bits(wl.grad, dw, "dW")
-    _assert_same_bits(bl.grad, db, "db")
+    assert_same_bits(temb.grad, dtemb, "dtemb")
+    assert_same_bits(wl.grad, dw, "dW")
+    assert_same_bits(bl.grad, db, "db")
 
 
 @gpu
@@ -493,7 +484,7 @@ def test_params_repeatable(block_params, rows):
     first = launch.backward(grad, temb, w)
     for _ in range(2):
         for a, b_, name in zip(first, launch.backward(grad, temb, w), ("dtemb", "dW", "db")):
-            _assert_same_bits(a, b_, f"{name} T={rows}")
+            assert_same_bits(a, b_, f"{name} T={rows}")
 
 
 @gpu
@@ -516,7 +507,7 @@ def test_poisoned_outputs_are_fully_written(family, rows):
     runtime.kernel("adaln_proj_fwd" + sfx, dev, out_features=N_FINAL, config=config)(
         act, w, b, out[: rows * N_FINAL].view(rows, N_FINAL))
     assert not out[: rows * N_FINAL].isnan().any() and out[rows * N_FINAL:].isnan().all()
-    _assert_same_bits(out[: rows * N_FINAL].view(rows, N_FINAL), launch.forward(temb, w, b, config=config),
+    assert_same_bits(out[: rows * N_FINAL].view(rows, N_FINAL), launch.forward(temb, w, b, config=config),
                       "poisoned forward")
 
     grad = torch.randn((rows, N_FINAL), generator=_gen(1), device="cuda").to(torch.bfloat16)
@@ -534,7 +525,7 @@ def test_poisoned_outputs_are_fully_written(family, rows):
         dws[c] = dw
     first = next(iter(dws))
     for c, dw in dws.items():
-        _assert_same_bits(dw, dws[first], f"dW {c} vs {first}, T={rows}")
+        assert_same_bits(dw, dws[first], f"dW {c} vs {first}, T={rows}")
     db = torch.full((N_FINAL + pad,), nan16, dtype=torch.bfloat16, device=dev)
     bias_partial = torch.full((launch.BIAS_ROW_GROUPS, N_FINAL), nan16, device=dev)
     runtime.kernel("adaln_bias_grad", dev, out_features=N_FINAL)(grad, bias_partial, db[:-pad])

@@ -17,6 +17,8 @@ from h3cute.launch import adaln_projection as projection
 from h3cute.launch import final_adaln_out as launch
 from h3cute.ops.adaln import _final_backward_cpu
 
+from bitwise import assert_same_bits
+
 H = 5376
 D = 2688
 N = 2 * H
@@ -84,17 +86,6 @@ def _rel_err(out, ref):
     return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
-def _bits(x):
-    return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
-
-
-def _assert_same_bits(a, b, what):
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    if not torch.equal(_bits(a), _bits(b)):
-        bad = (_bits(a) != _bits(b)).nonzero()
-        raise AssertionError(f"{what}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}")
-
-
 @gpu
 @pytest.mark.parametrize("rows", [1, 4097, 32768])
 def test_forward_accuracy(rows):
@@ -131,11 +122,11 @@ def test_row_invariance_of_out_and_dx():
     for size in (1, 7, 1024, 2048):
         for start in {0, (rows - size) // 2, rows - size}:
             sl = slice(start, start + size)
-            _assert_same_bits(launch.forward(x[sl], nw, temb, w, b, ti[sl]), full[sl], f"out rows {start}+{size}")
+            assert_same_bits(launch.forward(x[sl], nw, temb, w, b, ti[sl]), full[sl], f"out rows {start}+{size}")
             dx = launch.backward(grad[sl], x[sl], nw, temb, w, b, ti[sl], 1e-5)[0]
-            _assert_same_bits(dx, full_dx[sl], f"dx rows {start}+{size}")
+            assert_same_bits(dx, full_dx[sl], f"dx rows {start}+{size}")
     rev = torch.arange(rows - 1, -1, -1, device="cuda")
-    _assert_same_bits(launch.forward(x[rev], nw, temb, w, b, ti[rev]), full[rev], "out reversed")
+    assert_same_bits(launch.forward(x[rev], nw, temb, w, b, ti[rev]), full[rev], "out reversed")
 
 
 @gpu
@@ -145,7 +136,7 @@ def test_params_repeatable():
     first = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)
     second = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)
     for a, b_, name in zip(first, second, ("dx", "dnw", "dtemb", "dW", "db")):
-        _assert_same_bits(a, b_, name)
+        assert_same_bits(a, b_, name)
 
 
 @gpu
@@ -157,4 +148,4 @@ def test_autograd_matches_backward_op():
     out.backward(grad)
     expect = torch.ops.h3.final_adaln_out_backward(grad, x, nw, temb, w, b, ti, 1e-5)
     for leaf, e, name in zip(leaves, expect, ("dx", "dnw", "dtemb", "dW", "db")):
-        _assert_same_bits(leaf.grad, e, name)
+        assert_same_bits(leaf.grad, e, name)

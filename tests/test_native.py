@@ -12,6 +12,8 @@ import h3cute  # noqa: F401
 from h3cute import native, reference
 from h3cute.ops import adaln, timestep
 
+from bitwise import same_bits
+
 # The ops the C++ layer implements (their CUDA impls); every other op keeps its Python CUDA impl.
 NATIVE_OPS = ("timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate", "norm_modulate_backward",
               "gate_residual", "gate_residual_backward", "final_adaln_out", "final_adaln_out_backward",
@@ -79,13 +81,6 @@ def test_dispatches_to_the_cpp_impl(op):
     assert _dispatches_to_native(op, "Autograd[alias]") == (op in NATIVE_AUTOGRAD_OPS)
 
 
-def _bits_equal(a, b):
-    a, b = (list(v) if isinstance(v, (tuple, list)) else [v] for v in (a, b))
-    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(
-        x.view(torch.int16 if x.element_size() == 2 else torch.int32),
-        y.view(torch.int16 if y.element_size() == 2 else torch.int32)) for x, y in zip(a, b))
-
-
 def _seeded(shape, seed, dtype=torch.float32, scale=1.0):
     g = torch.Generator("cuda").manual_seed(seed)
     return (torch.randn(shape, device="cuda", generator=g) * scale).to(dtype)
@@ -98,8 +93,8 @@ def test_timestep_mlp_cpp_equals_python_impl(num_rows):
     w1, b1 = _seeded((5376, 256), 2, scale=0.05), _seeded((5376,), 3, scale=0.05)
     w2, b2 = _seeded((2688, 5376), 4, scale=0.02), _seeded((2688,), 5, scale=0.02)
     grad = _seeded((num_rows, 2688), 6)
-    assert _bits_equal(torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2), timestep._mlp_cuda(x, w1, b1, w2, b2))
-    assert _bits_equal(torch.ops.h3.timestep_mlp_backward(grad, x, w1, b1, w2),
+    assert same_bits(torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2), timestep._mlp_cuda(x, w1, b1, w2, b2))
+    assert same_bits(torch.ops.h3.timestep_mlp_backward(grad, x, w1, b1, w2),
                        timestep._mlp_backward_cuda(grad, x, w1, b1, w2))
 
 
@@ -117,13 +112,13 @@ def _norm_inputs(rows, table_rows=9):
 def test_norm_modulate_cpp_equals_python_impl(rows):
     x, weight, shift, scale, idx = _norm_inputs(rows)
     for check in (False, True):  # check_indices=True is the Python impl's (a host read of the indices)
-        assert _bits_equal(torch.ops.h3.norm_modulate(x, weight, shift, scale, idx, 1e-5, check),
+        assert same_bits(torch.ops.h3.norm_modulate(x, weight, shift, scale, idx, 1e-5, check),
                            adaln._norm_modulate_cuda(x, weight, shift, scale, idx, 1e-5, check))
     # row-strided tables read in place, and tables the kernel cannot read in place (copied by Python)
     wide = _seeded((9, 2 * 5376), 10, torch.bfloat16)
     odd = _seeded((9, 5376 + 4), 11, torch.bfloat16)
     for sh, sc in ((wide[:, :5376], wide[:, 5376:]), (odd[:, :5376], odd[:, 4:])):
-        assert _bits_equal(torch.ops.h3.norm_modulate(x, weight, sh, sc, idx, 1e-5, False),
+        assert same_bits(torch.ops.h3.norm_modulate(x, weight, sh, sc, idx, 1e-5, False),
                            reference.norm_modulate_replay(x, weight, sh, sc, idx, 1e-5))
 
 
@@ -152,7 +147,7 @@ def test_final_adaln_out_cpp_equals_python_impl(timesteps):
     pb = _seeded((10752,), 15, torch.bfloat16, 0.02)
     ti = torch.randint(0, timesteps, (rows,), device="cuda")
     for check in (False, True):
-        assert _bits_equal(torch.ops.h3.final_adaln_out(x, nw, temb, pw, pb, ti, 1e-6, check),
+        assert same_bits(torch.ops.h3.final_adaln_out(x, nw, temb, pw, pb, ti, 1e-6, check),
                            adaln._final_cuda(x, nw, temb, pw, pb, ti, 1e-6, check))
 
 
@@ -210,7 +205,7 @@ def test_norm_modulate_backward_cpp_equals_python_impl(table_rows):
     x, weight, _, scale, idx = _norm_inputs(4097, table_rows)
     grad = _seeded((4097, 5376), 16, torch.bfloat16)
     args = (grad, x, weight, scale, idx, 1e-5, table_rows)
-    assert _bits_equal(torch.ops.h3.norm_modulate_backward(*args), adaln._norm_modulate_backward_cuda(*args))
+    assert same_bits(torch.ops.h3.norm_modulate_backward(*args), adaln._norm_modulate_backward_cuda(*args))
 
 
 @gpu
@@ -222,9 +217,9 @@ def test_gate_residual_cpp_equals_python_impl(table_rows):
     idx = torch.randint(0, table_rows, (rows,), device="cuda")
     grad = _seeded((rows, 5376), 20, torch.bfloat16)
     for check in (False, True):
-        assert _bits_equal(torch.ops.h3.gate_residual(residual, y, gate, idx, check),
+        assert same_bits(torch.ops.h3.gate_residual(residual, y, gate, idx, check),
                            adaln._gate_residual_cuda(residual, y, gate, idx, check))
-    assert _bits_equal(torch.ops.h3.gate_residual_backward(grad, y, gate, idx),
+    assert same_bits(torch.ops.h3.gate_residual_backward(grad, y, gate, idx),
                        adaln._gate_residual_backward_cuda(grad, y, gate, idx))
 
 
@@ -243,27 +238,27 @@ def test_cpp_autograd_gives_the_backward_ops_gradients():
     x, weight, shift, scale, idx = _norm_inputs(rows)
     g = _seeded((rows, 5376), 21, torch.bfloat16)
     out, grads = _autograd_grads("norm_modulate", (x, weight, shift, scale, idx, 1e-5, False), g)
-    assert _bits_equal(out, adaln._norm_modulate_cuda(x, weight, shift, scale, idx, 1e-5, False))
-    assert _bits_equal(grads, adaln._norm_modulate_backward_cuda(g, x, weight, scale, idx, 1e-5, 9))
+    assert same_bits(out, adaln._norm_modulate_cuda(x, weight, shift, scale, idx, 1e-5, False))
+    assert same_bits(grads, adaln._norm_modulate_backward_cuda(g, x, weight, scale, idx, 1e-5, 9))
 
     y = _seeded((rows, 5376), 22, torch.bfloat16)
     out, grads = _autograd_grads("gate_residual", (x, y, shift, idx, False), g)
-    assert _bits_equal(out, adaln._gate_residual_cuda(x, y, shift, idx, False))
-    assert _bits_equal(grads, (g, *adaln._gate_residual_backward_cuda(g, y, shift, idx)))
+    assert same_bits(out, adaln._gate_residual_cuda(x, y, shift, idx, False))
+    assert same_bits(grads, (g, *adaln._gate_residual_backward_cuda(g, y, shift, idx)))
 
     temb, ti = _seeded((3, 2688), 23), torch.randint(0, 3, (rows,), device="cuda")
     pw, pb = _seeded((10752, 2688), 24, torch.bfloat16, 0.02), _seeded((10752,), 25, torch.bfloat16, 0.02)
     out, grads = _autograd_grads("final_adaln_out", (x, weight, temb, pw, pb, ti, 1e-6, False), g)
-    assert _bits_equal(out, adaln._final_cuda(x, weight, temb, pw, pb, ti, 1e-6, False))
-    assert _bits_equal(grads, adaln._final_backward_cuda(g, x, weight, temb, pw, pb, ti, 1e-6))
+    assert same_bits(out, adaln._final_cuda(x, weight, temb, pw, pb, ti, 1e-6, False))
+    assert same_bits(grads, adaln._final_backward_cuda(g, x, weight, temb, pw, pb, ti, 1e-6))
 
     xm = _seeded((5, 256), 26)
     w1, b1 = _seeded((5376, 256), 27, scale=0.05), _seeded((5376,), 28, scale=0.05)
     w2, b2 = _seeded((2688, 5376), 29, scale=0.02), _seeded((2688,), 30, scale=0.02)
     gm = _seeded((5, 2688), 31)
     out, grads = _autograd_grads("timestep_mlp", (xm, w1, b1, w2, b2), gm)
-    assert _bits_equal(out, timestep._mlp_cuda(xm, w1, b1, w2, b2))
-    assert _bits_equal(grads, timestep._mlp_backward_cuda(gm, xm, w1, b1, w2))
+    assert same_bits(out, timestep._mlp_cuda(xm, w1, b1, w2, b2))
+    assert same_bits(grads, timestep._mlp_backward_cuda(gm, xm, w1, b1, w2))
 
 
 @gpu
@@ -276,7 +271,7 @@ def test_final_adaln_out_backward_cpp_equals_python_impl(timesteps):
     pw, pb = _seeded((10752, 2688), 35, torch.bfloat16, 0.02), _seeded((10752,), 36, torch.bfloat16, 0.02)
     ti = torch.randint(0, timesteps, (rows,), device="cuda")
     args = (g, x, nw, temb, pw, pb, ti, 1e-6)
-    assert _bits_equal(torch.ops.h3.final_adaln_out_backward(*args), adaln._final_backward_cuda(*args))
+    assert same_bits(torch.ops.h3.final_adaln_out_backward(*args), adaln._final_backward_cuda(*args))
 
 
 @gpu
@@ -287,14 +282,14 @@ def test_adaln_row_gather_cpp_equals_python_impl(table_rows):
     idx = torch.randint(0, table_rows, (rows,), device="cuda")
     grads = [_seeded((rows, 5376), 38 + c, torch.bfloat16) for c in range(6)]
     for check in (False, True):
-        assert _bits_equal(torch.ops.h3.adaln_row_gather(table, idx, check), adaln._gather_cuda(table, idx, check))
-    assert _bits_equal(torch.ops.h3.adaln_row_gather(table, idx, False),
+        assert same_bits(torch.ops.h3.adaln_row_gather(table, idx, check), adaln._gather_cuda(table, idx, check))
+    assert same_bits(torch.ops.h3.adaln_row_gather(table, idx, False),
                        reference.adaln_row_gather_replay(table, idx))
-    assert _bits_equal(torch.ops.h3.adaln_row_gather_backward(grads, idx, table_rows),
+    assert same_bits(torch.ops.h3.adaln_row_gather_backward(grads, idx, table_rows),
                        adaln._gather_backward_cuda(grads, idx, table_rows))
     leaf = table.detach().clone().requires_grad_(True)
     torch.autograd.backward(torch.ops.h3.adaln_row_gather(leaf, idx, False), grads)
-    assert _bits_equal(leaf.grad, adaln._gather_backward_cuda(grads, idx, table_rows))
+    assert same_bits(leaf.grad, adaln._gather_backward_cuda(grads, idx, table_rows))
 
 
 # ---- CPU: the row ranges the C++ kernel tables cache by ---------------------------------------------------

@@ -14,6 +14,8 @@ import torch
 
 from h3cute.launch import timestep_mlp as L
 
+from bitwise import same_bits
+
 F1, HIDDEN, D = 256, 5376, 2688
 REPORT_SIZES = (1, 3, 4, 64, 256, 2048)
 FWD_TOL, GRAD_TOL = 2e-6, 1e-5
@@ -224,10 +226,6 @@ def _rel(out, ref):
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def _bits_equal(a, b):
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
-
-
 def _poison_allocator():
     """Leave NaN in freed caching-allocator blocks so an output element the kernels miss shows up."""
     junk = torch.full((1 << 28,), float("nan"), device="cuda")
@@ -253,7 +251,7 @@ def test_each_gemm_role_against_fp64(num_rows):
     for cfg in L.CONFIGS:  # the forward's h-only fc1 gives the backward recompute's bits
         h_only = torch.full_like(h, float("nan"))
         runtime.kernel("timestep_mlp_gemm", x.device, role="fc1", tile=cfg.fc1.astuple())(x, w1, b1, h_only)
-        assert _bits_equal(h_only, h), cfg
+        assert same_bits(h_only, h), cfg
     partials = torch.full((6, num_rows, D), float("nan"), device="cuda")
     runtime.kernel("timestep_mlp_gemm", x.device, role="fc2", tile=L.MID_T.fc2.astuple())(h, w2, partials)
     for s in range(6):
@@ -332,12 +330,12 @@ def test_op_and_autograd_match_the_launcher():
     w1, b1, w2, b2 = _params(1)
     x = _randn((5, F1), 12)
     grad = _randn((5, D), 13)
-    assert _bits_equal(torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2), L.forward(x, w1, b1, w2, b2))
+    assert same_bits(torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2), L.forward(x, w1, b1, w2, b2))
     leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2)]
     torch.ops.h3.timestep_mlp(*leaves).backward(grad)
     dx, dw1, db1, dw2, db2 = L.backward(grad, x, w1, b1, w2)
     for leaf, want in zip(leaves, (dx, dw1, db1, dw2, db2)):
-        assert leaf.grad is not None and _bits_equal(leaf.grad, want)
+        assert leaf.grad is not None and same_bits(leaf.grad, want)
 
 
 # Batch sizes straddling every tile edge (16, 32, 64, 128 rows), the config switch points and the
@@ -363,8 +361,8 @@ def test_probe_rows_alone_equal_in_every_batch_size_and_position():
         out = L.forward(x, w1, b1, w2, b2)
         dx = L.backward(grad, x, w1, b1, w2)[0]
         for i, pos in enumerate(positions):
-            assert _bits_equal(out[pos:pos + 1], alone[i]), (n, pos)
-            assert _bits_equal(dx[pos:pos + 1], alone_dx[i]), (n, pos)
+            assert same_bits(out[pos:pos + 1], alone[i]), (n, pos)
+            assert same_bits(dx[pos:pos + 1], alone_dx[i]), (n, pos)
 
 
 @pytest.mark.gpu
@@ -376,9 +374,9 @@ def test_every_config_gives_identical_bits(num_rows):
     fwd = [L.forward(x, w1, b1, w2, b2, config=c) for c in L.CONFIGS]
     bwd = [L.backward(grad, x, w1, b1, w2, config=c) for c in L.CONFIGS]
     for c, out, grads in zip(L.CONFIGS[1:], fwd[1:], bwd[1:]):
-        assert _bits_equal(out, fwd[0]), c
+        assert same_bits(out, fwd[0]), c
         for name, g, g0 in zip(("dx", "dw1", "db1", "dw2", "db2"), grads, bwd[0]):
-            assert _bits_equal(g, g0), (c, name)
+            assert same_bits(g, g0), (c, name)
 
 
 @pytest.mark.gpu
@@ -392,8 +390,8 @@ def test_poisoned_neighbours_leave_the_probe_row_alone(poison):
         x = torch.full((n, F1), poison, device="cuda")
         grad = torch.full((n, D), poison, device="cuda")
         x[pos], grad[pos] = probe[0], probe_grad[0]
-        assert _bits_equal(L.forward(x, w1, b1, w2, b2)[pos:pos + 1], alone), (n, pos)
-        assert _bits_equal(L.backward(grad, x, w1, b1, w2)[0][pos:pos + 1], alone_dx), (n, pos)
+        assert same_bits(L.forward(x, w1, b1, w2, b2)[pos:pos + 1], alone), (n, pos)
+        assert same_bits(L.backward(grad, x, w1, b1, w2)[0][pos:pos + 1], alone_dx), (n, pos)
 
 
 @pytest.mark.gpu
@@ -406,7 +404,7 @@ def test_parameter_gradients_are_repeatable(num_rows):
     _poison_allocator()
     second = L.backward(grad, x, w1, b1, w2)
     for name, a, b in zip(("dx", "dw1", "db1", "dw2", "db2"), first, second):
-        assert _bits_equal(a, b), name
+        assert same_bits(a, b), name
 
 
 @pytest.mark.gpu
@@ -429,9 +427,9 @@ def test_cuda_graph_replay_gives_the_eager_bits(num_rows):
             g.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert _bits_equal(out, want_out)
+        assert same_bits(out, want_out)
         for name, g, w in zip(("dx", "dw1", "db1", "dw2", "db2"), grads, want_grads):
-            assert _bits_equal(g, w), name
+            assert same_bits(g, w), name
 
 
 @pytest.mark.gpu
@@ -449,10 +447,10 @@ def test_weights_written_just_before_the_call_are_seen():
         w1.neg_(), w2.neg_()  # on the stream, immediately before the op's first kernel
         sign = -sign
         if i % 2:
-            assert _bits_equal(L.forward(x, w1, b1, w2, b2), want[sign][0]), i
+            assert same_bits(L.forward(x, w1, b1, w2, b2), want[sign][0]), i
         else:
             for name, g, w in zip(("dx", "dw1", "db1", "dw2", "db2"), L.backward(grad, x, w1, b1, w2), want[sign][1]):
-                assert _bits_equal(g, w), (i, name)
+                assert same_bits(g, w), (i, name)
 
 
 @pytest.mark.gpu
