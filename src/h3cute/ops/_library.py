@@ -9,8 +9,8 @@ schema's argument list per argument: tens of us per call) and pytree/dataclass w
 to record it redispatches below autograd; with one it applies a plain `autograd.Function`.
 
 C++ CUDA impls and autograd kernels (`h3cute.native`): ops the C++ layer implements get no Python CUDA impl
-(or autograd kernel) here; `install_native` registers the C++ ones once every op is defined. The C++ impl hands any input off its fast path to the
-Python CUDA impl, so errors and rare cases keep one implementation.
+(or autograd kernel) here; `install_native` registers the C++ ones once every op is defined. The C++ impl
+hands any input off its fast path to the Python CUDA impl, so errors and rare cases keep one implementation.
 
 Launch modules (`h3cute.launch.<op>`) are resolved once, at import. An op whose module is absent gets a
 stand-in whose `forward`/`backward` raise `NotImplementedError`: the CUDA path never falls back to a
@@ -28,14 +28,15 @@ NATIVE_OPS = native.native_ops()
 NATIVE_AUTOGRAD_OPS = native.native_autograd_ops()
 
 
-def define(schema: str, cpu, cuda) -> str:
+def define(schema: str, cpu, cuda, fake) -> str:
     """Defines `h3::<schema>` with its CPU and CUDA impls (the CUDA one in C++ where `h3cute.native` has
-    it); returns the qualified name `h3::<op>`."""
+    it) and its fake (meta) impl; returns the qualified name `h3::<op>`."""
     name = schema.split("(", 1)[0]
     LIB.define(schema)
     LIB.impl(name, cpu, "CPU")
     if name not in NATIVE_OPS:
         LIB.impl(name, cuda, "CUDA")
+    torch.library.register_fake(f"h3::{name}", fake, lib=LIB)
     return f"h3::{name}"
 
 

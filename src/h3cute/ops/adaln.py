@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from h3cute import reference
 from h3cute.ops import validate
-from h3cute.ops._library import LIB, define, register_autograd, resolve_launch
+from h3cute.ops._library import define, register_autograd, resolve_launch
 from h3cute.ops.validate import BF16, BLOCK_CHUNKS, BLOCK_TABLE, HIDDEN, MODALITIES, PROJECTION, TEMB
 
 _PROJECTION = resolve_launch("adaln_projection")
@@ -132,15 +132,15 @@ def _projection_backward(ctx, grad):
     return torch.ops.h3.adaln_projection_backward(grad.contiguous(), temb, weight)
 
 
-define("adaln_projection(Tensor temb, Tensor weight, Tensor bias) -> Tensor", _projection_cpu, _projection_cuda)
+define("adaln_projection(Tensor temb, Tensor weight, Tensor bias) -> Tensor", _projection_cpu, _projection_cuda,
+       _projection_fake)
 define(
     "adaln_projection_backward(Tensor grad, Tensor temb, Tensor weight) "
     "-> (Tensor dtemb, Tensor dweight, Tensor dbias)",
     _projection_backward_cpu,
     _projection_backward_cuda,
+    _projection_backward_fake,
 )
-torch.library.register_fake("h3::adaln_projection", _projection_fake, lib=LIB)
-torch.library.register_fake("h3::adaln_projection_backward", _projection_backward_fake, lib=LIB)
 register_autograd("adaln_projection", _projection_backward, _projection_setup_context)
 
 
@@ -203,14 +203,14 @@ define(
     "adaln_row_gather(Tensor table, Tensor adaln_indices, bool check_indices=True) -> Tensor[]",
     _gather_cpu,
     _gather_cuda,
+    _gather_fake,
 )
 define(
     "adaln_row_gather_backward(Tensor[] grads, Tensor adaln_indices, int table_rows) -> Tensor",
     _gather_backward_cpu,
     _gather_backward_cuda,
+    _gather_backward_fake,
 )
-torch.library.register_fake("h3::adaln_row_gather", _gather_fake, lib=LIB)
-torch.library.register_fake("h3::adaln_row_gather_backward", _gather_backward_fake, lib=LIB)
 register_autograd("adaln_row_gather", _gather_backward, _gather_setup_context)
 
 
@@ -288,15 +288,15 @@ define(
     "bool check_indices=True) -> Tensor",
     _norm_modulate_cpu,
     _norm_modulate_cuda,
+    _norm_modulate_fake,
 )
 define(
     "norm_modulate_backward(Tensor grad, Tensor x, Tensor weight, Tensor scale, Tensor adaln_indices, float eps, "
     "int table_rows) -> (Tensor dx, Tensor dweight, Tensor dshift, Tensor dscale)",
     _norm_modulate_backward_cpu,
     _norm_modulate_backward_cuda,
+    _norm_modulate_backward_fake,
 )
-torch.library.register_fake("h3::norm_modulate", _norm_modulate_fake, lib=LIB)
-torch.library.register_fake("h3::norm_modulate_backward", _norm_modulate_backward_fake, lib=LIB)
 register_autograd("norm_modulate", _norm_modulate_backward, _norm_modulate_setup_context)
 
 
@@ -359,14 +359,14 @@ define(
     "gate_residual(Tensor residual, Tensor y, Tensor gate, Tensor adaln_indices, bool check_indices=True) -> Tensor",
     _gate_residual_cpu,
     _gate_residual_cuda,
+    _gate_residual_fake,
 )
 define(
     "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, Tensor adaln_indices) -> (Tensor dy, Tensor dgate)",
     _gate_residual_backward_cpu,
     _gate_residual_backward_cuda,
+    _gate_residual_backward_fake,
 )
-torch.library.register_fake("h3::gate_residual", _gate_residual_fake, lib=LIB)
-torch.library.register_fake("h3::gate_residual_backward", _gate_residual_backward_fake, lib=LIB)
 register_autograd("gate_residual", _gate_residual_backward, _gate_residual_setup_context)
 
 
@@ -443,6 +443,7 @@ define(
     "Tensor timestep_indices, float eps=1e-05, bool check_indices=True) -> Tensor",
     _final_cpu,
     _final_cuda,
+    _final_fake,
 )
 define(
     "final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, "
@@ -450,7 +451,6 @@ define(
     "-> (Tensor dx, Tensor dnorm_weight, Tensor dtemb, Tensor dproj_weight, Tensor dproj_bias)",
     _final_backward_cpu,
     _final_backward_cuda,
+    _final_backward_fake,
 )
-torch.library.register_fake("h3::final_adaln_out", _final_fake, lib=LIB)
-torch.library.register_fake("h3::final_adaln_out_backward", _final_backward_fake, lib=LIB)
 register_autograd("final_adaln_out", _final_backward, _final_setup_context)

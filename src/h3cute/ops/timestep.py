@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from h3cute import reference
 from h3cute.ops import validate
-from h3cute.ops._library import LIB, define, register_autograd, resolve_launch
+from h3cute.ops._library import define, register_autograd, resolve_launch
 from h3cute.ops.validate import F32, FREQ, TEMB
 
 _SINUSOID = resolve_launch("timestep_sinusoid")
@@ -58,8 +58,7 @@ def _sinusoid_fake(t, check_range=True):
     return t.new_empty((t.shape[0], FREQ), dtype=F32)
 
 
-define("timestep_sinusoid(Tensor t, bool check_range=True) -> Tensor", _sinusoid_cpu, _sinusoid_cuda)
-torch.library.register_fake("h3::timestep_sinusoid", _sinusoid_fake, lib=LIB)
+define("timestep_sinusoid(Tensor t, bool check_range=True) -> Tensor", _sinusoid_cpu, _sinusoid_cuda, _sinusoid_fake)
 
 
 # ---- timestep_mlp ------------------------------------------------------------------------------------
@@ -115,13 +114,12 @@ def _mlp_backward(ctx, grad):
     return torch.ops.h3.timestep_mlp_backward(grad.contiguous(), x, w1, b1, w2)
 
 
-define("timestep_mlp(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor", _mlp_cpu, _mlp_cuda)
+define("timestep_mlp(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor", _mlp_cpu, _mlp_cuda, _mlp_fake)
 define(
     "timestep_mlp_backward(Tensor grad, Tensor x, Tensor w1, Tensor b1, Tensor w2) "
     "-> (Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2)",
     _mlp_backward_cpu,
     _mlp_backward_cuda,
+    _mlp_backward_fake,
 )
-torch.library.register_fake("h3::timestep_mlp", _mlp_fake, lib=LIB)
-torch.library.register_fake("h3::timestep_mlp_backward", _mlp_backward_fake, lib=LIB)
 register_autograd("timestep_mlp", _mlp_backward, _mlp_setup_context)
