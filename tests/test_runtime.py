@@ -503,3 +503,11 @@ def test_runtime_kernel_runs_on_gpu(rows, static):
 if __name__ == "__main__":
     # python tests/test_runtime.py DIR: bundle the tiny kernel for the device's GPU tests
     bundle.build_bundle(Path(sys.argv[1]), ["sm_90a", "sm_100a"], [ADD], {ADD.name: "tests.test_runtime"})
+
+
+def test_row_range_cuts_at_the_bounds():
+    bounds = (12, 16, rt.MAX_ROWS)
+    assert rt.row_range(bounds, 0) == (0, 12) and rt.row_range(bounds, 12) == (0, 12)
+    assert rt.row_range(bounds, 13) == (13, 16) and rt.row_range(bounds, 17) == (17, rt.MAX_ROWS)
+    with pytest.raises(ValueError):
+        rt.row_range((12, 16), 17)

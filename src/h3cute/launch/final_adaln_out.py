@@ -37,11 +37,7 @@ def kernel_handles(device: int, backward: int, num_rows: int):
     backward's (silu_cast, projection, `norm_modulate_bwd_fused`, `rowwise_fold`, the d_temb GEMM,
     `adaln_dtemb_fold`, the dW GEMM; db fused into it) with the fused norm's row-group count."""
     dev = torch.device("cuda", device)
-    lo = 0
-    for hi in T_BOUNDS:
-        if num_rows <= hi:
-            break
-        lo = hi + 1
+    lo, hi = runtime.row_range(T_BOUNDS, num_rows)
     choices = _choices(dev, num_rows, bool(backward))
     assert _choices(dev, max(lo, 1), bool(backward)) == choices == _choices(dev, hi, bool(backward)), "stale T_BOUNDS"
     wgmma, fwd = choices[:2]

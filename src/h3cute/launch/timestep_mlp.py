@@ -81,12 +81,8 @@ def pick_config(num_rows: int) -> MlpConfig:
 
 
 def _bucket(num_rows: int) -> tuple[int, int, MlpConfig]:
-    lo = 0
-    for hi, config in T_BOUNDS:
-        if num_rows <= hi:
-            return lo, hi, config
-        lo = hi + 1
-    raise ValueError(f"timestep_mlp: {num_rows} rows is past {runtime.MAX_ROWS}")
+    lo, hi = runtime.row_range([bound for bound, _ in T_BOUNDS], num_rows)
+    return lo, hi, dict(T_BOUNDS)[hi]
 
 
 def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int, list[int]]:

@@ -15,13 +15,26 @@ import threading
 from .sources import map_source_tree_kernels
 from .spec import SM_COUNT, SUPPORTED_ARCHS, KernelSpec, canonical_static
 
-__all__ = ["MAX_ROWS", "KernelSpec", "compile_for", "kernel", "kernel_for_arch", "arch_of", "SM_COUNT", "SUPPORTED_ARCHS",
+__all__ = ["MAX_ROWS", "row_range", "KernelSpec", "compile_for", "kernel", "kernel_for_arch", "arch_of", "SM_COUNT", "SUPPORTED_ARCHS",
            "canonical_static"]
 
 log = logging.getLogger("h3cute.runtime")
 
 # Row-count bound of `kernel_handles` answers (h3cute.native's kernel tables): "any number of rows".
 MAX_ROWS = 1 << 62
+
+
+def row_range(bounds, rows: int) -> tuple[int, int]:
+    """The range [lo, hi] of ascending upper `bounds` (the last MAX_ROWS) that holds `rows`: hi is the first
+    bound >= rows, lo the bound before it + 1 (0 below the first). Launchers cut their row-count choices
+    (tile configs) at such bounds; the C++ kernel tables cache one answer per range."""
+    lo = 0
+    for hi in bounds:
+        if rows <= hi:
+            return lo, hi
+        lo = hi + 1
+    raise ValueError(f"{rows} rows is past the last bound {bounds[-1]}")
+
 
 _by_call: dict = {}  # (name, device, static items) -> function: the hot path
 _by_arch: dict = {}  # (name, arch, canonical static) -> function
