@@ -42,6 +42,10 @@ def build(verbose: bool = False):
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    if not any(folder.glob(f"{MODULE_NAME}*.so")):
+        import torch
+
+        log.warning("h3cute: building the C++ op layer for torch %s (once)", torch.__version__)
     libdir = str(Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
     return load_extension(
         name=MODULE_NAME,
@@ -65,8 +69,6 @@ def load():
 
         if torch.cuda.is_available():
             try:
-                if not any(build_dir().glob(f"{MODULE_NAME}*.so")):
-                    log.warning("h3cute: building the C++ op layer for torch %s (once)", torch.__version__)
                 module = build()
             except Exception as err:  # no compiler, headers, ...: the Python impls serve
                 log.warning("h3cute: C++ op layer unavailable, CUDA ops use their Python impls (%s: %s)",
