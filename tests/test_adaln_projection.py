@@ -21,6 +21,7 @@ import torch
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 from h3cute.launch import adaln_projection as launch
+from h3cute.ops import validate
 
 from bitwise import assert_same_bits
 
@@ -91,6 +92,7 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert k.BIAS_ROW_GROUPS == launch.BIAS_ROW_GROUPS
     assert k.FUSED_DBIAS_ROWS == launch.FUSED_DBIAS_ROWS
     assert k.TEMB_WIDTH == launch.TEMB_WIDTH == D
+    assert launch.BLOCK_PROJECTION == validate.PROJECTION == N_BLOCK and N_BLOCK in k.OUT_FEATURES
     for n in k.OUT_FEATURES:
         for tile in k.CONFIGS.values():
             tile.check()

@@ -17,9 +17,10 @@ from bitwise import same_bits
 # The ops the C++ layer implements (their CUDA impls); every other op keeps its Python CUDA impl.
 NATIVE_OPS = ("timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate", "norm_modulate_backward",
               "gate_residual", "gate_residual_backward", "final_adaln_out", "final_adaln_out_backward",
-              "adaln_row_gather", "adaln_row_gather_backward")
+              "adaln_row_gather", "adaln_row_gather_backward", "adaln_projection", "adaln_projection_backward")
 # The ops whose autograd kernel is the C++ one.
-NATIVE_AUTOGRAD_OPS = ("timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out", "adaln_row_gather")
+NATIVE_AUTOGRAD_OPS = ("timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out", "adaln_row_gather",
+                       "adaln_projection")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 no_compiler = shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None
@@ -292,6 +293,88 @@ def test_adaln_row_gather_cpp_equals_python_impl(table_rows):
     assert same_bits(leaf.grad, adaln._gather_backward_cuda(grads, idx, table_rows))
 
 
+@pytest.fixture(scope="module")
+def block_projection():
+    """The (96768, 2688) BF16 weight (520 MB) and bias, drawn once for the module."""
+    return _seeded((96768, 2688), 50, torch.bfloat16, 0.02), _seeded((96768,), 51, torch.bfloat16, 0.02)
+
+
+def _poison_allocator():
+    """Best effort: leave a freed 2 GiB block of 0xFF bytes (NaN in BF16 and FP32) in torch's caching
+    allocator, so the next outputs and scratch buffers are carved from NaN memory: an element a kernel
+    does not write stays NaN."""
+    torch.empty(1 << 31, dtype=torch.uint8, device="cuda").fill_(255)
+
+
+def _finite(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@gpu
+@pytest.mark.parametrize("timesteps", [1, 3, 4, 17, 64, 65, 256, 300])  # every range of its T_BOUNDS
+def test_adaln_projection_cpp_equals_python_impl(block_projection, timesteps):
+    weight, bias = block_projection
+    temb = _seeded((timesteps, 2688), 52 + timesteps)
+    grad = _seeded((timesteps, 96768), 53 + timesteps, torch.bfloat16)
+    slow = adaln._projection_cuda(temb, weight, bias)
+    slow_grads = adaln._projection_backward_cuda(grad, temb, weight)
+    assert _finite([slow, *slow_grads])
+    _poison_allocator()
+    fast = torch.ops.h3.adaln_projection(temb, weight, bias)
+    _poison_allocator()
+    fast_grads = torch.ops.h3.adaln_projection_backward(grad, temb, weight)
+    assert same_bits(fast, slow) and same_bits(fast_grads, slow_grads)
+    # the C++ impl is the one that ran (a second call: the kernel table's cached entry)
+    assert _dispatches_to_native("adaln_projection") and _dispatches_to_native("adaln_projection_backward")
+    assert same_bits(torch.ops.h3.adaln_projection(temb, weight, bias), slow)
+
+
+@gpu
+@pytest.mark.parametrize("timesteps", [5, 65])  # db fused into the dW GEMM, and by adaln_bias_grad
+def test_adaln_projection_cpp_autograd_gives_the_python_grads(block_projection, timesteps):
+    weight, bias = block_projection
+    temb = _seeded((timesteps, 2688), 60 + timesteps)
+    g = _seeded((timesteps, 96768), 61 + timesteps, torch.bfloat16)
+    out, grads = _autograd_grads("adaln_projection", (temb, weight, bias), g)
+    assert same_bits(out, adaln._projection_cuda(temb, weight, bias))
+    assert same_bits(grads, adaln._projection_backward_cuda(g, temb, weight))
+    # a non-contiguous upstream gradient (the (3T, 6H) table's transpose) is made dense first, like Python's
+    gt = g.t().contiguous().t()
+    out, grads_t = _autograd_grads("adaln_projection", (temb, weight, bias), gt)
+    assert same_bits(grads_t, grads)
+    with torch.no_grad():
+        assert same_bits(torch.ops.h3.adaln_projection(temb.requires_grad_(True), weight, bias), out)
+
+
+@gpu
+def test_adaln_projection_cpp_keeps_the_python_messages(block_projection):
+    weight, bias = block_projection
+    temb = _seeded((3, 2688), 70)
+    grad = _seeded((3, 96768), 71, torch.bfloat16)
+    with pytest.raises(TypeError, match="h3::adaln_projection: temb must be float32, got bfloat16 .known defect"):
+        torch.ops.h3.adaln_projection(temb.bfloat16(), weight, bias)
+    with pytest.raises(ValueError, match=r"temb must have shape \(T, 2688\), got \(3, 2687\)"):
+        torch.ops.h3.adaln_projection(temb[:, :2687].contiguous(), weight, bias)
+    with pytest.raises(ValueError, match=r"weight must have shape \(96768, 2688\), got \(10752, 2688\)"):
+        torch.ops.h3.adaln_projection(temb, weight[:10752], bias)
+    with pytest.raises(ValueError, match=r"bias must have shape \(96768,\)"):
+        torch.ops.h3.adaln_projection(temb, weight, bias[:10752])
+    with pytest.raises(ValueError, match="temb must be contiguous"):
+        torch.ops.h3.adaln_projection(_seeded((3, 2 * 2688), 72)[:, ::2], weight, bias)
+    with pytest.raises(ValueError, match="bias is on cpu"):
+        torch.ops.h3.adaln_projection(temb, weight, bias.cpu())
+    with pytest.raises(TypeError, match="adaln_projection_backward: grad must be bfloat16, got float32"):
+        torch.ops.h3.adaln_projection_backward(grad.float(), temb, weight)
+    with pytest.raises(ValueError, match="adaln_projection_backward: grad has 2 rows, temb has 3"):
+        torch.ops.h3.adaln_projection_backward(grad[:2], temb, weight)
+    with pytest.raises(ValueError, match=r"adaln_projection_backward: grad must have shape \(T, 96768\)"):
+        torch.ops.h3.adaln_projection_backward(grad[:, :10752].contiguous(), temb, weight)
+    # T = 0 is the Python impl's (a zero-sized grid is not a launch)
+    assert torch.ops.h3.adaln_projection(temb[:0], weight, bias).shape == (0, 96768)
+    dtemb, dweight, dbias = torch.ops.h3.adaln_projection_backward(grad[:0], temb[:0], weight)
+    assert dtemb.shape == (0, 2688) and not dweight.any() and not dbias.any()
+
+
 # ---- CPU: the row ranges the C++ kernel tables cache by ---------------------------------------------------
 # A kernel_handles answer (lo, hi, ...) is reused for every row count in [lo, hi]: each launch choice the
 # Python launcher would make must be the same across that whole range.
@@ -369,3 +452,64 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     assert constants == [fused]
     with pytest.raises(ValueError):
         final_adaln_out.kernel_handles(0, 1, 30)  # the C++ backward takes T <= 24
+    assert asked(adaln_projection, 0, 3) == (["adaln_silu_cast", proj], ())
+    bwd = [proj.replace("fwd", "dgrad"), "adaln_dtemb_fold", proj.replace("fwd", "wgrad")]
+    assert asked(adaln_projection, 1, 64) == (bwd, [0])  # db fused into the dW GEMM
+    assert asked(adaln_projection, 1, 65) == (bwd + ["adaln_bias_grad"], [adaln_projection.BIAS_ROW_GROUPS])
+
+
+class _LaunchRecorder:
+    """Stands in for `runtime.kernel`: records (name, static args) per request; the kernels do nothing and
+    their C handles are their request's position (from 1)."""
+
+    def __init__(self):
+        self.asked = []
+
+    def __call__(self, name, device, **static):
+        self.asked.append((name, tuple(sorted(static.items()))))
+        handle = len(self.asked)
+        return type("Kernel", (), {"__call__": lambda self, *args: None, "__chandle__": lambda self: handle})()
+
+    def take(self):
+        asked, self.asked = self.asked, []
+        return asked
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_adaln_projection_row_ranges_ask_for_the_launchers_kernels(monkeypatch, arch):
+    # For every T, the kernels (with their static args, in launch order) that the C++ tables cache for T's
+    # range are the ones the Python launcher asks for at T and at both ends of that range; meta tensors
+    # stand in for the 520 MB weight.
+    from h3cute import runtime
+    from h3cute.launch import adaln_projection as L
+
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(runtime, "kernel", recorder)
+    monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
+    meta = dict(device="meta")
+    weight, bias = torch.empty((L.BLOCK_PROJECTION, 2688), dtype=torch.bfloat16, **meta), \
+        torch.empty((L.BLOCK_PROJECTION,), dtype=torch.bfloat16, **meta)
+
+    def launched(rows, backward):
+        temb = torch.empty((rows, 2688), **meta)
+        if backward:
+            L.backward(torch.empty((rows, L.BLOCK_PROJECTION), dtype=torch.bfloat16, **meta), temb, weight)
+        else:
+            L.forward(temb, weight, bias)
+        return recorder.take()
+
+    top = 5000
+    assert L.T_BOUNDS[-1] == runtime.MAX_ROWS and list(L.T_BOUNDS) == sorted(L.T_BOUNDS)
+    for backward in (0, 1):
+        for rows in [*range(1, 520), 1000, 2048, 4096]:
+            answer = L.kernel_handles(0, backward, rows)
+            cached = recorder.take()
+            lo, hi = answer[:2]
+            assert lo <= rows <= hi and answer[2] == list(range(1, len(cached) + 1))
+            for t in (rows, max(lo, 1), min(hi, top)):
+                assert launched(t, backward) == cached, (backward, rows, t)
+            if backward:  # db's row groups where adaln_bias_grad runs, else 0
+                unfused = cached[-1][0] == "adaln_bias_grad"
+                assert answer[3] == [L.BIAS_ROW_GROUPS if unfused else 0] and unfused == (rows > L.FUSED_DBIAS_ROWS)
+            else:
+                assert len(answer) == 3

@@ -25,6 +25,7 @@ import torch
 from h3cute import runtime
 
 TEMB_WIDTH = 2688
+BLOCK_PROJECTION = 96768  # this op's out_features, h3cute.ops.validate.PROJECTION (a CPU test checks)
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
 BIAS_ROW_GROUPS = 32  # kernels/adaln_gemm.BIAS_ROW_GROUPS
 FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T the dW kernel writes db
@@ -73,6 +74,44 @@ def _uses_wgmma(device, config: str | None) -> bool:
     if config is not None:
         return config in WGMMA_CONFIGS
     return SM90_FAMILY == "wgmma" and runtime.arch_of(device) == "sm_90a"
+
+
+# Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64), the
+# d_temb config (16, 64, 256), the dW tile and the fused db (both 64).
+T_BOUNDS = (16, 64, 256, runtime.MAX_ROWS)
+
+
+def _choices(device, rows: int, backward: bool) -> tuple:
+    wgmma = _uses_wgmma(device, None)
+    if not backward:
+        return wgmma, config_for_rows(rows, wgmma)
+    return wgmma, dgrad_config_for_rows(rows, wgmma), wgrad_config_for_rows(rows, wgmma), rows > FUSED_DBIAS_ROWS
+
+
+def kernel_handles(device: int, backward: int, num_rows: int):
+    """For the C++ impls (h3cute.native), N = 96768: the T range sharing every launch choice and the C handles
+    of `forward`'s kernels (`adaln_silu_cast`, the projection GEMM) or `backward`'s (the d_temb GEMM,
+    `adaln_dtemb_fold`, the dW GEMM, then `adaln_bias_grad` where db is not fused into the dW GEMM) with
+    one launch constant: db's row-group count, 0 when the dW GEMM writes db."""
+    dev = torch.device("cuda", device)
+    lo, hi = runtime.row_range(T_BOUNDS, num_rows)
+    choices = _choices(dev, num_rows, bool(backward))
+    assert _choices(dev, max(lo, 1), bool(backward)) == choices == _choices(dev, hi, bool(backward)), "stale T_BOUNDS"
+    n = BLOCK_PROJECTION
+    if not backward:
+        wgmma, config = choices
+        proj = "adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd"
+        fns = [runtime.kernel("adaln_silu_cast", dev, width=TEMB_WIDTH),
+               runtime.kernel(proj, dev, out_features=n, config=config)]
+        return lo, hi, [fn.__chandle__() for fn in fns]
+    wgmma, dgrad, wgrad, unfused_dbias = choices
+    fns = [runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=n, config=dgrad),
+           runtime.kernel("adaln_dtemb_fold", dev, width=TEMB_WIDTH),
+           runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=n, wgmma=True, config=wgrad) if wgmma
+           else runtime.kernel("adaln_proj_wgrad", dev, out_features=n, config=wgrad)]
+    if unfused_dbias:
+        fns.append(runtime.kernel("adaln_bias_grad", dev, out_features=n))
+    return lo, hi, [fn.__chandle__() for fn in fns], [BIAS_ROW_GROUPS if unfused_dbias else 0]
 
 
 def silu_bf16(temb: torch.Tensor) -> torch.Tensor:

@@ -310,6 +310,43 @@ KernelTable norm_modulate_kernels("h3cute.launch.norm_modulate");  // variant 0:
 // variant 0: [silu_cast, proj_fwd, norm_modulate_fwd]; 1 (T <= 24): the backward's, see final_adaln_out_backward_cuda
 KernelTable final_kernels("h3cute.launch.final_adaln_out");
 
+// The projection GEMM's launch sequences (h3cute/launch/adaln_projection.py forward, backward), shared by
+// adaln_projection (N = 96768) and final_adaln_out (N = 10752); called inside the op's StreamScope.
+
+// out (T, N) BF16 = bf16(silu(temb)) W^T + b. fn: [adaln_silu_cast, the projection GEMM].
+void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, const at::Tensor& weight,
+                        const at::Tensor& bias, const at::Tensor& out) {
+  at::Tensor act = at::empty({temb.size(0), kTemb}, out.options());  // bf16(silu(temb))
+  DLTensor ttemb = dl_view(temb), tact = dl_view(act), tw = dl_view(weight), tb = dl_view(bias), tout = dl_view(out);
+  call_kernel(fn[0], {any_tensor(&ttemb), any_tensor(&tact)});
+  call_kernel(fn[1], {any_tensor(&tact), any_tensor(&tw), any_tensor(&tb), any_tensor(&tout)});
+}
+
+// d_temb through kDgradSplits FP32 partials and their in-order fold (which also recomputes bf16(silu(temb))),
+// then dW = grad^T act; the dW GEMM writes db for T <= FUSED_DBIAS_ROWS (bias_groups = 0), beyond it
+// adaln_bias_grad does over bias_groups row groups (Python decides: kernel_handles' launch constant).
+// fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM, adaln_bias_grad (read only when bias_groups > 0)].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, int64_t bias_groups,
+                                                                   const at::Tensor& grad, const at::Tensor& temb,
+                                                                   const at::Tensor& weight) {
+  const int64_t timesteps = temb.size(0), n = weight.size(0);
+  const auto f32 = temb.options(), bf16 = weight.options();
+  at::Tensor partial = at::empty({kDgradSplits, timesteps, kTemb}, f32);
+  at::Tensor dtemb = at::empty({timesteps, kTemb}, f32), act = at::empty({timesteps, kTemb}, bf16);
+  at::Tensor dweight = at::empty_like(weight), dbias = at::empty({n}, bf16);
+  DLTensor tg = dl_view(grad), tw = dl_view(weight), tpart = dl_view(partial), ttemb = dl_view(temb);
+  DLTensor tdtemb = dl_view(dtemb), tact = dl_view(act), tdw = dl_view(dweight), tdb = dl_view(dbias);
+  call_kernel(fn[0], {any_tensor(&tg), any_tensor(&tw), any_tensor(&tpart)});
+  call_kernel(fn[1], {any_tensor(&tpart), any_tensor(&ttemb), any_tensor(&tdtemb), any_tensor(&tact)});
+  call_kernel(fn[2], {any_tensor(&tg), any_tensor(&tact), any_tensor(&tdw), any_tensor(&tdb)});
+  if (bias_groups > 0) {
+    at::Tensor bias_partial = at::empty({bias_groups, n}, f32);
+    DLTensor tbp = dl_view(bias_partial);
+    call_kernel(fn[3], {any_tensor(&tg), any_tensor(&tbp), any_tensor(&tdb)});
+  }
+  return {dtemb, dweight, dbias};
+}
+
 // x (S, H) and out-shaped row tensors: BF16, dense, 16-byte aligned, S >= 1.
 bool rows_fast(const at::Tensor& x, int d) {
   return dense(x, at::kBFloat16, d, {-1, kHidden}) && x.size(0) > 0 && aligned16(x);
@@ -355,16 +392,13 @@ at::Tensor final_adaln_out_cuda(const at::Tensor& x, const at::Tensor& norm_weig
                                    ti, eps, check_indices);
   const int64_t timesteps = temb.size(0);
   const TVMFFIObjectHandle* fn = final_kernels.get(d, 0, timesteps).fns;
-  at::Tensor act = at::empty({timesteps, kTemb}, x.options());  // bf16(silu(temb))
   at::Tensor proj = at::empty({timesteps, kFinalProjection}, x.options());  // shift | scale
   at::Tensor out = at::empty_like(x);
-  DLTensor ttemb = dl_view(temb), tact = dl_view(act), tpw = dl_view(proj_weight), tpb = dl_view(proj_bias);
-  DLTensor tproj = dl_view(proj), tx = dl_view(x), tnw = dl_view(norm_weight), tti = dl_view(ti), tout = dl_view(out);
+  DLTensor tx = dl_view(x), tnw = dl_view(norm_weight), tti = dl_view(ti), tout = dl_view(out);
   // shift | scale halves of the projection, read in place as row-strided (T, H) tables
   View shift(proj, {timesteps, kHidden}, {kFinalProjection, 1}), scale(proj, {timesteps, kHidden}, {kFinalProjection, 1}, kHidden);
   StreamScope stream(d);
-  call_kernel(fn[0], {any_tensor(&ttemb), any_tensor(&tact)});
-  call_kernel(fn[1], {any_tensor(&tact), any_tensor(&tpw), any_tensor(&tpb), any_tensor(&tproj)});
+  projection_forward(fn, temb, proj_weight, proj_bias, proj);
   call_kernel(fn[2], {any_tensor(&tx), any_tensor(&tnw), shift.any(), scale.any(),
                       any_tensor(&tti), any_tensor(&tout), any_float(eps)});
   return out;
@@ -439,23 +473,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
   const int64_t timesteps = temb.size(0);
   // [silu_cast, proj_fwd, norm_modulate_bwd_fused, rowwise_fold, proj_dgrad, dtemb_fold, proj_wgrad], [row groups]
   const KernelTable::Entry& k = final_kernels.get(d, 1, timesteps);
-  const auto bf16 = x.options(), f32 = temb.options();
-  at::Tensor act = at::empty({timesteps, kTemb}, bf16), proj = at::empty({timesteps, kFinalProjection}, bf16);
-  DLTensor ttemb = dl_view(temb), tact = dl_view(act), tpw = dl_view(pw), tpb = dl_view(pb), tproj = dl_view(proj);
+  at::Tensor proj = at::empty({timesteps, kFinalProjection}, x.options());
   StreamScope stream(d);
-  call_kernel(k.fns[0], {any_tensor(&ttemb), any_tensor(&tact)});
-  call_kernel(k.fns[1], {any_tensor(&tact), any_tensor(&tpw), any_tensor(&tpb), any_tensor(&tproj)});
+  projection_forward(k.fns, temb, pw, pb, proj);
   auto [dx, dnw, dshift, dscale] = norm_backward_fused(
       k, 2, 3, grad, x, nw, View(proj, {timesteps, kHidden}, {kFinalProjection, 1}, kHidden), ti, eps, timesteps);
   at::Tensor dproj = at::cat({dshift, dscale}, 1);  // (T, 2H), shift first like the table
-  at::Tensor partial = at::empty({kDgradSplits, timesteps, kTemb}, f32);
-  at::Tensor dtemb = at::empty({timesteps, kTemb}, f32), act_again = at::empty({timesteps, kTemb}, bf16);
-  at::Tensor dpw = at::empty_like(pw), dpb = at::empty({kFinalProjection}, bf16);
-  DLTensor tdproj = dl_view(dproj), tpart = dl_view(partial), tdtemb = dl_view(dtemb), tact2 = dl_view(act_again);
-  DLTensor tdpw = dl_view(dpw), tdpb = dl_view(dpb);
-  call_kernel(k.fns[4], {any_tensor(&tdproj), any_tensor(&tpw), any_tensor(&tpart)});
-  call_kernel(k.fns[5], {any_tensor(&tpart), any_tensor(&ttemb), any_tensor(&tdtemb), any_tensor(&tact2)});
-  call_kernel(k.fns[6], {any_tensor(&tdproj), any_tensor(&tact2), any_tensor(&tdpw), any_tensor(&tdpb)});
+  auto [dtemb, dpw, dpb] = projection_backward(k.fns + 4, 0, dproj, temb, pw);  // T <= 24: db fused into dW
   return {dx, dnw, dtemb, dpw, dpb};
 }
 
@@ -540,6 +564,41 @@ at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor
                          any_tensor(&g[4]), any_tensor(&g[5]), any_tensor(&ti), any_tensor(&tp)});
   fold(k.fns[1], View(partials, {groups, table_rows * kBlockTable}, {table_rows * kBlockTable, 1}), flat(dtable));
   return dtable;
+}
+
+// ---- adaln_projection (h3cute/launch/adaln_projection.py, N = 96768) ------------------------------------
+
+constexpr int64_t kBlockProjection = 3 * kBlockTable;  // h3cute.ops.validate.PROJECTION: 3 modalities x 6 chunks
+// variant 0: [silu_cast, proj_fwd]; 1: [proj_dgrad, dtemb_fold, proj_wgrad(, bias_grad)], [db row groups, 0: fused]
+KernelTable projection_kernels("h3cute.launch.adaln_projection");
+
+bool projection_fast(const at::Tensor& temb, const at::Tensor& weight, int d) {
+  return dense(temb, at::kFloat, d, {-1, kTemb}) && temb.size(0) > 0 &&
+         dense(weight, at::kBFloat16, d, {kBlockProjection, kTemb});
+}
+
+at::Tensor adaln_projection_cuda(const at::Tensor& temb, const at::Tensor& weight, const at::Tensor& bias) {
+  const int d = temb.is_cuda() ? temb.get_device() : -1;
+  if (!(projection_fast(temb, weight, d) && dense(bias, at::kBFloat16, d, {kBlockProjection})))
+    return python_impl<at::Tensor>("h3cute.ops.adaln", "_projection_cuda", temb, weight, bias);
+  const int64_t timesteps = temb.size(0);
+  const TVMFFIObjectHandle* fn = projection_kernels.get(d, 0, timesteps).fns;
+  at::Tensor out = at::empty({timesteps, kBlockProjection}, weight.options());
+  StreamScope stream(d);
+  projection_forward(fn, temb, weight, bias, out);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_projection_backward_cuda(const at::Tensor& grad,
+                                                                              const at::Tensor& temb,
+                                                                              const at::Tensor& weight) {
+  const int d = temb.is_cuda() ? temb.get_device() : -1;
+  if (!(projection_fast(temb, weight, d) && dense(grad, at::kBFloat16, d, {temb.size(0), kBlockProjection})))
+    return python_impl<std::tuple<at::Tensor, at::Tensor, at::Tensor>>("h3cute.ops.adaln", "_projection_backward_cuda",
+                                                                       grad, temb, weight);
+  const KernelTable::Entry& k = projection_kernels.get(d, 1, temb.size(0));
+  StreamScope stream(d);
+  return projection_backward(k.fns, k.params[0], grad, temb, weight);
 }
 
 // ---- autograd (the Python register_autograd kernels of h3cute/ops, in C++) ---------------------------
@@ -641,6 +700,21 @@ struct RowGatherFn : torch::autograd::Function<RowGatherFn> {
   }
 };
 
+struct AdalnProjectionFn : torch::autograd::Function<AdalnProjectionFn> {
+  static T forward(AutogradContext* ctx, CT temb, CT weight, CT bias) {
+    static auto op = h3_op<T(CT, CT, CT)>("h3::adaln_projection");
+    ctx->save_for_backward({temb, weight});
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(temb, weight, bias);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = h3_op<std::tuple<T, T, T>(CT, CT, CT)>("h3::adaln_projection_backward");
+    auto s = ctx->get_saved_variables();
+    auto [dtemb, dweight, dbias] = op.call(grads[0].contiguous(), s[0], s[1]);
+    return {dtemb, dweight, dbias};
+  }
+};
+
 T timestep_mlp_autograd(CT x, CT w1, CT b1, CT w2, CT b2) { return TimestepMlpFn::apply(x, w1, b1, w2, b2); }
 T norm_modulate_autograd(CT x, CT w, CT shift, CT scale, CT idx, double eps, bool check) {
   return NormModulateFn::apply(x, w, shift, scale, idx, eps, check);
@@ -652,15 +726,16 @@ std::vector<T> adaln_row_gather_autograd(CT table, CT idx, bool check) { return 
 T final_adaln_out_autograd(CT x, CT nw, CT temb, CT pw, CT pb, CT ti, double eps, bool check) {
   return FinalAdalnOutFn::apply(x, nw, temb, pw, pb, ti, eps, check);
 }
+T adaln_projection_autograd(CT temb, CT weight, CT bias) { return AdalnProjectionFn::apply(temb, weight, bias); }
 
 // The ops this library implements; h3cute.ops registers no Python CUDA impl for them.
 const char* const kNativeOps[] = {"timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate",
                                   "norm_modulate_backward", "gate_residual", "gate_residual_backward",
                                   "final_adaln_out", "final_adaln_out_backward", "adaln_row_gather",
-                                  "adaln_row_gather_backward"};
+                                  "adaln_row_gather_backward", "adaln_projection", "adaln_projection_backward"};
 // The ops whose autograd kernel is this library's (h3cute.ops registers no Python one for them).
 const char* const kAutogradOps[] = {"timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out",
-                                    "adaln_row_gather"};
+                                    "adaln_row_gather", "adaln_projection"};
 
 void install() {
   static torch::Library* lib = nullptr;
@@ -672,6 +747,7 @@ void install() {
   autograd->impl("gate_residual", TORCH_FN(gate_residual_autograd));
   autograd->impl("final_adaln_out", TORCH_FN(final_adaln_out_autograd));
   autograd->impl("adaln_row_gather", TORCH_FN(adaln_row_gather_autograd));
+  autograd->impl("adaln_projection", TORCH_FN(adaln_projection_autograd));
   lib = new torch::Library(torch::Library::IMPL, "h3", c10::DispatchKey::CUDA, __FILE__, __LINE__);
   lib->impl("timestep_sinusoid", TORCH_FN(timestep_sinusoid_cuda));
   lib->impl("timestep_mlp", TORCH_FN(timestep_mlp_cuda));
@@ -684,6 +760,8 @@ void install() {
   lib->impl("adaln_row_gather", TORCH_FN(adaln_row_gather_cuda));
   lib->impl("adaln_row_gather_backward", TORCH_FN(adaln_row_gather_backward_cuda));
   lib->impl("final_adaln_out", TORCH_FN(final_adaln_out_cuda));
+  lib->impl("adaln_projection", TORCH_FN(adaln_projection_cuda));
+  lib->impl("adaln_projection_backward", TORCH_FN(adaln_projection_backward_cuda));
 }
 
 }  // namespace h3native
