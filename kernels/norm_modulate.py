@@ -17,13 +17,16 @@ Backward, FP32 math as the CPU reference (h3cute.ops.adaln._modulate_backward_fp
 dweight = sum dn * xhat, dshift[r] = sum g, dscale[r] = sum g * (xhat * w), per fixed row group as FP32
 partials that `rowwise_fold` finishes. No atomics.
   `norm_modulate_bwd_fused` (tables of <= 24 rows): one pass over (grad, x). A 7-CTA cluster per row group,
-      CTA k owning columns [k * H/7, (k+1) * H/7) (192 threads of 4 columns) and that slice of the table
-      accumulators in shared memory; per step of 16 rows the per-row sums of x^2 and dxhat * x are exchanged
-      through distributed shared memory (each CTA pushes its partials to all, one cluster barrier), summed over
-      ranks in order, and each CTA finishes dx and the accumulations of its slice (the next step's rows are
-      prefetched into L2 meanwhile). rstd = rsqrt.approx(ss / H + eps) with ss in that order (not torch's
-      forward order). dshift/dscale: each run of consecutive rows with one table row is summed in registers and
-      added to shared memory when the table row changes (docs/row_kernels.md).
+      CTA k owning columns [k * H/7, (k+1) * H/7) (192 threads of 4 columns), that slice of the table
+      accumulators in shared memory and of 1 + scale (FP32). Rows go in steps of 8: each CTA reduces its
+      slice's per-row sums of x^2 and dxhat * x and pushes them with st.async to every CTA of the cluster
+      (double-buffered slots, one mbarrier per buffer, no cluster barrier per step); each CTA sums the 7
+      partials in rank order, rstd = rsqrt.approx(ss / H + eps) (this order, not torch's forward order), and
+      finishes dx = fma(xhat, -mean, dxhat) * rstd and the accumulations of its slice. Software-pipelined:
+      step s + 1's rows load into registers (s + 2's into L2) while step s waits for its exchange and
+      finishes (H200, S = 32768: 0.55 of copy bandwidth against 0.47 for one cluster barrier per 16-row step;
+      perf/norm_backward_sweep.py). dshift/dscale: each run of consecutive rows with one table row is summed in
+      registers and added to shared memory when the table row changes (docs/row_kernels.md).
   `norm_modulate_bwd_rows` + `norm_modulate_bwd_params` (25..48 table rows): a row kernel (rstd exactly as the
       forward, dx, an FP32 rstd workspace) and the column reduction of kernels/rowwise.py re-reading grad, x.
 """
@@ -48,26 +51,27 @@ HIDDEN = 5376
 CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768
 # BF16 per thread of the fused backward (one 8-byte vector): 192 threads per 768-column slice, 12 warps per SM
 # at 2 CTAs per SM. With 16-byte vectors (96 threads) the SM had 6 warps, too few to hide the latency of the
-# per-step compute between the cluster barriers (H200: 0.46 of copy bandwidth).
+# per-step compute (H200, one cluster barrier per step: 0.46 of copy bandwidth).
 FUSED_VEC = 4
-# Rows per cluster exchange of the fused backward (their loads in flight together): the launcher uses 16,
-# 8 is bundled for perf/row_kernels.py. The launch caps registers at 168 for 2 CTAs of 192 threads per SM
-# (ptxas, sm_90a: 168 + 64 B of spills at 16, 146 at 8).
-FUSED_STEPS = (16, 8)
+# Rows per exchange step of the fused backward. Two steps' rows are in registers at once (the pipeline), under
+# the 168-register cap of 2 CTAs of 192 threads per SM: 8 rows take ~151 (ptxas, sm_90a); 16 spilled and ran
+# slower on the H200 (500 vs 471 us at S = 32768).
+FUSED_STEPS = (8,)
 FUSED_CAPS = (12, 24)  # table-row capacities the fused backward holds in shared memory; 48 takes rows + params
-FUSED_CTAS_PER_SM = {12: 2, 24: 1}  # by shared memory: 94 KB, 187 KB per CTA
+FUSED_CTAS_PER_SM = {12: 2, 24: 1}  # by shared memory: 109, 217 KiB per CTA
 
 
 @dsl_user_op
-def store_cluster_f32(smem_ptr: cute.Pointer, peer, value, *, loc=None, ip=None):
-    """st.shared::cluster.f32: `value` into CTA `peer`'s copy of this CTA's shared address `smem_ptr` (mapa)."""
+def store_cluster_async_f32(smem_ptr: cute.Pointer, mbar_ptr: cute.Pointer, peer, value, *, loc=None, ip=None):
+    """st.async: `value` into CTA `peer`'s copy of `smem_ptr`, completing 4 bytes of the transaction on that
+    CTA's copy of the mbarrier `mbar_ptr` (no fence, no cluster barrier: the peer's mbarrier wait orders it)."""
     llvm.inline_asm(
         res=None,
-        operands_=[Int32(smem_ptr.toint()).ir_value(loc=loc, ip=ip), Int32(peer).ir_value(loc=loc, ip=ip),
-                   Float32(value).ir_value(loc=loc, ip=ip)],
-        asm_string="{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $0, $1; "
-                   "st.shared::cluster.f32 [remote], $2; }",
-        constraints="r,r,f,~{memory}",
+        operands_=[Int32(smem_ptr.toint()).ir_value(loc=loc, ip=ip), Int32(mbar_ptr.toint()).ir_value(loc=loc, ip=ip),
+                   Int32(peer).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
+        asm_string="{ .reg .b32 ra, rb; mapa.shared::cluster.u32 ra, $0, $2; mapa.shared::cluster.u32 rb, $1, $2; "
+                   "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [ra], $3, [rb]; }",
+        constraints="r,r,r,f,~{memory}",
         has_side_effects=True,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
@@ -297,9 +301,9 @@ def fused_threads(width: int) -> int:
 
 
 @cute.jit
-def _fused_terms(g, sTab: cute.Tensor, tab_off, w):
-    """dn = g * (1 + scale) and dxhat = dn * w of one vector, FP32 (scale from the staged table slice)."""
-    dn = g.to(Float32) * (fused_vec(sTab, tab_off, cute.AddressSpace.smem).load().to(Float32) + 1.0)
+def _fused_terms(g, sGain: cute.Tensor, tab_off, w):
+    """dn = g * (1 + scale) and dxhat = dn * w of one vector, FP32 (1 + scale from the staged FP32 gain rows)."""
+    dn = g.to(Float32) * fused_vec(sGain, tab_off, cute.AddressSpace.smem).load()
     return dn, dn * w
 
 
@@ -316,35 +320,51 @@ def _flush_run(sShift: cute.Tensor, sScale: cute.Tensor, run: cute.Tensor, runSh
 
 
 @cute.jit
-def _fused_step(mG, mX, mDx, mIdx, mTabRows, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, run, runShift,
-                runScale, first, step,
-                rank, tidx, col, eps: Float32, rows: cutlass.Constexpr, step_rows: cutlass.Constexpr,
-                width: cutlass.Constexpr, threads: cutlass.Constexpr):
-    """Rows [first, first + rows) of this CTA's column slice: all loads first; the two per-row partial sums
-    (sum x^2, sum dxhat * x) reduced in the CTA and pushed to every CTA of the cluster; after the cluster
-    barrier each row's rstd and mean(dxhat * xhat) from the CLUSTER partials in rank order; then dx and the
-    accumulations in row order."""
-    warps = threads // 32
-    slice_width = threads * FUSED_VEC
-    table_rows = mTabRows.shape[0]
-    # per row: its table row's offset in the staged slices and the poison factor (guarded_row); the row's
-    # global offset is base + i * width, an immediate
+def _fused_picks(mIdx, table_rows, first, tidx, rows: cutlass.Constexpr, threads: cutlass.Constexpr):
+    """Per row of [first, first + rows): its table row's offset in the staged slices (this thread's columns)
+    and the poison factor (guarded_row)."""
     picks = [guarded_row(Int64(mIdx[first + i]), table_rows) for i in range(rows)]
-    tab = [Int32(picks[i][0]) * slice_width + tidx * FUSED_VEC for i in range(rows)]
-    poison = [picks[i][1] for i in range(rows)]
-    base = Int64(first) * width + col
-    gs = [fused_vec(mG, base + i * width, cute.AddressSpace.gmem).load() for i in range(rows)]
-    xs = [fused_vec(mX, base + i * width, cute.AddressSpace.gmem).load() for i in range(rows)]
-    if cutlass.const_expr(rows == step_rows):
-        # the next step's rows of this slice into L2 while this step waits on DRAM and the cluster barrier
-        ahead = first + step_rows + tidx % step_rows
-        if (tidx < 2 * step_rows) & (ahead < mX.shape[0]):
-            offset = Int64(ahead) * width + rank * slice_width
-            if tidx < step_rows:
-                prefetch_l2(mG.iterator + offset, slice_width * 2)
-            else:
-                prefetch_l2(mX.iterator + offset, slice_width * 2)
-    # this thread's share of both row sums, fixed order (vector elements in order, then the xor butterfly)
+    return [Int32(p[0]) * (threads * FUSED_VEC) + tidx * FUSED_VEC for p in picks], [p[1] for p in picks]
+
+
+@cute.jit
+def _load_step(mG, mX, gBuf, xBuf, base, rows: cutlass.Constexpr, width: cutlass.Constexpr):
+    """This thread's grad and x vectors of `rows` rows from element offset `base` on into register buffers."""
+    for i in cutlass.range_constexpr(rows):
+        gBuf[i].store(fused_vec(mG, base + i * width, cute.AddressSpace.gmem).load())
+        xBuf[i].store(fused_vec(mX, base + i * width, cute.AddressSpace.gmem).load())
+
+
+@cute.jit
+def _prefetch_step(mG, mX, first, rank, tidx, step_rows: cutlass.Constexpr, width: cutlass.Constexpr,
+                   threads: cutlass.Constexpr):
+    """Rows [first, first + step_rows) of this CTA's slice of grad and x into L2 (one row per thread of the
+    first 2 * step_rows); rows past the batch are skipped."""
+    slice_width = threads * FUSED_VEC
+    ahead = first + tidx % step_rows
+    if (tidx < 2 * step_rows) & (ahead < mX.shape[0]):
+        offset = Int64(ahead) * width + rank * slice_width
+        if tidx < step_rows:
+            prefetch_l2(mG.iterator + offset, slice_width * 2)
+        else:
+            prefetch_l2(mX.iterator + offset, slice_width * 2)
+
+
+@cute.jit
+def _exchange_bytes(step, full_steps, step_rows: cutlass.Constexpr):
+    """Bytes a CTA receives in the exchange of step `step`: two FP32 sums per row from each CTA of the cluster
+    (full steps have step_rows rows, the tail steps one)."""
+    return Int32(CLUSTER * 2 * 4) * cutlass.select_(step < full_steps, Int32(step_rows), Int32(1))
+
+
+@cute.jit
+def _fused_push(gs, xs, mIdx, sTab, w, sWarp, sPub, sBar, first, step, rank, tidx, table_rows,
+                rows: cutlass.Constexpr, step_rows: cutlass.Constexpr, threads: cutlass.Constexpr):
+    """Rows [first, first + rows): this slice's two per-row sums (sum x^2, sum dxhat * x), reduced in the CTA in
+    a fixed order (vector elements in order, the xor butterfly, warps in order) and pushed with st.async into
+    slot (step % 2, rank) of every CTA's exchange buffer, each push completing bytes on that CTA's mbarrier."""
+    warps = threads // 32
+    tab, _ = _fused_picks(mIdx, table_rows, first, tidx, rows, threads)
     parts = []
     for i in cutlass.range_constexpr(rows):
         _, dxhat = _fused_terms(gs[i], sTab, tab[i], w)
@@ -376,36 +396,52 @@ def _fused_step(mG, mX, mDx, mIdx, mTabRows, sTab, sShift, sScale, sWarp, sPub, 
     if lane % spread == 0:
         sWarp[(lane // spread) * warps + tidx // 32] = vals[0]
     cute.arch.sync_threads()
-    buf = step % 2
     if tidx < 2 * rows:
         total = sWarp[tidx * warps]
         for wi in cutlass.range_constexpr(1, warps):
             total = total + sWarp[tidx * warps + wi]
-        # slot (buf, rank, value) of every CTA's exchange buffer, this CTA's own included
+        buf = step % 2
         slot = (buf * CLUSTER + rank) * (2 * step_rows) + tidx
         for peer in cutlass.range_constexpr(CLUSTER):
-            store_cluster_f32(sPub.iterator + slot, peer, total)
-    cute.arch.cluster_arrive()  # release: the pushed partials are visible after the wait
-    cute.arch.cluster_wait()
-    if tidx < rows:
-        ss = Float32(0.0)
-        dot = Float32(0.0)
-        for peer in cutlass.range_constexpr(CLUSTER):
-            at = (buf * CLUSTER + peer) * (2 * step_rows) + 2 * tidx
-            ss = ss + sPub[at]
-            dot = dot + sPub[at + 1]
-        rstd = cute.math.rsqrt(ss / Float32(width) + eps, approx=True)
-        sRow[2 * tidx] = rstd
-        sRow[2 * tidx + 1] = rstd * dot / Float32(width)  # mean(dxhat * xhat)
+            store_cluster_async_f32(sPub.iterator + slot, sBar.iterator + buf, peer, total)
+
+
+@cute.jit
+def _fused_complete(gs, xs, mDx, mIdx, sTab, sShift, sScale, sPub, sRow, sBar, w, accW, run, runShift, runScale,
+                    first, step, steps, full_steps, tidx, col, table_rows, eps: Float32, rows: cutlass.Constexpr,
+                    step_rows: cutlass.Constexpr, width: cutlass.Constexpr, threads: cutlass.Constexpr):
+    """Rows [first, first + rows) once step `step`'s exchange is complete (warp 0 waits: its threads read it;
+    thread 0 re-arms the buffer's mbarrier for step + 2): each row's rstd and mean(dxhat * xhat) from the
+    CLUSTER partials summed in rank order, then dx and the accumulations in row order."""
+    buf = step % 2
+    tab, poison = _fused_picks(mIdx, table_rows, first, tidx, rows, threads)
+    if tidx < 32:
+        cute.arch.mbarrier_wait(sBar.iterator + buf, (step // 2) % 2)
+        if (tidx == 0) & (step + 2 < steps):
+            cute.arch.mbarrier_arrive_and_expect_tx(sBar.iterator + buf,
+                                                    _exchange_bytes(step + 2, full_steps, step_rows))
+        if tidx < rows:
+            ss = Float32(0.0)
+            dot = Float32(0.0)
+            for peer in cutlass.range_constexpr(CLUSTER):
+                at = (buf * CLUSTER + peer) * (2 * step_rows) + 2 * tidx
+                ss = ss + sPub[at]
+                dot = dot + sPub[at + 1]
+            rstd = cute.math.rsqrt(ss / Float32(width) + eps, approx=True)
+            sRow[2 * tidx] = rstd
+            sRow[2 * tidx + 1] = rstd * dot / Float32(width)  # mean(dxhat * xhat)
     cute.arch.sync_threads()
+    base = Int64(first) * width + col
     for i in cutlass.range_constexpr(rows):
         rstd = sRow[2 * i]
         mean_dot = sRow[2 * i + 1]
         g = opaque_vec(gs[i])
         dn, dxhat = _fused_terms(g, sTab, tab[i], w)
         xhat = opaque_vec(xs[i]).to(Float32) * rstd
-        dx = (dxhat - xhat * mean_dot) * rstd * poison[i]
-        fused_vec(mDx, base + i * width, cute.AddressSpace.gmem).store(dx.to(BFloat16))
+        dx = cute.make_rmem_tensor((FUSED_VEC,), Float32)
+        for e in cutlass.range_constexpr(FUSED_VEC):  # the poison is 1.0 (exact) or NaN
+            dx[e] = cute.math.fma(xhat[e], -mean_dot, dxhat[e]) * (rstd * poison[i])
+        fused_vec(mDx, base + i * width, cute.AddressSpace.gmem).store(dx.load().to(BFloat16))
         if poison[i] == 1.0:  # rows with an out-of-range index add nothing
             accW.store(accW.load() + dn * xhat)
             if tab[i] != run[0]:
@@ -427,10 +463,12 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
     smem = cutlass.memory.SmemAllocator()
     sShift = smem.allocate_tensor(Float32, cute.make_layout(cap * slice_width), byte_alignment=32)
     sScale = smem.allocate_tensor(Float32, cute.make_layout(cap * slice_width), byte_alignment=32)
-    sTab = smem.allocate_tensor(BFloat16, cute.make_layout(cap * slice_width), byte_alignment=16)
+    # 1 + scale of this slice's table rows, FP32 (converted once here, not per row and use)
+    sTab = smem.allocate_tensor(Float32, cute.make_layout(cap * slice_width), byte_alignment=16)
     sPub = smem.allocate_tensor(Float32, cute.make_layout(2 * CLUSTER * 2 * step_rows), byte_alignment=16)
     sWarp = smem.allocate_tensor(Float32, cute.make_layout(2 * step_rows * (threads // 32)), byte_alignment=16)
     sRow = smem.allocate_tensor(Float32, cute.make_layout(2 * step_rows), byte_alignment=16)
+    sBar = smem.allocate_tensor(Int64, cute.make_layout(2), byte_alignment=8)  # one mbarrier per exchange buffer
     col = rank * slice_width + tidx * FUSED_VEC
     own = tidx * FUSED_VEC
     table_rows = mScale.shape[0]
@@ -440,7 +478,7 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
         fused_vec(sScale, r * slice_width + own, cute.AddressSpace.smem).store(zero)
     for r in cutlass.range(table_rows):
         scale_row = fused_vec(mScale, r * mScale.stride[0] + col, cute.AddressSpace.gmem).load()
-        fused_vec(sTab, r * slice_width + own, cute.AddressSpace.smem).store(scale_row)
+        fused_vec(sTab, r * slice_width + own, cute.AddressSpace.smem).store(scale_row.to(Float32) + 1.0)
     w = fused_vec(mW, col, cute.AddressSpace.gmem).load().to(Float32)
     accW = cute.make_rmem_tensor((FUSED_VEC,), Float32)
     accW.fill(0.0)
@@ -451,20 +489,57 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
     runShift.fill(0.0)
     runScale = cute.make_rmem_tensor((FUSED_VEC,), Float32)
     runScale.fill(0.0)
-    # every CTA of the cluster has started (its shared memory exists) before any partial is pushed to it
-    cute.arch.cluster_arrive()
-    cute.arch.cluster_wait()
+
     begin, end = row_range(mX.shape[0], group, mPartW.shape[0])
     full_steps = (end - begin) // step_rows
     batched_end = begin + full_steps * step_rows
-    for first in cutlass.range(begin, batched_end, step_rows):
-        _fused_step(mG, mX, mDx, mIdx, mScale, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, run, runShift,
-                    runScale, first, (first - begin) // step_rows, rank, tidx, col, eps, step_rows, step_rows, width,
+    steps = full_steps + (end - batched_end)  # the last rows are steps of one row
+    if tidx == 0:
+        cute.arch.mbarrier_init(sBar.iterator, 1)
+        cute.arch.mbarrier_init(sBar.iterator + 1, 1)
+    cute.arch.mbarrier_init_fence()
+    if tidx == 0:
+        for b in cutlass.range_constexpr(2):
+            if b < steps:
+                cute.arch.mbarrier_arrive_and_expect_tx(sBar.iterator + b, _exchange_bytes(b, full_steps, step_rows))
+    # every CTA's mbarriers exist before any peer pushes to them
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    # Software pipeline: while step s waits for its exchange and finishes, step s + 1's rows are loading into
+    # registers (and step s + 2's into L2); step s + 1's sums are pushed right after. A CTA pushes step s + 2
+    # into a buffer only after every CTA pushed step s + 1, which each did after reading step s from it.
+    cur_g = [cute.make_rmem_tensor((FUSED_VEC,), BFloat16) for _ in range(step_rows)]
+    cur_x = [cute.make_rmem_tensor((FUSED_VEC,), BFloat16) for _ in range(step_rows)]
+    nxt_g = [cute.make_rmem_tensor((FUSED_VEC,), BFloat16) for _ in range(step_rows)]
+    nxt_x = [cute.make_rmem_tensor((FUSED_VEC,), BFloat16) for _ in range(step_rows)]
+    if full_steps > 0:
+        _load_step(mG, mX, cur_g, cur_x, Int64(begin) * width + col, step_rows, width)
+        _fused_push([t.load() for t in cur_g], [t.load() for t in cur_x], mIdx, sTab, w, sWarp, sPub, sBar, begin,
+                    Int32(0), rank, tidx, table_rows, step_rows, step_rows, threads)
+    last_first = batched_end - step_rows
+    for step in cutlass.range(full_steps):
+        first = begin + step * step_rows
+        ahead = cutlass.min(first + step_rows, last_first)  # the last step reloads itself (not used)
+        _load_step(mG, mX, nxt_g, nxt_x, Int64(ahead) * width + col, step_rows, width)
+        _prefetch_step(mG, mX, ahead + step_rows, rank, tidx, step_rows, width, threads)
+        _fused_complete([t.load() for t in cur_g], [t.load() for t in cur_x], mDx, mIdx, sTab, sShift, sScale, sPub,
+                        sRow, sBar, w, accW, run, runShift, runScale, first, step, steps, full_steps, tidx, col,
+                        table_rows, eps, step_rows, step_rows, width, threads)
+        if step + 1 < full_steps:
+            _fused_push([t.load() for t in nxt_g], [t.load() for t in nxt_x], mIdx, sTab, w, sWarp, sPub, sBar,
+                        ahead, step + 1, rank, tidx, table_rows, step_rows, step_rows, threads)
+        for i in cutlass.range_constexpr(step_rows):
+            cur_g[i].store(nxt_g[i].load())
+            cur_x[i].store(nxt_x[i].load())
+    for first in cutlass.range(batched_end, end):
+        step = full_steps + first - batched_end
+        gs = [fused_vec(mG, Int64(first) * width + col, cute.AddressSpace.gmem).load()]
+        xs = [fused_vec(mX, Int64(first) * width + col, cute.AddressSpace.gmem).load()]
+        _fused_push(gs, xs, mIdx, sTab, w, sWarp, sPub, sBar, first, step, rank, tidx, table_rows, 1, step_rows,
                     threads)
-    for first in cutlass.range(batched_end, end):  # the last rows one at a time
-        _fused_step(mG, mX, mDx, mIdx, mScale, sTab, sShift, sScale, sWarp, sPub, sRow, w, accW, run, runShift,
-                    runScale, first, full_steps + first - batched_end, rank, tidx, col, eps, 1, step_rows, width,
-                    threads)
+        _fused_complete(gs, xs, mDx, mIdx, sTab, sShift, sScale, sPub, sRow, sBar, w, accW, run, runShift, runScale,
+                        first, step, steps, full_steps, tidx, col, table_rows, eps, 1, step_rows, width, threads)
+
     _flush_run(sShift, sScale, run, runShift, runScale)
     fused_vec(mPartW, Int64(group) * mPartW.stride[0] + col, cute.AddressSpace.gmem).store(accW.load())
     for r in cutlass.range(table_rows):
@@ -473,6 +548,9 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
         fused_vec(mPartShift, part, cute.AddressSpace.gmem).store(fused_vec(sShift, src, cute.AddressSpace.smem).load())
         part = Int64(group) * mPartScale.stride[0] + Int64(r) * mPartScale.stride[1] + col
         fused_vec(mPartScale, part, cute.AddressSpace.gmem).store(fused_vec(sScale, src, cute.AddressSpace.smem).load())
+    # no CTA exits while a peer may still push into its shared memory
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
 
 
 @cute.jit
@@ -481,7 +559,7 @@ def _bwd_fused_launch(mG, mX, mW, mScale, mIdx, mDx, mPartW, mPartShift, mPartSc
     _bwd_fused_kernel(mG, mX, mW, mScale, mIdx, mDx, mPartW, mPartShift, mPartScale, eps, width, cap,
                       step_rows).launch(
         grid=(CLUSTER, mPartW.shape[0], 1), block=(fused_threads(width), 1, 1), cluster=(CLUSTER, 1, 1),
-        # ptxas keeps <= 168 registers at cap 12 (.maxntid + .minnctapersm 2: two CTAs per SM); carveout at max
+        # ptxas keeps the registers for 2 CTAs per SM at cap 12 (.maxntid + .minnctapersm); carveout at max
         max_number_threads=(fused_threads(width), 1, 1), min_blocks_per_mp=FUSED_CTAS_PER_SM[cap],
         preferred_smem_carveout=100,
         stream=stream
@@ -559,10 +637,11 @@ SPECS = [
         name="norm_modulate_bwd_fused",
         build=build_backward_fused,
         variants=lambda arch: [dict(width=HIDDEN, cap=cap, step=step) for cap in FUSED_CAPS for step in FUSED_STEPS],
-        # v2.b32: the 8-byte row vectors; st.shared::cluster + barrier.cluster: the row sums' exchange;
-        # rsqrt.approx: the forward's rstd formula
-        ptx_markers=("ld.global.v2.b32", "st.global.v2.b32", "st.shared::cluster", "barrier.cluster.arrive",
-                     "barrier.cluster.wait", "rsqrt.approx.f32", "cp.async.bulk.prefetch.L2"),
+        # v2.b32: the 8-byte row vectors; st.async + mbarrier: the row sums' exchange; barrier.cluster: start and
+        # end; rsqrt.approx: the forward's rstd formula
+        ptx_markers=("ld.global.v2.b32", "st.global.v2.b32", "st.async.shared::cluster.mbarrier::complete_tx",
+                     "mbarrier.try_wait", "barrier.cluster.arrive", "barrier.cluster.wait", "rsqrt.approx.f32",
+                     "cp.async.bulk.prefetch.L2"),
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),
 ]

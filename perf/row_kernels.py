@@ -9,7 +9,6 @@ queues start event, launch, end event, so the interval is device time only (no l
 of 50 after 10 warm-ups. Bytes a launch must move = the sum of its tensor arguments' sizes (each read or
 written once in full; tables and weights count once although every CTA reads its rows). A device-to-
 device copy of 1 GiB measured in the same run gives the copy bandwidth the GB/s compare against.
-ALTERNATIVES: other bundled variants of a kernel timed on the same arguments (not in the totals).
 
 JSON to $H3CUTE_OUT/row_kernels.json (default: the current directory); a table on stdout.
 Options: --sizes 4097,32768,131072  --table-rows 9  --ops norm_modulate,gate_residual,adaln_row_gather
@@ -31,8 +30,6 @@ from h3cute.launch import adaln_row_gather, gate_residual, norm_modulate
 H = 5376
 WARMUP, SAMPLES = 10, 50
 SPIN_CYCLES = 200_000  # ~100 us at H200 clocks: longer than any host-side queueing of one launch
-# Bundled variants timed on the same arguments as the op's own launch (reported, not in the totals).
-ALTERNATIVES = {"norm_modulate_bwd_fused": ({"step": 8}, {"step": 16})}
 
 
 class Recorder:
@@ -61,6 +58,11 @@ class Recorder:
 
 def tensor_bytes(args) -> int:
     return sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+
+def _bits(args) -> list:
+    """Byte copies of tensors (a NaN-safe bitwise comparison; perf/norm_backward_sweep.py)."""
+    return [a.detach().contiguous().view(-1).view(torch.uint8).clone() for a in args if isinstance(a, torch.Tensor)]
 
 
 def time_launch(fn, args) -> float:
@@ -126,21 +128,8 @@ def measure(op, rows, table_rows, copy_gbs):
             gbs = nbytes / us / 1e3
             launches.append(dict(kernel=name, static=static, us=round(us, 2), bytes=nbytes, gb_s=round(gbs, 1),
                                  of_copy=round(gbs / copy_gbs, 3)))
-            for alt in ALTERNATIVES.get(name, ()):
-                variant = {**static, **alt}
-                if variant == static:
-                    continue
-                entry = dict(kernel=name, static=variant, alternative=True, bytes=nbytes)
-                try:
-                    alt_us = time_launch(runtime.kernel(name, args[0].device, **variant), args)
-                    entry.update(us=round(alt_us, 2), gb_s=round(nbytes / alt_us / 1e3, 1),
-                                 of_copy=round(nbytes / alt_us / 1e3 / copy_gbs, 3))
-                except Exception as e:  # not in the bundle: recorded
-                    entry["error"] = f"{type(e).__name__}: {e}"
-                launches.append(entry)
-        counted = [l for l in launches if not l.get("alternative")]
-        total_us = sum(l["us"] for l in counted)
-        total_bytes = sum(l["bytes"] for l in counted)
+        total_us = sum(l["us"] for l in launches)
+        total_bytes = sum(l["bytes"] for l in launches)
         result[direction] = dict(launches=launches, total_us=round(total_us, 2), total_bytes=total_bytes,
                                  floor_us_at_copy_bw=round(total_bytes / copy_gbs / 1e3, 2))
         del keep, rec
@@ -175,11 +164,7 @@ def main(argv=None):
                 if direction not in res:
                     continue
                 for l in res[direction]["launches"]:
-                    label = l["kernel"] + (" " + ",".join(f"{k}={v}" for k, v in l["static"].items()
-                                                          if k != "width") if l.get("alternative") else "")
-                    if "error" in l:
-                        print(f"{op:18} {rows:7} {direction:3} {label:28} {l['error']}")
-                        continue
+                    label = l["kernel"]
                     print(f"{op:18} {rows:7} {direction:3} {label:28} {l['us']:9.1f} {l['bytes'] / 1e6:9.1f} "
                           f"{l['gb_s']:7.0f} {l['of_copy']:7.2f}")
                 r = res[direction]

@@ -91,7 +91,7 @@ def test_reduction_order_check_has_power():
 
 
 
-@pytest.mark.parametrize("values", [32, 16, 2])  # 2 x rows of a fused step: 16, 8, a tail row
+@pytest.mark.parametrize("values", [32, 16, 2])  # 2 x rows of a step: 16 (the most it takes), 8 (FUSED_STEP), a tail row
 def test_fused_warp_reduce_scatter_is_the_xor_butterfly(values):
     """The fused backward's warp sums (kernels/norm_modulate._fused_step): a reduce-scatter over offsets
     16..1, lane l ending with value l // (32 / values), must give the xor all-reduce's bits for every value."""
@@ -127,7 +127,7 @@ def test_launch_constants_match_kernels():
 
     assert launch.FUSED_CAPS == kernel.FUSED_CAPS and launch.FUSED_CLUSTER == kernel.CLUSTER
     assert launch.FUSED_VEC == kernel.FUSED_VEC
-    assert launch.FUSED_STEP in kernel.FUSED_STEPS
+    assert launch.FUSED_STEP in kernel.FUSED_STEPS and launch.FUSED_STEPS_BUNDLED == kernel.FUSED_STEPS
     assert H % (kernel.FUSED_VEC * 32 * kernel.CLUSTER) == 0  # whole warps per column slice
     for arch, groups in launch.FUSED_ROW_GROUPS.items():
         assert sorted(groups) == sorted(kernel.FUSED_CAPS), arch
@@ -234,10 +234,11 @@ def test_probe_row_bits_ignore_other_rows(junk):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 43, 44, 45, 44 * 7 + 1, 32 * 16 + 1, 32 * 33 + 31, 4097])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 16, 17, 43, 44, 45, 44 * 7 + 1, 32 * 8 + 3, 32 * 24, 32 * 16 + 1,
+                                  32 * 33 + 31, 4097])
 def test_backward_matches_fp64_and_is_repeatable(rows):
     """Row counts around both backward layouts' boundaries: 44 row groups of the two-kernel path, 32 clusters
-    x 16-row exchange steps (+ single-row tail steps) of the fused one."""
+    x 8-row exchange steps (+ single-row tail steps) of the fused one."""
     x, w, shift, scale, idx = _inputs(rows, seed=rows + 1)
     grad = torch.randn_like(x)
     _poison_allocator(8 * rows * H + 4 * 200 * H)
@@ -257,9 +258,9 @@ def test_backward_matches_fp64_and_is_repeatable(rows):
 
 @pytest.mark.gpu
 def test_fused_backward_dx_ignores_step_slot_and_neighbours():
-    """The fused backward reduces 16 rows per cluster exchange, single rows at a group's tail: a probe row's
+    """The fused backward reduces 8 rows per cluster exchange, single rows at a group's tail: a probe row's
     dx is bitwise the same in every slot of a step, in a tail step, and next to NaN rows."""
-    x, w, _, scale, idx = _inputs(513, seed=21)  # 32 groups of 17 rows: one 16-row step + one tail row each
+    x, w, _, scale, idx = _inputs(513, seed=21)  # 32 groups of 17 rows: two 8-row steps + one tail row each
     grad = torch.randn_like(x)
     probe = 100
     alone = launch.backward_rows(grad[probe:probe + 1], x[probe:probe + 1], w, scale, idx[probe:probe + 1], 1e-5)[0]
@@ -359,7 +360,7 @@ def test_64bit_row_offsets():
 @pytest.mark.parametrize("run_length", [1, 5, 37, 700])
 def test_fused_backward_table_runs_and_bad_rows(run_length):
     """The fused backward sums each run of rows with one table row in registers and adds the run to shared
-    memory when the table row changes: runs of every length across 16-row steps, tail rows and cluster groups,
+    memory when the table row changes: runs of every length across 8-row steps, tail rows and cluster groups,
     with out-of-range rows inside runs (they add nothing and get NaN dx), against FP64 of the valid rows."""
     rows = 32 * 40 + 21
     x, w, shift, scale, _ = _inputs(rows, seed=run_length)

@@ -31,7 +31,8 @@ ROW_GROUPS = {"sm_90a": 44, "sm_100a": 49}
 # B200): cap 12 runs 2 CTAs per SM (94 KB of shared memory each), >= 4 clusters per GPC; cap 24 runs 1
 # (187 KB), 2 clusters per GPC.
 FUSED_CAPS = (12, 24)
-FUSED_STEP = 16
+FUSED_STEP = 8
+FUSED_STEPS_BUNDLED = (8,)  # kernels/norm_modulate.py FUSED_STEPS: what perf/norm_backward_sweep.py can time
 FUSED_CLUSTER = 7
 FUSED_VEC = 4  # columns per thread of a fused CTA (192 threads per 768-column slice)
 FUSED_ROW_GROUPS = {"sm_90a": {12: 32, 24: 16}, "sm_100a": {12: 36, 24: 16}}

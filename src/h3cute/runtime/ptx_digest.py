@@ -8,20 +8,24 @@ shown to be exactly that when every variant's PTX digest is unchanged. Compiles 
     python -m h3cute ptx-digest --arch sm_90a --arch sm_100a --out after.json --against before.json
 
 With `--against`, prints the variants whose PTX changed, appeared or disappeared and exits 1 if any did.
+With `--ptx-dir DIR`, also writes each variant's PTX there (for `ptxas -v`: registers, spills, shared memory).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Sequence
 
 from .spec import SUPPORTED_ARCHS, canonical_static, static_key
 
 
-def digests(archs: Sequence[str], names: Sequence[str] | None = None, log=print) -> dict[str, str]:
-    """{"<arch> <kernel> <static>": sha256 of the variant's PTX} for every variant of the named kernels."""
+def digests(archs: Sequence[str], names: Sequence[str] | None = None, log=print,
+            ptx_dir: Path | None = None) -> dict[str, str]:
+    """{"<arch> <kernel> <static>": sha256 of the variant's PTX} for every variant of the named kernels;
+    with `ptx_dir`, each variant's PTX is written there as <arch>.<kernel>.<static values>.<i>.ptx."""
     from .dsl import compile_variant
     from .sources import kernels_package
 
@@ -39,6 +43,10 @@ def digests(archs: Sequence[str], names: Sequence[str] | None = None, log=print)
                 _, ptxs = compile_variant(spec, arch, static, keep_ptx=True)
                 key = f"{arch} {name} {static_key(canonical_static(static))}"
                 out[key] = hashlib.sha256("\n".join(ptxs).encode()).hexdigest()
+                if ptx_dir is not None:
+                    stem = ".".join([arch, name, *(re.sub(r"[^\w-]+", "", f"{k}{v}") for k, v in canonical_static(static))])
+                    for i, ptx in enumerate(ptxs):
+                        (ptx_dir / f"{stem}.{i}.ptx").write_text(ptx)
                 log(f"{key} {out[key][:12]}")
     return out
 
@@ -59,8 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kernel", action="append", metavar="NAME", help="only these kernels (repeatable)")
     parser.add_argument("--out", type=Path, required=True, help="where to write the digests (JSON)")
     parser.add_argument("--against", type=Path, help="an earlier digest file: report and fail on differences")
+    parser.add_argument("--ptx-dir", type=Path, help="also write each variant's PTX into this folder")
     args = parser.parse_args(argv)
-    new = digests(args.arch, args.kernel, log=lambda line: None)
+    if args.ptx_dir is not None:
+        args.ptx_dir.mkdir(parents=True, exist_ok=True)
+    new = digests(args.arch, args.kernel, log=lambda line: None, ptx_dir=args.ptx_dir)
     args.out.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
     print(f"{len(new)} variants -> {args.out}")
     if args.against is None:
