@@ -32,12 +32,13 @@ def test_final_adaln_out_glue_on_cpu_emulation(monkeypatch):
         calls["strides"] = (shift.stride(0), scale.stride(0))
         return reference.norm_modulate_replay(x, w, shift, scale, idx, eps)
 
-    def backward_rows(grad, x, w, scale, idx, eps, op):
+    def backward_rows(grad, x, w, scale, idx, eps, op, table_grad):
+        assert table_grad  # final_adaln_out takes [dshift | dscale] per timestep as one (T, 2H) tensor
         xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
         sh = torch.zeros(scale.shape, dtype=torch.float64, requires_grad=True)
         sc = scale.double().requires_grad_()
         reference.norm_modulate_fp64(xd, wd, sh, sc, idx, eps).backward(grad.double())
-        return xd.grad.to(x.dtype), wd.grad.to(w.dtype), sh.grad.to(x.dtype), sc.grad.to(x.dtype)
+        return xd.grad.to(x.dtype), wd.grad.to(w.dtype), torch.cat([sh.grad, sc.grad], 1).to(x.dtype)
 
     monkeypatch.setattr(launch, "norm_modulate",
                         types.SimpleNamespace(forward_rows=forward_rows, backward_rows=backward_rows))

@@ -16,8 +16,9 @@ from bitwise import same_bits
 
 # The ops the C++ layer implements (their CUDA impls); every other op keeps its Python CUDA impl.
 NATIVE_OPS = ("timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate", "norm_modulate_backward",
-              "gate_residual", "gate_residual_backward", "final_adaln_out", "final_adaln_out_backward",
-              "adaln_row_gather", "adaln_row_gather_backward", "adaln_projection", "adaln_projection_backward")
+              "gate_residual", "gate_residual_backward", "final_adaln_out", "final_adaln_out_fwd",
+              "final_adaln_out_backward", "adaln_row_gather", "adaln_row_gather_backward", "adaln_projection",
+              "adaln_projection_backward")
 # The ops whose autograd kernel is the C++ one.
 NATIVE_AUTOGRAD_OPS = ("timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out", "adaln_row_gather",
                        "adaln_projection")
@@ -272,7 +273,13 @@ def test_final_adaln_out_backward_cpp_equals_python_impl(timesteps):
     pw, pb = _seeded((10752, 2688), 35, torch.bfloat16, 0.02), _seeded((10752,), 36, torch.bfloat16, 0.02)
     ti = torch.randint(0, timesteps, (rows,), device="cuda")
     args = (g, x, nw, temb, pw, pb, ti, 1e-6)
-    assert same_bits(torch.ops.h3.final_adaln_out_backward(*args), adaln._final_backward_cuda(*args))
+    recomputed = torch.ops.h3.final_adaln_out_backward(*args)
+    assert same_bits(recomputed, adaln._final_backward_cuda(*args))
+    # with the forward's projection (the autograd path): the same bits, C++ and Python
+    out, table = torch.ops.h3.final_adaln_out_fwd(x, nw, temb, pw, pb, ti, 1e-6, False)
+    assert same_bits((out, table), adaln._final_fwd_cuda(x, nw, temb, pw, pb, ti, 1e-6, False))
+    assert same_bits(torch.ops.h3.final_adaln_out_backward(*args, table), recomputed)
+    assert same_bits(adaln._final_backward_cuda(*args, table), recomputed)
 
 
 @gpu

@@ -18,6 +18,7 @@ BACKWARD = {  # ops with an autograd formula -> their backward op
     "norm_modulate": "norm_modulate_backward",
     "gate_residual": "gate_residual_backward",
 }
+FORWARD = {"final_adaln_out": "final_adaln_out_fwd"}  # ops whose autograd runs another forward op (saving more)
 ROWS = {"timestep_sinusoid": 5, "timestep_mlp": 3, "adaln_projection": 2}  # T for the T-ops; S = 7 otherwise
 _INPUTS = {}
 
@@ -65,11 +66,11 @@ def documented_schemas():
 
 def test_every_documented_schema_is_registered_exactly():
     schemas = documented_schemas()
-    assert len(schemas) == 13
+    assert len(schemas) == 14
     for s in schemas:
         name = s.split("(", 1)[0]
         assert getattr(torch.ops.h3, name).default._schema == torch._C.parse_schema("h3::" + s), name
-    assert {s.split("(", 1)[0] for s in schemas} == set(R.OPS) | set(BACKWARD.values())
+    assert {s.split("(", 1)[0] for s in schemas} == set(R.OPS) | set(BACKWARD.values()) | set(FORWARD.values())
 
 
 def _opcheck_utils(op):
@@ -89,6 +90,24 @@ def test_opcheck_forward(op):
 def test_opcheck_backward_op(op):
     torch.library.opcheck(getattr(torch.ops.h3, BACKWARD[op]).default, backward_args(op),
                           test_utils=_opcheck_utils(op))
+
+
+def test_final_adaln_out_fwd_and_backward_with_its_table():
+    """The autograd forward op returns the op's output and the replay's projection; the backward given that
+    table is bitwise the backward that computes it again; both pass opcheck."""
+    a = inputs("final_adaln_out")
+    out, table = torch.ops.h3.final_adaln_out_fwd(*a)
+    assert torch.equal(out, torch.ops.h3.final_adaln_out(*a))
+    assert torch.equal(table, R.final_projection_table(*a[2:5]))
+    torch.library.opcheck(torch.ops.h3.final_adaln_out_fwd.default, a, test_utils=_opcheck_utils("final_adaln_out"))
+    args = backward_args("final_adaln_out")
+    with_table = torch.ops.h3.final_adaln_out_backward(*args, table)
+    assert all(torch.equal(u, v) for u, v in zip(with_table, torch.ops.h3.final_adaln_out_backward(*args)))
+    torch.library.opcheck(torch.ops.h3.final_adaln_out_backward.default, [*args, table],
+                          test_utils=_opcheck_utils("final_adaln_out"))
+    for bad, err in ((table[:1], ValueError), (table.float(), TypeError), (table[:, :5376], ValueError)):
+        with pytest.raises(err, match=r"h3::final_adaln_out_backward: table"):
+            torch.ops.h3.final_adaln_out_backward(*args, bad)
 
 
 @pytest.mark.parametrize("op", R.OPS)

@@ -64,9 +64,14 @@ def gate_residual_replay(residual, y, gate, adaln_indices):
     return residual + gate.index_select(0, adaln_indices) * y
 
 
+def final_projection_table(temb, proj_weight, proj_bias):
+    """`MiniMaxH3AdaLayerNormOut`'s (T, 10752) projection: shift | scale."""
+    return F.linear(F.silu(temb).to(proj_weight.dtype), proj_weight, proj_bias)
+
+
 def final_projection_replay(temb, proj_weight, proj_bias):
     """`MiniMaxH3AdaLayerNormOut`'s (shift, scale), each a (T, 5376) view of the (T, 10752) projection."""
-    return F.linear(F.silu(temb).to(proj_weight.dtype), proj_weight, proj_bias).chunk(2, dim=-1)
+    return final_projection_table(temb, proj_weight, proj_bias).chunk(2, dim=-1)
 
 
 def final_adaln_out_replay(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5):

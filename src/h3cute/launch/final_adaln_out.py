@@ -3,10 +3,11 @@
 Forward: `proj = adaln_projection.forward(temb, W, b)` gives the (T, 10752) BF16 table (the same
 GEMM and numeric contract as the block projection, N = 10752); its halves are row-strided (T, 5376)
 views, shift first, that `norm_modulate.forward_rows` indexes by `timestep_indices` (no copy).
-Backward: the norm backward gives dx, d_norm_weight and the per-timestep table gradients
-d_shift, d_scale (deterministic fixed-order sums over the S rows, BF16); their concatenation is the
-projection's upstream gradient, and `adaln_projection.backward` gives d_temb, dW, db. The projection
-is recomputed in the backward (its scale half is needed; T x 10752 is cheap next to the S rows).
+Backward: the norm backward gives dx, d_norm_weight and the per-timestep table gradient [d_shift | d_scale]
+(deterministic fixed-order sums over the S rows, BF16, folded straight into the (T, 10752) layout of the
+table), the projection's upstream gradient; `adaln_projection.backward` gives d_temb, dW, db. The autograd
+path keeps the forward's projection (`forward_with_table`, op `h3::final_adaln_out_fwd`) for the backward's
+scale half; the backward op computes it again when not given it.
 """
 from __future__ import annotations
 
@@ -63,23 +64,27 @@ def kernel_handles(device: int, backward: int, num_rows: int):
     return lo, hi, [fn.__chandle__() for fn in fns], [groups]
 
 
-def _shift_scale(temb, proj_weight, proj_bias):
-    proj = adaln_projection.forward(temb, proj_weight, proj_bias)
-    return proj[:, :HIDDEN], proj[:, HIDDEN:]
+def forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5):
+    """(out, table): the forward's output and its (T, 10752) BF16 projection (shift | scale), which the
+    backward takes instead of computing it again."""
+    table = adaln_projection.forward(temb, proj_weight, proj_bias)
+    out = norm_modulate.forward_rows(x, norm_weight, table[:, :HIDDEN], table[:, HIDDEN:], timestep_indices, eps,
+                                     op="final_adaln_out")
+    return out, table
 
 
 def forward(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
     """(S, 5376) BF16 x -> rms_norm(x, nw) * (1 + scale[ti]) + shift[ti], BF16; indices already checked."""
-    shift, scale = _shift_scale(temb, proj_weight, proj_bias)
-    return norm_modulate.forward_rows(x, norm_weight, shift, scale, timestep_indices, eps, op="final_adaln_out")
+    return forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)[0]
 
 
-def backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps):
-    """-> (dx, d_norm_weight, d_temb FP32, d_proj_weight BF16, d_proj_bias BF16)."""
-    _, scale = _shift_scale(temb, proj_weight, proj_bias)
-    dx, dnorm_weight, dshift, dscale = norm_modulate.backward_rows(
-        grad, x, norm_weight, scale, timestep_indices, eps, op="final_adaln_out_backward"
-    )
-    dproj = torch.cat([dshift, dscale], dim=1)  # (T, 10752) BF16, shift first like the table
+def backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table=None):
+    """-> (dx, d_norm_weight, d_temb FP32, d_proj_weight BF16, d_proj_bias BF16). `table`: the forward's
+    projection (forward_with_table); without it the projection is computed again."""
+    if table is None:
+        table = adaln_projection.forward(temb, proj_weight, proj_bias)
+    dx, dnorm_weight, dproj = norm_modulate.backward_rows(
+        grad, x, norm_weight, table[:, HIDDEN:], timestep_indices, eps, op="final_adaln_out_backward", table_grad=True
+    )  # dproj (T, 10752) BF16: [dshift | dscale] per timestep, like the table
     dtemb, dproj_weight, dproj_bias = adaln_projection.backward(dproj, temb, proj_weight)
     return dx, dnorm_weight, dtemb, dproj_weight, dproj_bias

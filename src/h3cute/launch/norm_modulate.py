@@ -139,7 +139,10 @@ def backward(grad, x, weight, scale, adaln_indices, eps, table_rows):
     return backward_rows(grad, x, weight, scale, adaln_indices, eps)
 
 
-def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_backward"):
+def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_backward", table_grad: bool = False):
+    """(dx, dweight, dshift, dscale), all BF16, the last three reduced over rows deterministically; with
+    `table_grad`, (dx, dweight, dtable) where dtable (R, 2H) = [dshift | dscale] per table row (final_adaln_out's
+    projection gradient), the partials laid out so that one fold writes it (the same bits as two folds)."""
     width = x.shape[-1]
     check_rows(op, "x", x, width)
     check_rows(op, "grad", grad, width)
@@ -150,18 +153,31 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
     cap = table_rows_cap(op, table_rows)
     num_rows, device = x.shape[0], x.device
     dx = torch.empty_like(x)
-    dweight = torch.empty_like(weight)
-    dshift = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
-    dscale = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
+    grads = torch.empty((1 + 2 * table_rows) * width, dtype=torch.bfloat16, device=device)
+    if table_grad:
+        dweight, dtable = grads[:width], grads[width:].view(table_rows, 2 * width)
+        outputs = (dx, dweight, dtable)
+    else:  # separate tensors: autograd hands them out as gradients of different inputs
+        dweight = torch.empty_like(weight)
+        dshift = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
+        dscale = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
+        outputs = (dx, dweight, dshift, dscale)
     if num_rows == 0:
-        return dx, dweight.zero_(), dshift.zero_(), dscale.zero_()
+        for t in outputs[1:]:
+            t.zero_()
+        return outputs
     fused = cap in FUSED_CAPS and width % (FUSED_VEC * 32 * FUSED_CLUSTER) == 0
     groups = FUSED_ROW_GROUPS[runtime.arch_of(device)][cap] if fused else row_groups(device)
-    # One buffer per group: [dweight | dshift rows | dscale rows], every element written by the kernel.
+    # One buffer per group: [dweight | dshift rows | dscale rows], or with table_grad [dweight | (dshift row r |
+    # dscale row r) for each r]; every element written by the kernel.
     partials = torch.empty((groups, (1 + 2 * table_rows) * width), dtype=torch.float32, device=device)
     part_w = partials[:, :width]
-    part_shift = partials[:, width:(1 + table_rows) * width].view(groups, table_rows, width)
-    part_scale = partials[:, (1 + table_rows) * width:].view(groups, table_rows, width)
+    if table_grad:
+        rows = partials[:, width:].view(groups, table_rows, 2 * width)
+        part_shift, part_scale = rows[:, :, :width], rows[:, :, width:]
+    else:
+        part_shift = partials[:, width:(1 + table_rows) * width].view(groups, table_rows, width)
+        part_scale = partials[:, (1 + table_rows) * width:].view(groups, table_rows, width)
     if fused:
         runtime.kernel("norm_modulate_bwd_fused", device, width=width, cap=cap, step=FUSED_STEP)(
             grad, x, weight, scale, idx, dx, part_w, part_shift, part_scale, float(eps))
@@ -171,7 +187,10 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
                                                                       float(eps))
         runtime.kernel("norm_modulate_bwd_params", device, width=width, cap=cap)(
             grad, x, weight, scale, idx, rstd, part_w, part_shift, part_scale)
-    fold(part_w, dweight)
-    fold(part_shift, dshift)
-    fold(part_scale, dscale)
-    return dx, dweight, dshift, dscale
+    if table_grad:
+        fold(partials, grads)
+    else:
+        fold(part_w, dweight)
+        fold(part_shift, dshift)
+        fold(part_scale, dscale)
+    return outputs

@@ -379,17 +379,21 @@ at::Tensor norm_modulate_cuda(const at::Tensor& x, const at::Tensor& weight, con
   return out;
 }
 
-at::Tensor final_adaln_out_cuda(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& temb,
-                                const at::Tensor& proj_weight, const at::Tensor& proj_bias, const at::Tensor& ti,
-                                double eps, bool check_indices) {
+// (out, table): the output and the (T, 2H) projection shift | scale, which the C++ autograd keeps for the backward.
+std::tuple<at::Tensor, at::Tensor> final_adaln_out_fwd_cuda(const at::Tensor& x, const at::Tensor& norm_weight,
+                                                            const at::Tensor& temb, const at::Tensor& proj_weight,
+                                                            const at::Tensor& proj_bias, const at::Tensor& ti,
+                                                            double eps, bool check_indices) {
   const int d = x.is_cuda() ? x.get_device() : -1;
   const bool fast = !check_indices && eps > 0 && rows_fast(x, d) && dense(norm_weight, at::kBFloat16, d, {kHidden}) &&
                     aligned16(norm_weight) && dense(temb, at::kFloat, d, {-1, kTemb}) && temb.size(0) > 0 &&
                     dense(proj_weight, at::kBFloat16, d, {kFinalProjection, kTemb}) &&
                     dense(proj_bias, at::kBFloat16, d, {kFinalProjection}) && dense(ti, at::kLong, d, {x.size(0)});
-  if (!fast)
-    return python_impl<at::Tensor>("h3cute.ops.adaln", "_final_cuda", x, norm_weight, temb, proj_weight, proj_bias,
-                                   ti, eps, check_indices);
+  if (!fast) {
+    using R = std::tuple<at::Tensor, at::Tensor>;
+    return python_impl<R>("h3cute.ops.adaln", "_final_fwd_cuda", x, norm_weight, temb, proj_weight, proj_bias, ti,
+                          eps, check_indices);
+  }
   const int64_t timesteps = temb.size(0);
   const TVMFFIObjectHandle* fn = final_kernels.get(d, 0, timesteps).fns;
   at::Tensor proj = at::empty({timesteps, kFinalProjection}, x.options());  // shift | scale
@@ -401,7 +405,13 @@ at::Tensor final_adaln_out_cuda(const at::Tensor& x, const at::Tensor& norm_weig
   projection_forward(fn, temb, proj_weight, proj_bias, proj);
   call_kernel(fn[2], {any_tensor(&tx), any_tensor(&tnw), shift.any(), scale.any(),
                       any_tensor(&tti), any_tensor(&tout), any_float(eps)});
-  return out;
+  return {out, proj};
+}
+
+at::Tensor final_adaln_out_cuda(const at::Tensor& x, const at::Tensor& norm_weight, const at::Tensor& temb,
+                                const at::Tensor& proj_weight, const at::Tensor& proj_bias, const at::Tensor& ti,
+                                double eps, bool check_indices) {
+  return std::get<0>(final_adaln_out_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, ti, eps, check_indices));
 }
 
 // ---- norm_modulate backward (fused path) and gate_residual (h3cute/launch/norm_modulate.py, gate_residual.py) ---
@@ -412,26 +422,43 @@ constexpr int64_t kMaxFusedTableRows = 24, kMaxTableRows = 48;  // launch/norm_m
 void fold(TVMFFIObjectHandle fn, View partials, View out) { call_kernel(fn, {partials.any(), out.any()}); }
 
 // The fused norm backward (one pass over grad and x: dx and FP32 partials of dweight, dshift, dscale per row
-// group) and the three folds; `scale` is the (R, H) table, possibly a row-strided half of a projection.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_backward_fused(
-    const KernelTable::Entry& k, int fused, int fold_fn, const at::Tensor& grad, const at::Tensor& x,
-    const at::Tensor& weight, View scale, const at::Tensor& idx, double eps, int64_t table_rows) {
+// group) and the folds; `scale` is the (R, H) table, possibly a row-strided half of a projection. Partials per
+// group: [dweight | dshift rows | dscale rows], three folds into separate tensors (dtable undefined); or with
+// `table_grad` [dweight | (dshift row r | dscale row r) per r], one fold into one buffer whose views are dweight
+// and dtable (R, 2H) = [dshift | dscale] (final_adaln_out's projection gradient; dshift, dscale undefined).
+struct NormGrads {
+  at::Tensor dx, dweight, dshift, dscale, dtable;
+};
+NormGrads norm_backward_fused(const KernelTable::Entry& k, int fused, int fold_fn, const at::Tensor& grad,
+                              const at::Tensor& x, const at::Tensor& weight, View scale, const at::Tensor& idx,
+                              double eps, int64_t table_rows, bool table_grad) {
   const int64_t groups = k.params[0], stride = (1 + 2 * table_rows) * kHidden;
-  at::Tensor dx = at::empty_like(x), dweight = at::empty_like(weight);
-  at::Tensor dshift = at::empty({table_rows, kHidden}, x.options()), dscale = at::empty({table_rows, kHidden}, x.options());
-  // one FP32 buffer per row group: [dweight | dshift rows | dscale rows], every element written by the kernel
-  at::Tensor partials = at::empty({groups, stride}, x.options().dtype(at::kFloat));
+  NormGrads g;
+  g.dx = at::empty_like(x);
+  at::Tensor partials = at::empty({groups, stride}, x.options().dtype(at::kFloat));  // every element written
   View part_w(partials, {groups, kHidden}, {stride, 1});
-  View part_shift(partials, {groups, table_rows, kHidden}, {stride, kHidden, 1}, kHidden);
-  View part_scale(partials, {groups, table_rows, kHidden}, {stride, kHidden, 1}, (1 + table_rows) * kHidden);
-  DLTensor tg = dl_view(grad), tx = dl_view(x), tw = dl_view(weight), ti = dl_view(idx), tdx = dl_view(dx);
+  const int64_t row_step = table_grad ? 2 * kHidden : kHidden;
+  const int64_t scale_at = table_grad ? 2 * kHidden : (1 + table_rows) * kHidden;
+  View part_shift(partials, {groups, table_rows, kHidden}, {stride, row_step, 1}, kHidden);
+  View part_scale(partials, {groups, table_rows, kHidden}, {stride, row_step, 1}, scale_at);
+  DLTensor tg = dl_view(grad), tx = dl_view(x), tw = dl_view(weight), ti = dl_view(idx), tdx = dl_view(g.dx);
   call_kernel(k.fns[fused], {any_tensor(&tg), any_tensor(&tx), any_tensor(&tw), scale.any(), any_tensor(&ti),
                              any_tensor(&tdx), part_w.any(), part_shift.any(), part_scale.any(), any_float(eps)});
-  fold(k.fns[fold_fn], part_w, flat(dweight));
-  fold(k.fns[fold_fn], View(partials, {groups, table_rows * kHidden}, {stride, 1}, kHidden), flat(dshift));
+  if (table_grad) {
+    at::Tensor grads = at::empty({stride}, x.options());
+    fold(k.fns[fold_fn], View(partials, {groups, stride}, {stride, 1}), flat(grads));
+    g.dweight = grads.narrow(0, 0, kHidden);
+    g.dtable = grads.narrow(0, kHidden, 2 * table_rows * kHidden).view({table_rows, 2 * kHidden});
+    return g;
+  }
+  g.dweight = at::empty_like(weight);
+  g.dshift = at::empty({table_rows, kHidden}, x.options());
+  g.dscale = at::empty({table_rows, kHidden}, x.options());
+  fold(k.fns[fold_fn], part_w, flat(g.dweight));
+  fold(k.fns[fold_fn], View(partials, {groups, table_rows * kHidden}, {stride, 1}, kHidden), flat(g.dshift));
   fold(k.fns[fold_fn], View(partials, {groups, table_rows * kHidden}, {stride, 1}, (1 + table_rows) * kHidden),
-       flat(dscale));
-  return {dx, dweight, dshift, dscale};
+       flat(g.dscale));
+  return g;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backward_cuda(
@@ -450,37 +477,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backwar
   // variant = table rows: [norm_modulate_bwd_fused of its cap, rowwise_fold], params [row groups]
   const KernelTable::Entry& k = norm_modulate_kernels.get(d, table_rows, 0);
   StreamScope stream(d);
-  return norm_backward_fused(k, 0, 1, grad, x, weight, View(scale, {table_rows, kHidden}, {scale.stride(0), 1}), idx,
-                             eps, table_rows);
+  NormGrads g = norm_backward_fused(k, 0, 1, grad, x, weight, View(scale, {table_rows, kHidden}, {scale.stride(0), 1}),
+                                    idx, eps, table_rows, false);
+  return {g.dx, g.dweight, g.dshift, g.dscale};
 }
 
 // final_adaln_out's backward for T <= 24 timesteps (the fused norm backward's table sizes; h3cute/launch/
-// final_adaln_out.py backward): recompute the projection, the norm backward on its scale half, then the
-// projection's backward (d_temb through FP32 partials and their fold, dW with db fused: T <= 64).
+// final_adaln_out.py backward): the projection (the forward's `table`, or computed again), the norm backward on
+// its scale half with the table gradient folded in the projection's layout, then the projection's backward
+// (d_temb through FP32 partials and their fold, dW with db fused: T <= 64).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_adaln_out_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& nw, const at::Tensor& temb,
-    const at::Tensor& pw, const at::Tensor& pb, const at::Tensor& ti, double eps) {
+    const at::Tensor& pw, const at::Tensor& pb, const at::Tensor& ti, double eps,
+    const std::optional<at::Tensor>& table) {
   const int d = x.is_cuda() ? x.get_device() : -1;
   const bool fast = eps > 0 && rows_fast(x, d) && rows_fast(grad, d) && grad.size(0) == x.size(0) &&
                     dense(nw, at::kBFloat16, d, {kHidden}) && aligned16(nw) && dense(temb, at::kFloat, d, {-1, kTemb}) &&
                     temb.size(0) > 0 && temb.size(0) <= kMaxFusedTableRows &&
                     dense(pw, at::kBFloat16, d, {kFinalProjection, kTemb}) &&
-                    dense(pb, at::kBFloat16, d, {kFinalProjection}) && dense(ti, at::kLong, d, {x.size(0)});
+                    dense(pb, at::kBFloat16, d, {kFinalProjection}) && dense(ti, at::kLong, d, {x.size(0)}) &&
+                    (!table || (dense(*table, at::kBFloat16, d, {temb.size(0), kFinalProjection}) &&
+                                aligned16(*table)));
   if (!fast) {
     using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-    return python_impl<R>("h3cute.ops.adaln", "_final_backward_cuda", grad, x, nw, temb, pw, pb, ti, eps);
+    return python_impl<R>("h3cute.ops.adaln", "_final_backward_cuda", grad, x, nw, temb, pw, pb, ti, eps, table);
   }
   const int64_t timesteps = temb.size(0);
   // [silu_cast, proj_fwd, norm_modulate_bwd_fused, rowwise_fold, proj_dgrad, dtemb_fold, proj_wgrad], [row groups]
   const KernelTable::Entry& k = final_kernels.get(d, 1, timesteps);
-  at::Tensor proj = at::empty({timesteps, kFinalProjection}, x.options());
   StreamScope stream(d);
-  projection_forward(k.fns, temb, pw, pb, proj);
-  auto [dx, dnw, dshift, dscale] = norm_backward_fused(
-      k, 2, 3, grad, x, nw, View(proj, {timesteps, kHidden}, {kFinalProjection, 1}, kHidden), ti, eps, timesteps);
-  at::Tensor dproj = at::cat({dshift, dscale}, 1);  // (T, 2H), shift first like the table
-  auto [dtemb, dpw, dpb] = projection_backward(k.fns + 4, 0, dproj, temb, pw);  // T <= 24: db fused into dW
-  return {dx, dnw, dtemb, dpw, dpb};
+  at::Tensor proj = table ? *table : at::empty({timesteps, kFinalProjection}, x.options());
+  if (!table) projection_forward(k.fns, temb, pw, pb, proj);
+  NormGrads g = norm_backward_fused(k, 2, 3, grad, x, nw, View(proj, {timesteps, kHidden}, {kFinalProjection, 1}, kHidden),
+                                    ti, eps, timesteps, true);
+  auto [dtemb, dpw, dpb] = projection_backward(k.fns + 4, 0, g.dtable, temb, pw);  // T <= 24: db fused into dW
+  return {g.dx, g.dweight, dtemb, dpw, dpb};
 }
 
 KernelTable gate_residual_kernels("h3cute.launch.gate_residual");  // 0: [fwd]; R rows: [bwd, fold], [groups]
@@ -667,18 +698,20 @@ struct GateResidualFn : torch::autograd::Function<GateResidualFn> {
 
 struct FinalAdalnOutFn : torch::autograd::Function<FinalAdalnOutFn> {
   static T forward(AutogradContext* ctx, CT x, CT nw, CT temb, CT pw, CT pb, CT ti, double eps, bool check) {
-    static auto op = h3_op<T(CT, CT, CT, CT, CT, CT, double, bool)>("h3::final_adaln_out");
+    static auto op = h3_op<std::tuple<T, T>(CT, CT, CT, CT, CT, CT, double, bool)>("h3::final_adaln_out_fwd");
     ctx->save_for_backward({x, nw, temb, pw, pb, ti});
     ctx->saved_data["eps"] = eps;
     at::AutoDispatchBelowADInplaceOrView below;
-    return op.call(x, nw, temb, pw, pb, ti, eps, check);
+    auto [out, table] = op.call(x, nw, temb, pw, pb, ti, eps, check);
+    ctx->saved_data["table"] = table;  // the projection, for the backward (not computed twice)
+    return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op =
-        h3_op<std::tuple<T, T, T, T, T>(CT, CT, CT, CT, CT, CT, CT, double)>("h3::final_adaln_out_backward");
+    static auto op = h3_op<std::tuple<T, T, T, T, T>(CT, CT, CT, CT, CT, CT, CT, double, const std::optional<T>&)>(
+        "h3::final_adaln_out_backward");
     auto s = ctx->get_saved_variables();
     auto [dx, dnw, dtemb, dpw, dpb] = op.call(grads[0].contiguous(), s[0], s[1], s[2], s[3], s[4], s[5],
-                                              ctx->saved_data["eps"].toDouble());
+                                              ctx->saved_data["eps"].toDouble(), ctx->saved_data["table"].toTensor());
     return {dx, dnw, dtemb, dpw, dpb, T(), T(), T()};
   }
 };
@@ -731,8 +764,9 @@ T adaln_projection_autograd(CT temb, CT weight, CT bias) { return AdalnProjectio
 // The ops this library implements; h3cute.ops registers no Python CUDA impl for them.
 const char* const kNativeOps[] = {"timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate",
                                   "norm_modulate_backward", "gate_residual", "gate_residual_backward",
-                                  "final_adaln_out", "final_adaln_out_backward", "adaln_row_gather",
-                                  "adaln_row_gather_backward", "adaln_projection", "adaln_projection_backward"};
+                                  "final_adaln_out", "final_adaln_out_fwd", "final_adaln_out_backward",
+                                  "adaln_row_gather", "adaln_row_gather_backward", "adaln_projection",
+                                  "adaln_projection_backward"};
 // The ops whose autograd kernel is this library's (h3cute.ops registers no Python one for them).
 const char* const kAutogradOps[] = {"timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out",
                                     "adaln_row_gather", "adaln_projection"};
@@ -760,6 +794,7 @@ void install() {
   lib->impl("adaln_row_gather", TORCH_FN(adaln_row_gather_cuda));
   lib->impl("adaln_row_gather_backward", TORCH_FN(adaln_row_gather_backward_cuda));
   lib->impl("final_adaln_out", TORCH_FN(final_adaln_out_cuda));
+  lib->impl("final_adaln_out_fwd", TORCH_FN(final_adaln_out_fwd_cuda));
   lib->impl("adaln_projection", TORCH_FN(adaln_projection_cuda));
   lib->impl("adaln_projection_backward", TORCH_FN(adaln_projection_backward_cuda));
 }

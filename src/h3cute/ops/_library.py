@@ -46,22 +46,27 @@ def install_native() -> None:
         native.load().install()
 
 
-def register_autograd(name: str, backward, setup_context) -> None:
+def register_autograd(name: str, backward, setup_context, forward_op: str | None = None) -> None:
     """Autograd for `h3::<name>`: `setup_context(ctx, inputs, output)` sees every argument (defaults filled
     in); `backward(ctx, *grads)` returns one gradient per argument (trailing Nones may be dropped or
     extra). A `Tensor[]` output travels through autograd as a tuple; `backward` then gets the grads as one
-    list, as `torch.library.register_autograd` gives them.
+    list, as `torch.library.register_autograd` gives them. `forward_op`: an h3 op with the same arguments
+    run instead, whose first output is this op's and whose others are kept for the backward (setup_context
+    gets them all).
     """
     if name in NATIVE_AUTOGRAD_OPS:  # the same logic in C++ (h3cute/native/h3_native.cpp)
         return
     op = getattr(torch.ops.h3, name).default
+    run = getattr(torch.ops.h3, forward_op).default if forward_op else op
     defaults = tuple(a.default_value for a in op._schema.arguments)
     returns_list = str(op._schema.returns[0].type) == "List[Tensor]"
 
     def forward(ctx, *args):
         with _C._AutoDispatchBelowAutograd():
-            out = op(*args)
+            out = run(*args)
         setup_context(ctx, args + defaults[len(args):], out)
+        if forward_op:
+            out = out[0]
         return tuple(out) if returns_list else out
 
     grads_fn = (lambda ctx, *grads: backward(ctx, list(grads))) if returns_list else backward
@@ -93,7 +98,7 @@ class MissingLaunch:
             "run on CPU tensors for the PyTorch reference path"
         )
 
-    forward = backward = _raise
+    forward = backward = forward_with_table = _raise
 
 
 def resolve_launch(op: str):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from h3cute import reference
 from h3cute.ops import validate
 from h3cute.ops._library import define, register_autograd, resolve_launch
-from h3cute.ops.validate import BF16, BLOCK_CHUNKS, BLOCK_TABLE, HIDDEN, MODALITIES, PROJECTION, TEMB
+from h3cute.ops.validate import (BF16, BLOCK_CHUNKS, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN, MODALITIES, PROJECTION,
+                                 TEMB)
 
 _PROJECTION = resolve_launch("adaln_projection")
 _ROW_GATHER = resolve_launch("adaln_row_gather")
@@ -373,24 +374,37 @@ register_autograd("gate_residual", _gate_residual_backward, _gate_residual_setup
 # ---- final_adaln_out -----------------------------------------------------------------------------------
 
 def _final_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
-    if check_indices:
-        _check_timestep_indices(timestep_indices, temb.shape[0])
-    return reference.final_adaln_out_replay(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+    return _final_fwd_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, check_indices)[0]
 
 
 def _final_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
-    if check_indices:
-        _check_timestep_indices(timestep_indices, temb.shape[0])
-    if x.shape[0] == 0:
-        return torch.empty_like(x)
-    return _FINAL.forward(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, check_indices)
+    return _final_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, check_indices)[0]
 
 
 def _final_fake(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
     validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
     return torch.empty_like(x)
+
+
+def _final_fwd_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+    if check_indices:
+        _check_timestep_indices(timestep_indices, temb.shape[0])
+    table = reference.final_projection_table(temb, proj_weight, proj_bias)
+    shift, scale = table.chunk(2, dim=-1)
+    return reference.norm_modulate_replay(x, norm_weight, shift, scale, timestep_indices, eps), table
+
+
+def _final_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+    if check_indices:
+        _check_timestep_indices(timestep_indices, temb.shape[0])
+    return _FINAL.forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+
+
+def _final_fwd_fake(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+    return torch.empty_like(x), x.new_empty((temb.shape[0], FINAL_PROJECTION))
 
 
 def _check_timestep_indices(ti, num_timesteps):
@@ -399,11 +413,13 @@ def _check_timestep_indices(ti, num_timesteps):
     )
 
 
-def _final_backward_cpu(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad)
-    shift, scale = reference.final_projection_replay(temb, proj_weight, proj_bias)
+def _final_backward_cpu(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table=None):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad,
+                                   table=table)
+    if table is None:
+        table = reference.final_projection_table(temb, proj_weight, proj_bias)
     dx, dnorm_weight, dshift_rows, dscale_rows = _modulate_backward_fp32(
-        grad, x, norm_weight, scale.float().index_select(0, timestep_indices), eps
+        grad, x, norm_weight, table[:, HIDDEN:].float().index_select(0, timestep_indices), eps
     )
     rows = temb.shape[0]
     dproj = torch.cat(
@@ -413,28 +429,32 @@ def _final_backward_cpu(grad, x, norm_weight, temb, proj_weight, proj_bias, time
     return dx.to(BF16), dnorm_weight.to(BF16), dtemb, dproj_weight, dproj_bias
 
 
-def _final_backward_cuda(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad)
+def _final_backward_cuda(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table=None):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad,
+                                   table=table)
     if x.shape[0] == 0:
         return (torch.empty_like(x), torch.zeros_like(norm_weight), torch.zeros_like(temb),
                 torch.zeros_like(proj_weight), torch.zeros_like(proj_bias))
-    return _FINAL.backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+    return _FINAL.backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table)
 
 
-def _final_backward_fake(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad)
+def _final_backward_fake(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table=None):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad,
+                                   table=table)
     return (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(temb),
             torch.empty_like(proj_weight), torch.empty_like(proj_bias))
 
 
 def _final_setup_context(ctx, inputs, output):
     x, norm_weight, temb, proj_weight, proj_bias, ti, eps, _ = inputs
-    ctx.save_for_backward(x, norm_weight, temb, proj_weight, proj_bias, ti)
+    ctx.save_for_backward(x, norm_weight, temb, proj_weight, proj_bias, ti, output[1])  # output: (out, table)
     ctx.eps = eps
 
 
 def _final_backward(ctx, grad):
-    grads = torch.ops.h3.final_adaln_out_backward(grad.contiguous(), *ctx.saved_tensors, ctx.eps)
+    x, norm_weight, temb, proj_weight, proj_bias, ti, table = ctx.saved_tensors
+    grads = torch.ops.h3.final_adaln_out_backward(grad.contiguous(), x, norm_weight, temb, proj_weight, proj_bias,
+                                                  ti, ctx.eps, table)
     return *grads, None, None, None
 
 
@@ -445,12 +465,20 @@ define(
     _final_cuda,
     _final_fake,
 )
+# final_adaln_out's autograd forward: the output and the (T, 10752) projection the backward reuses.
+define(
+    "final_adaln_out_fwd(Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, Tensor proj_bias, "
+    "Tensor timestep_indices, float eps=1e-05, bool check_indices=True) -> (Tensor out, Tensor table)",
+    _final_fwd_cpu,
+    _final_fwd_cuda,
+    _final_fwd_fake,
+)
 define(
     "final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, "
-    "Tensor proj_bias, Tensor timestep_indices, float eps) "
+    "Tensor proj_bias, Tensor timestep_indices, float eps, Tensor? table=None) "
     "-> (Tensor dx, Tensor dnorm_weight, Tensor dtemb, Tensor dproj_weight, Tensor dproj_bias)",
     _final_backward_cpu,
     _final_backward_cuda,
     _final_backward_fake,
 )
-register_autograd("final_adaln_out", _final_backward, _final_setup_context)
+register_autograd("final_adaln_out", _final_backward, _final_setup_context, forward_op="final_adaln_out_fwd")

@@ -165,7 +165,7 @@ def check_adaln_projection(temb, weight, bias, grad=None):
         _rows(op, "grad", grad.shape[0], "temb", temb.shape[0])
 
 
-def check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=None):
+def check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=None, table=None):
     op = "final_adaln_out" if grad is None else "final_adaln_out_backward"
     d = x.get_device()
     check_tensor(op, "x", x, BF16, ("S", HIDDEN), d)
@@ -177,6 +177,9 @@ def check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep
     if grad is not None:
         check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
         _rows(op, "grad", grad.shape[0], "x", x.shape[0])
+    if table is not None:  # the forward's projection (h3::final_adaln_out_fwd)
+        check_tensor(op, "table", table, BF16, ("T", FINAL_PROJECTION), d)
+        _rows(op, "table", table.shape[0], "temb", temb.shape[0])
 
 
 def check_adaln_row_gather(table, adaln_indices):
