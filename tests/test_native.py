@@ -36,6 +36,15 @@ print(torch._C._dispatch_dump("h3::timestep_sinusoid"))
 print(torch._C._dispatch_dump("h3::norm_modulate"))
 """
 
+_REIMPORT_SCRIPT = """
+import torch.utils.cpp_extension as ce
+def refuse(*args, **kwargs):
+    raise AssertionError("the extension builder ran although the library was built")
+ce.load = refuse
+from h3cute import native
+print(list(native.build().OPS))
+"""
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(no_compiler, reason="no C++ compiler or ninja on this machine")
@@ -52,6 +61,11 @@ def test_builds_against_this_torch_and_registers_the_cuda_impl(tmp_path):
     autograd = [line for line in dump.splitlines() if line.startswith("Autograd[alias]:")]
     assert autograd and all("h3_native.cpp" in line for line in autograd), dump
     assert any(p.name.startswith(native.MODULE_NAME) for p in tmp_path.glob("native/*/*.so"))
+    # A later process imports the built library without the extension builder (no ninja run per import).
+    proc = subprocess.run([sys.executable, "-c", _REIMPORT_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == str(list(NATIVE_OPS)) and "building" not in proc.stderr, proc.stderr
 
 
 def test_disabled_by_environment():

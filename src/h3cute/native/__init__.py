@@ -36,16 +36,21 @@ def build_dir() -> Path:
 
 
 def build(verbose: bool = False):
-    """Compiles the extension (or reuses the cached build) and imports it; raises when it cannot."""
+    """Imports the extension built for this source and ABI, compiling it first if the build folder has none;
+    raises when it cannot."""
+    folder = build_dir()
+    library = folder / f"{MODULE_NAME}.so"
+    if library.exists():  # the folder is keyed by the source and the ABIs: this library is this source's
+        try:
+            return _import_library(library)
+        except ImportError as err:  # e.g. a link cut short: build again
+            log.warning("h3cute: rebuilding the C++ op layer (%s)", str(err).splitlines()[0] if str(err) else err)
+    import torch
     import tvm_ffi.libinfo
     from torch.utils.cpp_extension import load as load_extension
 
-    folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    if not any(folder.glob(f"{MODULE_NAME}*.so")):
-        import torch
-
-        log.warning("h3cute: building the C++ op layer for torch %s (once)", torch.__version__)
+    log.warning("h3cute: building the C++ op layer for torch %s (once)", torch.__version__)
     libdir = str(Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
     return load_extension(
         name=MODULE_NAME,
@@ -57,6 +62,18 @@ def build(verbose: bool = False):
         with_cuda=False,  # c10's device-generic stream API only: no CUDA headers needed
         verbose=verbose,
     )
+
+
+def _import_library(path: Path):
+    """The built extension module at `path` (torch is imported first: the library links against it)."""
+    import importlib.util
+
+    import torch  # noqa: F401
+
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load():
