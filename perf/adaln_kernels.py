@@ -13,8 +13,6 @@ mirrors the launcher: keep the two in step when the launcher changes.
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 
@@ -22,6 +20,7 @@ import torch
 
 from h3cute import runtime
 from h3cute.bench import timing
+from h3cute.bench.report import write_device_json
 from h3cute.launch import adaln_projection as L
 
 SIZES = (1, 4, 64, 256, 2048)
@@ -157,10 +156,7 @@ def main() -> int:
     for key, v in fastest.items():
         print(f"  {key:<32} {v['chosen']} {v['chosen_us']:.1f} -> {v['fastest']} {v['us']:.1f} us")
     report["wall_s"] = time.time() - t0
-    out_dir = os.environ.get("H3CUTE_OUT", ".")
-    with open(os.path.join(out_dir, "adaln_kernels.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nadaln_kernels: {report['wall_s']:.1f} s -> {out_dir}/adaln_kernels.json")
+    print(f"\nadaln_kernels: {report['wall_s']:.1f} s -> {write_device_json(report, 'adaln_kernels.json')}")
     return 0
 
 

@@ -11,14 +11,13 @@ time of the call. Rows, cheapest first, so neighbouring differences are the cost
              for differentiable ops the backward launcher, the backward op, and the harness's fwd+bwd
   cprofile   the Python functions that take the host time of each op's fwd+bwd (top 25 by own time)
 
-Writes JSON to the path argument, else $H3CUTE_OUT/host_profile.json, else stdout only.
+Writes JSON to the path argument, else $H3CUTE_OUT/host_profile.json, else ./host_profile.json.
 """
 from __future__ import annotations
 
 import cProfile
 import io
 import json
-import os
 import pstats
 import sys
 
@@ -27,6 +26,7 @@ import torch
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import runtime
 from h3cute.bench import problems, timing
+from h3cute.bench.report import write_device_json
 from h3cute.launch import norm_modulate, timestep_mlp, timestep_sinusoid
 from h3cute.ops import adaln, timestep
 
@@ -157,11 +157,7 @@ def main() -> None:
     print("==== cProfile timestep_mlp fwd+bwd (T=1), 200 calls\n" + prof_mlp)
     print("==== cProfile norm_modulate fwd+bwd (S=4097), 200 calls\n" + prof_nm)
     report["cprofile"] = {"timestep_mlp_T1": prof_mlp, "norm_modulate_S4097": prof_nm}
-    path = sys.argv[1] if len(sys.argv) > 1 else (
-        os.path.join(os.environ["H3CUTE_OUT"], "host_profile.json") if os.environ.get("H3CUTE_OUT") else None)
-    if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+    print(f"wrote {write_device_json(report, 'host_profile.json', sys.argv[1] if len(sys.argv) > 1 else None)}")
 
 
 if __name__ == "__main__":

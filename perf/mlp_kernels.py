@@ -12,8 +12,6 @@ The step list mirrors the launcher: keep the two in step when the launcher chang
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 
@@ -21,6 +19,7 @@ import torch
 
 from h3cute import runtime
 from h3cute.bench import timing
+from h3cute.bench.report import write_device_json
 from h3cute.launch import timestep_mlp as L
 
 SIZES = (1, 4, 64, 256, 2048)
@@ -151,10 +150,7 @@ def main() -> int:
         del steps, whole, configurable
         torch.cuda.empty_cache()
     report["wall_s"] = time.time() - t0
-    out_dir = os.environ.get("H3CUTE_OUT", ".")
-    with open(os.path.join(out_dir, "mlp_kernels.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nmlp_kernels: {report['wall_s']:.1f} s -> {out_dir}/mlp_kernels.json")
+    print(f"\nmlp_kernels: {report['wall_s']:.1f} s -> {write_device_json(report, 'mlp_kernels.json')}")
     return 0
 
 

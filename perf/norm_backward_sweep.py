@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import sys
 
@@ -22,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from row_kernels import H, _bits, copy_bandwidth, time_launch  # noqa: E402
 
 from h3cute import runtime  # noqa: E402
+from h3cute.bench.report import write_device_json  # noqa: E402
 from h3cute.launch import norm_modulate  # noqa: E402
 
 
@@ -90,10 +90,7 @@ def main(argv=None):
                   f"{'=' if entry['params_same_bits'] else 'DIFFER'}{'' if entry['dx_finite'] else '  NON-FINITE dx'}"
                   f"  dx {entry['dx_sha']} params {entry['params_sha']}")
         report["results"][str(rows)] = entries
-    out = os.path.join(os.environ.get("H3CUTE_OUT", "."), "norm_backward_sweep.json")
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {out}")
+    print(f"wrote {write_device_json(report, 'norm_backward_sweep.json')}")
 
 
 if __name__ == "__main__":

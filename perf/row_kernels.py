@@ -16,8 +16,6 @@ Options: --sizes 4097,32768,131072  --table-rows 9  --ops norm_modulate,gate_res
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -25,6 +23,7 @@ import time
 import torch
 
 from h3cute import runtime
+from h3cute.bench.report import write_device_json
 from h3cute.launch import adaln_row_gather, gate_residual, norm_modulate
 
 H = 5376
@@ -172,10 +171,7 @@ def main(argv=None):
                       f"{r['total_bytes'] / 1e6:9.1f}   floor {r['floor_us_at_copy_bw']:.1f} us")
             torch.cuda.empty_cache()
     report["wall_s"] = round(time.time() - t0, 1)
-    out = os.path.join(os.environ.get("H3CUTE_OUT", "."), "row_kernels.json")
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {out} in {report['wall_s']} s")
+    print(f"wrote {write_device_json(report, 'row_kernels.json')} in {report['wall_s']} s")
 
 
 if __name__ == "__main__":

@@ -332,3 +332,22 @@ def test_report_commit_prefers_the_declared_snapshot(monkeypatch):
     monkeypatch.delenv("H3CUTE_COMMIT")
     found = report.h3cute_commit()
     assert set(found) == {"commit", "tree_dirty"} and found["commit"] != "abc1234"
+
+
+def test_device_json_goes_where_the_device_run_collects_it(tmp_path, monkeypatch):
+    from h3cute.bench.report import write_device_json
+
+    monkeypatch.setenv("H3CUTE_OUT", str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    assert write_device_json({"a": 1}, "x.json") == str(tmp_path / "out" / "x.json")
+    assert json.loads((tmp_path / "out" / "x.json").read_text()) == {"a": 1}
+    explicit = str(tmp_path / "y.json")
+    assert write_device_json({"b": 2}, "x.json", explicit) == explicit and json.loads(open(explicit).read()) == {"b": 2}
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).parents[1] / "perf").glob("*.py")))
+def test_perf_scripts_import(script):
+    """The device scripts run only on the GPU machine; here their imports resolve (each has a __main__ guard)."""
+    code = f"import runpy; runpy.run_path({str(Path(__file__).parents[1] / 'perf' / script)!r}, run_name='imported')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

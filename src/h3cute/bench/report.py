@@ -23,6 +23,15 @@ LIBRARIES = ("torch", "triton", "diffusers", "nvidia-cutlass-dsl", "apache-tvm-f
 INVARIANCE_CHECKS = ("all_rows", "params_repeatable", "full_vs_sub_batches", "batch_size_sweep")
 
 
+def write_device_json(report: dict, name: str, path: str | None = None) -> str:
+    """A device script's JSON report written to `path`, else to $H3CUTE_OUT/<name> (the folder the device run
+    brings back, perf/device_run.sh), else to ./<name>; returns where."""
+    path = path or os.path.join(os.environ.get("H3CUTE_OUT", "."), name)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    return path
+
+
 # ---- environment ---------------------------------------------------------------------------------
 
 def _version(dist: str):
