@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <string>
 
 namespace py = pybind11;
@@ -50,14 +51,6 @@ DLTensor dl_view(const at::Tensor& t) {
   return d;
 }
 
-TVMFFIAny any_tensor(DLTensor* d) {
-  TVMFFIAny a;
-  a.type_index = kTVMFFIDLTensorPtr;
-  a.zero_padding = 0;
-  a.v_ptr = d;
-  return a;
-}
-
 // Sets torch's current stream of `device` as tvm-ffi's environment stream (which the compiled kernels
 // launch on) for one op's launches, and restores the previous one.
 class StreamScope {
@@ -74,14 +67,70 @@ class StreamScope {
   TVMFFIStreamHandle previous_ = nullptr;
 };
 
+// A DLTensor over a tensor's memory: the tensor as it is, or with its own shape and strides (elements) from
+// element `offset` (the views the kernels are compiled for that torch does not hold: transposed operands,
+// column blocks, ...). `any()` points the DLTensor at this object's arrays, so a View may be copied.
+class View {
+ public:
+  View(const at::Tensor& t) : View(t, t.sizes(), t.strides(), 0) {}  // NOLINT: implicit, a kernel argument
+  View(const at::Tensor& base, std::initializer_list<int64_t> dims, std::initializer_list<int64_t> steps,
+       int64_t offset = 0)
+      : View(base, c10::IntArrayRef(dims), c10::IntArrayRef(steps), offset) {}
+  TVMFFIAny any() const {
+    tensor_.shape = shape_, tensor_.strides = strides_;
+    TVMFFIAny a;
+    a.type_index = kTVMFFIDLTensorPtr;
+    a.zero_padding = 0;
+    a.v_ptr = &tensor_;
+    return a;
+  }
+
+ private:
+  View(const at::Tensor& base, c10::IntArrayRef dims, c10::IntArrayRef steps, int64_t offset)
+      : tensor_(dl_view(base)) {
+    TORCH_CHECK(dims.size() == steps.size() && dims.size() <= 3, "h3cute native: bad view");
+    std::copy(dims.begin(), dims.end(), shape_);
+    std::copy(steps.begin(), steps.end(), strides_);
+    tensor_.ndim = static_cast<int32_t>(dims.size());
+    tensor_.data = static_cast<char*>(base.data_ptr()) + offset * base.element_size();
+  }
+  mutable DLTensor tensor_;
+  mutable int64_t shape_[3], strides_[3];
+};
+
+// One kernel argument: a tensor or View (as a DLTensor), or an FP32 scalar such as eps. The arguments of one
+// call live until the end of the call's full expression, so the DLTensor pointers stay valid through it.
+class KernelArg {
+ public:
+  KernelArg(const at::Tensor& t) : view_(t) {}  // NOLINT: implicit, as the call sites list them
+  KernelArg(View v) : view_(std::move(v)) {}    // NOLINT
+  KernelArg(double v) : scalar_(v) {}           // NOLINT
+  TVMFFIAny any() const {
+    if (view_) return view_->any();
+    TVMFFIAny a;
+    a.type_index = kTVMFFIFloat;
+    a.zero_padding = 0;
+    a.v_float64 = scalar_;
+    return a;
+  }
+
+ private:
+  std::optional<View> view_;
+  double scalar_ = 0.0;
+};
+
 // Calls one compiled kernel; a kernel-side error (its argument checks) becomes a RuntimeError.
-void call_kernel(TVMFFIObjectHandle fn, std::initializer_list<TVMFFIAny> args) {
+void call_kernel(TVMFFIObjectHandle fn, std::initializer_list<KernelArg> args) {
+  constexpr size_t kMaxArgs = 12;
+  TORCH_CHECK(args.size() <= kMaxArgs, "h3cute native: too many kernel arguments");
+  TVMFFIAny anys[kMaxArgs];
+  size_t n = 0;
+  for (const KernelArg& a : args) anys[n++] = a.any();
   TVMFFIAny result;
   result.type_index = kTVMFFINone;
   result.zero_padding = 0;
   result.v_int64 = 0;
-  if (TVMFFIFunctionCall(fn, const_cast<TVMFFIAny*>(args.begin()), static_cast<int32_t>(args.size()), &result) == 0)
-    return;
+  if (TVMFFIFunctionCall(fn, anys, static_cast<int32_t>(n), &result) == 0) return;
   TVMFFIObjectHandle err = nullptr;
   TVMFFIErrorMoveFromRaised(&err);
   std::string msg = "h3cute kernel call failed";
@@ -91,14 +140,6 @@ void call_kernel(TVMFFIObjectHandle fn, std::initializer_list<TVMFFIAny> args) {
     TVMFFIObjectDecRef(err);
   }
   TORCH_CHECK(false, msg);
-}
-
-TVMFFIAny any_float(double v) {
-  TVMFFIAny a;
-  a.type_index = kTVMFFIFloat;
-  a.zero_padding = 0;
-  a.v_float64 = v;
-  return a;
 }
 
 // The compiled kernels of one op, per (device, variant, row range): `<module>.kernel_handles(device,
@@ -196,9 +237,8 @@ at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
   if (rows == 0) return out;  // a zero-sized grid is not a valid launch
   const int device = t.get_device();
   const TVMFFIObjectHandle* fn = sinusoid_kernels.get(device, check_range ? 1 : 0, rows).fns;
-  DLTensor dt = dl_view(t), dout = dl_view(out);
   StreamScope stream(device);
-  call_kernel(fn[0], {any_tensor(&dt), any_tensor(&dout)});
+  call_kernel(fn[0], {t, out});
   return out;
 }
 
@@ -212,29 +252,6 @@ bool mlp_fast(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, c
   return dense(x, at::kFloat, d, {-1, kFreq}) && x.size(0) > 0 && dense(w1, at::kFloat, d, {kMlpHidden, kFreq}) &&
          dense(b1, at::kFloat, d, {kMlpHidden}) && dense(w2, at::kFloat, d, {kTemb, kMlpHidden});
 }
-
-// A DLTensor over a tensor's memory with its own shape and strides (elements), from element `offset`: the
-// views the kernels are compiled for that torch does not hold (transposed operands, column blocks, ...).
-// `dl()` points the DLTensor at this object's arrays, so a View may be copied.
-struct View {
-  View(const at::Tensor& base, std::initializer_list<int64_t> dims, std::initializer_list<int64_t> steps,
-       int64_t offset = 0)
-      : tensor_(dl_view(base)) {
-    TORCH_CHECK(dims.size() == steps.size() && dims.size() <= 3, "h3cute native: bad view");
-    std::copy(dims.begin(), dims.end(), shape_);
-    std::copy(steps.begin(), steps.end(), strides_);
-    tensor_.ndim = static_cast<int32_t>(dims.size());
-    tensor_.data = static_cast<char*>(base.data_ptr()) + offset * base.element_size();
-  }
-  TVMFFIAny any() {
-    tensor_.shape = shape_, tensor_.strides = strides_;
-    return any_tensor(&tensor_);
-  }
-
- private:
-  DLTensor tensor_;
-  int64_t shape_[3], strides_[3];
-};
 
 // The (cols, rows) view with strides (1, cols) of a dense (rows, cols) tensor: the MN-major operand layout.
 View transposed(const at::Tensor& t) { return View(t, {t.size(1), t.size(0)}, {1, t.size(1)}); }
@@ -252,12 +269,10 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   at::Tensor out = at::empty({rows, kTemb}, x.options());
   at::Tensor h = at::empty({rows, kMlpHidden}, x.options());
   at::Tensor partials = at::empty({kFc2Splits, rows, kTemb}, x.options());
-  DLTensor dx = dl_view(x), dw1 = dl_view(w1), db1 = dl_view(b1), dw2 = dl_view(w2), db2 = dl_view(b2);
-  DLTensor dh = dl_view(h), dp = dl_view(partials), dout = dl_view(out);
   StreamScope stream(d);
-  call_kernel(fn[0], {any_tensor(&dx), any_tensor(&dw1), any_tensor(&db1), any_tensor(&dh)});
-  call_kernel(fn[1], {any_tensor(&dh), any_tensor(&dw2), any_tensor(&dp)});
-  call_kernel(fn[2], {any_tensor(&dp), any_tensor(&db2), any_tensor(&dout)});
+  call_kernel(fn[0], {x, w1, b1, h});
+  call_kernel(fn[1], {h, w2, partials});
+  call_kernel(fn[2], {partials, b2, out});
   return out;
 }
 
@@ -280,9 +295,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   at::Tensor dw2 = at::empty({kTemb, kMlpHidden}, f32), dw1 = at::empty({kMlpHidden, kFreq}, f32);
   at::Tensor db2 = at::empty({kTemb}, f32);
 
-  DLTensor tx = dl_view(x), tw1 = dl_view(w1), tb1 = dl_view(b1), tz = dl_view(z), th = dl_view(h);
-  DLTensor tgrad = dl_view(grad), tdhp = dl_view(dh_partials), tdz = dl_view(dz), tdb1 = dl_view(db1);
-  DLTensor tdxp = dl_view(dx_partials), tdx = dl_view(dx), tdb2 = dl_view(db2);
   View unused_bias(dx, {1}, {1});  // the "sum" fold takes a (1,) aux operand it never reads
   View w2_t = transposed(w2), w1_t = transposed(w1), grad_t = transposed(grad), h_t = transposed(h);
   View dz_t = transposed(dz), x_t = transposed(x);
@@ -291,14 +303,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   View dw1_b(dw1, {1, kMlpHidden, kFreq}, {kMlpHidden * kFreq, kFreq, 1});
 
   StreamScope stream(d);
-  call_kernel(fn[0], {any_tensor(&tx), any_tensor(&tw1), any_tensor(&tb1), any_tensor(&tz), any_tensor(&th)});
-  call_kernel(fn[1], {any_tensor(&tgrad), w2_t.any(), any_tensor(&tdhp)});
-  call_kernel(fn[2], {any_tensor(&tdhp), any_tensor(&tz), any_tensor(&tdz), any_tensor(&tdb1)});
-  call_kernel(fn[3], {any_tensor(&tdz), w1_t.any(), any_tensor(&tdxp)});
-  call_kernel(fn[4], {any_tensor(&tdxp), unused_bias.any(), any_tensor(&tdx)});
-  call_kernel(fn[5], {grad_t.any(), h_t.any(), dw2_b.any()});
-  call_kernel(fn[6], {dz_t.any(), x_t.any(), dw1_b.any()});
-  call_kernel(fn[7], {any_tensor(&tgrad), any_tensor(&tgrad), any_tensor(&tgrad), any_tensor(&tdb2)});
+  call_kernel(fn[0], {x, w1, b1, z, h});
+  call_kernel(fn[1], {grad, w2_t, dh_partials});
+  call_kernel(fn[2], {dh_partials, z, dz, db1});
+  call_kernel(fn[3], {dz, w1_t, dx_partials});
+  call_kernel(fn[4], {dx_partials, unused_bias, dx});
+  call_kernel(fn[5], {grad_t, h_t, dw2_b});
+  call_kernel(fn[6], {dz_t, x_t, dw1_b});
+  call_kernel(fn[7], {grad, grad, grad, db2});
   return {dx, dw1, db1, dw2, db2};
 }
 
@@ -317,9 +329,8 @@ KernelTable final_kernels("h3cute.launch.final_adaln_out");
 void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, const at::Tensor& weight,
                         const at::Tensor& bias, const at::Tensor& out) {
   at::Tensor act = at::empty({temb.size(0), kTemb}, out.options());  // bf16(silu(temb))
-  DLTensor ttemb = dl_view(temb), tact = dl_view(act), tw = dl_view(weight), tb = dl_view(bias), tout = dl_view(out);
-  call_kernel(fn[0], {any_tensor(&ttemb), any_tensor(&tact)});
-  call_kernel(fn[1], {any_tensor(&tact), any_tensor(&tw), any_tensor(&tb), any_tensor(&tout)});
+  call_kernel(fn[0], {temb, act});
+  call_kernel(fn[1], {act, weight, bias, out});
 }
 
 // d_temb through kDgradSplits FP32 partials and their in-order fold (which also recomputes bf16(silu(temb))),
@@ -334,15 +345,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIO
   at::Tensor partial = at::empty({kDgradSplits, timesteps, kTemb}, f32);
   at::Tensor dtemb = at::empty({timesteps, kTemb}, f32), act = at::empty({timesteps, kTemb}, bf16);
   at::Tensor dweight = at::empty_like(weight), dbias = at::empty({n}, bf16);
-  DLTensor tg = dl_view(grad), tw = dl_view(weight), tpart = dl_view(partial), ttemb = dl_view(temb);
-  DLTensor tdtemb = dl_view(dtemb), tact = dl_view(act), tdw = dl_view(dweight), tdb = dl_view(dbias);
-  call_kernel(fn[0], {any_tensor(&tg), any_tensor(&tw), any_tensor(&tpart)});
-  call_kernel(fn[1], {any_tensor(&tpart), any_tensor(&ttemb), any_tensor(&tdtemb), any_tensor(&tact)});
-  call_kernel(fn[2], {any_tensor(&tg), any_tensor(&tact), any_tensor(&tdw), any_tensor(&tdb)});
+  call_kernel(fn[0], {grad, weight, partial});
+  call_kernel(fn[1], {partial, temb, dtemb, act});
+  call_kernel(fn[2], {grad, act, dweight, dbias});
   if (bias_groups > 0) {
     at::Tensor bias_partial = at::empty({bias_groups, n}, f32);
-    DLTensor tbp = dl_view(bias_partial);
-    call_kernel(fn[3], {any_tensor(&tg), any_tensor(&tbp), any_tensor(&tdb)});
+    call_kernel(fn[3], {grad, bias_partial, dbias});
   }
   return {dtemb, dweight, dbias};
 }
@@ -371,11 +379,8 @@ at::Tensor norm_modulate_cuda(const at::Tensor& x, const at::Tensor& weight, con
                                    check_indices);
   const TVMFFIObjectHandle* fn = norm_modulate_kernels.get(d, 0, x.size(0)).fns;
   at::Tensor out = at::empty_like(x);
-  DLTensor tx = dl_view(x), tw = dl_view(weight), tsh = dl_view(shift), tsc = dl_view(scale), ti = dl_view(idx);
-  DLTensor tout = dl_view(out);
   StreamScope stream(d);
-  call_kernel(fn[0], {any_tensor(&tx), any_tensor(&tw), any_tensor(&tsh), any_tensor(&tsc), any_tensor(&ti),
-                      any_tensor(&tout), any_float(eps)});
+  call_kernel(fn[0], {x, weight, shift, scale, idx, out, eps});
   return out;
 }
 
@@ -398,13 +403,11 @@ std::tuple<at::Tensor, at::Tensor> final_adaln_out_fwd_cuda(const at::Tensor& x,
   const TVMFFIObjectHandle* fn = final_kernels.get(d, 0, timesteps).fns;
   at::Tensor proj = at::empty({timesteps, kFinalProjection}, x.options());  // shift | scale
   at::Tensor out = at::empty_like(x);
-  DLTensor tx = dl_view(x), tnw = dl_view(norm_weight), tti = dl_view(ti), tout = dl_view(out);
   // shift | scale halves of the projection, read in place as row-strided (T, H) tables
   View shift(proj, {timesteps, kHidden}, {kFinalProjection, 1}), scale(proj, {timesteps, kHidden}, {kFinalProjection, 1}, kHidden);
   StreamScope stream(d);
   projection_forward(fn, temb, proj_weight, proj_bias, proj);
-  call_kernel(fn[2], {any_tensor(&tx), any_tensor(&tnw), shift.any(), scale.any(),
-                      any_tensor(&tti), any_tensor(&tout), any_float(eps)});
+  call_kernel(fn[2], {x, norm_weight, shift, scale, ti, out, eps});
   return {out, proj};
 }
 
@@ -419,7 +422,7 @@ at::Tensor final_adaln_out_cuda(const at::Tensor& x, const at::Tensor& norm_weig
 constexpr int64_t kMaxFusedTableRows = 24, kMaxTableRows = 48;  // launch/norm_modulate.py FUSED_CAPS, TABLE_ROWS_CAPS
 
 // kernels/rowwise.py rowwise_fold: out (N,) = in-order sum over the P rows of partials (P, N), rounded once.
-void fold(TVMFFIObjectHandle fn, View partials, View out) { call_kernel(fn, {partials.any(), out.any()}); }
+void fold(TVMFFIObjectHandle fn, View partials, View out) { call_kernel(fn, {partials, out}); }
 
 // The fused norm backward (one pass over grad and x: dx and FP32 partials of dweight, dshift, dscale per row
 // group) and the folds; `scale` is the (R, H) table, possibly a row-strided half of a projection. Partials per
@@ -441,9 +444,7 @@ NormGrads norm_backward_fused(const KernelTable::Entry& k, int fused, int fold_f
   const int64_t scale_at = table_grad ? 2 * kHidden : (1 + table_rows) * kHidden;
   View part_shift(partials, {groups, table_rows, kHidden}, {stride, row_step, 1}, kHidden);
   View part_scale(partials, {groups, table_rows, kHidden}, {stride, row_step, 1}, scale_at);
-  DLTensor tg = dl_view(grad), tx = dl_view(x), tw = dl_view(weight), ti = dl_view(idx), tdx = dl_view(g.dx);
-  call_kernel(k.fns[fused], {any_tensor(&tg), any_tensor(&tx), any_tensor(&tw), scale.any(), any_tensor(&ti),
-                             any_tensor(&tdx), part_w.any(), part_shift.any(), part_scale.any(), any_float(eps)});
+  call_kernel(k.fns[fused], {grad, x, weight, scale, idx, g.dx, part_w, part_shift, part_scale, eps});
   if (table_grad) {
     at::Tensor grads = at::empty({stride}, x.options());
     fold(k.fns[fold_fn], View(partials, {groups, stride}, {stride, 1}), flat(grads));
@@ -525,9 +526,8 @@ at::Tensor gate_residual_cuda(const at::Tensor& residual, const at::Tensor& y, c
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_gate_residual_cuda", residual, y, gate, idx, check_indices);
   const TVMFFIObjectHandle* fn = gate_residual_kernels.get(d, 0, y.size(0)).fns;
   at::Tensor out = at::empty_like(y);
-  DLTensor tr = dl_view(residual), ty = dl_view(y), tg = dl_view(gate), ti = dl_view(idx), tout = dl_view(out);
   StreamScope stream(d);
-  call_kernel(fn[0], {any_tensor(&tr), any_tensor(&ty), any_tensor(&tg), any_tensor(&ti), any_tensor(&tout)});
+  call_kernel(fn[0], {residual, y, gate, idx, out});
   return out;
 }
 
@@ -544,11 +544,9 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_backward_cuda(const at::Tensor&
   const int64_t groups = k.params[0];
   at::Tensor dy = at::empty_like(y), dgate = at::empty({table_rows, kHidden}, y.options());
   at::Tensor partials = at::empty({groups, table_rows * kHidden}, y.options().dtype(at::kFloat));
-  DLTensor tgr = dl_view(grad), ty = dl_view(y), tg = dl_view(gate), ti = dl_view(idx), tdy = dl_view(dy);
   View part3(partials, {groups, table_rows, kHidden}, {table_rows * kHidden, kHidden, 1});
   StreamScope stream(d);
-  call_kernel(k.fns[0], {any_tensor(&tgr), any_tensor(&ty), any_tensor(&tg), any_tensor(&ti), any_tensor(&tdy),
-                         part3.any()});
+  call_kernel(k.fns[0], {grad, y, gate, idx, dy, part3});
   fold(k.fns[1], View(partials, {groups, table_rows * kHidden}, {table_rows * kHidden, 1}), flat(dgate));
   return {dy, dgate};
 }
@@ -568,11 +566,8 @@ std::vector<at::Tensor> adaln_row_gather_cuda(const at::Tensor& table, const at:
   const TVMFFIObjectHandle* fn = row_gather_kernels.get(d, 0, rows).fns;
   std::vector<at::Tensor> outs;
   for (int c = 0; c < kChunks; ++c) outs.push_back(at::empty({rows, kHidden}, table.options()));
-  DLTensor tt = dl_view(table), ti = dl_view(idx), o[kChunks];
-  for (int c = 0; c < kChunks; ++c) o[c] = dl_view(outs[c]);
   StreamScope stream(d);
-  call_kernel(fn[0], {any_tensor(&tt), any_tensor(&ti), any_tensor(&o[0]), any_tensor(&o[1]), any_tensor(&o[2]),
-                      any_tensor(&o[3]), any_tensor(&o[4]), any_tensor(&o[5])});
+  call_kernel(fn[0], {table, idx, outs[0], outs[1], outs[2], outs[3], outs[4], outs[5]});
   return outs;
 }
 
@@ -588,11 +583,8 @@ at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor
   const int64_t groups = k.params[0];
   at::Tensor dtable = at::empty({table_rows, kBlockTable}, grads[0].options());
   at::Tensor partials = at::empty({groups, table_rows, kBlockTable}, grads[0].options().dtype(at::kFloat));
-  DLTensor g[kChunks], ti = dl_view(idx), tp = dl_view(partials);
-  for (int c = 0; c < kChunks; ++c) g[c] = dl_view(grads[c]);
   StreamScope stream(d);
-  call_kernel(k.fns[0], {any_tensor(&g[0]), any_tensor(&g[1]), any_tensor(&g[2]), any_tensor(&g[3]),
-                         any_tensor(&g[4]), any_tensor(&g[5]), any_tensor(&ti), any_tensor(&tp)});
+  call_kernel(k.fns[0], {grads[0], grads[1], grads[2], grads[3], grads[4], grads[5], idx, partials});
   fold(k.fns[1], View(partials, {groups, table_rows * kBlockTable}, {table_rows * kBlockTable, 1}), flat(dtable));
   return dtable;
 }
