@@ -882,53 +882,25 @@ _MMA_MARKERS = ("mma.sync.aligned.m16n8k16", ".bf16", "cp.async", "ldmatrix")
 _WGMMA_MARKERS = ("wgmma.mma_async.sync.aligned.m64n", "k16.f32.bf16.bf16", "cp.async.cg", "fence.proxy.async")
 _NO_ATOMICS = ("atom.", "\tred.")  # deterministic: no atomics anywhere
 
+_LDMATRIX_T = ("ldmatrix.sync.aligned.m8n8.x4.trans",)  # the MN-major operand of the backward GEMMs
+
+
+def _gemm_spec(name: str, build, configs, wgmma_family: bool, markers=(), **static) -> KernelSpec:
+    """One GEMM of a family: the warp family for every arch, the wgmma family (`<name>_wgmma`) for sm_90a."""
+    family = dict(name=name + "_wgmma", ptx_markers=_WGMMA_MARKERS, ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
+                  archs=("sm_90a",)) if wgmma_family else dict(name=name, ptx_markers=_MMA_MARKERS + markers,
+                                                              ptx_forbidden=_NO_ATOMICS)
+    return KernelSpec(build=build, variants=lambda arch: [dict(out_features=n, config=c, **static)
+                                                          for n in OUT_FEATURES for c in configs], **family)
+
+
 SPECS = [
-    KernelSpec(
-        name="adaln_proj_fwd",
-        build=_build_fwd,
-        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in CONFIGS],
-        ptx_markers=_MMA_MARKERS,
-        ptx_forbidden=_NO_ATOMICS,
-    ),
-    KernelSpec(
-        name="adaln_proj_dgrad",
-        build=_build_dgrad,
-        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in CONFIGS],
-        ptx_markers=_MMA_MARKERS + ("ldmatrix.sync.aligned.m8n8.x4.trans",),
-        ptx_forbidden=_NO_ATOMICS,
-    ),
-    KernelSpec(
-        name="adaln_proj_wgrad",
-        build=_build_wgrad,
-        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in WGRAD_CONFIGS],
-        ptx_markers=_MMA_MARKERS + ("ldmatrix.sync.aligned.m8n8.x4.trans",),
-        ptx_forbidden=_NO_ATOMICS,
-    ),
-    KernelSpec(
-        name="adaln_proj_fwd_wgmma",
-        build=_build_fwd,
-        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in WGMMA_CONFIGS],
-        ptx_markers=_WGMMA_MARKERS,
-        ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
-        archs=("sm_90a",),
-    ),
-    KernelSpec(
-        name="adaln_proj_dgrad_wgmma",
-        build=_build_dgrad,
-        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in WGMMA_CONFIGS],
-        ptx_markers=_WGMMA_MARKERS,
-        ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
-        archs=("sm_90a",),
-    ),
-    KernelSpec(
-        name="adaln_proj_wgrad_wgmma",
-        build=_build_wgrad,
-        variants=lambda arch: [dict(out_features=n, wgmma=True, config=c) for n in OUT_FEATURES
-                               for c in WGRAD_WGMMA_CONFIGS],
-        ptx_markers=_WGMMA_MARKERS,
-        ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
-        archs=("sm_90a",),
-    ),
+    _gemm_spec("adaln_proj_fwd", _build_fwd, CONFIGS, wgmma_family=False),
+    _gemm_spec("adaln_proj_dgrad", _build_dgrad, CONFIGS, wgmma_family=False, markers=_LDMATRIX_T),
+    _gemm_spec("adaln_proj_wgrad", _build_wgrad, WGRAD_CONFIGS, wgmma_family=False, markers=_LDMATRIX_T),
+    _gemm_spec("adaln_proj_fwd", _build_fwd, WGMMA_CONFIGS, wgmma_family=True),
+    _gemm_spec("adaln_proj_dgrad", _build_dgrad, WGMMA_CONFIGS, wgmma_family=True),
+    _gemm_spec("adaln_proj_wgrad", _build_wgrad, WGRAD_WGMMA_CONFIGS, wgmma_family=True, wgmma=True),
     KernelSpec(
         name="adaln_silu_cast",
         build=_build_silu_cast,
