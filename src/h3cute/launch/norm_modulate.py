@@ -153,8 +153,8 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
     cap = table_rows_cap(op, table_rows)
     num_rows, device = x.shape[0], x.device
     dx = torch.empty_like(x)
-    grads = torch.empty((1 + 2 * table_rows) * width, dtype=torch.bfloat16, device=device)
-    if table_grad:
+    if table_grad:  # one buffer, one fold: [dweight | dtable]
+        grads = torch.empty((1 + 2 * table_rows) * width, dtype=torch.bfloat16, device=device)
         dweight, dtable = grads[:width], grads[width:].view(table_rows, 2 * width)
         outputs = (dx, dweight, dtable)
     else:  # separate tensors: autograd hands them out as gradients of different inputs
