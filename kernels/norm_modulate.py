@@ -59,6 +59,7 @@ FUSED_VEC = 4
 FUSED_STEPS = (8,)
 FUSED_CAPS = (12, 24)  # table-row capacities the fused backward holds in shared memory; 48 takes rows + params
 FUSED_CTAS_PER_SM = {12: 2, 24: 1}  # by shared memory: 109, 217 KiB per CTA
+PICK_SLOTS = 3  # steps whose table picks are staged at once (the fused backward's pipeline: s, s + 1, s + 2)
 
 
 @dsl_user_op
@@ -328,6 +329,33 @@ def _fused_picks(mIdx, table_rows, first, tidx, rows: cutlass.Constexpr, threads
 
 
 @cute.jit
+def _load_pick(mIdx, first, tidx, step_rows: cutlass.Constexpr):
+    """Thread t's load of row first + t % step_rows's index (in range: `first` is a full step's first row), issued
+    early so that its latency passes while the thread works; _store_pick uses it after."""
+    return Int64(mIdx[first + tidx % step_rows])
+
+
+@cute.jit
+def _store_pick(sPick: cute.Tensor, r, table_rows, slot, tidx, step_rows: cutlass.Constexpr):
+    """Threads t < step_rows stage their row's table row (-1: out of range) in slot (slot, t): a step's push and
+    finish read the picks from shared memory instead of every thread reading idx twice."""
+    if tidx < step_rows:
+        sPick[slot * step_rows + tidx] = cutlass.select_((r >= 0) & (r < table_rows), Int32(r), Int32(-1))
+
+
+@cute.jit
+def _staged_picks(sPick: cute.Tensor, slot, tidx, step_rows: cutlass.Constexpr, threads: cutlass.Constexpr):
+    """_fused_picks of the step staged in `slot`: the same offsets and poison factors (guarded_row)."""
+    tab = []
+    poison = []
+    for i in cutlass.range_constexpr(step_rows):
+        r = sPick[slot * step_rows + i]
+        tab.append(cutlass.max(r, Int32(0)) * (threads * FUSED_VEC) + tidx * FUSED_VEC)
+        poison.append(cutlass.select_(r >= 0, Float32(1.0), Float32(float("nan"))))
+    return tab, poison
+
+
+@cute.jit
 def _load_step(mG, mX, gBuf, xBuf, base, rows: cutlass.Constexpr, width: cutlass.Constexpr):
     """This thread's grad and x vectors of `rows` rows from element offset `base` on into register buffers."""
     for i in cutlass.range_constexpr(rows):
@@ -358,13 +386,13 @@ def _exchange_bytes(step, full_steps, step_rows: cutlass.Constexpr):
 
 
 @cute.jit
-def _fused_push(gs, xs, mIdx, sTab, w, sWarp, sPub, sBar, first, step, rank, tidx, table_rows,
+def _fused_push(gs, xs, tab, sTab, w, sWarp, sPub, sBar, step, rank, tidx,
                 rows: cutlass.Constexpr, step_rows: cutlass.Constexpr, threads: cutlass.Constexpr):
     """Rows [first, first + rows): this slice's two per-row sums (sum x^2, sum dxhat * x), reduced in the CTA in
     a fixed order (vector elements in order, the xor butterfly, warps in order) and pushed with st.async into
-    slot (step % 2, rank) of every CTA's exchange buffer, each push completing bytes on that CTA's mbarrier."""
+    slot (step % 2, rank) of every CTA's exchange buffer, each push completing bytes on that CTA's mbarrier.
+    `tab`: the rows' table offsets (_fused_picks)."""
     warps = threads // 32
-    tab, _ = _fused_picks(mIdx, table_rows, first, tidx, rows, threads)
     parts = []
     for i in cutlass.range_constexpr(rows):
         _, dxhat = _fused_terms(gs[i], sTab, tab[i], w)
@@ -407,34 +435,33 @@ def _fused_push(gs, xs, mIdx, sTab, w, sWarp, sPub, sBar, first, step, rank, tid
 
 
 @cute.jit
-def _fused_complete(gs, xs, mDx, mIdx, sTab, sShift, sScale, sPub, sRow, sBar, w, accW, run, runShift, runScale,
-                    first, step, steps, full_steps, tidx, col, table_rows, eps: Float32, rows: cutlass.Constexpr,
-                    step_rows: cutlass.Constexpr, width: cutlass.Constexpr, threads: cutlass.Constexpr):
-    """Rows [first, first + rows) once step `step`'s exchange is complete (warp 0 waits: its threads read it;
-    thread 0 re-arms the buffer's mbarrier for step + 2): each row's rstd and mean(dxhat * xhat) from the
-    CLUSTER partials summed in rank order, then dx and the accumulations in row order."""
+def _fused_complete(gs, xs, tab, poison, mDx, sTab, sShift, sScale, sPub, sBar, w, accW, run, runShift, runScale,
+                    first, step, steps, full_steps, tidx, col, eps: Float32, rows: cutlass.Constexpr,
+                    step_rows: cutlass.Constexpr, width: cutlass.Constexpr):
+    """Rows [first, first + rows) once step `step`'s exchange is complete (every warp waits on the buffer's
+    mbarrier itself, so no CTA barrier; thread 0 re-arms it for step + 2): lane i of every warp sums row i's
+    CLUSTER partials in rank order into rstd and mean(dxhat * xhat) and the warp's lanes take them by shuffle;
+    then dx and the accumulations in row order. `tab`, `poison`: the rows' _fused_picks.
+    Re-arming while other warps still wait is safe: the next phase completes only with step + 2's pushes, which
+    every peer sends after this CTA's step + 1 push, which follows this step's reads by all warps (its barrier)."""
     buf = step % 2
-    tab, poison = _fused_picks(mIdx, table_rows, first, tidx, rows, threads)
-    if tidx < 32:
-        cute.arch.mbarrier_wait(sBar.iterator + buf, (step // 2) % 2)
-        if (tidx == 0) & (step + 2 < steps):
-            cute.arch.mbarrier_arrive_and_expect_tx(sBar.iterator + buf,
-                                                    _exchange_bytes(step + 2, full_steps, step_rows))
-        if tidx < rows:
-            ss = Float32(0.0)
-            dot = Float32(0.0)
-            for peer in cutlass.range_constexpr(CLUSTER):
-                at = (buf * CLUSTER + peer) * (2 * step_rows) + 2 * tidx
-                ss = ss + sPub[at]
-                dot = dot + sPub[at + 1]
-            rstd = cute.math.rsqrt(ss / Float32(width) + eps, approx=True)
-            sRow[2 * tidx] = rstd
-            sRow[2 * tidx + 1] = rstd * dot / Float32(width)  # mean(dxhat * xhat)
-    cute.arch.sync_threads()
+    lane = tidx % 32
+    cute.arch.mbarrier_wait(sBar.iterator + buf, (step // 2) % 2)
+    if (tidx == 0) & (step + 2 < steps):
+        cute.arch.mbarrier_arrive_and_expect_tx(sBar.iterator + buf, _exchange_bytes(step + 2, full_steps, step_rows))
+    row = cutlass.min(lane, Int32(rows - 1))
+    ss = Float32(0.0)
+    dot = Float32(0.0)
+    for peer in cutlass.range_constexpr(CLUSTER):
+        at = (buf * CLUSTER + peer) * (2 * step_rows) + 2 * row
+        ss = ss + sPub[at]
+        dot = dot + sPub[at + 1]
+    lane_rstd = cute.math.rsqrt(ss / Float32(width) + eps, approx=True)
+    lane_mean = lane_rstd * dot / Float32(width)  # mean(dxhat * xhat)
     base = Int64(first) * width + col
     for i in cutlass.range_constexpr(rows):
-        rstd = sRow[2 * i]
-        mean_dot = sRow[2 * i + 1]
+        rstd = cute.arch.shuffle_sync(lane_rstd, i)
+        mean_dot = cute.arch.shuffle_sync(lane_mean, i)
         g = opaque_vec(gs[i])
         dn, dxhat = _fused_terms(g, sTab, tab[i], w)
         xhat = opaque_vec(xs[i]).to(Float32) * rstd
@@ -467,7 +494,7 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
     sTab = smem.allocate_tensor(Float32, cute.make_layout(cap * slice_width), byte_alignment=16)
     sPub = smem.allocate_tensor(Float32, cute.make_layout(2 * CLUSTER * 2 * step_rows), byte_alignment=16)
     sWarp = smem.allocate_tensor(Float32, cute.make_layout(2 * step_rows * (threads // 32)), byte_alignment=16)
-    sRow = smem.allocate_tensor(Float32, cute.make_layout(2 * step_rows), byte_alignment=16)
+    sPick = smem.allocate_tensor(Int32, cute.make_layout(PICK_SLOTS * step_rows), byte_alignment=16)
     sBar = smem.allocate_tensor(Int64, cute.make_layout(2), byte_alignment=8)  # one mbarrier per exchange buffer
     col = rank * slice_width + tidx * FUSED_VEC
     own = tidx * FUSED_VEC
@@ -512,22 +539,34 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
     cur_x = [cute.make_rmem_tensor((FUSED_VEC,), BFloat16) for _ in range(step_rows)]
     nxt_g = [cute.make_rmem_tensor((FUSED_VEC,), BFloat16) for _ in range(step_rows)]
     nxt_x = [cute.make_rmem_tensor((FUSED_VEC,), BFloat16) for _ in range(step_rows)]
+    # Step s's table picks sit in slot s % PICK_SLOTS of sPick, stored during step s - 2 (after its finish, before
+    # step s - 1's push barrier, which orders them for every reader) into the slot step s - 3 used (read at the
+    # latest in step s - 3's finish, which step s - 2's push barrier follows).
+    last_first = batched_end - step_rows
     if full_steps > 0:
         _load_step(mG, mX, cur_g, cur_x, Int64(begin) * width + col, step_rows, width)
-        _fused_push([t.load() for t in cur_g], [t.load() for t in cur_x], mIdx, sTab, w, sWarp, sPub, sBar, begin,
-                    Int32(0), rank, tidx, table_rows, step_rows, step_rows, threads)
-    last_first = batched_end - step_rows
+        for s0 in cutlass.range_constexpr(2):
+            first0 = cutlass.min(begin + s0 * step_rows, last_first)
+            _store_pick(sPick, _load_pick(mIdx, first0, tidx, step_rows), table_rows, s0, tidx, step_rows)
+        cute.arch.sync_threads()
+        tab, _ = _staged_picks(sPick, 0, tidx, step_rows, threads)
+        _fused_push([t.load() for t in cur_g], [t.load() for t in cur_x], tab, sTab, w, sWarp, sPub, sBar, Int32(0),
+                    rank, tidx, step_rows, step_rows, threads)
     for step in cutlass.range(full_steps):
         first = begin + step * step_rows
         ahead = cutlass.min(first + step_rows, last_first)  # the last step reloads itself (not used)
         _load_step(mG, mX, nxt_g, nxt_x, Int64(ahead) * width + col, step_rows, width)
+        pick = _load_pick(mIdx, cutlass.min(first + 2 * step_rows, last_first), tidx, step_rows)
         _prefetch_step(mG, mX, ahead + step_rows, rank, tidx, step_rows, width, threads)
-        _fused_complete([t.load() for t in cur_g], [t.load() for t in cur_x], mDx, mIdx, sTab, sShift, sScale, sPub,
-                        sRow, sBar, w, accW, run, runShift, runScale, first, step, steps, full_steps, tidx, col,
-                        table_rows, eps, step_rows, step_rows, width, threads)
+        tab, poison = _staged_picks(sPick, step % PICK_SLOTS, tidx, step_rows, threads)
+        _fused_complete([t.load() for t in cur_g], [t.load() for t in cur_x], tab, poison, mDx, sTab, sShift, sScale,
+                        sPub, sBar, w, accW, run, runShift, runScale, first, step, steps, full_steps, tidx, col, eps,
+                        step_rows, step_rows, width)
+        _store_pick(sPick, pick, table_rows, (step + 2) % PICK_SLOTS, tidx, step_rows)
         if step + 1 < full_steps:
-            _fused_push([t.load() for t in nxt_g], [t.load() for t in nxt_x], mIdx, sTab, w, sWarp, sPub, sBar,
-                        ahead, step + 1, rank, tidx, table_rows, step_rows, step_rows, threads)
+            tab, _ = _staged_picks(sPick, (step + 1) % PICK_SLOTS, tidx, step_rows, threads)
+            _fused_push([t.load() for t in nxt_g], [t.load() for t in nxt_x], tab, sTab, w, sWarp, sPub, sBar,
+                        step + 1, rank, tidx, step_rows, step_rows, threads)
         for i in cutlass.range_constexpr(step_rows):
             cur_g[i].store(nxt_g[i].load())
             cur_x[i].store(nxt_x[i].load())
@@ -535,10 +574,10 @@ def _bwd_fused_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale:
         step = full_steps + first - batched_end
         gs = [fused_vec(mG, Int64(first) * width + col, cute.AddressSpace.gmem).load()]
         xs = [fused_vec(mX, Int64(first) * width + col, cute.AddressSpace.gmem).load()]
-        _fused_push(gs, xs, mIdx, sTab, w, sWarp, sPub, sBar, first, step, rank, tidx, table_rows, 1, step_rows,
-                    threads)
-        _fused_complete(gs, xs, mDx, mIdx, sTab, sShift, sScale, sPub, sRow, sBar, w, accW, run, runShift, runScale,
-                        first, step, steps, full_steps, tidx, col, table_rows, eps, 1, step_rows, width, threads)
+        tab, poison = _fused_picks(mIdx, table_rows, first, tidx, 1, threads)
+        _fused_push(gs, xs, tab, sTab, w, sWarp, sPub, sBar, step, rank, tidx, 1, step_rows, threads)
+        _fused_complete(gs, xs, tab, poison, mDx, sTab, sShift, sScale, sPub, sBar, w, accW, run, runShift, runScale,
+                        first, step, steps, full_steps, tidx, col, eps, 1, step_rows, width)
 
     _flush_run(sShift, sScale, run, runShift, runScale)
     fused_vec(mPartW, Int64(group) * mPartW.stride[0] + col, cute.AddressSpace.gmem).store(accW.load())

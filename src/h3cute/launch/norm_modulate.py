@@ -3,7 +3,8 @@
 forward: one launch of `norm_modulate_fwd` (kernels/norm_modulate.py): out = rms_norm(x, w, eps) *
 (1 + scale[idx]) + shift[idx], bitwise the diffusers replay. backward, tables of <= 24 rows:
 `norm_modulate_bwd_fused` (one pass over grad and x: dx and the FP32 partials of dweight, dshift, dscale
-per fixed row group, 7-CTA clusters) and three `rowwise_fold` launches; larger tables (<= 48 rows):
+per fixed row group, 7-CTA clusters) and one `rowwise_fold` launch into one buffer whose views are the three
+parameter gradients; larger tables (<= 48 rows):
 `norm_modulate_bwd_rows` (dx and a per-row FP32 rstd workspace), `norm_modulate_bwd_params` (the
 partials) and the folds. No host sync anywhere.
 
@@ -142,7 +143,8 @@ def backward(grad, x, weight, scale, adaln_indices, eps, table_rows):
 def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_backward", table_grad: bool = False):
     """(dx, dweight, dshift, dscale), all BF16, the last three reduced over rows deterministically; with
     `table_grad`, (dx, dweight, dtable) where dtable (R, 2H) = [dshift | dscale] per table row (final_adaln_out's
-    projection gradient), the partials laid out so that one fold writes it (the same bits as two folds)."""
+    projection gradient), the partials laid out so that one fold writes it. The parameter gradients are views of
+    one buffer that one fold writes (per element the same sums as a fold per output)."""
     width = x.shape[-1]
     check_rows(op, "x", x, width)
     check_rows(op, "grad", grad, width)
@@ -153,28 +155,26 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
     cap = table_rows_cap(op, table_rows)
     num_rows, device = x.shape[0], x.device
     dx = torch.empty_like(x)
-    if table_grad:  # one buffer, one fold: [dweight | dtable]
-        grads = torch.empty((1 + 2 * table_rows) * width, dtype=torch.bfloat16, device=device)
-        dweight, dtable = grads[:width], grads[width:].view(table_rows, 2 * width)
-        outputs = (dx, dweight, dtable)
-    else:  # separate tensors: autograd hands them out as gradients of different inputs
-        dweight = torch.empty_like(weight)
-        dshift = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
-        dscale = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
-        outputs = (dx, dweight, dshift, dscale)
+    # One BF16 buffer, one fold: [dweight | dshift rows | dscale rows], or with table_grad [dweight | (dshift row r |
+    # dscale row r) for each r]; the outputs are views of it (per element the same sums as a fold per output).
+    grads = torch.empty((1 + 2 * table_rows) * width, dtype=torch.bfloat16, device=device)
+    dweight, rows = grads[:width], grads[width:]
+    if table_grad:
+        outputs = (dx, dweight, rows.view(table_rows, 2 * width))
+    else:
+        outputs = (dx, dweight, rows[:table_rows * width].view(table_rows, width),
+                   rows[table_rows * width:].view(table_rows, width))
     if num_rows == 0:
-        for t in outputs[1:]:
-            t.zero_()
+        grads.zero_()
         return outputs
     fused = cap in FUSED_CAPS and width % (FUSED_VEC * 32 * FUSED_CLUSTER) == 0
     groups = FUSED_ROW_GROUPS[runtime.arch_of(device)][cap] if fused else row_groups(device)
-    # One buffer per group: [dweight | dshift rows | dscale rows], or with table_grad [dweight | (dshift row r |
-    # dscale row r) for each r]; every element written by the kernel.
+    # Partials per group in the layout of `grads`; every element written by the kernel.
     partials = torch.empty((groups, (1 + 2 * table_rows) * width), dtype=torch.float32, device=device)
     part_w = partials[:, :width]
     if table_grad:
-        rows = partials[:, width:].view(groups, table_rows, 2 * width)
-        part_shift, part_scale = rows[:, :, :width], rows[:, :, width:]
+        part_rows = partials[:, width:].view(groups, table_rows, 2 * width)
+        part_shift, part_scale = part_rows[:, :, :width], part_rows[:, :, width:]
     else:
         part_shift = partials[:, width:(1 + table_rows) * width].view(groups, table_rows, width)
         part_scale = partials[:, (1 + table_rows) * width:].view(groups, table_rows, width)
@@ -187,10 +187,5 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
                                                                       float(eps))
         runtime.kernel("norm_modulate_bwd_params", device, width=width, cap=cap)(
             grad, x, weight, scale, idx, rstd, part_w, part_shift, part_scale)
-    if table_grad:
-        fold(partials, grads)
-    else:
-        fold(part_w, dweight)
-        fold(part_shift, dshift)
-        fold(part_scale, dscale)
+    fold(partials, grads)
     return outputs

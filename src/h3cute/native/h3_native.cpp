@@ -426,9 +426,9 @@ void fold(TVMFFIObjectHandle fn, View partials, View out) { call_kernel(fn, {par
 
 // The fused norm backward (one pass over grad and x: dx and FP32 partials of dweight, dshift, dscale per row
 // group) and the folds; `scale` is the (R, H) table, possibly a row-strided half of a projection. Partials per
-// group: [dweight | dshift rows | dscale rows], three folds into separate tensors (dtable undefined); or with
-// `table_grad` [dweight | (dshift row r | dscale row r) per r], one fold into one buffer whose views are dweight
-// and dtable (R, 2H) = [dshift | dscale] (final_adaln_out's projection gradient; dshift, dscale undefined).
+// group: [dweight | dshift rows | dscale rows] (views dweight, dshift, dscale; dtable undefined), or with
+// `table_grad` [dweight | (dshift row r | dscale row r) per r] (views dweight and dtable (R, 2H) = [dshift |
+// dscale]: final_adaln_out's projection gradient; dshift, dscale undefined). One fold into one BF16 buffer.
 struct NormGrads {
   at::Tensor dx, dweight, dshift, dscale, dtable;
 };
@@ -445,20 +445,17 @@ NormGrads norm_backward_fused(const KernelTable::Entry& k, int fused, int fold_f
   View part_shift(partials, {groups, table_rows, kHidden}, {stride, row_step, 1}, kHidden);
   View part_scale(partials, {groups, table_rows, kHidden}, {stride, row_step, 1}, scale_at);
   call_kernel(k.fns[fused], {grad, x, weight, scale, idx, g.dx, part_w, part_shift, part_scale, eps});
+  // One fold over whole partial rows: per element the same in-order sum as a fold per output.
+  at::Tensor grads = at::empty({stride}, x.options());
+  fold(k.fns[fold_fn], View(partials, {groups, stride}, {stride, 1}), flat(grads));
+  g.dweight = grads.narrow(0, 0, kHidden);
+  at::Tensor rows = grads.narrow(0, kHidden, 2 * table_rows * kHidden);
   if (table_grad) {
-    at::Tensor grads = at::empty({stride}, x.options());
-    fold(k.fns[fold_fn], View(partials, {groups, stride}, {stride, 1}), flat(grads));
-    g.dweight = grads.narrow(0, 0, kHidden);
-    g.dtable = grads.narrow(0, kHidden, 2 * table_rows * kHidden).view({table_rows, 2 * kHidden});
-    return g;
+    g.dtable = rows.view({table_rows, 2 * kHidden});
+  } else {
+    g.dshift = rows.narrow(0, 0, table_rows * kHidden).view({table_rows, kHidden});
+    g.dscale = rows.narrow(0, table_rows * kHidden, table_rows * kHidden).view({table_rows, kHidden});
   }
-  g.dweight = at::empty_like(weight);
-  g.dshift = at::empty({table_rows, kHidden}, x.options());
-  g.dscale = at::empty({table_rows, kHidden}, x.options());
-  fold(k.fns[fold_fn], part_w, flat(g.dweight));
-  fold(k.fns[fold_fn], View(partials, {groups, table_rows * kHidden}, {stride, 1}, kHidden), flat(g.dshift));
-  fold(k.fns[fold_fn], View(partials, {groups, table_rows * kHidden}, {stride, 1}, (1 + table_rows) * kHidden),
-       flat(g.dscale));
   return g;
 }
 
