@@ -133,6 +133,23 @@ WGRAD_WGMMA_CONFIGS = {
     # (a cap at 6 spills 1 KB), 25% more dW bytes in flight than wg_wgrad_n64 if its epilogue keeps up.
     "wg_wgrad_n64_1wg": GemmTile(bm=128, bn=64, bk=32, warps_m=4, warps_n=1, stages=3, ctas_per_sm=5),
 }
+# The TMA + mbarrier warp-specialized mainloop of the wgmma family (`_TmaWgmmaGemm`): same k16 walk, so
+# the same bits as WGMMA_CONFIGS (tests check). Two consumer warpgroups of 64 rows (warps_m = 8) and
+# enough stages to fill shared memory: one CTA per SM, which the register split below assumes.
+TMA_CONFIGS = {
+    "tma_mid": GemmTile(bm=128, bn=64, bk=64, warps_m=8, warps_n=1, stages=6),  # 144 KB
+    "tma_wide": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5),  # 160 KB
+    # Forward only: the dgrad's two step tiles next to the accumulator would need 3 x 128 registers.
+    "tma_wide_n256": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4),  # 192 KB
+}
+# ieee_steps keeps acc and two step tiles (3 x bn / 2 FP32 registers per consumer thread): bn <= 128.
+_IEEE_MAX_BN = 128
+TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items() if tile.bn <= _IEEE_MAX_BN}
+TMA_WGRAD_CONFIGS = {
+    "tma_wgrad": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5),  # 160 KB
+    # bk 32: half the zero-padded K tail at mid T (T = 256: 8 k tiles).
+    "tma_wgrad_k32": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=8),  # 128 KB
+}
 
 
 class _WarpMmaGemm:
@@ -239,6 +256,10 @@ class _WarpMmaGemm:
     def _c_tile(self, storage):
         return (storage.a if self.c_in_a else storage.c).get_tensor(self._c_staging_layout())
 
+    def _epilogue_barrier(self):
+        """Barrier of the threads that run the epilogue: here every thread of the CTA."""
+        cute.arch.sync_threads()
+
     @cute.jit
     def _store_c_bf16(self, acc: cute.Tensor, thr_mma, tidx, sC: cute.Tensor, gC: cute.Tensor, cC: cute.Tensor,
                       c_shape, mBias: cute.Tensor):
@@ -246,13 +267,13 @@ class _WarpMmaGemm:
         one bounds check per vector (vectors run along M or N, whose extents are multiples of 8)."""
         tCsC = thr_mma.partition_C(sC)
         tCcC = thr_mma.partition_C(cC)
-        cute.arch.sync_threads()  # every warp is done reading the A/B stages the C tile may reuse
+        self._epilogue_barrier()  # every warp is done reading the A/B stages the C tile may reuse
         for i in cutlass.range(cute.size(acc), unroll_full=True):
             if cutlass.const_expr(self.epilogue == "bias_bf16"):
                 tCsC[i] = (acc[i] + mBias[tCcC[i][0]].to(cutlass.Float32)).to(cutlass.BFloat16)
             else:
                 tCsC[i] = acc[i].to(cutlass.BFloat16)
-        cute.arch.sync_threads()
+        self._epilogue_barrier()
         c_copy = self._c_copy()
         thr_c = c_copy.get_slice(tidx)
         tSsC = thr_c.partition_S(sC)
@@ -656,12 +677,268 @@ class _WgmmaGemm(_WarpMmaGemm):
         self._epilogue(acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
 
 
+class _TmaWgmmaGemm(_WgmmaGemm):
+    """The wgmma GEMM with a TMA + mbarrier, warp-specialized mainloop (sm_90a).
+
+    Warpgroup 0 is the producer: one warp issues TMA tile loads (`cp.async.bulk.tensor`) into a ring of
+    `stages` shared-memory stages, each guarded by a full and an empty mbarrier (`PipelineTmaAsync`).
+    Warpgroups 1.. consume: wait for a stage, issue its k16 wgmmas, keep that batch in flight while
+    waiting for the previous one (`wait_group(1)`), then release the previous stage to the producer.
+    TMA zero-fills what lies outside the tensor (rows past T, the dW K tail), so there are no predicates
+    and no shared-memory zeroing. The dW K tail keeps `_WarpMmaGemm._k_tiles`' placement: the k tiles
+    are shifted back so the first one is partial (negative K coordinates, zero-filled by TMA) and the
+    k16 steps start at T - 16 j, as in the cp.async kernel: the same k16 groups of products in the same
+    order, so the same bits (zero products added to +0 change nothing).
+    `ieee_steps` (d_temb): k16 wgmma j writes step tile j % 2 (scale-d = 0); after wait_group(1) the
+    step of j - 1 is added to acc with IEEE FP32 adds, ascending j: the cp.async kernel's sums, with
+    one wgmma in flight during the adds.
+    The epilogue is `_WarpMmaGemm`'s, run by the consumer threads (a named barrier replaces the CTA
+    barrier); the BF16 C tile reuses the A/B stages once every wgmma is done and every load has landed.
+    Registers: the producer warpgroup drops to `_PRODUCER_REGS`, the consumers rise to
+    `_CONSUMER_REGS` (64512 of the SM's 65536 with one CTA per SM, which the configs' smem ensures).
+    """
+
+    _PRODUCER_WARPGROUPS = 1
+    _PRODUCER_REGS = 40  # a TMA-issuing warp needs a few dozen; 40 is what CUTLASS's Hopper kernels use
+    _CONSUMER_REGS = 232  # 128 x 40 + 256 x 232 = 64512 <= 65536: acc 64 x bn/2 threads + dgrad's steps
+    _EPILOGUE_BARRIER_ID = 1  # named barrier 0 is the CTA barrier
+
+    def __init__(self, tile: GemmTile, **kw):
+        # TMA has no thread-copy layouts to check (GemmTile.check is the cp.async tiling); the epilogue's
+        # C copy asserts its own tiling. Two consumer warpgroups: the register split above.
+        assert tile.warps_m == 8 and tile.warps_n == 1 and tile.bk % 32 == 0 and not tile.ctas_per_sm, tile
+        assert tile.bn % 16 == 0 and tile.bn <= 256 and tile.bm == 128, tile
+        assert not kw.get("ieee_steps") or tile.bn <= _IEEE_MAX_BN, tile
+        self.dbias_rows = kw.pop("dbias_rows", False)
+        self.ieee_steps = kw.pop("ieee_steps", False)
+        self.c_n_major = kw.pop("c_n_major", False)
+        self.k_splits = kw.pop("k_splits", 1)
+        self.a_k_major = kw.pop("a_k_major")
+        self.b_k_major = kw.pop("b_k_major")
+        self.epilogue = kw.pop("epilogue")
+        assert not kw, kw
+        self.tile = tile
+        self.cta_tiler = (tile.bm, tile.bn, tile.bk)
+
+    @property
+    def _cta_threads(self) -> int:
+        return self.tile.threads + 128 * self._PRODUCER_WARPGROUPS
+
+    def _epilogue_barrier(self):
+        cute.arch.barrier(barrier_id=self._EPILOGUE_BARRIER_ID, number_of_threads=self.tile.threads)
+
+    def _allocate_smem(self, sA_layout, sB_layout, align: int):
+        """The mbarrier pair per stage, then A and B stages in one range (B right after A) that the BF16
+        C tile reuses after the main loop."""
+        a_size, b_size = cute.cosize(sA_layout), cute.cosize(sB_layout)
+        assert (a_size * 2) % align == 0, "B's stages must start aligned"
+        c_size = cute.cosize(self._c_staging_layout()) if self.epilogue != "f32" else 0
+        assert c_size <= a_size + b_size, (c_size, a_size, b_size)
+        self.c_in_a = True
+        fields = {
+            "barriers": cute.struct.MemRange[cutlass.Int64, 2 * self.tile.stages],
+            "ab": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, a_size + b_size], align],
+        }
+        shared = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        return cutlass.memory.SmemAllocator().allocate(shared)
+
+    def _c_tile(self, storage):
+        return storage.ab.get_tensor(self._c_staging_layout())
+
+    @cute.jit
+    def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
+        from cutlass.cute.nvgpu import OperandMajorMode, cpasync
+        from cutlass.utils import hopper_helpers as sm90
+
+        t = self.tile
+        sA_layout = self._wgmma_smem_layout(self.a_k_major, t.bm, True)
+        sB_layout = self._wgmma_smem_layout(self.b_k_major, t.bn, False)
+        tma_a, tma_mA = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (t.bm, t.bk))
+        tma_b, tma_mB = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk))
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            cutlass.BFloat16,
+            cutlass.BFloat16,
+            OperandMajorMode.K if self.a_k_major else OperandMajorMode.MN,
+            OperandMajorMode.K if self.b_k_major else OperandMajorMode.MN,
+            cutlass.Float32,
+            (t.warps_m // 4, 1, 1),
+            tiler_mn=(64, t.bn),
+        )
+        grid = (
+            cute.ceil_div(cute.size(mB, mode=[0]), t.bn),
+            cute.ceil_div(cute.size(mA, mode=[0]), t.bm),
+            self.k_splits,
+        )
+        self.tma_kernel(mA, mC, mBias, tma_a, tma_mA, tma_b, tma_mB, sA_layout, sB_layout, tiled_mma).launch(
+            grid=grid, block=[self._cta_threads, 1, 1], stream=stream,
+            # setmaxnreg redistributes the registers ptxas gives the CTA: ask for one CTA's full share.
+            max_number_threads=[self._cta_threads, 1, 1], min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def tma_kernel(
+        self,
+        mA: cute.Tensor,
+        mC: cute.Tensor,
+        mBias: cute.Tensor,
+        tma_a: cute.CopyAtom,
+        tma_mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        tma_mB: cute.Tensor,
+        sA_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+    ):
+        from cutlass import pipeline
+        from cutlass.cute.nvgpu import cpasync
+
+        t = self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_tile, m_tile, split = cute.arch.block_idx()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        storage = self._allocate_smem(sA_layout, sB_layout, 1024)
+        a_size = cute.cosize(sA_layout)
+        ab = storage.ab.data_ptr()
+        sA = cute.make_tensor(cute.recast_ptr(ab, sA_layout.inner), sA_layout.outer)
+        sB = cute.make_tensor(cute.recast_ptr(ab + a_size, sB_layout.inner), sB_layout.outer)
+
+        stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
+            cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0)))
+        # Empty barriers: one arrive per consumer warp (lane 0 signals).
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=t.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.threads // 32),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
+        # k tiles as in _WarpMmaGemm._k_tiles: shifted back by the K tail so the first tile is the
+        # partial one (negative K coordinates: TMA zero-fills them).
+        gA = cute.local_tile(tma_mA, (t.bm, t.bk), (m_tile, None))
+        gB = cute.local_tile(tma_mB, (t.bn, t.bk), (n_tile, None))
+        residual_k = cute.size(mA, mode=[1]) - cutlass.Int32(t.bk) * cute.size(gA, mode=[2])
+        gA = cute.domain_offset((0, residual_k, 0), gA)
+        gB = cute.domain_offset((0, residual_k, 0), gB)
+        k_tile_count = cute.size(gA, mode=[2])
+        k_tile_first = cutlass.Int32(0)
+        if cutlass.const_expr(self.k_splits > 1):
+            k_tile_count = k_tile_count // self.k_splits
+            k_tile_first = split * k_tile_count
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                           cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+
+        if warp_idx < 4 * self._PRODUCER_WARPGROUPS:
+            cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
+            if warp_idx == 0:
+                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
+                for k_tile in range(k_tile_count):
+                    ring.producer_acquire(produce)
+                    full = ring.producer_get_barrier(produce)
+                    cute.copy(tma_a, tAgA[None, k_tile_first + k_tile], tAsA[None, produce.index], tma_bar_ptr=full)
+                    cute.copy(tma_b, tBgB[None, k_tile_first + k_tile], tBsB[None, produce.index], tma_bar_ptr=full)
+                    ring.producer_commit(produce)
+                    produce.advance()
+                ring.producer_tail(produce)
+        else:
+            cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
+            ctidx = tidx - 128 * self._PRODUCER_WARPGROUPS
+            thr_mma = tiled_mma.get_slice(ctidx)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            gC_full, gC, cC, tCgC, tCcC = self._c_tiles(mC, thr_mma, m_tile, n_tile, split)
+            acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+            acc.fill(0.0)
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+            if cutlass.const_expr(self.ieee_steps):
+                self._ieee_mainloop(tiled_mma, acc, tCrA, tCrB, ring, read, release, k_tile_count)
+            else:
+                self._chained_mainloop(tiled_mma, acc, tCrA, tCrB, ring, read, release, k_tile_count)
+            self._epilogue(acc, thr_mma, ctidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
+
+    @cute.jit
+    def _chained_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, read, release, k_tile_count):
+        """acc += A B^T over the k tiles, k16 wgmmas chained through acc (ACCUMULATE from the first on:
+        acc is zero); each tile's batch stays in flight while the next stage is awaited and issued."""
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.fence()
+        ring.consumer_wait(read)
+        self._chained_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+        read.advance()
+        for _ in range(1, k_tile_count):
+            ring.consumer_wait(read)
+            self._chained_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+            # The previous tile's batch is done: its stage goes back to the producer.
+            cute.nvgpu.warpgroup.wait_group(1)
+            ring.consumer_release(release)
+            release.advance()
+            read.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        ring.consumer_release(release)
+
+    @staticmethod
+    def _chained_tile(tiled_mma, acc, tCrA, tCrB, stage):
+        for k_block in range(cute.size(tCrA, mode=[2])):
+            cute.gemm(tiled_mma, acc, tCrA[None, None, k_block, stage], tCrB[None, None, k_block, stage], acc)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _ieee_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, read, release, k_tile_count):
+        """acc = (((0 + s_0) + s_1) + ...) with s_j the k16 wgmma j from zero (scale-d = 0) into step
+        tile j % 2 (bk % 32 == 0, so j % 2 == k_block % 2); s_{j-1} is added while wgmma j runs."""
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        steps = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
+        ring.consumer_wait(read)
+        self._ieee_tile(tiled_mma, acc, steps, tCrA, tCrB, read.index, first=True)
+        read.advance()
+        for _ in range(1, k_tile_count):
+            ring.consumer_wait(read)
+            self._ieee_tile(tiled_mma, acc, steps, tCrA, tCrB, read.index, first=False)
+            # Its first wgmma's wait_group(1) retired the previous tile's last: that stage is free.
+            ring.consumer_release(release)
+            release.advance()
+            read.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        self._add(acc, steps[(cute.size(tCrA, mode=[2]) - 1) % 2])
+        ring.consumer_release(release)
+
+    def _ieee_tile(self, tiled_mma, acc, steps, tCrA, tCrB, stage, first: bool):
+        """One k tile of ieee_steps: per k16, fence (the adds that read this step tile two wgmmas ago
+        are done), wgmma into it, wait for the previous wgmma, add that one's step tile to acc."""
+        for k_block in range(cute.size(tCrA, mode=[2])):
+            step = steps[k_block % 2]
+            cute.nvgpu.warpgroup.fence()
+            cute.gemm(tiled_mma, step, tCrA[None, None, k_block, stage], tCrB[None, None, k_block, stage], step)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(1)
+            if k_block > 0 or not first:
+                self._add(acc, steps[(k_block + 1) % 2])
+
+    @staticmethod
+    def _add(acc, step):
+        for i in range(cute.size(acc)):
+            acc[i] = acc[i] + step[i]
+
+
 # ------------------------------------------------------------------------------ the projection
 def _fake(dtype, shape, stride_order=None):
     return make_fake_compact_tensor(dtype, shape, stride_order=stride_order, assumed_align=16)
 
 
 def _gemm(arch: str, config: str, **kw):
+    if config in TMA_CONFIGS:
+        assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
+        return _TmaWgmmaGemm(TMA_CONFIGS[config], **kw)
     if config in WGMMA_CONFIGS:
         assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
         return _WgmmaGemm(WGMMA_CONFIGS[config], **kw)
@@ -716,8 +993,9 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
 def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: str = "wgrad"):
     if wgmma:
         assert arch == "sm_90a"
-        gemm = _WgmmaGemm(WGRAD_WGMMA_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16",
-                          c_n_major=True, dbias_rows=True)
+        cls, tile = (_TmaWgmmaGemm, TMA_WGRAD_CONFIGS[config]) if config in TMA_WGRAD_CONFIGS else \
+            (_WgmmaGemm, WGRAD_WGMMA_CONFIGS[config])
+        gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True, dbias_rows=True)
     else:
         gemm = _WarpMmaGemm(WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True,
                             dbias_rows=True)
@@ -879,7 +1157,9 @@ def _build_bias_grad(arch: str, *, out_features: int):
 
 
 _MMA_MARKERS = ("mma.sync.aligned.m16n8k16", ".bf16", "cp.async", "ldmatrix")
-_WGMMA_MARKERS = ("wgmma.mma_async.sync.aligned.m64n", "k16.f32.bf16.bf16", "cp.async.cg", "fence.proxy.async")
+# Both mainloops of the wgmma family (cp.async.cg ring, TMA `cp.async.bulk.tensor` ring); each one's own
+# instructions are checked per config in tests/test_adaln_projection.py.
+_WGMMA_MARKERS = ("wgmma.mma_async.sync.aligned.m64n", "k16.f32.bf16.bf16", "cp.async.")
 _NO_ATOMICS = ("atom.", "\tred.")  # deterministic: no atomics anywhere
 
 _LDMATRIX_T = ("ldmatrix.sync.aligned.m8n8.x4.trans",)  # the MN-major operand of the backward GEMMs
@@ -898,9 +1178,10 @@ SPECS = [
     _gemm_spec("adaln_proj_fwd", _build_fwd, CONFIGS, wgmma_family=False),
     _gemm_spec("adaln_proj_dgrad", _build_dgrad, CONFIGS, wgmma_family=False, markers=_LDMATRIX_T),
     _gemm_spec("adaln_proj_wgrad", _build_wgrad, WGRAD_CONFIGS, wgmma_family=False, markers=_LDMATRIX_T),
-    _gemm_spec("adaln_proj_fwd", _build_fwd, WGMMA_CONFIGS, wgmma_family=True),
-    _gemm_spec("adaln_proj_dgrad", _build_dgrad, WGMMA_CONFIGS, wgmma_family=True),
-    _gemm_spec("adaln_proj_wgrad", _build_wgrad, WGRAD_WGMMA_CONFIGS, wgmma_family=True, wgmma=True),
+    _gemm_spec("adaln_proj_fwd", _build_fwd, {**WGMMA_CONFIGS, **TMA_CONFIGS}, wgmma_family=True),
+    _gemm_spec("adaln_proj_dgrad", _build_dgrad, {**WGMMA_CONFIGS, **TMA_DGRAD_CONFIGS}, wgmma_family=True),
+    _gemm_spec("adaln_proj_wgrad", _build_wgrad, {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}, wgmma_family=True,
+               wgmma=True),
     KernelSpec(
         name="adaln_silu_cast",
         build=_build_silu_cast,

@@ -43,7 +43,10 @@ def _steps(rows: int, family: str, buf: dict, dev):
     """(phase, step, config or "", kind, bytes, flops, launch) for one T and one family."""
     wgmma = family == "wgmma"
     sfx = "_wgmma" if wgmma else ""
-    configs = L.WGMMA_CONFIGS if wgmma else L.CONFIGS
+    # The wgmma family's configs include its TMA mainloop's (same kernels, same bits).
+    configs = L.WGMMA_CONFIGS + L.TMA_CONFIGS if wgmma else L.CONFIGS
+    dgrad_configs = L.WGMMA_CONFIGS + L.TMA_DGRAD_CONFIGS if wgmma else L.CONFIGS
+    wgrad_configs = L.WGRAD_WGMMA_CONFIGS + L.TMA_WGRAD_CONFIGS if wgmma else L.WGRAD_CONFIGS
     chosen = L.config_for_rows(rows, wgmma)
     w, b, temb, act, out = buf["w"], buf["b"], buf["temb"], buf["act"], buf["out"]
     grad, partial, dtemb, dw = buf["grad"], buf["partial"], buf["dtemb"], buf["dw"]
@@ -57,7 +60,7 @@ def _steps(rows: int, family: str, buf: dict, dev):
         steps.append(("fwd", "proj_fwd", c, kind, w_bytes + rows * D * BF16 + N * BF16 + rows * N * BF16, gemm_flops,
                       _kernel("adaln_proj_fwd" + sfx, dev, out_features=N, config=c), (act, w, b, out)))
     chosen_dgrad = L.dgrad_config_for_rows(rows, wgmma)
-    for c in (chosen_dgrad, *[c for c in configs if c != chosen_dgrad]):
+    for c in (chosen_dgrad, *[c for c in dgrad_configs if c != chosen_dgrad]):
         kind = "step" if c == chosen_dgrad else "alt"
         steps.append(("bwd", "proj_dgrad", c, kind, w_bytes + rows * N * BF16 + L.DGRAD_SPLITS * rows * D * F32,
                       gemm_flops, _kernel("adaln_proj_dgrad" + sfx, dev, out_features=N, config=c), (grad, w, partial)))
@@ -66,7 +69,7 @@ def _steps(rows: int, family: str, buf: dict, dev):
                   _kernel("adaln_dtemb_fold", dev, width=D), (partial, temb, dtemb, act)))
     chosen_wgrad = L.wgrad_config_for_rows(rows, wgmma)
     wgrad_static = dict(wgmma=True) if wgmma else {}
-    for c in (chosen_wgrad, *[c for c in (L.WGRAD_WGMMA_CONFIGS if wgmma else L.WGRAD_CONFIGS) if c != chosen_wgrad]):
+    for c in (chosen_wgrad, *[c for c in wgrad_configs if c != chosen_wgrad]):
         steps.append(("bwd", "proj_wgrad", c, "step" if c == chosen_wgrad else "alt", rows * (N + D) * BF16 + w_bytes,
                       gemm_flops, _kernel("adaln_proj_wgrad" + sfx, dev, out_features=N, config=c, **wgrad_static),
                       (grad, act, dw, db)))

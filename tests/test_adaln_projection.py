@@ -10,6 +10,7 @@ issue's bar: no worse than the diffusers replay (cuBLAS, torch autograd) on the 
 GPU, with `REPLAY_SLACK` and an absolute ceiling `BF16_ERR_CEILING`; the rounding of the BF16 result
 (half an ulp at the top binade is 2^-9 of max|ref|) dominates both. d_temb (FP32) is held to 1e-5.
 """
+import math
 import os
 import subprocess
 import sys
@@ -66,11 +67,12 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
                     c_operands = re.findall(r"mma\.sync[^;]*\{[^}]*\},\s*\{[^}]*\},\s*\{[^}]*\},\s*\{([^}]*)\};", text)
                     assert c_operands and all(len(set(c.replace(" ", "").split(","))) == 1 for c in c_operands), config
                     assert text.count("add.f32") == 4 * text.count("mma.sync"), config
-        for config in launch.WGMMA_CONFIGS:
+        tma = launch.TMA_CONFIGS if name == "adaln_proj_fwd" else launch.TMA_DGRAD_CONFIGS
+        for config in launch.WGMMA_CONFIGS + tma:
             _, ptx = compile_variant(specs[name + "_wgmma"], "sm_90a", dict(out_features=N_FINAL, config=config),
                                      keep_ptx=True)
             mmas = set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)[\w.]+", "\n".join(ptx)))
-            bn = k.WGMMA_CONFIGS[config].bn
+            bn = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS}[config].bn
             assert mmas == {f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16"}, (name, config, mmas)
             if name == "adaln_proj_dgrad":  # ieee_steps: each wgmma's step tile added with FP32 adds
                 text = "\n".join(ptx)
@@ -87,6 +89,11 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert tuple(k.WGMMA_CONFIGS) == launch.WGMMA_CONFIGS
     assert tuple(k.WGRAD_CONFIGS) == launch.WGRAD_CONFIGS
     assert tuple(k.WGRAD_WGMMA_CONFIGS) == launch.WGRAD_WGMMA_CONFIGS
+    assert tuple(k.TMA_CONFIGS) == launch.TMA_CONFIGS and tuple(k.TMA_DGRAD_CONFIGS) == launch.TMA_DGRAD_CONFIGS
+    assert tuple(k.TMA_WGRAD_CONFIGS) == launch.TMA_WGRAD_CONFIGS
+    family = (*launch.WGMMA_CONFIGS, *launch.TMA_CONFIGS, *launch.WGRAD_WGMMA_CONFIGS, *launch.TMA_WGRAD_CONFIGS)
+    assert all(c.startswith("tma_") for c in launch.TMA_CONFIGS + launch.TMA_WGRAD_CONFIGS)
+    assert len(set(family)) == len(family) and not set(family) & set(launch.CONFIGS + launch.WGRAD_CONFIGS)
     assert launch.SM90_FAMILY in ("warp", "wgmma")
     assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS
     assert k.BIAS_ROW_GROUPS == launch.BIAS_ROW_GROUPS
@@ -105,6 +112,12 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
         for tile in (*k.WGRAD_CONFIGS.values(), *k.WGRAD_WGMMA_CONFIGS.values()):
             tile.check()
             assert n % tile.bm == 0 and D % tile.bn == 0
+        for tile in k.TMA_CONFIGS.values():
+            assert n % tile.bm == 0 and D % tile.bk == 0
+        for tile in k.TMA_DGRAD_CONFIGS.values():
+            assert n % (k.DGRAD_SPLITS * tile.bk) == 0 and D % tile.bm == 0
+        for tile in k.TMA_WGRAD_CONFIGS.values():
+            assert n % tile.bm == 0 and D % tile.bn == 0
     for rows in (1, 8, 16, 17, 64, 65, 2048, 4096):
         assert launch.config_for_rows(rows) in launch.CONFIGS
         assert launch.config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS
@@ -112,6 +125,73 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
         assert launch.dgrad_config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS
         assert launch.wgrad_config_for_rows(rows) in launch.WGRAD_CONFIGS
         assert launch.wgrad_config_for_rows(rows, wgmma=True) in launch.WGRAD_WGMMA_CONFIGS
+
+
+def _tma_kernels():
+    from h3cute.runtime.sources import kernels_package
+
+    kernels_package()
+    import h3cute.kernels.adaln_gemm as k
+
+    return k
+
+
+def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
+    """The TMA mainloop's register split (producer warpgroup down, two consumer warpgroups up) is sized for
+    one CTA per SM: each config's stages must fill more than half of the H200's 227 KB and fit in it; the
+    BF16 C tile must fit in the A/B stages it reuses; d_temb's two step tiles need bn <= 128."""
+    k = _tma_kernels()
+    gemm = k._TmaWgmmaGemm
+    smem_max = 227 * 1024
+    assert 128 * gemm._PRODUCER_REGS + 256 * gemm._CONSUMER_REGS <= 65536
+    assert gemm._PRODUCER_REGS % 8 == 0 and gemm._CONSUMER_REGS % 8 == 0 and gemm._CONSUMER_REGS <= 256
+    for name, tile in {**k.TMA_CONFIGS, **k.TMA_WGRAD_CONFIGS}.items():
+        ab = tile.stages * (tile.bm + tile.bn) * tile.bk * 2
+        smem = ab + 2 * 8 * tile.stages + 1024  # barriers, alignment
+        assert smem_max // 2 < smem <= smem_max, (name, smem)
+        assert tile.warps_m == 8 and tile.bk % 32 == 0 and tile.bm == 128, name
+        c_major = name in k.TMA_WGRAD_CONFIGS  # dW's C is N-major, the table's M-major (padded by 8)
+        c_lines, c_line = (tile.bm, tile.bn + 8) if c_major else (tile.bn, tile.bm + 8)
+        assert c_lines * c_line * 2 <= ab, name
+    assert all(t.bn <= 128 for t in k.TMA_DGRAD_CONFIGS.values())
+    assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items() if t.bn <= 128}
+
+
+@pytest.mark.slow
+def test_tma_mainloop_instructions():
+    """Every TMA config compiles for sm_90a to the warp-specialized mainloop: TMA loads on mbarriers, no
+    cp.async.cg, the setmaxnreg split, one wgmma batch kept in flight, the named epilogue barrier of the
+    consumer threads, no atomics. d_temb: exactly one FP32 add per step-tile element per wgmma (the
+    ieee_steps contract), every wgmma from a zero accumulator (scale-d = 0)."""
+    import re
+
+    from h3cute.runtime.dsl import compile_variant
+
+    k = _tma_kernels()
+    specs = _specs()
+    cases = [("adaln_proj_fwd_wgmma", c, {}) for c in launch.TMA_CONFIGS]
+    cases += [("adaln_proj_dgrad_wgmma", c, {}) for c in launch.TMA_DGRAD_CONFIGS]
+    cases += [("adaln_proj_wgrad_wgmma", c, dict(wgmma=True)) for c in launch.TMA_WGRAD_CONFIGS]
+    for name, config, extra in cases:
+        tile = {**k.TMA_CONFIGS, **k.TMA_WGRAD_CONFIGS}[config]
+        _, ptx = compile_variant(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra),
+                                 keep_ptx=True)
+        text = "\n".join(ptx)
+        for marker in ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes",
+                       "mbarrier.try_wait.parity", "mbarrier.arrive.expect_tx", ".maxntid 384, 1, 1",
+                       f"wgmma.mma_async.sync.aligned.m64n{tile.bn}k16.f32.bf16.bf16"):
+            assert marker in text, (name, config, marker)
+        for forbidden in ("cp.async.cg", "atom.", "\tred.", "mma.sync"):
+            assert forbidden not in text, (name, config, forbidden)
+        assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{k._TmaWgmmaGemm._PRODUCER_REGS};", text)
+        assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{k._TmaWgmmaGemm._CONSUMER_REGS};", text)
+        assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", text), (name, config)
+        if name == "adaln_proj_dgrad_wgmma":
+            assert text.count("add.f32") == tile.bn // 2 * text.count("wgmma.mma_async"), config
+            scale_d = set(re.findall(r"setp\.ne\.b32 p, (%r\d+), 0;\s*wgmma", text))
+            assert scale_d and all(re.search(rf"mov\.b32\s+{r}, 0;", text) for r in scale_d), config
+        else:  # BF16 epilogues stage C in shared memory behind the consumers' named barrier
+            assert re.search(r"bar\.sync\s+1, 256;", text), (name, config)
 
 
 def test_launch_modules_do_not_import_cutlass():
@@ -234,11 +314,18 @@ FAMILIES = ("warp", "wgmma")  # launch.CONFIGS (mma.sync) and launch.WGMMA_CONFI
 
 
 def _family_configs(family):
+    """A family's forward configs (the wgmma family's include its TMA mainloop's)."""
     if family == "wgmma":
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the wgmma family is sm_90a only")
-        return launch.WGMMA_CONFIGS
+        return launch.WGMMA_CONFIGS + launch.TMA_CONFIGS
     return launch.CONFIGS
+
+
+def _family_dgrad_configs(family):
+    """A family's d_temb GEMM configs."""
+    _family_configs(family)
+    return launch.WGMMA_CONFIGS + launch.TMA_DGRAD_CONFIGS if family == "wgmma" else launch.CONFIGS
 
 
 def _gen(seed):
@@ -313,7 +400,7 @@ def test_forward_accuracy(block_params, rows):
 
 @gpu
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 63, 64, 65, 129, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 63, 64, 65, 129, 200, 300, 2048])
 def test_every_config_gives_identical_bits(family, rows):
     configs = _family_configs(family)
     w, b = _params(N_FINAL, seed=rows)
@@ -322,9 +409,10 @@ def test_every_config_gives_identical_bits(family, rows):
     for c, out in outs.items():
         assert_same_bits(out, outs[configs[0]], f"forward config {c} vs {configs[0]}, T={rows}")
     grad = torch.randn((rows, N_FINAL), generator=_gen(rows), device="cuda").to(torch.bfloat16)
-    dtembs = {c: launch.backward(grad, temb, w, config=c)[0] for c in configs}
+    dgrad_configs = _family_dgrad_configs(family)
+    dtembs = {c: launch.backward(grad, temb, w, config=c)[0] for c in dgrad_configs}
     for c, dtemb in dtembs.items():
-        assert_same_bits(dtemb, dtembs[configs[0]], f"dtemb config {c} vs {configs[0]}, T={rows}")
+        assert_same_bits(dtemb, dtembs[dgrad_configs[0]], f"dtemb config {c} vs {dgrad_configs[0]}, T={rows}")
 
 
 def _wgrad_kernels(family):
@@ -335,7 +423,7 @@ def _wgrad_kernels(family):
     dev = torch.device("cuda")
     if family == "wgmma":
         return {c: runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=N_FINAL, wgmma=True, config=c)
-                for c in launch.WGRAD_WGMMA_CONFIGS}
+                for c in launch.WGRAD_WGMMA_CONFIGS + launch.TMA_WGRAD_CONFIGS}
     return {c: runtime.kernel("adaln_proj_wgrad", dev, out_features=N_FINAL, config=c) for c in launch.WGRAD_CONFIGS}
 
 
@@ -352,7 +440,7 @@ def _bias_grad_kernel(grad):
 
 @gpu
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("rows", [1, 5, 31, 32, 33, 63, 64, 65, 300])
+@pytest.mark.parametrize("rows", [1, 5, 31, 32, 33, 63, 64, 65, 100, 300, 2048])
 def test_wgrad_tiles_give_identical_bits(family, rows):
     """A family's dW tiles run the same k16 sequence: identical bits, every element written. Up to
     FUSED_DBIAS_ROWS they also write db with adaln_bias_grad's bits (odd T: a half-filled last row
@@ -532,6 +620,71 @@ def test_poisoned_outputs_are_fully_written(family, rows):
     bias_partial = torch.full((launch.BIAS_ROW_GROUPS, N_FINAL), nan16, device=dev)
     runtime.kernel("adaln_bias_grad", dev, out_features=N_FINAL)(grad, bias_partial, db[:-pad])
     assert not db[:-pad].isnan().any() and db[-pad:].isnan().all()
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 17, 65, 200])
+def test_tma_poisoned_outputs_are_fully_written(rows):
+    """The TMA mainloop's kernels on NaN-filled outputs with NaN guards behind them: every element written
+    (TMA's zero fill stands in for the predicates), nothing past the end, and the bits of the cp.async
+    wgmma kernels (wg_mid; dW: wg_wgrad, db fused up to FUSED_DBIAS_ROWS)."""
+    from h3cute import runtime
+
+    _family_configs("wgmma")
+    w, b = _params(N_FINAL, seed=20 + rows)
+    temb = _temb(rows, 21 + rows)
+    act = launch.silu_bf16(temb)
+    grad = torch.randn((rows, N_FINAL), generator=_gen(22 + rows), device="cuda").to(torch.bfloat16)
+    dev, nan, pad = temb.device, float("nan"), 4096
+
+    def run(name, config, shape, dtype, *args, **static):
+        buf = torch.full((math.prod(shape) + pad,), nan, dtype=dtype, device=dev)
+        runtime.kernel(name, dev, out_features=N_FINAL, config=config, **static)(*args, buf[:-pad].view(shape))
+        assert not buf[:-pad].isnan().any() and buf[-pad:].isnan().all(), (name, config, rows)
+        return buf[:-pad].view(shape)
+
+    ref_out = run("adaln_proj_fwd_wgmma", "wg_mid", (rows, N_FINAL), torch.bfloat16, act, w, b)
+    for c in launch.TMA_CONFIGS:
+        out = run("adaln_proj_fwd_wgmma", c, (rows, N_FINAL), torch.bfloat16, act, w, b)
+        assert_same_bits(out, ref_out, f"forward {c} vs wg_mid, T={rows}")
+    part_shape = (launch.DGRAD_SPLITS, rows, D)
+    ref_part = run("adaln_proj_dgrad_wgmma", "wg_mid", part_shape, torch.float32, grad, w)
+    for c in launch.TMA_DGRAD_CONFIGS:
+        assert_same_bits(run("adaln_proj_dgrad_wgmma", c, part_shape, torch.float32, grad, w), ref_part,
+                         f"d_temb partials {c} vs wg_mid, T={rows}")
+    kernels = _wgrad_kernels("wgmma")
+    results = {}
+    for c in ("wg_wgrad", *launch.TMA_WGRAD_CONFIGS):
+        dw = torch.full((N_FINAL * D + pad,), nan, dtype=torch.bfloat16, device=dev)
+        db = torch.full((N_FINAL + pad,), nan, dtype=torch.bfloat16, device=dev)
+        kernels[c](grad, act, dw[:-pad].view(N_FINAL, D), db[:-pad])
+        assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), (c, rows)
+        fused = rows <= launch.FUSED_DBIAS_ROWS
+        assert (not db[:-pad].isnan().any() if fused else db[:-pad].isnan().all()) and db[-pad:].isnan().all(), c
+        results[c] = dw, db
+    for c, (dw, db) in results.items():
+        assert_same_bits(dw, results["wg_wgrad"][0], f"dW {c} vs wg_wgrad, T={rows}")
+        if rows <= launch.FUSED_DBIAS_ROWS:
+            assert_same_bits(db, results["wg_wgrad"][1], f"db {c} vs wg_wgrad, T={rows}")
+
+
+@gpu
+@pytest.mark.parametrize("config", ("wg_mid", "tma_mid", "tma_wide", "tma_wide_n256"))
+def test_nan_input_propagates_per_row(config):
+    """A NaN in one row of temb poisons that row of the table only, whichever mainloop."""
+    _family_configs("wgmma")
+    w, b = _params(N_FINAL, seed=3)
+    temb = _temb(70, 9)
+    temb[2, 17] = float("nan")
+    out = launch.forward(temb, w, b, config=config)
+    rest = torch.ones(70, dtype=torch.bool, device="cuda")
+    rest[2] = False
+    assert out[2].isnan().all() and not out[rest].isnan().any()
+    grad = torch.randn((70, N_FINAL), generator=_gen(5), device="cuda").to(torch.bfloat16)
+    grad[5, 40] = float("nan")
+    dgrad_config = config if config in launch.TMA_DGRAD_CONFIGS else "wg_mid"
+    dtemb = launch.backward(grad, temb.nan_to_num(), w, config=dgrad_config)[0]
+    assert dtemb[5].isnan().all() and not dtemb[torch.arange(70, device="cuda") != 5].isnan().any()
 
 
 @gpu

@@ -32,10 +32,15 @@ FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T the d
 # Names of kernels/adaln_gemm.CONFIGS and .WGMMA_CONFIGS (a CPU test checks they agree).
 CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")
 WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
+# The wgmma family's TMA + mbarrier warp-specialized mainloop (kernels/adaln_gemm.TMA_CONFIGS, same kernels,
+# same bits): forward and d_temb configs (the d_temb GEMM has no 256-wide tile), and dW tiles.
+TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256")
+TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
 WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg")
+TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32")
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
 # and was as fast or faster at every T measured (1, 4, 64, 256, 2048); sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
@@ -72,7 +77,7 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
 
 def _uses_wgmma(device, config: str | None) -> bool:
     if config is not None:
-        return config in WGMMA_CONFIGS
+        return config in WGMMA_CONFIGS or config in TMA_CONFIGS
     return SM90_FAMILY == "wgmma" and runtime.arch_of(device) == "sm_90a"
 
 
