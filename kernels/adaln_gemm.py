@@ -691,7 +691,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     order, so the same bits (zero products added to +0 change nothing).
     `ieee_steps` (d_temb): k16 wgmma j writes step tile j % 2 (scale-d = 0); after wait_group(1) the
     step of j - 1 is added to acc with IEEE FP32 adds, ascending j: the cp.async kernel's sums, with
-    one wgmma in flight during the adds.
+    one wgmma in flight during the adds except the last of each k tile (`_ieee_mainloop` says why).
     The epilogue is `_WarpMmaGemm`'s, run by the consumer threads (a named barrier replaces the CTA
     barrier); the BF16 C tile reuses the A/B stages once every wgmma is done and every load has landed.
     Registers: the producer warpgroup drops to `_PRODUCER_REGS`, the consumers rise to
@@ -858,20 +858,21 @@ class _TmaWgmmaGemm(_WgmmaGemm):
             gC_full, gC, cC, tCgC, tCcC = self._c_tiles(mC, thr_mma, m_tile, n_tile, split)
             acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             acc.fill(0.0)
-            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
             if cutlass.const_expr(self.ieee_steps):
-                self._ieee_mainloop(tiled_mma, acc, tCrA, tCrB, ring, read, release, k_tile_count)
+                self._ieee_mainloop(tiled_mma, acc, tCrA, tCrB, ring, k_tile_count)
             else:
-                self._chained_mainloop(tiled_mma, acc, tCrA, tCrB, ring, read, release, k_tile_count)
+                self._chained_mainloop(tiled_mma, acc, tCrA, tCrB, ring, k_tile_count)
             self._epilogue(acc, thr_mma, ctidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
 
     @cute.jit
-    def _chained_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, read, release, k_tile_count):
+    def _chained_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, k_tile_count):
         """acc += A B^T over the k tiles, k16 wgmmas chained through acc (ACCUMULATE from the first on:
         acc is zero); each tile's batch stays in flight while the next stage is awaited and issued."""
+        from cutlass import pipeline
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.fence()
         ring.consumer_wait(read)
         self._chained_tile(tiled_mma, acc, tCrA, tCrB, read.index)
         read.advance()
@@ -888,41 +889,40 @@ class _TmaWgmmaGemm(_WgmmaGemm):
 
     @staticmethod
     def _chained_tile(tiled_mma, acc, tCrA, tCrB, stage):
+        cute.nvgpu.warpgroup.fence()  # as CUTLASS does per k tile (else ptxas injects it: C7519)
         for k_block in range(cute.size(tCrA, mode=[2])):
             cute.gemm(tiled_mma, acc, tCrA[None, None, k_block, stage], tCrB[None, None, k_block, stage], acc)
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _ieee_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, read, release, k_tile_count):
-        """acc = (((0 + s_0) + s_1) + ...) with s_j the k16 wgmma j from zero (scale-d = 0) into step
-        tile j % 2 (bk % 32 == 0, so j % 2 == k_block % 2); s_{j-1} is added while wgmma j runs."""
+    def _ieee_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, k_tile_count):
+        """acc = (((0 + s_0) + s_1) + ...) with s_j the k16 wgmma j from zero (scale-d = 0) into step tile
+        j % 2; within a k tile, s_{j-1} is added while wgmma j runs; the tile's last step is added after
+        wait_group(0), and its stage released, before the next stage is awaited. Keeping a wgmma in
+        flight across that mbarrier wait (a spin loop) makes ptxas serialize every wgmma of the kernel
+        (C7514: it no longer proves the add's step tile retired), which costs far more than one
+        un-overlapped add per k tile."""
+        from cutlass import pipeline
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         steps = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
-        ring.consumer_wait(read)
-        self._ieee_tile(tiled_mma, acc, steps, tCrA, tCrB, read.index, first=True)
-        read.advance()
-        for _ in range(1, k_tile_count):
+        num_k_block = cute.size(tCrA, mode=[2])
+        for _ in range(k_tile_count):
             ring.consumer_wait(read)
-            self._ieee_tile(tiled_mma, acc, steps, tCrA, tCrB, read.index, first=False)
-            # Its first wgmma's wait_group(1) retired the previous tile's last: that stage is free.
-            ring.consumer_release(release)
-            release.advance()
+            for k_block in cutlass.range_constexpr(num_k_block):
+                step = steps[k_block % 2]
+                cute.nvgpu.warpgroup.fence()  # the add that read this step tile two wgmmas ago is done
+                cute.gemm(tiled_mma, step, tCrA[None, None, k_block, read.index], tCrB[None, None, k_block, read.index],
+                          step)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(1)
+                if cutlass.const_expr(k_block > 0):
+                    self._add(acc, steps[(k_block - 1) % 2])
+            cute.nvgpu.warpgroup.wait_group(0)
+            self._add(acc, steps[(num_k_block - 1) % 2])
+            ring.consumer_release(read)
             read.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-        self._add(acc, steps[(cute.size(tCrA, mode=[2]) - 1) % 2])
-        ring.consumer_release(release)
-
-    def _ieee_tile(self, tiled_mma, acc, steps, tCrA, tCrB, stage, first: bool):
-        """One k tile of ieee_steps: per k16, fence (the adds that read this step tile two wgmmas ago
-        are done), wgmma into it, wait for the previous wgmma, add that one's step tile to acc."""
-        for k_block in range(cute.size(tCrA, mode=[2])):
-            step = steps[k_block % 2]
-            cute.nvgpu.warpgroup.fence()
-            cute.gemm(tiled_mma, step, tCrA[None, None, k_block, stage], tCrB[None, None, k_block, stage], step)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.nvgpu.warpgroup.wait_group(1)
-            if k_block > 0 or not first:
-                self._add(acc, steps[(k_block + 1) % 2])
 
     @staticmethod
     def _add(acc, step):

@@ -153,8 +153,8 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
         c_major = name in k.TMA_WGRAD_CONFIGS  # dW's C is N-major, the table's M-major (padded by 8)
         c_lines, c_line = (tile.bm, tile.bn + 8) if c_major else (tile.bn, tile.bm + 8)
         assert c_lines * c_line * 2 <= ab, name
-    assert all(t.bn <= 128 for t in k.TMA_DGRAD_CONFIGS.values())
-    assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items() if t.bn <= 128}
+    assert k.TMA_DGRAD_CONFIGS and all(3 * t.bn // 2 <= 192 for t in k.TMA_DGRAD_CONFIGS.values())
+    assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items() if t.bn <= k._IEEE_MAX_BN}
 
 
 @pytest.mark.slow
@@ -162,8 +162,11 @@ def test_tma_mainloop_instructions():
     """Every TMA config compiles for sm_90a to the warp-specialized mainloop: TMA loads on mbarriers, no
     cp.async.cg, the setmaxnreg split, one wgmma batch kept in flight, the named epilogue barrier of the
     consumer threads, no atomics. d_temb: exactly one FP32 add per step-tile element per wgmma (the
-    ieee_steps contract), every wgmma from a zero accumulator (scale-d = 0)."""
+    ieee_steps contract), every wgmma from a zero accumulator (scale-d = 0). Where ptxas is installed:
+    no spills, and no serialized wgmmas (ptxas C7514, which would undo the overlap)."""
     import re
+    import shutil
+    import tempfile
 
     from h3cute.runtime.dsl import compile_variant
 
@@ -192,6 +195,15 @@ def test_tma_mainloop_instructions():
             assert scale_d and all(re.search(rf"mov\.b32\s+{r}, 0;", text) for r in scale_d), config
         else:  # BF16 epilogues stage C in shared memory behind the consumers' named barrier
             assert re.search(r"bar\.sync\s+1, 256;", text), (name, config)
+        if shutil.which("ptxas"):
+            with tempfile.TemporaryDirectory() as tmp:
+                src = Path(tmp) / "k.ptx"
+                src.write_text(ptx[0])
+                run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                                     capture_output=True, text=True, timeout=600)
+            log = run.stdout + run.stderr
+            assert run.returncode == 0 and "0 bytes spill stores" in log, (name, config, log[-2000:])
+            assert "C7514" not in log and "C7515" not in log, (name, config, "wgmmas serialized")
 
 
 def test_launch_modules_do_not_import_cutlass():
