@@ -24,6 +24,10 @@ IEEE FP32 add; the `DGRAD_SPLITS` FP32 partials are then summed in split order
 (`adaln_dtemb_fold`). Its order depends on N_out only. dW and db are reductions over T: deterministic (fixed order, no
 atomics), not batch-invariant by nature.
 
+On sm_90a the wgmma family has two mainloops with the same k16 order and epilogue, so the same bits:
+`_WgmmaGemm` (the cp.async ring above, `WGMMA_CONFIGS`) and `_TmaWgmmaGemm` (TMA loads into an mbarrier
+ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGRAD_CONFIGS`).
+
 Constraints: K-major operands need K % 8 == 0 (the copy vector runs along K); MN-major operand
 extents are multiples of 8; all pointers 16-byte aligned and all tensors contiguous.
 """

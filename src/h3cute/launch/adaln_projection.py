@@ -16,7 +16,8 @@ out_features 96768 (this op) and 10752 (final_adaln_out's projection). No host s
 
 Two MMA families: `CONFIGS` (warp mma.sync, sm_90a and sm_100a) and `WGMMA_CONFIGS` (sm_90a
 warpgroup MMA, `*_wgmma` kernels). Their bits may differ, so a device uses one family for every T:
-`SM90_FAMILY` says which on sm_90a. An explicit `config` picks its family (tests, timing).
+`SM90_FAMILY` says which on sm_90a. An explicit `config` picks its family (tests, timing). The wgmma
+family's `TMA_*` configs run the same kernels with a TMA + mbarrier warp-specialized mainloop (same bits).
 """
 from __future__ import annotations
 
