@@ -118,13 +118,14 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
             assert n % (k.DGRAD_SPLITS * tile.bk) == 0 and D % tile.bm == 0
         for tile in k.TMA_WGRAD_CONFIGS.values():
             assert n % tile.bm == 0 and D % tile.bn == 0
-    for rows in (1, 8, 16, 17, 64, 65, 2048, 4096):
+    # The picks of the wgmma family may be cp.async or TMA mainloops (same kernels, same bits).
+    for rows in (1, 8, 16, 17, 64, 65, 192, 193, 512, 513, 2048, 4096):
         assert launch.config_for_rows(rows) in launch.CONFIGS
-        assert launch.config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS
+        assert launch.config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS + launch.TMA_CONFIGS
         assert launch.dgrad_config_for_rows(rows) in launch.CONFIGS
-        assert launch.dgrad_config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS
+        assert launch.dgrad_config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS + launch.TMA_DGRAD_CONFIGS
         assert launch.wgrad_config_for_rows(rows) in launch.WGRAD_CONFIGS
-        assert launch.wgrad_config_for_rows(rows, wgmma=True) in launch.WGRAD_WGMMA_CONFIGS
+        assert launch.wgrad_config_for_rows(rows, wgmma=True) in launch.WGRAD_WGMMA_CONFIGS + launch.TMA_WGRAD_CONFIGS
 
 
 def _tma_kernels():

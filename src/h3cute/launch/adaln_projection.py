@@ -49,9 +49,14 @@ SM90_FAMILY = "wgmma"
 
 
 def config_for_rows(rows: int, wgmma: bool = False) -> str:
-    """The fastest projection config of a family for T rows; the choice never changes the bits."""
+    """The fastest projection config of a family for T rows; the choice never changes the bits. wgmma: the
+    H200 timings at 0baae16 (perf/adaln_kernels.py): T <= 64 the cp.async tiles (wg_mid 134.6 us at T = 64 vs
+    tma_mid 136.3), beyond them the TMA mainloop (T = 256: tma_wide_n256 223.6 vs wg_wide 247.5; T = 2048:
+    1755.9 vs 2063.9); the 256-wide tile only once T fills it."""
     if wgmma:
-        return "wg_skinny" if rows <= 16 else "wg_mid" if rows <= 64 else "wg_wide"
+        if rows <= 64:
+            return "wg_skinny" if rows <= 16 else "wg_mid"
+        return "tma_wide" if rows <= 192 else "tma_wide_n256"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
@@ -60,10 +65,13 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
 
 
 def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
-    """The d_temb GEMM's config for T rows (same bits whatever the config): the fastest on the H200 at
-    2b6f15b, which beyond T = 64 is not the forward's (wgmma T = 256: wg_mid 447 us vs wg_wide 544)."""
+    """The d_temb GEMM's config for T rows (same bits whatever the config). wgmma: the H200 timings at 0baae16:
+    wg_skinny while W streams (T <= 16), then the TMA mainloop (T = 64: tma_mid 128.4 us vs wg_mid 135.2;
+    T = 256: tma_wide 324.6 vs wg_mid 505.7; T = 2048: 2780 vs 3531)."""
     if wgmma:
-        return "wg_skinny" if rows <= 16 else "wg_mid"
+        if rows <= 16:
+            return "wg_skinny"
+        return "tma_mid" if rows <= 64 else "tma_wide"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
@@ -72,9 +80,15 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
 
 
 def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
-    """A family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs."""
-    config = "wgrad_n64" if rows <= 64 else "wgrad"
-    return "wg_" + config if wgmma else config
+    """A family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs. wgmma: the H200
+    timings at 0baae16: one warpgroup over 128 x 64 at T <= 64 (wg_wgrad_n64_1wg 159.6 / 161.2 / 199.9 us at
+    T = 1 / 4 / 64 vs wg_wgrad_n64 171.5 / 173.5 / 230.6), wg_wgrad up to 512 (T = 256: 403.0 vs tma_wgrad
+    435.7), the TMA mainloop beyond (T = 2048: tma_wgrad 1841.5 vs wg_wgrad 2237.6)."""
+    if wgmma:
+        if rows <= 64:
+            return "wg_wgrad_n64_1wg"
+        return "wg_wgrad" if rows <= 512 else "tma_wgrad"
+    return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
 def _uses_wgmma(device, config: str | None) -> bool:
@@ -83,9 +97,9 @@ def _uses_wgmma(device, config: str | None) -> bool:
     return SM90_FAMILY == "wgmma" and runtime.arch_of(device) == "sm_90a"
 
 
-# Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64), the
-# d_temb config (16, 64, 256), the dW tile and the fused db (both 64).
-T_BOUNDS = (16, 64, 256, runtime.MAX_ROWS)
+# Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 192), the
+# d_temb config (16, 64, 256), the dW tile (64, 512) and the fused db (64).
+T_BOUNDS = (16, 64, 192, 256, 512, runtime.MAX_ROWS)
 
 
 def _choices(device, rows: int, backward: bool) -> tuple:

@@ -18,9 +18,9 @@ from h3cute.launch import adaln_projection, norm_modulate
 
 HIDDEN = 5376
 PROJECTION = 2 * HIDDEN
-# Where some launch choice of the C++ impls changes with T: the projection configs (forward 16, 64; d_temb
-# 16, 64, 256; dW 64) and the fused norm backward's table caps (12, 24).
-T_BOUNDS = (12, 16, 24, 64, 256, runtime.MAX_ROWS)
+# Where some launch choice of the C++ impls changes with T: the projection configs (adaln_projection.T_BOUNDS)
+# and the fused norm backward's table caps (12, 24).
+T_BOUNDS = tuple(sorted({12, 24, *adaln_projection.T_BOUNDS}))
 
 
 def _choices(dev, rows: int, backward: bool) -> tuple:
