@@ -253,6 +253,30 @@ bool mlp_fast(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, c
          dense(b1, at::kFloat, d, {kMlpHidden}) && dense(w2, at::kFloat, d, {kTemb, kMlpHidden});
 }
 
+// One allocation carved into dense tensors, in order (each part's size a multiple of 4 elements, so every part
+// stays 16-byte aligned for the kernels' vector accesses).
+class Carver {
+ public:
+  Carver(std::initializer_list<int64_t> numels, const at::TensorOptions& options) {
+    int64_t total = 0;
+    for (int64_t n : numels) {
+      TORCH_CHECK(n % 4 == 0, "h3cute: carved part of ", n, " elements breaks 16-byte alignment");
+      total += n;
+    }
+    buffer_ = at::empty({total}, options);
+  }
+  at::Tensor take(at::IntArrayRef shape) {
+    const int64_t n = c10::multiply_integers(shape);
+    at::Tensor part = buffer_.narrow(0, at_, n).view(shape);
+    at_ += n;
+    return part;
+  }
+
+ private:
+  at::Tensor buffer_;
+  int64_t at_ = 0;
+};
+
 // The (cols, rows) view with strides (1, cols) of a dense (rows, cols) tensor: the MN-major operand layout.
 View transposed(const at::Tensor& t) { return View(t, {t.size(1), t.size(0)}, {1, t.size(1)}); }
 
@@ -267,8 +291,8 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   const int64_t rows = x.size(0);
   const TVMFFIObjectHandle* fn = mlp_kernels.get(d, 0, rows).fns;  // fc1, fc2, fold_fc2
   at::Tensor out = at::empty({rows, kTemb}, x.options());
-  at::Tensor h = at::empty({rows, kMlpHidden}, x.options());
-  at::Tensor partials = at::empty({kFc2Splits, rows, kTemb}, x.options());
+  Carver scratch({rows * kMlpHidden, kFc2Splits * rows * kTemb}, x.options());  // one allocation for h, partials
+  at::Tensor h = scratch.take({rows, kMlpHidden}), partials = scratch.take({kFc2Splits, rows, kTemb});
   StreamScope stream(d);
   call_kernel(fn[0], {x, w1, b1, h});
   call_kernel(fn[1], {h, w2, partials});
@@ -286,14 +310,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   const int64_t rows = x.size(0);
   // fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2
   const TVMFFIObjectHandle* fn = mlp_kernels.get(d, 1, rows).fns;
-  const auto f32 = x.options();
-  at::Tensor z = at::empty({rows, kMlpHidden}, f32), h = at::empty({rows, kMlpHidden}, f32);
-  at::Tensor dh_partials = at::empty({kFc2DgradSplits, rows, kMlpHidden}, f32);
-  at::Tensor dz = at::empty({rows, kMlpHidden}, f32), db1 = at::empty({kMlpHidden}, f32);
-  at::Tensor dx_partials = at::empty({kFc1DgradSplits, rows, kFreq}, f32);
-  at::Tensor dx = at::empty({rows, kFreq}, f32);
-  at::Tensor dw2 = at::empty({kTemb, kMlpHidden}, f32), dw1 = at::empty({kMlpHidden, kFreq}, f32);
-  at::Tensor db2 = at::empty({kTemb}, f32);
+  // Two allocations (host time at small T): the intermediates, and the five gradients as views of one buffer.
+  const int64_t act = rows * kMlpHidden;
+  Carver scratch({act, act, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq}, x.options());
+  at::Tensor z = scratch.take({rows, kMlpHidden}), h = scratch.take({rows, kMlpHidden});
+  at::Tensor dh_partials = scratch.take({kFc2DgradSplits, rows, kMlpHidden}), dz = scratch.take({rows, kMlpHidden});
+  at::Tensor dx_partials = scratch.take({kFc1DgradSplits, rows, kFreq});
+  Carver grads({rows * kFreq, kMlpHidden * kFreq, kMlpHidden, kTemb * kMlpHidden, kTemb}, x.options());
+  at::Tensor dx = grads.take({rows, kFreq}), dw1 = grads.take({kMlpHidden, kFreq}), db1 = grads.take({kMlpHidden});
+  at::Tensor dw2 = grads.take({kTemb, kMlpHidden}), db2 = grads.take({kTemb});
 
   View unused_bias(dx, {1}, {1});  // the "sum" fold takes a (1,) aux operand it never reads
   View w2_t = transposed(w2), w1_t = transposed(w1), grad_t = transposed(grad), h_t = transposed(h);
