@@ -188,6 +188,323 @@ class WgmmaTF32Probe:
             tCgC[i] = acc[i]
 
 
+# --- the 3xTF32 GEMM: TMA + mbarrier ring, warp-specialized --------------------------------------
+
+
+@dataclass(frozen=True)
+class WgmmaTile:
+    """CTA tile of `Tf32x3WgmmaGemm`: 128 rows (two consumer warpgroups of 64), bn columns, bk-deep k tiles
+    (bk * 4 bytes = the swizzle row: 32 -> 128 B, 16 -> 64 B), `stages` ring slots of four operand tiles."""
+
+    bn: int = 128
+    bk: int = 32
+    stages: int = 3
+
+    def __post_init__(self):
+        if self.bn % 16 or not 16 <= self.bn <= 128:
+            raise ValueError(f"{self}: bn in 16..128, a multiple of 16 (two chunk tiles + acc in registers)")
+        if self.bk not in (16, 32):
+            raise ValueError(f"{self}: bk must be 16 or 32")
+        if self.stages < 2 or self.stage_bytes * self.stages > GEMM_SMEM_BYTES:
+            raise ValueError(f"{self}: {self.stages} stages of {self.stage_bytes} B do not fit")
+
+    @property
+    def stage_bytes(self) -> int:
+        return 2 * (GEMM_BM + self.bn) * self.bk * 4  # big and small of A and B
+
+    def astuple(self) -> tuple:
+        return (self.bn, self.bk, self.stages)
+
+
+GEMM_BM = 128
+GEMM_SMEM_BYTES = 220 * 1024  # of the H200's 227 KB per CTA: the rest holds the mbarriers
+
+
+class Tf32x3WgmmaGemm:
+    """P[s, m, n] = slice s of sum_k A[m, k] B[n, k] under the MLP's 3xTF32 chunk contract, with TF32 wgmma.
+
+    Operands come pre-split (`tf32_split`): A_big, A_small (M, K), B_big, B_small (N, K), FP32 bit patterns,
+    K-major. Grid (N / bn, ceil(M / 128), splits); CTA (n, m, s) owns one output tile of slice s.
+    Warpgroup 0 produces: one thread issues the four TMA tile loads of each k tile into a `stages`-deep
+    ring (PipelineTmaAsync: full / empty mbarrier per slot); TMA zero-fills rows past M. Warpgroups 1 and 2
+    consume 64 rows each: per k8 chunk j, into chunk tile j % 2, wgmma(small_a, big_b) with scale-d = 0,
+    then wgmma(big_a, small_b) and wgmma(big_a, big_b) accumulating; commit; wait_group(1) (chunk j - 1
+    is done) and add chunk j - 1 to acc with add.rn.f32; the k tile's last chunk is added after
+    wait_group(0), and the slot released, before the next slot is awaited (a wgmma in flight across an
+    mbarrier spin makes ptxas serialize every wgmma: adaln_gemm `_ieee_mainloop`). The epilogue stores
+    acc to P rows < M straight from registers. Per element: the mma.sync kernel's chunk order, so its bits
+    if the tensor cores agree (tf32_wgmma_probe).
+    Launched with PDL: every thread waits (griddepcontrol.wait) before the first load.
+    """
+
+    _PRODUCER_REGS = 40
+    _CONSUMER_REGS = 232  # 128 x 40 + 256 x 232 <= 65536; acc + 2 chunk tiles = 3 bn / 2 per thread
+    _THREADS = 384
+
+    def __init__(self, tile: WgmmaTile, splits: int):
+        self.tile = tile
+        self.splits = splits
+
+    @cute.jit
+    def __call__(self, mA_big: cute.Tensor, mA_small: cute.Tensor, mB_big: cute.Tensor, mB_small: cute.Tensor,
+                 mP: cute.Tensor, stream):
+        from cutlass.cute.nvgpu import cpasync
+
+        t = self.tile
+        sA_layout = tf32_smem_layout(GEMM_BM, t.bk, t.stages, is_a=True)
+        sB_layout = tf32_smem_layout(t.bn, t.bk, t.stages, is_a=False)
+        tmas = []
+        for mX, layout, rows in ((mA_big, sA_layout, GEMM_BM), (mA_small, sA_layout, GEMM_BM),
+                                 (mB_big, sB_layout, t.bn), (mB_small, sB_layout, t.bn)):
+            tmas.append(cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), cute.recast_tensor(mX, cutlass.TFloat32),
+                cute.slice_(layout, (None, None, 0)), (rows, t.bk)))
+        tiled_mma = make_tf32_tiled_mma(t.bn, GEMM_BM // WGMMA_M)
+        grid = (cute.size(mB_big, mode=[0]) // t.bn, cute.ceil_div(cute.size(mA_big, mode=[0]), GEMM_BM), self.splits)
+        self.kernel(mA_big, mP, tmas[0][0], tmas[0][1], tmas[1][0], tmas[1][1], tmas[2][0], tmas[2][1], tmas[3][0],
+                    tmas[3][1], sA_layout, sB_layout, tiled_mma).launch(
+            grid=grid, block=[self._THREADS, 1, 1], stream=stream, use_pdl=True,
+            # setmaxnreg redistributes the registers ptxas gives the CTA: ask for one CTA's full share.
+            max_number_threads=[self._THREADS, 1, 1], min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mP: cute.Tensor, tma_ab: cute.CopyAtom, tma_mAb: cute.Tensor,
+               tma_as: cute.CopyAtom, tma_mAs: cute.Tensor, tma_bb: cute.CopyAtom, tma_mBb: cute.Tensor,
+               tma_bs: cute.CopyAtom, tma_mBs: cute.Tensor, sA_layout: cute.ComposedLayout,
+               sB_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma):
+        from cutlass import pipeline
+        from cutlass.cute.nvgpu import cpasync
+
+        t = self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_tile, m_tile, split = cute.arch.block_idx()
+        if warp_idx == 0:
+            for atom in (tma_ab, tma_as, tma_bb, tma_bs):
+                cpasync.prefetch_descriptor(atom)
+
+        a_size, b_size = cute.cosize(sA_layout), cute.cosize(sB_layout)
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
+            a_big: cute.struct.Align[cute.struct.MemRange[cutlass.TFloat32, a_size], 1024]
+            a_small: cute.struct.Align[cute.struct.MemRange[cutlass.TFloat32, a_size], 1024]
+            b_big: cute.struct.Align[cute.struct.MemRange[cutlass.TFloat32, b_size], 1024]
+            b_small: cute.struct.Align[cute.struct.MemRange[cutlass.TFloat32, b_size], 1024]
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        sA_big = storage.a_big.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sA_small = storage.a_small.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB_big = storage.b_big.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sB_small = storage.b_small.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=t.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (self._THREADS - 128) // 32),
+            tx_count=t.stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
+        k_tile_count = cute.size(mA, mode=[1]) // (t.bk * self.splits)
+        k_tile_first = split * k_tile_count
+        loads = []
+        for atom, tma_m, smem, rows, tile in ((tma_ab, tma_mAb, sA_big, GEMM_BM, m_tile),
+                                              (tma_as, tma_mAs, sA_small, GEMM_BM, m_tile),
+                                              (tma_bb, tma_mBb, sB_big, t.bn, n_tile),
+                                              (tma_bs, tma_mBs, sB_small, t.bn, n_tile)):
+            g = cute.local_tile(tma_m, (rows, t.bk), (tile, None))
+            s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                                   cute.group_modes(g, 0, 2))
+            loads.append((atom, s_part, g_part))
+
+        # PDL: the operands may be the previous kernel's output (the split).
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
+            if warp_idx == 0:
+                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
+                for k_tile in range(k_tile_count):
+                    ring.producer_acquire(produce)
+                    full = ring.producer_get_barrier(produce)
+                    for atom, s_part, g_part in loads:
+                        cute.copy(atom, g_part[None, k_tile_first + k_tile], s_part[None, produce.index],
+                                  tma_bar_ptr=full)
+                    ring.producer_commit(produce)
+                    produce.advance()
+                ring.producer_tail(produce)
+        else:
+            cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
+            ctidx = tidx - 128
+            thr_mma = tiled_mma.get_slice(ctidx)
+            frags = (tiled_mma.make_fragment_A(thr_mma.partition_A(sA_big)),
+                     tiled_mma.make_fragment_A(thr_mma.partition_A(sA_small)),
+                     tiled_mma.make_fragment_B(thr_mma.partition_B(sB_big)),
+                     tiled_mma.make_fragment_B(thr_mma.partition_B(sB_small)))
+            mOut = mP[split, None, None]
+            gC = cute.local_tile(mOut, (GEMM_BM, t.bn), (m_tile, n_tile))
+            cC = cute.local_tile(cute.make_identity_tensor(mOut.shape), (GEMM_BM, t.bn), (m_tile, n_tile))
+            tCgC = thr_mma.partition_C(gC)
+            tCcC = thr_mma.partition_C(cC)
+            acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+            acc.fill(0.0)
+            self._mainloop(tiled_mma, acc, frags, ring, k_tile_count)
+            rows = cute.size(mOut, mode=[0])
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if cute.elem_less(tCcC[i][0], rows):
+                    tCgC[i] = acc[i]
+
+    @cute.jit
+    def _mainloop(self, tiled_mma, acc, frags, ring, k_tile_count):
+        from cutlass import pipeline
+
+        a_big, a_small, b_big, b_small = frags
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
+        chunks = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
+        num_chunks = self.tile.bk // K_CHUNK
+        for _ in range(k_tile_count):
+            ring.consumer_wait(read)
+            s = read.index
+            for kb in cutlass.range_constexpr(num_chunks):
+                chunk = chunks[kb % 2]
+                cute.nvgpu.warpgroup.fence()  # the adds that read this chunk tile two chunks ago are done
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                cute.gemm(tiled_mma, chunk, a_small[None, None, kb, s], b_big[None, None, kb, s], chunk)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(tiled_mma, chunk, a_big[None, None, kb, s], b_small[None, None, kb, s], chunk)
+                cute.gemm(tiled_mma, chunk, a_big[None, None, kb, s], b_big[None, None, kb, s], chunk)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(1)
+                if cutlass.const_expr(kb > 0):
+                    _add_rn_tile(acc, chunks[(kb - 1) % 2])
+            cute.nvgpu.warpgroup.wait_group(0)
+            _add_rn_tile(acc, chunks[(num_chunks - 1) % 2])
+            ring.consumer_release(read)
+            read.advance()
+
+
+@cute.jit
+def _add_rn_tile(acc: cute.Tensor, chunk: cute.Tensor):
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = add_rn(acc[i], chunk[i])
+
+
+# --- the big / small split ------------------------------------------------------------------------
+
+SPLIT_THREADS = 256
+TRANSPOSE_TILE = 32
+
+
+@cute.jit
+def _vec4(t: cute.Tensor, offset):
+    """The 4 elements of `t` at flat element offset `offset` (a multiple of 4) as Int32 bits, 16-byte aligned."""
+    ptr = cute.make_ptr(cutlass.Int32, (t.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout(4))
+
+
+@cute.jit
+def _split_bits(x):
+    """(big, small) operand bit patterns of FP32 bits x, as the mma.sync kernel forms them."""
+    big = x & TF32_BIG_MASK
+    return big, tf32_small(x, big)
+
+
+@cute.kernel
+def _split_kernel(mX: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Tensor):
+    """Contiguous X (R, K): thread i splits the 16-byte vector i (R * K % 4 == 0, R * K < 2^31)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    cute.arch.griddepcontrol_wait()
+    cute.arch.griddepcontrol_launch_dependents()
+    v = (bidx * SPLIT_THREADS + tidx) * 4
+    if v < cute.size(mX):
+        x = _vec4(mX, v).load()
+        big = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
+        small = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
+        for i in cutlass.range_constexpr(4):
+            big[i], small[i] = _split_bits(x[i])
+        _vec4(mBig, v).store(big.load())
+        _vec4(mSmall, v).store(small.load())
+
+
+@cute.kernel
+def _split_transpose_kernel(mXt: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Tensor):
+    """X^T given as contiguous (K, R); out (R, K_out), K_out >= K, columns past K zero. A 32 x 32 tile
+    through shared memory (33-word rows: no bank conflicts), loads coalesced along R, stores along K."""
+    tx, ty, _ = cute.arch.thread_idx()
+    bid_r, bid_k, _ = cute.arch.block_idx()
+    cute.arch.griddepcontrol_wait()
+    cute.arch.griddepcontrol_launch_dependents()
+    smem = cutlass.utils.SmemAllocator()
+    tile = smem.allocate_tensor(cutlass.Int32, cute.make_layout((TRANSPOSE_TILE, TRANSPOSE_TILE + 1),
+                                                                stride=(TRANSPOSE_TILE + 1, 1)), byte_alignment=16)
+    mXt_bits = cute.recast_tensor(mXt, cutlass.Int32)
+    depth, rows = cute.size(mXt, mode=[0]), cute.size(mXt, mode=[1])
+    r0, k0 = bid_r * TRANSPOSE_TILE, bid_k * TRANSPOSE_TILE
+    for i in cutlass.range_constexpr(TRANSPOSE_TILE // 8):
+        k = k0 + ty + 8 * i
+        x = cutlass.Int32(0)  # +0: columns past K add nothing
+        if k < depth and r0 + tx < rows:
+            x = mXt_bits[k, r0 + tx]
+        tile[ty + 8 * i, tx] = x
+    cute.arch.sync_threads()
+    mBig_bits = cute.recast_tensor(mBig, cutlass.Int32)
+    mSmall_bits = cute.recast_tensor(mSmall, cutlass.Int32)
+    for i in cutlass.range_constexpr(TRANSPOSE_TILE // 8):
+        r = r0 + ty + 8 * i
+        if r < rows:
+            big, small = _split_bits(tile[tx, ty + 8 * i])
+            mBig_bits[r, k0 + tx] = big
+            mSmall_bits[r, k0 + tx] = small
+
+
+@cute.jit
+def _split_launch(mX: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Tensor, stream, transpose: cutlass.Constexpr):
+    if cutlass.const_expr(transpose):
+        grid = (cute.ceil_div(cute.size(mBig, mode=[0]), TRANSPOSE_TILE), cute.size(mBig, mode=[1]) // TRANSPOSE_TILE, 1)
+        _split_transpose_kernel(mX, mBig, mSmall).launch(grid=grid, block=(TRANSPOSE_TILE, 8, 1), stream=stream,
+                                                          use_pdl=True)
+    else:
+        vectors = cute.size(mX) // 4
+        _split_kernel(mX, mBig, mSmall).launch(grid=(cute.ceil_div(vectors, SPLIT_THREADS), 1, 1),
+                                               block=(SPLIT_THREADS, 1, 1), stream=stream, use_pdl=True)
+
+
+def build_split(arch: str, *, transpose: bool):
+    """big, small (R, K_out) of X. transpose=False: called (X (R, K), big, small), K_out = K, K % 4 == 0.
+    transpose=True: called (X^T (K, R) contiguous, big, small), K_out a multiple of 32 >= K, zero past K
+    (a T-deep operand padded to whole k tiles: zero chunks add +0, as the mma.sync kernel's K tail)."""
+    rows, depth, depth_out = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    x = _compact((depth, rows)) if transpose else _compact((rows, depth))
+    out_depth = depth_out if transpose else depth
+    return compile_for(arch, _split_launch, x, _compact((rows, out_depth)), _compact((rows, out_depth)),
+                       env_stream(), transpose)
+
+
+# --- builds ----------------------------------------------------------------------------------------
+
+# Tiles to measure (identical bits by contract): 64 KB stages x 3, or 32 KB (bk 16, 64-byte swizzle) x 6.
+GEMM_TILES = ((128, 32, 3), (128, 16, 6), (64, 32, 4))
+
+
+def build_gemm(arch: str, *, k: int, splits: int, tile: tuple):
+    """P (splits, M, N) = 3xTF32 slices of A B^T, called (A_big, A_small (M, k), B_big, B_small (N, k), P);
+    M and N symbolic (N % bn == 0), k static, a multiple of splits * bk."""
+    assert arch == "sm_90a", "wgmma is sm_90a only"
+    wtile = WgmmaTile(*tile)
+    if k % (splits * wtile.bk):
+        raise ValueError(f"K = {k} does not split into {splits} slices of whole {wtile.bk}-deep tiles")
+    m_dim, n_dim = cute.sym_int(), cute.sym_int()
+    gemm = Tf32x3WgmmaGemm(wtile, splits)
+    a, b = _compact((m_dim, k)), _compact((n_dim, k))
+    return compile_for(arch, gemm, a, _compact((m_dim, k)), b, _compact((n_dim, k)),
+                       _compact((splits, m_dim, n_dim)), env_stream())
+
+
 def _compact(shape):
     order = tuple(range(len(shape) - 1, -1, -1))
     return make_fake_compact_tensor(cutlass.Float32, shape, stride_order=order, assumed_align=16)
@@ -215,6 +532,24 @@ SPECS = [
         build=build_probe,
         variants=lambda arch: [dict(v) for v in PROBE_VARIANTS],
         ptx_markers=("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32", "add.rn.f32", "wgmma.wait_group"),
+        ptx_forbidden=("atom.", "\tred."),
+        archs=("sm_90a",),
+    ),
+    KernelSpec(
+        name="tf32_split",
+        build=build_split,
+        variants=lambda arch: [dict(transpose=False), dict(transpose=True)],
+        ptx_markers=("db, 4096;", "griddepcontrol.wait"),
+        ptx_forbidden=("atom.", "\tred."),
+        archs=("sm_90a",),
+    ),
+    KernelSpec(
+        name="tf32x3_wgmma_gemm",
+        build=build_gemm,
+        # fc2 (K = 5376, 6 slices of 896) first; the other MLP GEMMs once it is measured.
+        variants=lambda arch: [dict(k=5376, splits=6, tile=t) for t in GEMM_TILES],
+        ptx_markers=("wgmma.mma_async.sync.aligned.m64n", ".tf32.tf32", "add.rn.f32", "cp.async.bulk.tensor",
+                     "mbarrier.try_wait", "setmaxnreg", "griddepcontrol.wait"),
         ptx_forbidden=("atom.", "\tred."),
         archs=("sm_90a",),
     ),
