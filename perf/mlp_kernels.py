@@ -7,6 +7,8 @@ GEMMs, folds and bias column sums) is replayed on preallocated buffers and
 timed alone with CUDA events: median of 50 samples after 10 warm-ups. The whole forward and backward
 are also timed as one CUDA-graph replay (`graph`), which shows what launch overlap (PDL) buys over
 the sum of the isolated steps (`sum`), and so is every config of `CONFIGS` (the tile ranking per T).
+On sm_90a also the TF32-wgmma fc2 candidate (kernels/wgmma_tf32.py, not in the launcher): the two
+big/small splits (h, w2) and the GEMM per tile, against the mma.sync "fc2 partials" step.
 Prints a table; writes `$H3CUTE_OUT/mlp_kernels.json`.
 The step list mirrors the launcher: keep the two in step when the launcher changes.
 """
@@ -27,6 +29,9 @@ SIZES = (1, 4, 64, 256, 2048)
 # than cuBLAS FP32 everywhere and 2x at T = 2048; fwd+bwd 1.5x faster than cuBLAS (H200 this morning).
 CUBLAS_US = {1: (58, 299), 4: (61, 341), 64: (169, 433), 256: (272, 705), 2048: (1773, 4694)}  # fwd, fwd+bwd
 WARMUP, SAMPLES = 10, 50
+# kernels/wgmma_tf32.GEMM_TILES (bn, bk, stages), copied: this script never imports the DSL (a CPU test
+# keeps the two equal).
+WGMMA_FC2_TILES = ((128, 32, 3), (128, 16, 6), (64, 32, 4))
 F1, HIDDEN, D = L.SINUSOID_WIDTH, L.HIDDEN, L.TEMB_WIDTH
 
 
@@ -96,6 +101,21 @@ def _steps(num_rows: int, dev):
     return steps, whole, configurable
 
 
+def _wgmma_fc2(num_rows: int, dev) -> dict:
+    """sm_90a: the TF32-wgmma fc2 (split h, split w2, GEMM per tile in wgmma_tf32.GEMM_TILES), timed alone."""
+    f32 = dict(dtype=torch.float32, device=dev)
+    h, w2 = torch.randn(num_rows, HIDDEN, **f32), torch.randn(D, HIDDEN, **f32) * HIDDEN ** -0.5
+    h_parts, w2_parts = (torch.empty_like(h), torch.empty_like(h)), (torch.empty_like(w2), torch.empty_like(w2))
+    p_fc2 = torch.empty(L.SPLITS["fc2"], num_rows, D, **f32)
+    split = runtime.kernel("tf32_split", dev, transpose=False)
+    out = {"split h": _safe(_median_us, lambda: split(h, *h_parts)),
+           "split w2": _safe(_median_us, lambda: split(w2, *w2_parts))}
+    for tile in WGMMA_FC2_TILES:
+        gemm = runtime.kernel("tf32x3_wgmma_gemm", dev, k=HIDDEN, splits=L.SPLITS["fc2"], tile=tile)
+        out[f"gemm {tile}"] = _safe(_median_us, lambda g=gemm: g(*h_parts, *w2_parts, p_fc2))
+    return out
+
+
 def _safe(timer, fn):
     """A timing in us, or the error as a string (one failing step must not hide the others)."""
     try:
@@ -136,6 +156,11 @@ def main() -> int:
         print(f"\nT = {num_rows}  {_config_name(cfg)}")
         for r in rows:
             print(f"  {r['phase']}  {r['step']:<22} {_fmt(r['us'])}")
+        if torch.cuda.get_device_capability(dev)[0] == 9:
+            wgmma = _safe(lambda fn: fn(), lambda: _wgmma_fc2(num_rows, dev))
+            report["sizes"][str(num_rows)]["wgmma_fc2_us"] = wgmma
+            for name, us in (wgmma.items() if isinstance(wgmma, dict) else [("all", wgmma)]):
+                print(f"  fwd  wgmma fc2 {name:<20} {_fmt(us)}")
         for phase, t in totals.items():
             print(f"  {phase}  {'sum / graph':<22} {_fmt(t['sum_us'])} / {_fmt(t['graph_us'])}")
         for name, t in sweep.items():

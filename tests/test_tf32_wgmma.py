@@ -167,3 +167,179 @@ def test_probe_non_finite_inputs_land_where_mma_sync_puts_them(static):
     finite = ~torch.isnan(want)
     assert torch.isnan(want).any() and finite.any()
     assert torch.equal(bits(got[finite]), bits(want[finite])), _describe_difference(got[finite], want[finite])
+
+
+# ---- the TMA + wgmma 3xTF32 GEMM and its split ----------------------------------------------------------
+
+FC2_SPLITS = HIDDEN // K_SLICE
+
+
+def _ptxas_ok(ptx: str, tmp_path) -> str:
+    """ptxas -v's report (where ptxas is installed: CUDA 13.0 here); fails on an error."""
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stderr
+
+
+@pytest.mark.slow
+def test_wgmma_gemm_compiles_to_three_tf32_wgmma_per_chunk(tmp_path):
+    pytest.importorskip("cutlass", exc_type=ImportError)
+    from h3cute.kernels import get_spec
+    from h3cute.kernels import wgmma_tf32 as W
+    from h3cute.runtime.dsl import compile_variant
+
+    spec = get_spec("tf32x3_wgmma_gemm")
+    assert spec.archs == ("sm_90a",)
+    for static in spec.variants("sm_90a"):
+        _, ptxs = compile_variant(spec, "sm_90a", static, keep_ptx=True)
+        ptx = "\n".join(ptxs)
+        bn, bk, _ = static["tile"]
+        chunks = bk // 8
+        # The consumer's k-tile body is emitted once: 3 wgmma per chunk, an IEEE add per accumulator
+        # register (64 x bn over 128 threads) per chunk; four TMA loads per k tile (the producer's loop
+        # may be unrolled).
+        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{bn}k8.f32.tf32.tf32") == 3 * chunks, static
+        assert ptx.count("add.rn.f32 ") == (bn // 2) * chunks, static
+        n_tma = ptx.count("cp.async.bulk.tensor.2d")
+        assert n_tma and n_tma % 4 == 0, (static, n_tma)
+        assert ".local" not in ptx and "atom." not in ptx
+        if shutil.which("ptxas"):
+            report = _ptxas_ok(ptx, tmp_path)
+            assert "0 bytes spill stores" in report and "warning" not in report.lower(), report
+    assert len(W.GEMM_TILES) == len(spec.variants("sm_90a"))
+
+
+def test_wgmma_tiles_are_checked():
+    pytest.importorskip("cutlass", exc_type=ImportError)
+    from h3cute.kernels.wgmma_tf32 import GEMM_TILES, WgmmaTile
+
+    for tile in GEMM_TILES:
+        assert WgmmaTile(*tile).astuple() == tile
+    for bad in ((256, 32, 3), (120, 32, 3), (128, 64, 2), (128, 32, 4), (128, 8, 6), (128, 32, 1)):
+        with pytest.raises(ValueError):
+            WgmmaTile(*bad)
+
+
+def test_perf_script_times_every_wgmma_tile():
+    pytest.importorskip("cutlass", exc_type=ImportError)
+    import runpy
+    from pathlib import Path
+
+    from h3cute.kernels.wgmma_tf32 import GEMM_TILES
+
+    perf = runpy.run_path(str(Path(__file__).parents[1] / "perf" / "mlp_kernels.py"), run_name="imported")
+    assert tuple(perf["WGMMA_FC2_TILES"]) == GEMM_TILES
+
+
+@pytest.mark.slow
+def test_split_compiles_to_vector_copies(tmp_path):
+    pytest.importorskip("cutlass", exc_type=ImportError)
+    from h3cute.kernels import get_spec
+    from h3cute.runtime.dsl import compile_variant
+
+    spec = get_spec("tf32_split")
+    for static in spec.variants("sm_90a"):
+        _, ptxs = compile_variant(spec, "sm_90a", static, keep_ptx=True)
+        ptx = "\n".join(ptxs)
+        assert "and.b32" in ptx and "db, 4096;" in ptx
+        if not static["transpose"]:
+            assert "ld.global.v4.b32" in ptx and ptx.count("st.global.v4.b32") == 2
+        if shutil.which("ptxas"):
+            assert "0 bytes spill stores" in _ptxas_ok(ptx, tmp_path)
+
+
+def _reference_split(x: torch.Tensor):
+    """big = x & 0xffffe000, small = bits(x - big) + 2^12 (x - big is exact in FP32): gemm_tf32x3's split."""
+    big = bits(x) & -8192
+    small = bits(x - big.view(torch.float32)) + 4096
+    return big.view(torch.float32), small.view(torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, depth", ((1, 8), (5, 5376), (2688, 5376), (200, 2688)))
+def test_split_gives_the_mma_sync_operand_bits(rows, depth):
+    from h3cute import runtime
+
+    x = torch.randn(rows, depth, generator=_gen(rows + depth), device="cuda")
+    x[0, 0] = float("nan")
+    if depth > 3:
+        x[0, 1], x[0, 2], x[0, 3] = float("inf"), -0.0, 1e-40  # subnormal
+    big, small = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    runtime.kernel("tf32_split", x.device, transpose=False)(x, big, small)
+    want_big, want_small = _reference_split(x)
+    assert torch.equal(bits(big), bits(want_big)) and torch.equal(bits(small), bits(want_small))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth, rows, depth_out", ((1, 2688, 32), (5, 5376, 32), (200, 2688, 224),
+                                                     (2688, 5376, 2688), (2048, 256, 2048), (33, 40, 64)))
+def test_transposing_split_feeds_k_major_with_a_zero_tail(depth, rows, depth_out):
+    """X^T (K, R) in (the backward's grad, h, dz, x and w^T operands) -> big, small (R, K_out), zero past K."""
+    from h3cute import runtime
+
+    xt = torch.randn(depth, rows, generator=_gen(depth * rows), device="cuda")
+    big, small = (torch.full((rows, depth_out), float("nan"), device="cuda") for _ in range(2))
+    runtime.kernel("tf32_split", xt.device, transpose=True)(xt, big, small)
+    padded = torch.zeros(rows, depth_out, device="cuda")
+    padded[:, :depth] = xt.t()
+    want_big, want_small = _reference_split(padded)
+    assert torch.equal(bits(big), bits(want_big)) and torch.equal(bits(small), bits(want_small))
+    assert torch.equal(bits(big[:, depth:]), torch.zeros_like(bits(big[:, depth:])))
+
+
+def _fc2_inputs(num_rows: int, seed: int):
+    g = _gen(seed)
+    h = torch.nn.functional.silu(torch.randn(num_rows, HIDDEN, generator=g, device="cuda") * 2)
+    w2 = torch.randn(N, HIDDEN, generator=g, device="cuda") * HIDDEN ** -0.5
+    return h, w2
+
+
+def _wgmma_fc2(h, w2, tile):
+    from h3cute import runtime
+
+    split = runtime.kernel("tf32_split", h.device, transpose=False)
+    parts = [torch.full_like(t, float("nan")) for t in (h, h, w2, w2)]
+    split(h, parts[0], parts[1])
+    split(w2, parts[2], parts[3])
+    partials = torch.full((FC2_SPLITS, h.shape[0], N), float("nan"), device="cuda")
+    runtime.kernel("tf32x3_wgmma_gemm", h.device, k=HIDDEN, splits=FC2_SPLITS, tile=tile)(*parts, partials)
+    return partials
+
+
+_GEMM_TILES = ((128, 32, 3), (128, 16, 6), (64, 32, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", _GEMM_TILES, ids=["bn128_bk32", "bn128_bk16", "bn64_bk32"])
+@pytest.mark.parametrize("num_rows", (1, 5, 64, 200, 2048))
+def test_wgmma_fc2_partials_equal_the_mma_sync_partials(num_rows, tile):
+    """Bitwise: every slice partial of fc2 (T rows, K = 5376, 6 slices) equals timestep_mlp_gemm's for the
+    launcher's config at that T; FP64 first, so a layout bug reads as such."""
+    from h3cute import runtime
+    from h3cute.launch import timestep_mlp as L
+
+    h, w2 = _fc2_inputs(num_rows, 5000 + num_rows)
+    got = _wgmma_fc2(h, w2, tile)
+    want = torch.full_like(got, float("nan"))
+    runtime.kernel("timestep_mlp_gemm", h.device, role="fc2", tile=L.pick_config(num_rows).fc2.astuple())(
+        h, w2, want)
+    for s in range(FC2_SPLITS):
+        k = slice(K_SLICE * s, K_SLICE * (s + 1))
+        ref = h[:, k].double() @ w2[:, k].double().t()
+        scale = h[:, k].double().abs() @ w2[:, k].double().abs().t()
+        assert torch.isfinite(got[s]).all(), s
+        assert ((got[s].double() - ref).abs() <= 1e-5 * scale).all(), (s, "far from FP64")
+        assert torch.equal(bits(got[s]), bits(want[s])), f"slice {s}: {_describe_difference(got[s], want[s])}"
+
+
+@pytest.mark.gpu
+def test_wgmma_fc2_rows_are_batch_invariant():
+    """A row alone, and inside batches where it sits at other tile positions, gives the same partial bits."""
+    h, w2 = _fc2_inputs(300, 6001)
+    full = _wgmma_fc2(h, w2, _GEMM_TILES[0])
+    for lo, hi in ((0, 1), (137, 138), (5, 200), (299, 300), (100, 300)):
+        part = _wgmma_fc2(h[lo:hi].contiguous(), w2, _GEMM_TILES[0])
+        assert torch.equal(bits(part), bits(full[:, lo:hi])), (lo, hi)
