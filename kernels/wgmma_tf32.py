@@ -86,6 +86,12 @@ def tf32_smem_layout(rows: int, tile_k: int, stages: int, *, is_a: bool):
     return sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (8, rows, tile_k), cutlass.TFloat32, stages)
 
 
+@cute.jit
+def _bits_view(ptr, layout: cute.ComposedLayout):
+    """Stage 0 of a swizzled TF32 smem buffer as Int32, keeping the swizzle on the pointer."""
+    return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=cutlass.Int32), layout.outer)[None, None, 0]
+
+
 # --- the probe ------------------------------------------------------------------------------------
 
 
@@ -142,10 +148,12 @@ class WgmmaTF32Probe:
         sA_small = storage.a_small.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB_big = storage.b_big.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sB_small = storage.b_small.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-        stA_big = cute.recast_tensor(sA_big[None, None, 0], cutlass.Int32)
-        stA_small = cute.recast_tensor(sA_small[None, None, 0], cutlass.Int32)
-        stB_big = cute.recast_tensor(sB_big[None, None, 0], cutlass.Int32)
-        stB_small = cute.recast_tensor(sB_small[None, None, 0], cutlass.Int32)
+        # The staging stores write Int32 bit patterns through the same swizzle (recast_tensor would drop
+        # the pointer's swizzle: the swizzle is a byte-address one, S<3,4,3> for 128 B rows).
+        stA_big = _bits_view(storage.a_big.data_ptr(), sA_layout)
+        stA_small = _bits_view(storage.a_small.data_ptr(), sA_layout)
+        stB_big = _bits_view(storage.b_big.data_ptr(), sB_layout)
+        stB_small = _bits_view(storage.b_small.data_ptr(), sB_layout)
         mA_bits = cute.recast_tensor(mA, cutlass.Int32)
         mB_bits = cute.recast_tensor(mB, cutlass.Int32)
 
