@@ -17,6 +17,14 @@ chunk three m64nNk8 wgmmas (the first with scale-d = 0, or, with `zero_c`, into 
 mma.sync kernel does) and one IEEE add per accumulator register. `mask_small` stores small with its
 low 13 bits cleared (tells whether wgmma, like mma.sync, reads only the top 19 bits of an operand).
 Output C (64, N) FP32: the one-slice partial of gemm_tf32x3 for the same K.
+
+`tf32_split` writes the big and small operand arrays (FP32 bit patterns, K-major; or from X^T through a
+32 x 32 shared-memory transpose with a zero-padded K, for the backward's N- and M-major operands), and
+`tf32x3_wgmma_gemm` (`Tf32x3WgmmaGemm`: TMA + mbarrier ring, a producer warpgroup, two consumer
+warpgroups) computes gemm_tf32x3's "partial" epilogue P[s, m, n] from them under the same chunk
+contract. Built for fc2 (K = 5376, 6 slices) only; not used by the launcher yet. The staging swizzle
+is a byte-address XOR on the shared-memory pointer: stores of bit patterns go through a pointer that
+keeps it (`_bits_view`).
 """
 from __future__ import annotations
 
