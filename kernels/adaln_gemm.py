@@ -19,8 +19,9 @@ only groups k16 steps per shared-memory stage). Rows beyond T are zero-filled in
 never stored. The forward epilogue adds the bias in FP32 and rounds to BF16 once (cuBLAS's bias
 epilogue). d_temb (FP32 out, held to 1e-5) must not inherit the tensor core's truncating
 accumulation over a long chain (see docs/timestep_mlp.md: the error grows with the chain), so the
-warp dgrad runs `ieee_steps`: each k16 MMA starts from zero and is added to the running sum with an
-IEEE FP32 add; the `DGRAD_SPLITS` FP32 partials are then summed in split order
+dgrad runs `ieee_steps`: the warp family's each k16 MMA, the wgmma family's each DGRAD_K_BLOCK = 64-deep block
+of K (4 k16 wgmmas chained by the tensor core from zero) starts from zero and is added to the running sum with
+IEEE FP32 adds in ascending K; the `DGRAD_SPLITS` FP32 partials are then summed in split order
 (`adaln_dtemb_fold`). Its order depends on N_out only. dW and db are reductions over T: deterministic (fixed order, no
 atomics), not batch-invariant by nature.
 
@@ -51,6 +52,10 @@ OUT_FEATURES = (BLOCK_OUT_FEATURES, FINAL_OUT_FEATURES)
 # d_temb = grad @ W reduces over N_out; it is split into this many fixed, equal K chunks so that
 # the whole GPU streams W even at T = 1. Never depends on T (batch invariance of d_temb).
 DGRAD_SPLITS = 12
+# d_temb on the wgmma family: within a split, every DGRAD_K_BLOCK-deep block of K is summed from zero by the
+# tensor core (4 chained k16 wgmmas) and added to the FP32 accumulator with IEEE adds in ascending block order.
+# A contract constant (bits depend on it), not a config field: every wgmma config's bk is a multiple of it.
+DGRAD_K_BLOCK = 64
 # db sums T rows: fixed row groups (contiguous, ceil(T / G) rows each) keep enough loads in flight
 # at T = 2048; each group's FP32 column sums are folded in group order. Deterministic for each T.
 BIAS_ROW_GROUPS = 32
@@ -143,10 +148,10 @@ WGRAD_WGMMA_CONFIGS = {
 TMA_CONFIGS = {
     "tma_mid": GemmTile(bm=128, bn=64, bk=64, warps_m=8, warps_n=1, stages=6),  # 144 KB
     "tma_wide": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5),  # 160 KB
-    # Forward only: the dgrad's two step tiles next to the accumulator would need 3 x 128 registers.
+    # Forward only: the dgrad's two block tiles next to the accumulator would need 3 x 128 registers.
     "tma_wide_n256": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4),  # 192 KB
 }
-# ieee_steps keeps acc and two step tiles (3 x bn / 2 FP32 registers per consumer thread): bn <= 128.
+# ieee_steps keeps acc and two block tiles (3 x bn / 2 FP32 registers per consumer thread): bn <= 128.
 _IEEE_MAX_BN = 128
 TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items() if tile.bn <= _IEEE_MAX_BN}
 TMA_WGRAD_CONFIGS = {
@@ -162,7 +167,7 @@ class _WarpMmaGemm:
     a_k_major / b_k_major say which of each operand's modes is contiguous. `epilogue` is
     "bias_bf16" (C = bf16(acc + bias[m])), "f32" (C = acc) or "bf16" (C = bf16(acc)).
     `ieee_steps`: every k16 MMA into a zeroed step sum, added to acc with an IEEE add (else the
-    MMAs chain through acc).
+    MMAs chain through acc); the wgmma subclasses do it per DGRAD_K_BLOCK block of K instead.
     `k_splits` > 1 makes grid z walk fixed, equal chunks of the K tiles (C then has a split mode).
     BF16 epilogues are staged through shared memory and stored as 16-byte vectors along C's contiguous
     mode (`c_n_major` says which): the MMA fragment's own 2-byte stores would scatter every warp store
@@ -566,7 +571,8 @@ class _WgmmaGemm(_WarpMmaGemm):
     Same loads (16-byte cp.async into wgmma's swizzled layouts), same K walk (k16 steps in ascending
     order into one FP32 accumulator per element), same epilogue; warps_m / 4 warpgroups tile M in
     64-row slabs. Each k tile: cp.async wait -> proxy fence -> barrier -> wgmma on that stage ->
-    wait for the wgmma before its stage is refilled.
+    wait for the wgmma before its stage is refilled. `ieee_steps` (d_temb): per DGRAD_K_BLOCK block of K,
+    `_wgmma_k_block` into a zeroed block tile, wait, IEEE adds into acc.
     """
 
     def _wgmma_smem_layout(self, k_major: bool, mn: int, is_a: bool):
@@ -641,8 +647,11 @@ class _WgmmaGemm(_WarpMmaGemm):
         acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
         acc.fill(0.0)
         # Chained: accumulate from the first step on (acc is zero), every k16 step the same operation.
-        # ieee_steps: every k16 wgmma writes a fresh step tile (scale-d = 0), added with IEEE adds.
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, not self.ieee_steps)
+        # ieee_steps: every DGRAD_K_BLOCK of K goes into a fresh block tile (`_wgmma_k_block`), added with IEEE adds.
+        if cutlass.const_expr(self.ieee_steps):
+            mmas = _block_mmas(tiled_mma)
+        else:
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         step = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
         num_k_block = cute.size(tCrA, mode=[2])
 
@@ -660,10 +669,8 @@ class _WgmmaGemm(_WarpMmaGemm):
             k_tile_index = k_tile_index + 1
             cute.arch.cp_async_commit_group()
             if cutlass.const_expr(self.ieee_steps):
-                for k_block in cutlass.range(num_k_block, unroll_full=True):
-                    cute.nvgpu.warpgroup.fence()
-                    cute.gemm(tiled_mma, step, tCrA[None, None, k_block, smem_read], tCrB[None, None, k_block, smem_read], step)
-                    cute.nvgpu.warpgroup.commit_group()
+                for k_group in cutlass.range_constexpr(t.bk // DGRAD_K_BLOCK):
+                    _wgmma_k_block(mmas, step, tCrA, tCrB, smem_read, k_group)
                     cute.nvgpu.warpgroup.wait_group(0)
                     for i in cutlass.range_constexpr(cute.size(acc)):
                         acc[i] = acc[i] + step[i]
@@ -681,6 +688,34 @@ class _WgmmaGemm(_WarpMmaGemm):
         self._epilogue(acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
 
 
+def _ieee_unit(tile: GemmTile) -> int:
+    """k tiles per drained unit of `_TmaWgmmaGemm._ieee_mainloop`: at least two DGRAD_K_BLOCK blocks."""
+    return 2 if tile.bk == DGRAD_K_BLOCK else 1
+
+
+def _block_mmas(tiled_mma):
+    """(first, chained): two copies of the wgmma with ACCUMULATE fixed once, off (scale-d = 0) and on. Setting one
+    MMA's field per k16 inside the main loop instead would rebind its value inside the loop body."""
+    from cutlass.base_dsl.utils.mlir_value_tree import extract_mlir_values, new_from_mlir_values
+
+    first = new_from_mlir_values(tiled_mma, extract_mlir_values(tiled_mma))
+    first.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+    return first, tiled_mma
+
+
+def _wgmma_k_block(mmas, block, tCrA, tCrB, stage, k_group):
+    """d_temb's tensor-core block: the k16 wgmmas of the DGRAD_K_BLOCK-deep K group `k_group` of a k tile into
+    `block`, the first from zero (`_block_mmas`' first, scale-d = 0), the next chained through the tensor core's
+    accumulation; fenced (whatever read `block` before is done) and committed as one group."""
+    steps = DGRAD_K_BLOCK // 16
+    cute.nvgpu.warpgroup.fence()
+    for k in range(steps):
+        k_block = k_group * steps + k
+        cute.gemm(mmas[min(k, 1)], block, tCrA[None, None, k_block, stage], tCrB[None, None, k_block, stage], block)
+    cute.nvgpu.warpgroup.commit_group()
+
+
 class _TmaWgmmaGemm(_WgmmaGemm):
     """The wgmma GEMM with a TMA + mbarrier, warp-specialized mainloop (sm_90a).
 
@@ -693,9 +728,9 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     are shifted back so the first one is partial (negative K coordinates, zero-filled by TMA) and the
     k16 steps start at T - 16 j, as in the cp.async kernel: the same k16 groups of products in the same
     order, so the same bits (zero products added to +0 change nothing).
-    `ieee_steps` (d_temb): k16 wgmma j writes step tile j % 2 (scale-d = 0); after wait_group(1) the
-    step of j - 1 is added to acc with IEEE FP32 adds, ascending j: the cp.async kernel's sums, with
-    one wgmma in flight during the adds except the last of each k tile (`_ieee_mainloop` says why).
+    `ieee_steps` (d_temb): each DGRAD_K_BLOCK block of K goes from zero into block tile b % 2 (4 chained k16
+    wgmmas), added to acc with IEEE FP32 adds in ascending b, the cp.async kernel's sums; the adds of block b - 1
+    run while block b's wgmmas do, except at the end of each 2-k-tile unit (`_ieee_mainloop` says why).
     The epilogue is `_WarpMmaGemm`'s, run by the consumer threads (a named barrier replaces the CTA
     barrier); the BF16 C tile reuses the A/B stages once every wgmma is done and every load has landed.
     Registers: the producer warpgroup drops to `_PRODUCER_REGS`, the consumers rise to
@@ -900,33 +935,38 @@ class _TmaWgmmaGemm(_WgmmaGemm):
 
     @cute.jit
     def _ieee_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, k_tile_count):
-        """acc = (((0 + s_0) + s_1) + ...) with s_j the k16 wgmma j from zero (scale-d = 0) into step tile
-        j % 2; within a k tile, s_{j-1} is added while wgmma j runs; the tile's last step is added after
-        wait_group(0), and its stage released, before the next stage is awaited. Keeping a wgmma in
-        flight across that mbarrier wait (a spin loop) makes ptxas serialize every wgmma of the kernel
-        (C7514: it no longer proves the add's step tile retired), which costs far more than one
-        un-overlapped add per k tile."""
+        """acc = (((0 + s_0) + s_1) + ...) with s_b the DGRAD_K_BLOCK-deep block b of K summed from zero by the
+        tensor core (`_wgmma_k_block`) into block tile b % 2, in units of `_ieee_unit` k tiles (two blocks or
+        more): within a unit, block b - 1 is added (IEEE FP32) while the wgmmas of block b run, and a k tile's
+        stage is released once its last block is added; the unit's last block is added after wait_group(0).
+        A unit must end drained: a wgmma still in flight across the k-tile loop's back edge makes ptxas
+        serialize every wgmma of the kernel (C7514: it no longer proves the added block tile retired), while
+        the mbarrier wait inside a unit is fine (ptxas -v, CUDA 13.0). Units of 7 k tiles: C7511."""
         from cutlass import pipeline
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        steps = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
-        num_k_block = cute.size(tCrA, mode=[2])
-        for _ in range(k_tile_count):
-            ring.consumer_wait(read)
-            for k_block in cutlass.range_constexpr(num_k_block):
-                step = steps[k_block % 2]
-                cute.nvgpu.warpgroup.fence()  # the add that read this step tile two wgmmas ago is done
-                cute.gemm(tiled_mma, step, tCrA[None, None, k_block, read.index], tCrB[None, None, k_block, read.index],
-                          step)
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(1)
-                if cutlass.const_expr(k_block > 0):
-                    self._add(acc, steps[(k_block - 1) % 2])
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
+        blocks = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
+        mmas = _block_mmas(tiled_mma)
+        per_tile = self.tile.bk // DGRAD_K_BLOCK
+        unit = _ieee_unit(self.tile)
+        for _ in range(k_tile_count // unit):
+            for kt in cutlass.range_constexpr(unit):
+                ring.consumer_wait(read)
+                for g in cutlass.range_constexpr(per_tile):
+                    b = kt * per_tile + g
+                    _wgmma_k_block(mmas, blocks[b % 2], tCrA, tCrB, read.index, g)
+                    if cutlass.const_expr(b > 0):
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        self._add(acc, blocks[(b + 1) % 2])
+                        if cutlass.const_expr(g == 0):
+                            ring.consumer_release(release)
+                            release.advance()
+                read.advance()
             cute.nvgpu.warpgroup.wait_group(0)
-            self._add(acc, steps[(num_k_block - 1) % 2])
-            ring.consumer_release(read)
-            read.advance()
+            self._add(acc, blocks[(unit * per_tile - 1) % 2])
+            ring.consumer_release(release)
+            release.advance()
 
     @staticmethod
     def _add(acc, step):
@@ -971,10 +1011,14 @@ def _build_fwd(arch: str, *, out_features: int, config: str):
 
 
 def _build_dgrad(arch: str, *, out_features: int, config: str):
-    # d_temb is held to 1e-5: IEEE running sums over k16 MMA steps (both families).
+    # d_temb is held to 1e-5: IEEE running sums over k16 MMA steps (warp family) or DGRAD_K_BLOCK blocks (wgmma).
     gemm = _gemm(arch, config, a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS,
                  ieee_steps=True)
-    assert out_features % (DGRAD_SPLITS * gemm.tile.bk) == 0, (out_features, gemm.tile)
+    bk = gemm.tile.bk
+    assert out_features % (DGRAD_SPLITS * bk) == 0, (out_features, gemm.tile)
+    if isinstance(gemm, _WgmmaGemm):
+        assert bk % DGRAD_K_BLOCK == 0, gemm.tile
+        assert (out_features // (DGRAD_SPLITS * bk)) % _ieee_unit(gemm.tile) == 0, gemm.tile  # whole units per split
 
     @cute.jit
     def adaln_proj_dgrad(grad: cute.Tensor, weight: cute.Tensor, partial: cute.Tensor, stream):

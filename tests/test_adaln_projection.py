@@ -74,9 +74,26 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
             mmas = set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)[\w.]+", "\n".join(ptx)))
             bn = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS}[config].bn
             assert mmas == {f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16"}, (name, config, mmas)
-            if name == "adaln_proj_dgrad":  # ieee_steps: each wgmma's step tile added with FP32 adds
-                text = "\n".join(ptx)
-                assert text.count("add.f32") >= 8 * text.count("wgmma.mma_async"), config
+            if name == "adaln_proj_dgrad":
+                tile = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS}[config]
+                threads = 256 if config in launch.TMA_CONFIGS else tile.threads  # the TMA kernel's consumers
+                _assert_dgrad_k_blocks("\n".join(ptx), tile.bm * 128 // (64 * threads), tile.bm * tile.bn // threads,
+                                       k.DGRAD_K_BLOCK, config)
+
+
+def _assert_dgrad_k_blocks(text, atoms, acc_per_thread, k_block, config):
+    """The wgmma family's d_temb contract in the PTX: the wgmmas come in blocks of k_block / 16 k16 steps (times
+    `atoms` wgmmas per k16 step per thread), the block's first step from zero (scale-d = 0, per atom) and the rest
+    chained (scale-d = 1), and exactly one FP32 add per accumulator element per block."""
+    import re
+
+    values = {r: int(v) for r, v in re.findall(r"mov\.b32\s+(%r\d+), ([01]);", text)}
+    scale_d = [values.get(r) for r in re.findall(r"setp\.ne\.b32 p, (%r\d+), 0;\s*wgmma", text)]
+    group = atoms * k_block // 16
+    assert scale_d and len(scale_d) == text.count("wgmma.mma_async") and len(scale_d) % group == 0, config
+    for i in range(0, len(scale_d), group):
+        assert scale_d[i:i + group] == [0] * atoms + [1] * (group - atoms), (config, scale_d[i:i + group])
+    assert text.count("add.f32") == acc_per_thread * len(scale_d) // group, config
 
 
 def test_launch_and_kernel_agree_on_configs_and_splits():
@@ -140,7 +157,7 @@ def _tma_kernels():
 def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
     """The TMA mainloop's register split (producer warpgroup down, two consumer warpgroups up) is sized for
     one CTA per SM: each config's stages must fill more than half of the H200's 227 KB and fit in it; the
-    BF16 C tile must fit in the A/B stages it reuses; d_temb's two step tiles need bn <= 128."""
+    BF16 C tile must fit in the A/B stages it reuses; d_temb's two block tiles need bn <= 128."""
     k = _tma_kernels()
     gemm = k._TmaWgmmaGemm
     smem_max = 227 * 1024
@@ -162,9 +179,9 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
 def test_tma_mainloop_instructions():
     """Every TMA config compiles for sm_90a to the warp-specialized mainloop: TMA loads on mbarriers, no
     cp.async.cg, the setmaxnreg split, one wgmma batch kept in flight, the named epilogue barrier of the
-    consumer threads, no atomics. d_temb: exactly one FP32 add per step-tile element per wgmma (the
-    ieee_steps contract), every wgmma from a zero accumulator (scale-d = 0). Where ptxas is installed:
-    no spills, and no serialized wgmmas (ptxas C7514, which would undo the overlap)."""
+    consumer threads, no atomics. d_temb (the ieee_steps contract): wgmmas in DGRAD_K_BLOCK blocks of 4, the
+    first from zero (scale-d = 0), and exactly one FP32 add per block-tile element per block. Where ptxas is
+    installed: no spills, and no serialized wgmmas (ptxas C7514 / C7515 / C7511, which would undo the overlap)."""
     import re
     import shutil
     import tempfile
@@ -191,9 +208,7 @@ def test_tma_mainloop_instructions():
         assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{k._TmaWgmmaGemm._CONSUMER_REGS};", text)
         assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", text), (name, config)
         if name == "adaln_proj_dgrad_wgmma":
-            assert text.count("add.f32") == tile.bn // 2 * text.count("wgmma.mma_async"), config
-            scale_d = set(re.findall(r"setp\.ne\.b32 p, (%r\d+), 0;\s*wgmma", text))
-            assert scale_d and all(re.search(rf"mov\.b32\s+{r}, 0;", text) for r in scale_d), config
+            _assert_dgrad_k_blocks(text, 1, tile.bn // 2, k.DGRAD_K_BLOCK, config)
         else:  # BF16 epilogues stage C in shared memory behind the consumers' named barrier
             assert re.search(r"bar\.sync\s+1, 256;", text), (name, config)
         if shutil.which("ptxas"):
@@ -204,7 +219,7 @@ def test_tma_mainloop_instructions():
                                      capture_output=True, text=True, timeout=600)
             log = run.stdout + run.stderr
             assert run.returncode == 0 and "0 bytes spill stores" in log, (name, config, log[-2000:])
-            assert "C7514" not in log and "C7515" not in log, (name, config, "wgmmas serialized")
+            assert not any(c in log for c in ("C7511", "C7514", "C7515")), (name, config, "wgmmas serialized")
 
 
 def test_launch_modules_do_not_import_cutlass():
@@ -426,6 +441,36 @@ def test_every_config_gives_identical_bits(family, rows):
     dtembs = {c: launch.backward(grad, temb, w, config=c)[0] for c in dgrad_configs}
     for c, dtemb in dtembs.items():
         assert_same_bits(dtemb, dtembs[dgrad_configs[0]], f"dtemb config {c} vs {dgrad_configs[0]}, T={rows}")
+
+
+@gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dtemb_partials_group_k_as_the_family_contract_says(family):
+    """d_temb's summation grouping pinned with exact integer sums next to 2^24 (FP32 spacing 2 there, so an
+    odd addend rounds): W = 1, each split's grad row holds 2^24 at its first column and a few ones. wgmma family:
+    DGRAD_K_BLOCK = 64-deep blocks summed exactly by the tensor core, IEEE round-to-nearest-even adds between
+    blocks: three ones in one block add 3 -> 2^24 + 4; one per block ties back to 2^24 each time. Warp family:
+    an IEEE add per k16 step, so three ones in three k16 steps leave 2^24. Four ones in one k16 step: 2^24 + 4
+    for both. Every config of the family, NaN-poisoned partials."""
+    from h3cute import runtime
+
+    configs = _family_dgrad_configs(family)
+    sfx = "_wgmma" if family == "wgmma" else ""
+    split = N_FINAL // launch.DGRAD_SPLITS
+    grad = torch.zeros((3, N_FINAL), dtype=torch.bfloat16, device="cuda")
+    for c0 in range(0, N_FINAL, split):
+        grad[:, c0] = 2.0 ** 24
+        grad[0, [c0 + 64, c0 + 80, c0 + 96]] = 1.0  # one block, three k16 steps
+        grad[1, c0 + 64:c0 + 68] = 1.0  # one k16 step
+        grad[2, [c0 + 64, c0 + 128, c0 + 192]] = 1.0  # three blocks
+    w = torch.ones((N_FINAL, D), dtype=torch.bfloat16, device="cuda")
+    big = 2.0 ** 24
+    rows = [big + 4, big + 4, big] if family == "wgmma" else [big, big + 4, big]
+    want = torch.tensor(rows, dtype=torch.float32, device="cuda")[None, :, None].expand(launch.DGRAD_SPLITS, 3, D)
+    for c in configs:
+        partial = torch.full((launch.DGRAD_SPLITS, 3, D), float("nan"), device="cuda")
+        runtime.kernel("adaln_proj_dgrad" + sfx, grad.device, out_features=N_FINAL, config=c)(grad, w, partial)
+        assert torch.equal(partial, want), (c, partial[:, :, 0].unique(dim=0))
 
 
 def _wgrad_kernels(family):

@@ -34,7 +34,7 @@ FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T the d
 CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")
 WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # The wgmma family's TMA + mbarrier warp-specialized mainloop (kernels/adaln_gemm.TMA_CONFIGS, same kernels,
-# same bits): forward and d_temb configs (the d_temb GEMM has no 256-wide tile: its step tiles' registers),
+# same bits): forward and d_temb configs (the d_temb GEMM has no 256-wide tile: its block tiles' registers),
 # and dW tiles.
 TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256")
 TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide")
