@@ -269,11 +269,13 @@ class Tf32x3WgmmaGemm:
         t = self.tile
         sA_layout = tf32_smem_layout(GEMM_BM, t.bk, t.stages, is_a=True)
         sB_layout = tf32_smem_layout(t.bn, t.bk, t.stages, is_a=False)
+        # The TMA descriptors take the operands as FP32 (raw bits): a TF32 descriptor would round the pre-split
+        # patterns (small carries its own round-half-away in the low 13 bits, which the mma ignores) once more.
         tmas = []
         for mX, layout, rows in ((mA_big, sA_layout, GEMM_BM), (mA_small, sA_layout, GEMM_BM),
                                  (mB_big, sB_layout, t.bn), (mB_small, sB_layout, t.bn)):
             tmas.append(cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), cute.recast_tensor(mX, cutlass.TFloat32),
+                cpasync.CopyBulkTensorTileG2SOp(), mX,
                 cute.slice_(layout, (None, None, 0)), (rows, t.bk)))
         tiled_mma = make_tf32_tiled_mma(t.bn, GEMM_BM // WGMMA_M)
         grid = (cute.size(mB_big, mode=[0]) // t.bn, cute.ceil_div(cute.size(mA_big, mode=[0]), GEMM_BM), self.splits)
