@@ -22,7 +22,8 @@ Output C (64, N) FP32: the one-slice partial of gemm_tf32x3 for the same K.
 32 x 32 shared-memory transpose with a zero-padded K, for the backward's N- and M-major operands), and
 `tf32x3_wgmma_gemm` (`Tf32x3WgmmaGemm`: TMA + mbarrier ring, a producer warpgroup, two consumer
 warpgroups) computes gemm_tf32x3's "partial" epilogue P[s, m, n] from them under the same chunk
-contract. Built for fc2 (K = 5376, 6 slices) only; not used by the launcher yet. The staging swizzle
+contract. `ROLE_GEMMS`: the variants the launcher runs on sm_90a for T >= its WGMMA_MIN_ROWS (fc2, fc2_dgrad
+and the T-deep fc2_wgrad, whose K is the split's zero-padded T). The staging swizzle
 is a byte-address XOR on the shared-memory pointer: stores of bit patterns go through a pointer that
 keeps it (`_bits_view`).
 """
@@ -507,20 +508,43 @@ def build_split(arch: str, *, transpose: bool):
 
 # Tiles to measure (identical bits by contract): 64 KB stages x 3, or 32 KB (bk 16, 64-byte swizzle) x 6.
 GEMM_TILES = ((128, 32, 3), (128, 16, 6), (64, 32, 4))
+LAUNCH_TILE = (128, 32, 3)  # the launcher's tile for every role (fastest fc2 tile on the H200)
+# role -> (K, slices) of the MLP GEMMs the launcher runs on wgmma (kernels/timestep_mlp.ROLES: same K and
+# slice count as the mma.sync role, so the same chunk contract and bits). K None: T-deep, the operands
+# zero-padded by the transposing split to a multiple of TRANSPOSE_TILE.
+ROLE_GEMMS = {
+    "fc2": (5376, 6),  # h (T, 5376) x w2 (2688, 5376)
+    "fc2_dgrad": (2688, 3),  # grad (T, 2688) x w2^T (5376, 2688): transposing split of w2
+    "fc2_wgrad": (None, 1),  # grad^T (2688, T) x h^T (5376, T): transposing splits, K tail zero
+}
 
 
-def build_gemm(arch: str, *, k: int, splits: int, tile: tuple):
+def build_gemm(arch: str, *, k: Optional[int], splits: int, tile: tuple):
     """P (splits, M, N) = 3xTF32 slices of A B^T, called (A_big, A_small (M, k), B_big, B_small (N, k), P);
-    M and N symbolic (N % bn == 0), k static, a multiple of splits * bk."""
+    M and N symbolic (N % bn == 0). k static, a multiple of splits * bk; or None: symbolic (T-deep), one
+    slice, a multiple of TRANSPOSE_TILE at run time (the transposing split's zero-padded K)."""
     assert arch == "sm_90a", "wgmma is sm_90a only"
     wtile = WgmmaTile(*tile)
-    if k % (splits * wtile.bk):
+    if k is None:
+        if splits != 1 or TRANSPOSE_TILE % wtile.bk:
+            raise ValueError("a T-deep GEMM is one slice of whole bk tiles of the padded K")
+        k = cute.sym_int(divisibility=TRANSPOSE_TILE)
+    elif k % (splits * wtile.bk):
         raise ValueError(f"K = {k} does not split into {splits} slices of whole {wtile.bk}-deep tiles")
     m_dim, n_dim = cute.sym_int(), cute.sym_int()
     gemm = Tf32x3WgmmaGemm(wtile, splits)
     a, b = _compact((m_dim, k)), _compact((n_dim, k))
     return compile_for(arch, gemm, a, _compact((m_dim, k)), b, _compact((n_dim, k)),
                        _compact((splits, m_dim, n_dim)), env_stream())
+
+
+def gemm_variants() -> list:
+    """fc2 in every measured tile (the perf script times them); the other roles in the launcher's tile."""
+    variants = [dict(k=5376, splits=6, tile=t) for t in GEMM_TILES]
+    for role, (k, splits) in ROLE_GEMMS.items():
+        if role != "fc2":
+            variants.append(dict(k=k, splits=splits, tile=LAUNCH_TILE))
+    return variants
 
 
 def _compact(shape):
@@ -564,8 +588,7 @@ SPECS = [
     KernelSpec(
         name="tf32x3_wgmma_gemm",
         build=build_gemm,
-        # fc2 (K = 5376, 6 slices of 896) first; the other MLP GEMMs once it is measured.
-        variants=lambda arch: [dict(k=5376, splits=6, tile=t) for t in GEMM_TILES],
+        variants=lambda arch: gemm_variants(),
         ptx_markers=("wgmma.mma_async.sync.aligned.m64n", ".tf32.tf32", "add.rn.f32", "cp.async.bulk.tensor",
                      "mbarrier.try_wait", "setmaxnreg", "griddepcontrol.wait"),
         ptx_forbidden=("atom.", "\tred."),

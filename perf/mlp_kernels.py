@@ -7,8 +7,10 @@ GEMMs, folds and bias column sums) is replayed on preallocated buffers and
 timed alone with CUDA events: median of 50 samples after 10 warm-ups. The whole forward and backward
 are also timed as one CUDA-graph replay (`graph`), which shows what launch overlap (PDL) buys over
 the sum of the isolated steps (`sum`), and so is every config of `CONFIGS` (the tile ranking per T).
-On sm_90a also the TF32-wgmma fc2 candidate (kernels/wgmma_tf32.py, not in the launcher): the two
-big/small splits (h, w2) and the GEMM per tile, against the mma.sync "fc2 partials" step.
+On sm_90a from L.WGMMA_MIN_ROWS rows (the launcher's default there) also the TF32-wgmma path step by step
+(phases fwd_wgmma / bwd_wgmma: the splits and the wgmma GEMMs next to the shared mma.sync steps) and as
+graphs, next to the mma.sync path (phases fwd / bwd, forced with wgmma=False); and the fc2 GEMM per
+wgmma tile at every T.
 Prints a table; writes `$H3CUTE_OUT/mlp_kernels.json`.
 The step list mirrors the launcher: keep the two in step when the launcher changes.
 """
@@ -24,10 +26,11 @@ from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
 from h3cute.launch import timestep_mlp as L
 
-SIZES = (1, 4, 64, 256, 2048)
+SIZES = (1, 4, 64, 256, 512, 2048)
 # Targets (issue): fwd kernel time <= 18.8 us at T <= 4 (1.25x the 15 us weight-read floor), fwd faster
 # than cuBLAS FP32 everywhere and 2x at T = 2048; fwd+bwd 1.5x faster than cuBLAS (H200 this morning).
 CUBLAS_US = {1: (58, 299), 4: (61, 341), 64: (169, 433), 256: (272, 705), 2048: (1773, 4694)}  # fwd, fwd+bwd
+# (T = 512: no cuBLAS baseline measured; no target printed)
 WARMUP, SAMPLES = 10, 50
 # kernels/wgmma_tf32.GEMM_TILES (bn, bk, stages), copied: this script never imports the DSL (a CPU test
 # keeps the two equal).
@@ -91,13 +94,42 @@ def _steps(num_rows: int, dev):
         ("bwd", "colsum db2", lambda: colsum2(grad, grad, grad, db2)),
     ]
     whole = {
-        "fwd": lambda: L.forward(x, w1, b1, w2, b2),
-        "bwd": lambda: L.backward(grad, x, w1, b1, w2),
+        "fwd": lambda: L.forward(x, w1, b1, w2, b2, wgmma=False),
+        "bwd": lambda: L.backward(grad, x, w1, b1, w2, wgmma=False),
     }
     configurable = {
-        "fwd": lambda c: L.forward(x, w1, b1, w2, b2, config=c),
-        "bwd": lambda c: L.backward(grad, x, w1, b1, w2, config=c),
+        "fwd": lambda c: L.forward(x, w1, b1, w2, b2, config=c, wgmma=False),
+        "bwd": lambda c: L.backward(grad, x, w1, b1, w2, config=c, wgmma=False),
     }
+    if L.uses_wgmma(dev, num_rows):
+        split, split_t = (runtime.kernel("tf32_split", dev, transpose=t) for t in (False, True))
+        wgmma = {role: runtime.kernel("tf32x3_wgmma_gemm", dev, k=k, splits=s, tile=L.WGMMA_TILE)
+                 for role, (k, s) in L.WGMMA_ROLES.items()}
+        depth = -(-num_rows // L.WGMMA_K_PAD) * L.WGMMA_K_PAD
+        h2, w2_2, g2 = (torch.empty_like(h), torch.empty_like(h)), (torch.empty_like(w2), torch.empty_like(w2)), \
+            (torch.empty_like(grad), torch.empty_like(grad))
+        w2t_2 = tuple(torch.empty(HIDDEN, D, **f32) for _ in range(2))
+        gt_2, ht_2 = (tuple(torch.empty(n, depth, **f32) for _ in range(2)) for n in (D, HIDDEN))
+        by_name = {name: fn for _, name, fn in steps}
+        steps += [
+            ("fwd_wgmma", "fc1 (h)", by_name["fc1 (h)"]),
+            ("fwd_wgmma", "split h", lambda: split(h, *h2)),
+            ("fwd_wgmma", "split w2", lambda: split(w2, *w2_2)),
+            ("fwd_wgmma", "wgmma fc2 partials", lambda: wgmma["fc2"](*h2, *w2_2, p_fc2)),
+            ("fwd_wgmma", "fold + b2", by_name["fold + b2"]),
+            ("bwd_wgmma", "fc1 (z, h)", by_name["fc1 (z, h)"]),
+            ("bwd_wgmma", "split grad", lambda: split(grad, *g2)),
+            ("bwd_wgmma", "split w2^T", lambda: split_t(w2, *w2t_2)),
+            ("bwd_wgmma", "wgmma fc2_dgrad partials", lambda: wgmma["fc2_dgrad"](*g2, *w2t_2, p_dh)),
+        ] + [("bwd_wgmma", name, by_name[name]) for name in ("dz fold + db1", "fc1_dgrad partials", "fold dx")] + [
+            ("bwd_wgmma", "split grad^T", lambda: split_t(grad, *gt_2)),
+            ("bwd_wgmma", "split h^T", lambda: split_t(h, *ht_2)),
+            ("bwd_wgmma", "wgmma fc2_wgrad dW2", lambda: wgmma["fc2_wgrad"](*gt_2, *ht_2, dw2)),
+            ("bwd_wgmma", "fc1_wgrad dW1", by_name["fc1_wgrad dW1"]),
+            ("bwd_wgmma", "colsum db2", by_name["colsum db2"]),
+        ]
+        whole["fwd_wgmma"] = lambda: L.forward(x, w1, b1, w2, b2, wgmma=True)
+        whole["bwd_wgmma"] = lambda: L.backward(grad, x, w1, b1, w2, wgmma=True)
     return steps, whole, configurable
 
 
@@ -155,22 +187,23 @@ def main() -> int:
                                           "config_sweep_graph_us": sweep}
         print(f"\nT = {num_rows}  {_config_name(cfg)}")
         for r in rows:
-            print(f"  {r['phase']}  {r['step']:<22} {_fmt(r['us'])}")
+            print(f"  {r['phase']:<9}  {r['step']:<24} {_fmt(r['us'])}")
         if torch.cuda.get_device_capability(dev)[0] == 9:
             wgmma = _safe(lambda fn: fn(), lambda: _wgmma_fc2(num_rows, dev))
             report["sizes"][str(num_rows)]["wgmma_fc2_us"] = wgmma
             for name, us in (wgmma.items() if isinstance(wgmma, dict) else [("all", wgmma)]):
                 print(f"  fwd  wgmma fc2 {name:<20} {_fmt(us)}")
         for phase, t in totals.items():
-            print(f"  {phase}  {'sum / graph':<22} {_fmt(t['sum_us'])} / {_fmt(t['graph_us'])}")
+            print(f"  {phase:<9}  {'sum / graph':<22} {_fmt(t['sum_us'])} / {_fmt(t['graph_us'])}")
         for name, t in sweep.items():
             print(f"  config {name:<18} graph fwd {_fmt(t['fwd'])}  bwd {_fmt(t['bwd'])}")
-        fwd, bwd = totals["fwd"]["graph_us"], totals["bwd"]["graph_us"]
-        if isinstance(fwd, float) and isinstance(bwd, float):
+        path = "_wgmma" if L.uses_wgmma(dev, num_rows) else ""  # the launcher's default path at this T
+        fwd, bwd = totals["fwd" + path]["graph_us"], totals["bwd" + path]["graph_us"]
+        if num_rows in CUBLAS_US and isinstance(fwd, float) and isinstance(bwd, float):
             fwd_target = min(CUBLAS_US[num_rows][0] / (2 if num_rows == 2048 else 1), 18.8 if num_rows <= 4 else 1e9)
             both_target = CUBLAS_US[num_rows][1] / 1.5
             report["sizes"][str(num_rows)]["targets_us"] = {"fwd": fwd_target, "fwd_bwd": both_target}
-            print(f"  target fwd {fwd:.1f} / {fwd_target:.1f} us {'ok' if fwd <= fwd_target else 'MISS'};"
+            print(f"  target ({'wgmma' if path else 'mma.sync'} path) fwd {fwd:.1f} / {fwd_target:.1f} us {'ok' if fwd <= fwd_target else 'MISS'};"
                   f" fwd+bwd {fwd + bwd:.1f} / {both_target:.1f} us {'ok' if fwd + bwd <= both_target else 'MISS'}")
         del steps, whole, configurable
         torch.cuda.empty_cache()

@@ -3,6 +3,9 @@
 CPU (slow: compiles): every probe variant compiles for sm_90a to TF32 wgmma, three per k8 chunk, one
 IEEE add per accumulator register per chunk, staging stores swizzled; where ptxas is installed, it
 assembles (the GEMM and the split without spills).
+GPU, the launcher's roles: fc2_dgrad (grad x w2^T through the transposing split of w2, 3 slices) and the
+T-deep fc2_wgrad (grad^T x h^T, K = T zero-padded, with extra all-zero k tiles too) equal the mma.sync
+role's partials bit for bit, zero rows and signed-zero products included.
 GPU (`-m gpu`, H200): the probe's (64, N) output equals, bit for bit, the one-slice partial of the
 production mma.sync kernel (timestep_mlp_gemm role fc2, slice s of a T = 64 call; columns past K in
 the slice are zero, whose chunks add +0 and leave every bit alone) on random normal data, a wide
@@ -213,7 +216,10 @@ def test_wgmma_gemm_compiles_to_three_tf32_wgmma_per_chunk(tmp_path):
         if shutil.which("ptxas"):
             report = _ptxas_ok(ptx, tmp_path)
             assert _no_spills(report) and "warning" not in report.lower(), report
-    assert len(W.GEMM_TILES) == len(spec.variants("sm_90a"))
+    variants = spec.variants("sm_90a")
+    assert {v["tile"] for v in variants if v["k"] == HIDDEN} == set(W.GEMM_TILES)  # fc2: every measured tile
+    for k, splits in W.ROLE_GEMMS.values():
+        assert dict(k=k, splits=splits, tile=W.LAUNCH_TILE) in variants
 
 
 def test_wgmma_tiles_are_checked():
@@ -347,3 +353,89 @@ def test_wgmma_fc2_rows_are_batch_invariant():
     for lo, hi in ((0, 1), (137, 138), (5, 200), (299, 300), (100, 300)):
         part = _wgmma_fc2(h[lo:hi].contiguous(), w2, _GEMM_TILES[0])
         assert torch.equal(bits(part), bits(full[:, lo:hi])), (lo, hi)
+
+
+# ---- the backward's roles: fc2_dgrad and the T-deep fc2_wgrad -------------------------------------------
+
+
+def _check_partials(got, want, ref_a, ref_b, what):
+    """got / want (S, M, N) against FP64 slice by slice (ref_a (M, K), ref_b (K, N)), then bitwise."""
+    slices = got.shape[0]
+    depth = ref_a.shape[1] // slices
+    for s in range(slices):
+        k = slice(depth * s, depth * (s + 1))
+        ref = ref_a[:, k].double() @ ref_b[k].double()
+        scale = ref_a[:, k].double().abs() @ ref_b[k].double().abs()
+        assert torch.isfinite(got[s]).all(), (what, s)
+        assert ((got[s].double() - ref).abs() <= 1e-5 * scale).all(), (what, s, "far from FP64")
+        assert torch.equal(bits(got[s]), bits(want[s])), f"{what} slice {s}: {_describe_difference(got[s], want[s])}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (1, 200, 2048))
+def test_wgmma_fc2_dgrad_partials_equal_the_mma_sync_partials(num_rows):
+    """dh partials (3, T, 5376) = grad (T, 2688) x w2 (2688, 5376) in 3 slices: A split in place, B = w2^T
+    through the transposing split; the mma.sync role reads w2 N-major in place."""
+    from h3cute import runtime
+    from h3cute.launch import timestep_mlp as L
+
+    g = _gen(7000 + num_rows)
+    grad = torch.randn(num_rows, N, generator=g, device="cuda")
+    w2 = torch.randn(N, HIDDEN, generator=g, device="cuda") * HIDDEN ** -0.5
+    k, splits = L.WGMMA_ROLES["fc2_dgrad"]
+    parts = [torch.full_like(grad, float("nan")) for _ in range(2)] + \
+        [torch.full((HIDDEN, N), float("nan"), device="cuda") for _ in range(2)]
+    runtime.kernel("tf32_split", grad.device, transpose=False)(grad, parts[0], parts[1])
+    runtime.kernel("tf32_split", grad.device, transpose=True)(w2, parts[2], parts[3])
+    got = torch.full((splits, num_rows, HIDDEN), float("nan"), device="cuda")
+    runtime.kernel("tf32x3_wgmma_gemm", grad.device, k=k, splits=splits, tile=L.WGMMA_TILE)(*parts, got)
+    want = torch.full_like(got, float("nan"))
+    runtime.kernel("timestep_mlp_gemm", grad.device, role="fc2_dgrad",
+                   tile=L.pick_config(num_rows).fc2_dgrad.astuple())(grad, L.transposed(w2), want)
+    _check_partials(got, want, grad, w2, "fc2_dgrad")
+
+
+def _wgmma_wgrad(grad, h, depth_out):
+    from h3cute import runtime
+    from h3cute.launch import timestep_mlp as L
+
+    split = runtime.kernel("tf32_split", grad.device, transpose=True)
+    parts = []
+    for xt in (grad, h):
+        pair = [torch.full((xt.shape[1], depth_out), float("nan"), device="cuda") for _ in range(2)]
+        split(xt, *pair)
+        parts += pair
+    out = torch.full((1, N, HIDDEN), float("nan"), device="cuda")
+    runtime.kernel("tf32x3_wgmma_gemm", grad.device, k=None, splits=1, tile=L.WGMMA_TILE)(*parts, out)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (1, 33, 257, 2048))
+def test_wgmma_fc2_wgrad_equals_the_mma_sync_wgrad_for_any_zero_padding(num_rows):
+    """dW2 (1, 2688, 5376) = grad^T h over K = T: the transposing splits pad K with zeros to a multiple of
+    32, here also with 64 more (two more all-zero k tiles). Relied on: acc starts at +0 and an RN sum is -0
+    only when both terms are, so acc is never -0 and adding a zero chunk (+0 or -0) changes no bit; the
+    mma.sync kernel pads to its own tile_k. Zero rows and a -0 column of grad put signed zeros in chunks."""
+    from h3cute import runtime
+    from h3cute.launch import timestep_mlp as L
+
+    g = _gen(8000 + num_rows)
+    grad = torch.randn(num_rows, N, generator=g, device="cuda")
+    h = torch.nn.functional.silu(torch.randn(num_rows, HIDDEN, generator=g, device="cuda") * 2)
+    grad[::4] = 0.0
+    grad[:, 3] = -0.0
+    tiles = {cfg.fc2_wgrad.astuple() for cfg in L.CONFIGS}
+    wants = []
+    for tile in sorted(tiles):  # every mma.sync wgrad tile agrees (tile_k 32: its own padding)
+        want = torch.full((1, N, HIDDEN), float("nan"), device="cuda")
+        runtime.kernel("timestep_mlp_gemm", grad.device, role="fc2_wgrad", tile=tile)(
+            L.transposed(grad), L.transposed(h), want)
+        wants.append(want)
+    depth = -(-num_rows // L.WGMMA_K_PAD) * L.WGMMA_K_PAD
+    for depth_out in (depth, depth + 64):
+        got = _wgmma_wgrad(grad, h, depth_out)
+        _check_partials(got, wants[0], grad.t(), h, f"fc2_wgrad K padded to {depth_out}")
+        assert not got[0, 3].any()
+    for want in wants[1:]:
+        assert torch.equal(bits(want), bits(wants[0]))

@@ -5,7 +5,9 @@ compiles for sm_90a and sm_100a with the three tf32 mma per k8 step and no atomi
 model of the big/small split meets the accuracy budget that plain TF32 misses.
 GPU (`-m gpu`): FP64 accuracy at the report sizes, bitwise batch invariance (row alone vs in batches
 straddling every tile edge, any position, poisoned neighbours), identical bits for every config,
-repeatable parameter gradients, poisoned (NaN-filled) output memory never leaking through.
+repeatable parameter gradients, poisoned (NaN-filled) output memory never leaking through. On sm_90a
+the TF32-wgmma path (fc2, fc2_dgrad, fc2_wgrad; the default from WGMMA_MIN_ROWS rows) gives the
+mma.sync path's bits for the whole op, forward and all five gradients, at any T.
 """
 
 import numpy as np
@@ -54,6 +56,41 @@ def test_transposed_views_have_the_compiled_strides():
         assert a.is_contiguous()
         v = L.transposed(a)
         assert v.shape == (96, a.shape[0]) and v.stride() == (1, 96) and torch.equal(v, a.t())
+
+
+def test_wgmma_roles_are_built_variants():
+    """The launcher's wgmma roles, tile and K padding are what kernels/wgmma_tf32.py builds."""
+    pytest.importorskip("cutlass", exc_type=ImportError)
+    from h3cute.kernels import get_spec
+    from h3cute.kernels import wgmma_tf32 as W
+
+    assert L.WGMMA_ROLES == W.ROLE_GEMMS and L.WGMMA_TILE == W.LAUNCH_TILE
+    assert L.WGMMA_K_PAD == W.TRANSPOSE_TILE and L.WGMMA_K_PAD % W.WgmmaTile(*L.WGMMA_TILE).bk == 0
+    built = get_spec("tf32x3_wgmma_gemm").variants("sm_90a")
+    for k, splits in L.WGMMA_ROLES.values():
+        assert dict(k=k, splits=splits, tile=L.WGMMA_TILE) in built, (k, splits)
+    assert get_spec("tf32x3_wgmma_gemm").archs == ("sm_90a",)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_kernel_handles_leave_the_wgmma_path_to_python(monkeypatch, arch):
+    """The C++ layer caches one answer per [lo, hi]: on sm_90a every row count from WGMMA_MIN_ROWS is marked
+    python-only (the wgmma sequence lives in the launcher), and no mma.sync range reaches past it."""
+    from h3cute import runtime
+
+    monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
+    monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: type("K", (), {"__chandle__": lambda s: 1})())
+    for backward in (0, 1):
+        for rows in (1, 16, 17, 64, 65, 255, 256, 257, 300, 2048, 100000):
+            lo, hi, handles, (python_only,) = L.kernel_handles(0, backward, rows)
+            assert lo <= rows <= hi
+            wgmma = arch == "sm_90a" and rows >= L.WGMMA_MIN_ROWS
+            assert python_only == int(wgmma) and L.uses_wgmma(0, rows) == wgmma, (rows, backward)
+            assert (handles == []) == wgmma
+            if arch == "sm_90a":  # the whole range takes the same path
+                assert (lo >= L.WGMMA_MIN_ROWS) == wgmma and (hi < L.WGMMA_MIN_ROWS) != wgmma, (rows, lo, hi)
+            if not wgmma:
+                assert L.pick_config(max(lo, 1)) == L.pick_config(rows) == L.pick_config(min(hi, 4096))
 
 
 def test_gemm_config_rejects_tiles_the_kernel_cannot_run():
@@ -365,18 +402,81 @@ def test_probe_rows_alone_equal_in_every_batch_size_and_position():
             assert same_bits(dx[pos:pos + 1], alone_dx[i]), (n, pos)
 
 
+def _sm90() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", (1, 17, 100, 300))
 def test_every_config_gives_identical_bits(num_rows):
+    """Every mma.sync config (forced: on sm_90a the default at 300 rows is the wgmma path), and on sm_90a the
+    wgmma path (which any T may take), give the same bits."""
     w1, b1, w2, b2 = _params(3)
     x = _randn((num_rows, F1), 31)
     grad = _randn((num_rows, D), 32)
-    fwd = [L.forward(x, w1, b1, w2, b2, config=c) for c in L.CONFIGS]
-    bwd = [L.backward(grad, x, w1, b1, w2, config=c) for c in L.CONFIGS]
-    for c, out, grads in zip(L.CONFIGS[1:], fwd[1:], bwd[1:]):
-        assert same_bits(out, fwd[0]), c
+    runs = [(c, False) for c in L.CONFIGS] + ([(L.pick_config(num_rows), True)] if _sm90() else [])
+    fwd = [L.forward(x, w1, b1, w2, b2, config=c, wgmma=w) for c, w in runs]
+    bwd = [L.backward(grad, x, w1, b1, w2, config=c, wgmma=w) for c, w in runs]
+    for run, out, grads in zip(runs[1:], fwd[1:], bwd[1:]):
+        assert same_bits(out, fwd[0]), run
         for name, g, g0 in zip(("dx", "dw1", "db1", "dw2", "db2"), grads, bwd[0]):
-            assert same_bits(g, g0), (c, name)
+            assert same_bits(g, g0), (run, name)
+
+
+def _both_paths(x, w1, b1, w2, b2, grad):
+    """(forward, backward) of the mma.sync path and of the wgmma path, each on NaN-poisoned memory."""
+    runs = []
+    for wgmma in (False, True):
+        _poison_allocator()
+        out = L.forward(x, w1, b1, w2, b2, wgmma=wgmma)
+        _poison_allocator()
+        runs.append((out, L.backward(grad, x, w1, b1, w2, wgmma=wgmma)))
+    return runs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (256, 257, 300, 512, 2048))
+def test_wgmma_path_gives_the_mma_sync_bits(num_rows):
+    """sm_90a: the whole op on the TF32-wgmma GEMMs (operand splits, TMA, warpgroup MMA) equals the mma.sync
+    path bit for bit, forward and all five gradients; FP64 first, so a layout bug reads as such."""
+    if not _sm90():
+        pytest.skip("the TF32 wgmma path is sm_90a only")
+    assert L.uses_wgmma(torch.device("cuda"), num_rows)
+    w1, b1, w2, b2 = _params(10 + num_rows)
+    x = _randn((num_rows, F1), 3000 + num_rows) * 2
+    grad = _randn((num_rows, D), 4000 + num_rows)
+    ref_out, ref_grads = _fp64(x, w1, b1, w2, b2, grad)
+    (out0, grads0), (out1, grads1) = _both_paths(x, w1, b1, w2, b2, grad)
+    assert _rel(out1, ref_out) <= FWD_TOL
+    for name, g, r in zip(("dx", "dw1", "db1", "dw2", "db2"), grads1, ref_grads):
+        assert _rel(g, r) <= GRAD_TOL, (name, _rel(g, r))
+    assert same_bits(out1, out0)
+    for name, g1, g0 in zip(("dx", "dw1", "db1", "dw2", "db2"), grads1, grads0):
+        assert same_bits(g1, g0), name
+    assert same_bits(L.forward(x, w1, b1, w2, b2), out1)  # the default at this T is the wgmma path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (257, 2048))
+def test_wgmma_path_keeps_zero_rows_and_signed_zeros(num_rows):
+    """Zero rows of grad (and a zero grad column: a dW2 row of +-0 products only) through both paths: dW2 is
+    a T-deep sum whose K tail the two paths pad differently (to 32 vs the mma.sync tile_k); the zero chunks
+    must leave every bit alone, signed zeros included."""
+    if not _sm90():
+        pytest.skip("the TF32 wgmma path is sm_90a only")
+    w1, b1, w2, b2 = _params(20)
+    x = _randn((num_rows, F1), 5000 + num_rows)
+    grad = _randn((num_rows, D), 6000 + num_rows)
+    grad[::3] = 0.0
+    grad[-7:] = 0.0  # the last rows before the K tail
+    grad[:, 5] = 0.0
+    grad[:, 6] = -0.0
+    (out0, grads0), (out1, grads1) = _both_paths(x, w1, b1, w2, b2, grad)
+    assert same_bits(out1, out0)
+    for name, g1, g0 in zip(("dx", "dw1", "db1", "dw2", "db2"), grads1, grads0):
+        assert same_bits(g1, g0), name
+    dw2 = grads1[3]
+    assert torch.isfinite(dw2).all() and not dw2[5].any() and not dw2[6].any()
 
 
 @pytest.mark.gpu
@@ -433,11 +533,12 @@ def test_cuda_graph_replay_gives_the_eager_bits(num_rows):
 
 
 @pytest.mark.gpu
-def test_weights_written_just_before_the_call_are_seen():
+@pytest.mark.parametrize("num_rows", (3, 300))  # 300: on sm_90a the wgmma path (splits read the weights)
+def test_weights_written_just_before_the_call_are_seen(num_rows):
     """fc2 and the dgrad GEMMs stream their weight before waiting on the previous kernel (PDL); a
     torch kernel that rewrites the weights right before the call must still be fully visible."""
     w1, b1, w2, b2 = _params(9)
-    x, grad = _randn((3, F1), 91), _randn((3, D), 92)
+    x, grad = _randn((num_rows, F1), 91), _randn((num_rows, D), 92)
     want = {}
     for sign in (1.0, -1.0):
         want[sign] = (L.forward(x, sign * w1, b1, sign * w2, b2), L.backward(grad, x, sign * w1, b1, sign * w2))

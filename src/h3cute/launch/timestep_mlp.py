@@ -12,6 +12,13 @@ Launch order is part of the kernels' PDL contract (kernels/timestep_mlp.py, PREF
 fc2_dgrad and fc1_dgrad prefetch their weight before waiting on the previous kernel, so the kernel
 launched right before each must not write that weight (fc1 / fc1_zh / the dz kernel do not).
 
+Large T on sm_90a (T >= WGMMA_MIN_ROWS): fc2, fc2_dgrad and fc2_wgrad run on the TF32 warpgroup MMA
+(kernels/wgmma_tf32.py): each operand is first split into its big / small TF32 operand arrays
+(`tf32_split`; w2^T, grad^T and h^T through its transposing form, the T-deep K zero-padded to a multiple
+of 32), then `tf32x3_wgmma_gemm` writes the same partial layout the mma.sync GEMM writes, under the same
+chunk contract (same K slices, same k8 chunks, same IEEE adds), into the same folds: the same bits at
+every T (GPU tests compare the whole op). fc1, fc1_zh, fc1_dgrad and fc1_wgrad stay on mma.sync.
+
 Config choice may look at T (it changes only speed): every config in CONFIGS gives the same bits,
 because the summation order is fixed by K and the slice count (kernels/timestep_mlp.py). The op
 layer validates shapes/dtypes/devices; here inputs are contiguous FP32 on one CUDA device, T >= 1.
@@ -71,6 +78,15 @@ LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dg
 CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
+# sm_90a from this many rows: the fc2-sized GEMMs on TF32 wgmma (speed only: same bits). H200, fc2 alone:
+# wgmma GEMM + both splits 39.8 + 83 vs mma.sync 51.5 us at T = 64; 78.9 + ~50 vs 143.9 at T = 256
+# (split w2 46.6 is T-independent); 563 + 83 vs 1062 at T = 2048.
+WGMMA_MIN_ROWS = 256
+WGMMA_TILE = (128, 32, 3)  # wgmma_tf32.LAUNCH_TILE (bn, bk, stages): every role's variant is built in it
+WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a multiple of it
+WGMMA_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"]), "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"]),
+               "fc2_wgrad": (None, 1)}  # wgmma_tf32.ROLE_GEMMS: (K, slices); None = T-deep
+
 # pick_config's T ranges: up to each bound, its config.
 T_BOUNDS = ((16, SMALL_T), (64, WIDE_T), (256, MID_T), (runtime.MAX_ROWS, LARGE_T))
 
@@ -85,12 +101,23 @@ def _bucket(num_rows: int) -> tuple[int, int, MlpConfig]:
     return lo, hi, dict(T_BOUNDS)[hi]
 
 
-def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int, list[int]]:
-    """For the C++ impls (h3cute.native): the T range sharing pick_config's config for `num_rows`, and the
-    C handles of the forward's kernels (fc1, fc2, fold) or the backward's (fc1_zh, fc2_dgrad, colsum_dz,
-    fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2), in launch order. runtime keeps them alive."""
+def uses_wgmma(device, num_rows: int) -> bool:
+    """The launcher's default path: the TF32-wgmma GEMMs on sm_90a from WGMMA_MIN_ROWS rows."""
+    return num_rows >= WGMMA_MIN_ROWS and runtime.arch_of(device) == "sm_90a"
+
+
+def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int, list[int], list[int]]:
+    """For the C++ impls (h3cute.native): the T range sharing every launch choice for `num_rows`, the C
+    handles of the forward's kernels (fc1, fc2, fold) or the backward's (fc1_zh, fc2_dgrad, colsum_dz,
+    fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2), in launch order (runtime keeps them alive), and
+    [python_only]: 1 where the launcher takes the wgmma path, which the C++ layer leaves to the Python impl
+    (no handles then; host time does not matter at T >= WGMMA_MIN_ROWS)."""
     lo, hi, cfg = _bucket(num_rows)
     dev = torch.device("cuda", device)
+    if runtime.arch_of(dev) == "sm_90a":
+        if num_rows >= WGMMA_MIN_ROWS:
+            return max(lo, WGMMA_MIN_ROWS), runtime.MAX_ROWS, [], [1]
+        hi = min(hi, WGMMA_MIN_ROWS - 1)
     if not backward:
         fns = [_gemm(dev, "fc1", cfg.fc1), _gemm(dev, "fc2", cfg.fc2), _fold(dev, "fc2", "bias")]
     else:
@@ -99,7 +126,7 @@ def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int,
                _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum"),
                _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad), _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad),
                runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH, fold_dz=False)]
-    return lo, hi, [fn.__chandle__() for fn in fns]
+    return lo, hi, [fn.__chandle__() for fn in fns], [0]
 
 
 def _gemm(device, role: str, tile: GemmConfig):
@@ -108,6 +135,26 @@ def _gemm(device, role: str, tile: GemmConfig):
 
 def _fold(device, role: str, mode: str):
     return runtime.kernel("timestep_mlp_fold", device, role=role, mode=mode)
+
+
+def _wgmma_gemm(device, role: str):
+    k, splits = WGMMA_ROLES[role]
+    return runtime.kernel("tf32x3_wgmma_gemm", device, k=k, splits=splits, tile=WGMMA_TILE)
+
+
+def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The big / small TF32 operand arrays of a contiguous K-major (R, K) operand."""
+    big, small = torch.empty_like(x), torch.empty_like(x)
+    runtime.kernel("tf32_split", x.device, transpose=False)(x, big, small)
+    return big, small
+
+
+def _split_transposed(xt: torch.Tensor, depth_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Big / small (R, depth_out) arrays of X = xt^T for a contiguous (K, R) xt, zero past K."""
+    shape = (xt.shape[1], depth_out)
+    big, small = xt.new_empty(shape), xt.new_empty(shape)
+    runtime.kernel("tf32_split", xt.device, transpose=True)(xt, big, small)
+    return big, small
 
 
 def _fc1(x, w1, b1, tile: GemmConfig):
@@ -119,8 +166,9 @@ def _fc1(x, w1, b1, tile: GemmConfig):
     return z, h
 
 
-def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None) -> torch.Tensor:
-    """temb = silu(x w1^T + b1) w2^T + b2: x (T, 256), w1 (5376, 256), w2 (2688, 5376) -> (T, 2688)."""
+def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None, wgmma: bool | None = None) -> torch.Tensor:
+    """temb = silu(x w1^T + b1) w2^T + b2: x (T, 256), w1 (5376, 256), w2 (2688, 5376) -> (T, 2688).
+    wgmma: the fc2 GEMM on TF32 wgmma (sm_90a only); None: `uses_wgmma`. Same bits either way."""
     num_rows = x.shape[0]
     dev = x.device
     out = torch.empty((num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
@@ -130,7 +178,11 @@ def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None) -> torch.Tensor:
     h = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=dev)
     _gemm(dev, "fc1", cfg.fc1)(x, w1, b1, h)  # h only: the forward never reads z
     partials = torch.empty((SPLITS["fc2"], num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
-    _gemm(dev, "fc2", cfg.fc2)(h, w2, partials)
+    use_wgmma = uses_wgmma(dev, num_rows) if wgmma is None else wgmma
+    if use_wgmma:
+        _wgmma_gemm(dev, "fc2")(*_split(h), *_split(w2), partials)
+    else:
+        _gemm(dev, "fc2", cfg.fc2)(h, w2, partials)
     _fold(dev, "fc2", "bias")(partials, b2, out)
     return out
 
@@ -141,8 +193,9 @@ def transposed(a: torch.Tensor) -> torch.Tensor:
     return a.as_strided((a.shape[1], a.shape[0]), (1, a.shape[1]))
 
 
-def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None):
-    """(dx, dw1, db1, dw2, db2) of temb = timestep_mlp(x, w1, b1, w2, b2) for upstream `grad` (T, 2688)."""
+def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool | None = None):
+    """(dx, dw1, db1, dw2, db2) of temb = timestep_mlp(x, w1, b1, w2, b2) for upstream `grad` (T, 2688).
+    wgmma: fc2_dgrad and fc2_wgrad on TF32 wgmma (sm_90a only); None: `uses_wgmma`. Same bits either way."""
     num_rows = x.shape[0]
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
@@ -150,10 +203,14 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None):
         return (torch.empty((0, SINUSOID_WIDTH), **f32), torch.zeros_like(w1), torch.zeros_like(b1),
                 torch.zeros_like(w2), torch.zeros((TEMB_WIDTH,), **f32))
     cfg = config or pick_config(num_rows)
+    use_wgmma = uses_wgmma(dev, num_rows) if wgmma is None else wgmma
     z, h = _fc1(x, w1, b1, cfg.fc1)
 
     dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, HIDDEN), **f32)
-    _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)  # w2 read N-major in place
+    if use_wgmma:  # B = w2^T (5376, 2688): w2 (2688, 5376) is its contiguous transpose
+        _wgmma_gemm(dev, "fc2_dgrad")(*_split(grad), *_split_transposed(w2, TEMB_WIDTH), dh_partials)
+    else:
+        _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)  # w2 read N-major in place
     dz = torch.empty((num_rows, HIDDEN), **f32)
     db1 = torch.empty((HIDDEN,), **f32)
     # dz = fold(dh partials) * silu'(z), and db1 = column sums of dz, in one pass
@@ -165,7 +222,14 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None):
     _fold(dev, "fc1_dgrad", "sum")(dx_partials, dx.new_empty((1,)), dx)
 
     dw2 = torch.empty((1, TEMB_WIDTH, HIDDEN), **f32)
-    _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)(transposed(grad), transposed(h), dw2)
+    if use_wgmma:
+        # A = grad^T (2688, T), B = h^T (5376, T), K = T zero-padded: a chunk of zeros adds +-0, and acc is
+        # never -0 (it starts at +0; an RN sum is -0 only when both terms are), so it leaves every bit alone,
+        # however many such chunks the padding (here to 32, in the mma.sync kernel to its tile_k) adds.
+        depth = -(-num_rows // WGMMA_K_PAD) * WGMMA_K_PAD
+        _wgmma_gemm(dev, "fc2_wgrad")(*_split_transposed(grad, depth), *_split_transposed(h, depth), dw2)
+    else:
+        _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)(transposed(grad), transposed(h), dw2)
     dw1 = torch.empty((1, HIDDEN, SINUSOID_WIDTH), **f32)
     _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)(transposed(dz), transposed(x), dw1)
 
