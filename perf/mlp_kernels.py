@@ -203,7 +203,8 @@ def main() -> int:
             fwd_target = min(CUBLAS_US[num_rows][0] / (2 if num_rows == 2048 else 1), 18.8 if num_rows <= 4 else 1e9)
             both_target = CUBLAS_US[num_rows][1] / 1.5
             report["sizes"][str(num_rows)]["targets_us"] = {"fwd": fwd_target, "fwd_bwd": both_target}
-            print(f"  target ({'wgmma' if path else 'mma.sync'} path) fwd {fwd:.1f} / {fwd_target:.1f} us {'ok' if fwd <= fwd_target else 'MISS'};"
+            print(f"  target ({'wgmma' if path else 'mma.sync'} path) fwd {fwd:.1f} / {fwd_target:.1f} us"
+                  f" {'ok' if fwd <= fwd_target else 'MISS'};"
                   f" fwd+bwd {fwd + bwd:.1f} / {both_target:.1f} us {'ok' if fwd + bwd <= both_target else 'MISS'}")
         del steps, whole, configurable
         torch.cuda.empty_cache()
