@@ -27,7 +27,9 @@ atomics), not batch-invariant by nature.
 
 On sm_90a the wgmma family has two mainloops with the same k16 order and epilogue, so the same bits:
 `_WgmmaGemm` (the cp.async ring above, `WGMMA_CONFIGS`) and `_TmaWgmmaGemm` (TMA loads into an mbarrier
-ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGRAD_CONFIGS`).
+ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGRAD_CONFIGS`), plus, for dW,
+`_TmaWgmmaPersistentGemm` (the TMA mainloop in a fixed grid of `PERSISTENT_CTAS` CTAs that walk the output
+tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`).
 
 Constraints: K-major operands need K % 8 == 0 (the copy vector runs along K); MN-major operand
 extents are multiples of 8; all pointers 16-byte aligned and all tensors contiguous.
@@ -71,7 +73,8 @@ _COPY_BITS = 128
 @dataclass(frozen=True)
 class GemmTile:
     """CTA tile (bm x bn x bk), warp grid (warps_m x warps_n) and cp.async pipeline depth;
-    `ctas_per_sm` > 0 asks ptxas for that many resident CTAs (.maxntid + .minnctapersm: a register cap)."""
+    `ctas_per_sm` > 0 asks ptxas for that many resident CTAs (.maxntid + .minnctapersm: a register cap);
+    `persistent_ctas` > 0: a persistent grid of that many CTAs walking the output tiles (`_TmaWgmmaPersistentGemm`)."""
 
     bm: int
     bn: int
@@ -80,6 +83,7 @@ class GemmTile:
     warps_n: int
     stages: int
     ctas_per_sm: int = 0
+    persistent_ctas: int = 0
 
     @property
     def threads(self) -> int:
@@ -154,10 +158,18 @@ TMA_CONFIGS = {
 # ieee_steps keeps acc and two block tiles (3 x bn / 2 FP32 registers per consumer thread): bn <= 128.
 _IEEE_MAX_BN = 128
 TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items() if tile.bn <= _IEEE_MAX_BN}
+# The persistent dW grid: one CTA per H200 SM (132; a constant, never a device query). On a GPU with more
+# SMs the kernel stays correct and leaves some idle; the tile order, hence the bits, never depends on it.
+PERSISTENT_CTAS = 132
 TMA_WGRAD_CONFIGS = {
     "tma_wgrad": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5),  # 160 KB
     # bk 32: half the zero-padded K tail at mid T (T = 256: 8 k tiles).
     "tma_wgrad_k32": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=8),  # 128 KB
+    # Persistent (T <= 256, where writing dW's 520 MB is the cost): + two C buffers for the TMA stores.
+    "tma_wgrad_persist": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4,
+                                  persistent_ctas=PERSISTENT_CTAS),  # 128 + 64 KB
+    "tma_wgrad_persist_n64": GemmTile(bm=128, bn=64, bk=64, warps_m=8, warps_n=1, stages=6,
+                                      persistent_ctas=PERSISTENT_CTAS),  # 144 + 32 KB
 }
 
 
@@ -974,6 +986,210 @@ class _TmaWgmmaGemm(_WgmmaGemm):
             acc[i] = acc[i] + step[i]
 
 
+class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
+    """The dW GEMM (C = A B^T, BF16 C N-major) as a persistent `_TmaWgmmaGemm`: `tile.persistent_ctas` CTAs,
+    CTA c computes output tiles i = c, c + G, c + 2G, ... (N fastest: i -> (i // tiles_n, i % tiles_n)), a fixed
+    static schedule. The producer warp streams every tile's A (grad^T) and B (a^T) k tiles through one ring,
+    running ahead into the next tile while the consumers finish the current one. Per tile the consumers run the
+    chained k16 walk from a zero accumulator (`_chained_mainloop`'s, the K tail placed as in `_k_tiles`: the
+    same bits as every wgmma dW config), then store C through shared memory: BF16 fragments -> C buffer
+    (tile count % 2; stmatrix into the swizzled layout TMA reads) -> one TMA store (`cp.async.bulk.tensor`
+    shared -> global) issued by one thread, which waits only before a buffer is reused
+    (`cp.async.bulk.wait_group.read 1`: the store of two tiles ago has read it). So the stores of tile i
+    overlap the loads and MMAs of tile i + 1. db (`dbias_rows`): the tiles of the first N tile write it, with
+    `_store_dbias` (the same order and bits)."""
+
+    _C_BUFFERS = 2
+
+    def __init__(self, tile: GemmTile, **kw):
+        super().__init__(tile, **kw)
+        assert tile.persistent_ctas > 0 and self.c_n_major and self.epilogue == "bf16", (tile, kw)
+        assert self.k_splits == 1 and not self.ieee_steps, kw
+
+    def _c_layout(self):
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as sm90
+
+        t = self.tile
+        return sm90.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (t.bm, t.bn), self._C_BUFFERS)
+
+    def _allocate_smem(self, sA_layout, sB_layout, align: int):
+        """The mbarrier pair per stage, the A and B stages, and the C buffers (their own: TMA reads them while
+        the next tile's loads land in the stages)."""
+        a_size, b_size = cute.cosize(sA_layout), cute.cosize(sB_layout)
+        fields = {
+            "barriers": cute.struct.MemRange[cutlass.Int64, 2 * self.tile.stages],
+            "a": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, a_size], align],
+            "b": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, b_size], align],
+            "c": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(self._c_layout())], align],
+        }
+        shared = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        return cutlass.memory.SmemAllocator().allocate(shared)
+
+    @cute.jit
+    def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
+        from cutlass.cute.nvgpu import OperandMajorMode, cpasync
+        from cutlass.utils import hopper_helpers as sm90
+
+        t = self.tile
+        sA_layout = self._wgmma_smem_layout(self.a_k_major, t.bm, True)
+        sB_layout = self._wgmma_smem_layout(self.b_k_major, t.bn, False)
+        sC_layout = self._c_layout()
+        tma_a, tma_mA = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (t.bm, t.bk))
+        tma_b, tma_mB = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk))
+        tma_c, tma_mC = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (t.bm, t.bn))
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            cutlass.BFloat16,
+            cutlass.BFloat16,
+            OperandMajorMode.K if self.a_k_major else OperandMajorMode.MN,
+            OperandMajorMode.K if self.b_k_major else OperandMajorMode.MN,
+            cutlass.Float32,
+            (t.warps_m // 4, 1, 1),
+            tiler_mn=(64, t.bn),
+        )
+        self.persistent_kernel(mA, mBias, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout,
+                               sC_layout, tiled_mma).launch(
+            grid=(t.persistent_ctas, 1, 1), block=[self._cta_threads, 1, 1], stream=stream,
+            max_number_threads=[self._cta_threads, 1, 1], min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def persistent_kernel(
+        self,
+        mA: cute.Tensor,
+        mBias: cute.Tensor,
+        tma_a: cute.CopyAtom,
+        tma_mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        tma_mB: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        tma_mC: cute.Tensor,
+        sA_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+        sC_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+    ):
+        from cutlass import pipeline
+        from cutlass.cute.nvgpu import cpasync
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as sm90
+
+        t = self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta, _, _ = cute.arch.block_idx()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_c)
+
+        storage = self._allocate_smem(sA_layout, sB_layout, 1024)
+        sA = storage.a.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB = storage.b.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sC = storage.c.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+
+        stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
+            cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0)))
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=t.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.threads // 32),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
+        # (bm, bk, tiles_m, k_tiles) / (bn, bk, tiles_n, k_tiles), k tiles shifted back by the K tail as in
+        # _WarpMmaGemm._k_tiles (the first one partial, negative K coordinates zero-filled by TMA).
+        gA = cute.local_tile(tma_mA, (t.bm, t.bk), (None, None))
+        gB = cute.local_tile(tma_mB, (t.bn, t.bk), (None, None))
+        residual_k = cute.size(mA, mode=[1]) - cutlass.Int32(t.bk) * cute.size(gA, mode=[3])
+        gA = cute.domain_offset((0, residual_k, 0, 0), gA)
+        gB = cute.domain_offset((0, residual_k, 0, 0), gB)
+        k_tile_count = cute.size(gA, mode=[3])
+        tiles_n = cute.size(gB, mode=[2])
+        num_tiles = cute.size(gA, mode=[2]) * tiles_n
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                           cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+        gC = cute.local_tile(tma_mC, (t.bm, t.bn), (None, None))  # (bm, bn, tiles_m, tiles_n)
+        tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                                           cute.group_modes(gC, 0, 2))
+
+        if warp_idx < 4 * self._PRODUCER_WARPGROUPS:
+            cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
+            if warp_idx == 0:
+                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
+                for tile in range(cta, num_tiles, t.persistent_ctas):
+                    m_tile = tile // tiles_n
+                    n_tile = tile - m_tile * tiles_n
+                    for k_tile in range(k_tile_count):
+                        ring.producer_acquire(produce)
+                        full = ring.producer_get_barrier(produce)
+                        cute.copy(tma_a, tAgA[None, m_tile, k_tile], tAsA[None, produce.index], tma_bar_ptr=full)
+                        cute.copy(tma_b, tBgB[None, n_tile, k_tile], tBsB[None, produce.index], tma_bar_ptr=full)
+                        ring.producer_commit(produce)
+                        produce.advance()
+                ring.producer_tail(produce)
+        else:
+            cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
+            ctidx = tidx - 128 * self._PRODUCER_WARPGROUPS
+            thr_mma = tiled_mma.get_slice(ctidx)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(sC[None, None, 0]).shape, cutlass.Float32)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            # Fragments -> swizzled C buffer with stmatrix (the layout the TMA store reads).
+            st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
+            r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
+            thr_r2s = r2s.get_slice(ctidx)
+            tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer)
+            tRS_acc = r2s.retile(acc)  # acc in the copy's source order, as the BF16 registers below
+            tRS_rC = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], cutlass.BFloat16)
+
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+            release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+            buffer = cutlass.Int32(0)
+            for tile in range(cta, num_tiles, t.persistent_ctas):
+                m_tile = tile // tiles_n
+                n_tile = tile - m_tile * tiles_n
+                acc.fill(0.0)
+                ring.consumer_wait(read)
+                self._chained_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+                read.advance()
+                for _ in range(1, k_tile_count):
+                    ring.consumer_wait(read)
+                    self._chained_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    ring.consumer_release(release)
+                    release.advance()
+                    read.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                ring.consumer_release(release)
+                release.advance()
+
+                if ctidx == 0:  # the store that last read this buffer (two tiles ago) is done reading it
+                    cute.arch.cp_async_bulk_wait_group(self._C_BUFFERS - 1, read=True)
+                self._epilogue_barrier()
+                for i in cutlass.range(cute.size(tRS_rC), unroll_full=True):
+                    tRS_rC[i] = tRS_acc[i].to(cutlass.BFloat16)
+                cute.copy(r2s, tRS_rC, tRS_sC[None, None, None, buffer])
+                cute.arch.fence_proxy("async.shared", space="cta")  # the writes are visible to the TMA unit
+                self._epilogue_barrier()
+                if ctidx == 0:
+                    cute.copy(tma_c, tCsC[None, buffer], tCgC[None, m_tile, n_tile])
+                    cute.arch.cp_async_bulk_commit_group()
+                if cutlass.const_expr(self.dbias_rows):
+                    self._store_dbias(mA, mBias, n_tile, m_tile, ctidx)
+                buffer = (buffer + 1) % self._C_BUFFERS
+            if ctidx == 0:  # shared memory must outlive the last stores' reads
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
 # ------------------------------------------------------------------------------ the projection
 def _fake(dtype, shape, stride_order=None):
     return make_fake_compact_tensor(dtype, shape, stride_order=stride_order, assumed_align=16)
@@ -1041,8 +1257,9 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
 def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: str = "wgrad"):
     if wgmma:
         assert arch == "sm_90a"
-        cls, tile = (_TmaWgmmaGemm, TMA_WGRAD_CONFIGS[config]) if config in TMA_WGRAD_CONFIGS else \
-            (_WgmmaGemm, WGRAD_WGMMA_CONFIGS[config])
+        tile = {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}[config]
+        cls = _WgmmaGemm if config in WGRAD_WGMMA_CONFIGS else \
+            _TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm
         gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True, dbias_rows=True)
     else:
         gemm = _WarpMmaGemm(WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True,

@@ -165,12 +165,16 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
     assert gemm._PRODUCER_REGS % 8 == 0 and gemm._CONSUMER_REGS % 8 == 0 and gemm._CONSUMER_REGS <= 256
     for name, tile in {**k.TMA_CONFIGS, **k.TMA_WGRAD_CONFIGS}.items():
         ab = tile.stages * (tile.bm + tile.bn) * tile.bk * 2
-        smem = ab + 2 * 8 * tile.stages + 1024  # barriers, alignment
+        # The persistent dW kernel has its own C buffers (TMA stores read them while the next tile loads).
+        c_buffers = k._TmaWgmmaPersistentGemm._C_BUFFERS * tile.bm * tile.bn * 2 if tile.persistent_ctas else 0
+        smem = ab + c_buffers + 2 * 8 * tile.stages + 3 * 1024  # barriers, alignment of each range
         assert smem_max // 2 < smem <= smem_max, (name, smem)
         assert tile.warps_m == 8 and tile.bk % 32 == 0 and tile.bm == 128, name
         c_major = name in k.TMA_WGRAD_CONFIGS  # dW's C is N-major, the table's M-major (padded by 8)
         c_lines, c_line = (tile.bm, tile.bn + 8) if c_major else (tile.bn, tile.bm + 8)
-        assert c_lines * c_line * 2 <= ab, name
+        assert tile.persistent_ctas or c_lines * c_line * 2 <= ab, name
+        # Persistent: a fixed grid (no device query) of at least one CTA per H200 SM.
+        assert tile.persistent_ctas in (0, k.PERSISTENT_CTAS) and k.PERSISTENT_CTAS % 132 == 0, name
     assert k.TMA_DGRAD_CONFIGS and all(3 * t.bn // 2 <= 192 for t in k.TMA_DGRAD_CONFIGS.values())
     assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items() if t.bn <= k._IEEE_MAX_BN}
 
@@ -211,6 +215,13 @@ def test_tma_mainloop_instructions():
             _assert_dgrad_k_blocks(text, 1, tile.bn // 2, k.DGRAD_K_BLOCK, config)
         else:  # BF16 epilogues stage C in shared memory behind the consumers' named barrier
             assert re.search(r"bar\.sync\s+1, 256;", text), (name, config)
+        if tile.persistent_ctas:  # C: stmatrix -> C buffer -> TMA store, a buffer reused after its store read it
+            for marker in ("stmatrix.sync.aligned.m8n8.x4.shared.b16", "fence.proxy.async.shared::cta",
+                           "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group"):
+                assert marker in text, (config, marker)
+            waits = re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", text)
+            assert waits == [str(k._TmaWgmmaPersistentGemm._C_BUFFERS - 1), "0"], (config, waits)
+            assert "st.global.v4" not in text, config  # no 16-byte register stores of C left
         if shutil.which("ptxas"):
             with tempfile.TemporaryDirectory() as tmp:
                 src = Path(tmp) / "k.ptx"
@@ -498,7 +509,7 @@ def _bias_grad_kernel(grad):
 
 @gpu
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("rows", [1, 5, 31, 32, 33, 63, 64, 65, 100, 300, 2048])
+@pytest.mark.parametrize("rows", [1, 5, 31, 32, 33, 63, 64, 65, 100, 256, 300, 2048])
 def test_wgrad_tiles_give_identical_bits(family, rows):
     """A family's dW tiles run the same k16 sequence: identical bits, every element written. Up to
     FUSED_DBIAS_ROWS they also write db with adaln_bias_grad's bits (odd T: a half-filled last row
@@ -523,6 +534,40 @@ def test_wgrad_tiles_give_identical_bits(family, rows):
             assert torch.equal(dbs[c].view(torch.int16), standalone.view(torch.int16)), f"fused db {c}, T={rows}"
         else:
             assert dbs[c].isnan().all(), f"dW tile {c} wrote db at T={rows}"
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 33, 64, 65, 256])
+def test_persistent_wgrad_on_the_block_table(block_params, rows):
+    """The persistent dW kernels on N = 96768 (15876 / 31752 output tiles over the fixed 132-CTA grid, the last
+    round partial): NaN-poisoned dW and db with NaN guards behind them, every element written, nothing past
+    the end, the bits of the cp.async wgmma kernel (wg_wgrad), db fused up to FUSED_DBIAS_ROWS; run twice."""
+    from h3cute import runtime
+
+    _family_configs("wgmma")
+    w, _ = block_params
+    act = launch.silu_bf16(_temb(rows, 60 + rows))
+    grad = torch.randn((rows, N_BLOCK), generator=_gen(61 + rows), device="cuda").to(torch.bfloat16)
+    dev, nan, pad = act.device, float("nan"), 4096
+
+    def run(config):
+        fn = runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=N_BLOCK, wgmma=True, config=config)
+        dw = torch.full((N_BLOCK * D + pad,), nan, dtype=torch.bfloat16, device=dev)
+        db = torch.full((N_BLOCK + pad,), nan, dtype=torch.bfloat16, device=dev)
+        fn(grad, act, dw[:-pad].view(N_BLOCK, D), db[:-pad])
+        assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), (config, rows)
+        fused = rows <= launch.FUSED_DBIAS_ROWS
+        assert (not db[:-pad].isnan().any() if fused else db[:-pad].isnan().all()) and db[-pad:].isnan().all()
+        return dw[:-pad], db[:-pad]
+
+    ref_dw, ref_db = run("wg_wgrad")
+    assert _rel_err(ref_dw, grad.double().t() @ act.double()) <= BF16_ERR_CEILING
+    for config in (c for c in launch.TMA_WGRAD_CONFIGS if "persist" in c):
+        for _ in range(2):
+            dw, db = run(config)
+            assert_same_bits(dw, ref_dw, f"dW {config} vs wg_wgrad, T={rows}")
+            if rows <= launch.FUSED_DBIAS_ROWS:
+                assert_same_bits(db, ref_db, f"db {config} vs wg_wgrad, T={rows}")
 
 
 @gpu
