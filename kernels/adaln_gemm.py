@@ -447,6 +447,13 @@ class _WarpMmaGemm:
         if cutlass.const_expr(self.dbias_rows):
             self._store_dbias(mA, mBias, n_tile, m_tile, tidx)
 
+    def _grid(self, mA: cute.Tensor, mB: cute.Tensor):
+        """(N tiles, M tiles, K splits): grid x walks N fastest, so CTAs resident together share their A
+        (weight-sized) tile in L2."""
+        t = self.tile
+        return (cute.ceil_div(cute.size(mB, mode=[0]), t.bn), cute.ceil_div(cute.size(mA, mode=[0]), t.bm),
+                self.k_splits)
+
     @cute.jit
     def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
         t = self.tile
@@ -460,12 +467,7 @@ class _WarpMmaGemm:
             cute.make_layout((t.warps_m, t.warps_n, 1)),
             permutation_mnk=(16 * t.warps_m, 16 * t.warps_n, 16),
         )
-        # grid x walks N fastest: CTAs resident together share their A (weight-sized) tile in L2.
-        grid = (
-            cute.ceil_div(cute.size(mB, mode=[0]), t.bn),
-            cute.ceil_div(cute.size(mA, mode=[0]), t.bm),
-            self.k_splits,
-        )
+        grid = self._grid(mA, mB)
         self.kernel(mA, mB, mC, mBias, sA_layout, sA_swizzle, sB_layout, sB_swizzle, copy_A, copy_B, tiled_mma).launch(
             grid=grid, block=[t.threads, 1, 1], stream=stream, **t.launch_bounds()
         )
@@ -587,6 +589,32 @@ class _WgmmaGemm(_WarpMmaGemm):
     `_wgmma_k_block` into a zeroed block tile, wait, IEEE adds into acc.
     """
 
+    def _wgmma_tiled_mma(self):
+        """BF16 wgmma m64 x bn x k16, FP32 accumulators, warps_m / 4 warpgroups stacked along M."""
+        from cutlass.cute.nvgpu import OperandMajorMode
+        from cutlass.utils import hopper_helpers as sm90
+
+        return sm90.make_trivial_tiled_mma(
+            cutlass.BFloat16,
+            cutlass.BFloat16,
+            OperandMajorMode.K if self.a_k_major else OperandMajorMode.MN,
+            OperandMajorMode.K if self.b_k_major else OperandMajorMode.MN,
+            cutlass.Float32,
+            (self.tile.warps_m // 4, 1, 1),
+            tiler_mn=(64, self.tile.bn),
+        )
+
+    def _tma_loads(self, mA: cute.Tensor, mB: cute.Tensor, sA_layout, sB_layout):
+        """TMA load atoms (and their coordinate tensors) for one (bm, bk) A tile and one (bn, bk) B tile."""
+        from cutlass.cute.nvgpu import cpasync
+
+        t = self.tile
+        tma_a, tma_mA = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (t.bm, t.bk))
+        tma_b, tma_mB = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk))
+        return tma_a, tma_mA, tma_b, tma_mB
+
     def _wgmma_smem_layout(self, k_major: bool, mn: int, is_a: bool):
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as sm90
@@ -599,28 +627,13 @@ class _WgmmaGemm(_WarpMmaGemm):
 
     @cute.jit
     def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
-        from cutlass.cute.nvgpu import OperandMajorMode
-        from cutlass.utils import hopper_helpers as sm90
-
         t = self.tile
         sA_layout = self._wgmma_smem_layout(self.a_k_major, t.bm, True)
         sB_layout = self._wgmma_smem_layout(self.b_k_major, t.bn, False)
         copy_A = self._gmem_copy(self.a_k_major, t.bm)
         copy_B = self._gmem_copy(self.b_k_major, t.bn)
-        tiled_mma = sm90.make_trivial_tiled_mma(
-            cutlass.BFloat16,
-            cutlass.BFloat16,
-            OperandMajorMode.K if self.a_k_major else OperandMajorMode.MN,
-            OperandMajorMode.K if self.b_k_major else OperandMajorMode.MN,
-            cutlass.Float32,
-            (t.warps_m // 4, 1, 1),
-            tiler_mn=(64, t.bn),
-        )
-        grid = (
-            cute.ceil_div(cute.size(mB, mode=[0]), t.bn),
-            cute.ceil_div(cute.size(mA, mode=[0]), t.bm),
-            self.k_splits,
-        )
+        tiled_mma = self._wgmma_tiled_mma()
+        grid = self._grid(mA, mB)
         self.wgmma_kernel(mA, mB, mC, mBias, sA_layout, sB_layout, copy_A, copy_B, tiled_mma).launch(
             grid=grid, block=[t.threads, 1, 1], stream=stream, **t.launch_bounds()
         )
@@ -798,30 +811,12 @@ class _TmaWgmmaGemm(_WgmmaGemm):
 
     @cute.jit
     def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
-        from cutlass.cute.nvgpu import OperandMajorMode, cpasync
-        from cutlass.utils import hopper_helpers as sm90
-
         t = self.tile
         sA_layout = self._wgmma_smem_layout(self.a_k_major, t.bm, True)
         sB_layout = self._wgmma_smem_layout(self.b_k_major, t.bn, False)
-        tma_a, tma_mA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (t.bm, t.bk))
-        tma_b, tma_mB = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk))
-        tiled_mma = sm90.make_trivial_tiled_mma(
-            cutlass.BFloat16,
-            cutlass.BFloat16,
-            OperandMajorMode.K if self.a_k_major else OperandMajorMode.MN,
-            OperandMajorMode.K if self.b_k_major else OperandMajorMode.MN,
-            cutlass.Float32,
-            (t.warps_m // 4, 1, 1),
-            tiler_mn=(64, t.bn),
-        )
-        grid = (
-            cute.ceil_div(cute.size(mB, mode=[0]), t.bn),
-            cute.ceil_div(cute.size(mA, mode=[0]), t.bm),
-            self.k_splits,
-        )
+        tma_a, tma_mA, tma_b, tma_mB = self._tma_loads(mA, mB, sA_layout, sB_layout)
+        tiled_mma = self._wgmma_tiled_mma()
+        grid = self._grid(mA, mB)
         self.tma_kernel(mA, mC, mBias, tma_a, tma_mA, tma_b, tma_mB, sA_layout, sB_layout, tiled_mma).launch(
             grid=grid, block=[self._cta_threads, 1, 1], stream=stream,
             # setmaxnreg redistributes the registers ptxas gives the CTA: ask for one CTA's full share.
@@ -1028,28 +1023,16 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
 
     @cute.jit
     def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
-        from cutlass.cute.nvgpu import OperandMajorMode, cpasync
-        from cutlass.utils import hopper_helpers as sm90
+        from cutlass.cute.nvgpu import cpasync
 
         t = self.tile
         sA_layout = self._wgmma_smem_layout(self.a_k_major, t.bm, True)
         sB_layout = self._wgmma_smem_layout(self.b_k_major, t.bn, False)
         sC_layout = self._c_layout()
-        tma_a, tma_mA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (t.bm, t.bk))
-        tma_b, tma_mB = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk))
+        tma_a, tma_mA, tma_b, tma_mB = self._tma_loads(mA, mB, sA_layout, sB_layout)
         tma_c, tma_mC = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (t.bm, t.bn))
-        tiled_mma = sm90.make_trivial_tiled_mma(
-            cutlass.BFloat16,
-            cutlass.BFloat16,
-            OperandMajorMode.K if self.a_k_major else OperandMajorMode.MN,
-            OperandMajorMode.K if self.b_k_major else OperandMajorMode.MN,
-            cutlass.Float32,
-            (t.warps_m // 4, 1, 1),
-            tiler_mn=(64, t.bn),
-        )
+        tiled_mma = self._wgmma_tiled_mma()
         self.persistent_kernel(mA, mBias, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout,
                                sC_layout, tiled_mma).launch(
             grid=(t.persistent_ctas, 1, 1), block=[self._cta_threads, 1, 1], stream=stream,

@@ -158,7 +158,11 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config
 
 
 def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, config: str | None = None):
-    """(T, N) BF16 grad -> (dtemb (T, 2688) FP32, dweight (N, 2688) BF16, dbias (N,) BF16)."""
+    """(T, N) BF16 grad -> (dtemb (T, 2688) FP32, dweight (N, 2688) BF16, dbias (N,) BF16). `config`, if
+    given, is the d_temb GEMM's (dW's tile is picked from T)."""
+    if config is not None and config not in CONFIGS + WGMMA_CONFIGS + TMA_DGRAD_CONFIGS:
+        raise ValueError(f"adaln_projection backward: config {config!r} has no d_temb GEMM; one of "
+                         f"{CONFIGS + WGMMA_CONFIGS + TMA_DGRAD_CONFIGS}")
     rows, out_features = temb.shape[0], weight.shape[0]
     device = temb.device
     if rows == 0:
