@@ -82,13 +82,15 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
 
 def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     """A family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs. wgmma: the H200
-    timings at 0baae16: one warpgroup over 128 x 64 at T <= 64 (wg_wgrad_n64_1wg 159.6 / 161.2 / 199.9 us at
-    T = 1 / 4 / 64 vs wg_wgrad_n64 171.5 / 173.5 / 230.6), wg_wgrad up to 512 (T = 256: 403.0 vs tma_wgrad
-    435.7), the TMA mainloop beyond (T = 2048: tma_wgrad 1841.5 vs wg_wgrad 2237.6)."""
+    timings at 0baae16 and d24d50b: one warpgroup over 128 x 64 at T <= 64 (wg_wgrad_n64_1wg 159.4 / 160.7 /
+    202.0 us at T = 1 / 4 / 64; the persistent TMA kernel 160.5 / 161.6 / 267.6), the persistent TMA kernel
+    with overlapped TMA stores beyond 128 (T = 256: tma_wgrad_persist 234.6 vs wg_wgrad 428.2; T = 2048: 1600.1
+    vs tma_wgrad 1936.4); T in (64, 128] keeps wg_wgrad (not measured there: the crossover lies between 64 and
+    256)."""
     if wgmma:
         if rows <= 64:
             return "wg_wgrad_n64_1wg"
-        return "wg_wgrad" if rows <= 512 else "tma_wgrad"
+        return "wg_wgrad" if rows <= 128 else "tma_wgrad_persist"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
@@ -99,8 +101,8 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 
 # Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 192), the
-# d_temb config (16, 64, 256), the dW tile (64, 512) and the fused db (64).
-T_BOUNDS = (16, 64, 192, 256, 512, runtime.MAX_ROWS)
+# d_temb config (16, 64, 256), the dW tile (64, 128) and the fused db (64).
+T_BOUNDS = (16, 64, 128, 192, 256, runtime.MAX_ROWS)
 
 
 def _choices(device, rows: int, backward: bool) -> tuple:
