@@ -713,9 +713,13 @@ class _WgmmaGemm(_WarpMmaGemm):
         self._epilogue(acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
 
 
-def _ieee_unit(tile: GemmTile) -> int:
-    """k tiles per drained unit of `_TmaWgmmaGemm._ieee_mainloop`: at least two DGRAD_K_BLOCK blocks."""
-    return 2 if tile.bk == DGRAD_K_BLOCK else 1
+def _ieee_unit(tile: GemmTile, split_k_tiles: int) -> int:
+    """k tiles per drained unit of `_TmaWgmmaGemm._ieee_mainloop` (whole units per K split): at least two
+    DGRAD_K_BLOCK blocks, three where the split allows (N = 96768: 126 k tiles), which drains a third less often;
+    ptxas 13.0 serializes the wgmmas (C7511) at 6 and 7."""
+    if tile.bk != DGRAD_K_BLOCK:
+        return 1
+    return 3 if split_k_tiles % 3 == 0 else 2
 
 
 def _block_mmas(tiled_mma):
@@ -755,7 +759,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     order, so the same bits (zero products added to +0 change nothing).
     `ieee_steps` (d_temb): each DGRAD_K_BLOCK block of K goes from zero into block tile b % 2 (4 chained k16
     wgmmas), added to acc with IEEE FP32 adds in ascending b, the cp.async kernel's sums; the adds of block b - 1
-    run while block b's wgmmas do, except at the end of each 2-k-tile unit (`_ieee_mainloop` says why).
+    run while block b's wgmmas do, except at the end of each unit of 2 or 3 k tiles (`_ieee_mainloop` says why).
     The epilogue is `_WarpMmaGemm`'s, run by the consumer threads (a named barrier replaces the CTA
     barrier); the BF16 C tile reuses the A/B stages once every wgmma is done and every load has landed.
     Registers: the producer warpgroup drops to `_PRODUCER_REGS`, the consumers rise to
@@ -956,7 +960,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         blocks = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
         mmas = _block_mmas(tiled_mma)
         per_tile = self.tile.bk // DGRAD_K_BLOCK
-        unit = _ieee_unit(self.tile)
+        unit = self.ieee_unit
         for _ in range(k_tile_count // unit):
             for kt in cutlass.range_constexpr(unit):
                 ring.consumer_wait(read)
@@ -1217,7 +1221,8 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
     assert out_features % (DGRAD_SPLITS * bk) == 0, (out_features, gemm.tile)
     if isinstance(gemm, _WgmmaGemm):
         assert bk % DGRAD_K_BLOCK == 0, gemm.tile
-        assert (out_features // (DGRAD_SPLITS * bk)) % _ieee_unit(gemm.tile) == 0, gemm.tile  # whole units per split
+        gemm.ieee_unit = _ieee_unit(gemm.tile, out_features // (DGRAD_SPLITS * bk))
+        assert (out_features // (DGRAD_SPLITS * bk)) % gemm.ieee_unit == 0, gemm.tile  # whole units per split
 
     @cute.jit
     def adaln_proj_dgrad(grad: cute.Tensor, weight: cute.Tensor, partial: cute.Tensor, stream):
