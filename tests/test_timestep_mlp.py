@@ -74,34 +74,24 @@ def test_wgmma_roles_are_built_variants():
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_kernel_handles_put_the_wgmma_gemms_in_the_big_slots(monkeypatch, arch):
-    """The C++ layer caches one answer per [lo, hi] and runs one launch sequence: on sm_90a from WGMMA_MIN_ROWS
-    the fc2, fc2_dgrad and fc2_wgrad slots hold the TF32 wgmma GEMMs (same arguments), elsewhere the mma.sync
-    ones; no range straddles WGMMA_MIN_ROWS, and a range holds one tile config."""
+def test_kernel_handles_leave_the_wgmma_path_to_python(monkeypatch, arch):
+    """The C++ layer caches one answer per [lo, hi]: on sm_90a every row count from WGMMA_MIN_ROWS is marked
+    python-only (the wgmma sequence lives in the launcher), and no mma.sync range reaches past it."""
     from h3cute import runtime
 
-    class Kernel:
-        def __init__(self, name, device, **static):
-            self.key = (name, static.get("role"))
-
-        def __chandle__(self):
-            return self.key
-
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
-    monkeypatch.setattr(runtime, "kernel", Kernel)
-    big = {0: (1,), 1: (1, 5)}  # the fc2-sized GEMMs' slots
+    monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: type("K", (), {"__chandle__": lambda s: 1})())
     for backward in (0, 1):
         for rows in (1, 16, 17, 64, 65, 255, 256, 257, 300, 2048, 100000):
-            lo, hi, handles = L.kernel_handles(0, backward, rows)
-            assert lo <= rows <= hi and len(handles) == (8 if backward else 3)
+            lo, hi, handles, (python_only,) = L.kernel_handles(0, backward, rows)
+            assert lo <= rows <= hi
             wgmma = arch == "sm_90a" and rows >= L.WGMMA_MIN_ROWS
-            assert L.uses_wgmma(0, rows) == wgmma, (rows, backward)
-            for slot in big[backward]:
-                assert handles[slot][0] == ("tf32x3_wgmma_gemm" if wgmma else "timestep_mlp_gemm"), (rows, slot)
-            assert all(h[0] != "tf32x3_wgmma_gemm" for i, h in enumerate(handles) if i not in big[backward])
+            assert python_only == int(wgmma) and L.uses_wgmma(0, rows) == wgmma, (rows, backward)
+            assert (handles == []) == wgmma
             if arch == "sm_90a":  # the whole range takes the same path
                 assert (lo >= L.WGMMA_MIN_ROWS) == wgmma and (hi < L.WGMMA_MIN_ROWS) != wgmma, (rows, lo, hi)
-            assert L.pick_config(max(lo, 1)) == L.pick_config(rows) == L.pick_config(min(hi, 4096))
+            if not wgmma:
+                assert L.pick_config(max(lo, 1)) == L.pick_config(rows) == L.pick_config(min(hi, 4096))
 
 
 def test_gemm_config_rejects_tiles_the_kernel_cannot_run():

@@ -108,30 +108,27 @@ def uses_wgmma(device, num_rows: int) -> bool:
     return num_rows >= WGMMA_MIN_ROWS and runtime.arch_of(device) == "sm_90a"
 
 
-def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int, list[int]]:
-    """For the C++ impls (h3cute.native): the T range sharing every launch choice for `num_rows` and the C
+def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int, list[int], list[int]]:
+    """For the C++ impls (h3cute.native): the T range sharing every launch choice for `num_rows`, the C
     handles of the forward's kernels (fc1, fc2, fold) or the backward's (fc1_zh, fc2_dgrad, colsum_dz,
-    fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2), in launch order (runtime keeps them alive). On
-    sm_90a from WGMMA_MIN_ROWS rows the fc2-sized GEMMs are the TF32 wgmma ones, which take the mma.sync
-    kernels' arguments: the C++ sequence is the same."""
+    fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2), in launch order (runtime keeps them alive), and
+    [python_only]: 1 where the launcher takes the wgmma path, which the C++ layer leaves to the Python impl
+    (no handles then; host time does not matter at T >= WGMMA_MIN_ROWS)."""
     lo, hi, cfg = _bucket(num_rows)
     dev = torch.device("cuda", device)
-    wgmma = uses_wgmma(dev, num_rows)
     if runtime.arch_of(dev) == "sm_90a":
-        lo, hi = (max(lo, WGMMA_MIN_ROWS), hi) if wgmma else (lo, min(hi, WGMMA_MIN_ROWS - 1))
-
-    def big(role: str, tile: GemmConfig):
-        return _wgmma_gemm(dev, role) if wgmma else _gemm(dev, role, tile)
-
+        if num_rows >= WGMMA_MIN_ROWS:
+            return max(lo, WGMMA_MIN_ROWS), runtime.MAX_ROWS, [], [1]
+        hi = min(hi, WGMMA_MIN_ROWS - 1)
     if not backward:
-        fns = [_gemm(dev, "fc1", cfg.fc1), big("fc2", cfg.fc2), _fold(dev, "fc2", "bias")]
+        fns = [_gemm(dev, "fc1", cfg.fc1), _gemm(dev, "fc2", cfg.fc2), _fold(dev, "fc2", "bias")]
     else:
-        fns = [_gemm(dev, "fc1_zh", cfg.fc1), big("fc2_dgrad", cfg.fc2_dgrad),
+        fns = [_gemm(dev, "fc1_zh", cfg.fc1), _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad),
                runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True),
                _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum"),
-               big("fc2_wgrad", cfg.fc2_wgrad), _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad),
+               _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad), _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad),
                runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH, fold_dz=False)]
-    return lo, hi, [fn.__chandle__() for fn in fns]
+    return lo, hi, [fn.__chandle__() for fn in fns], [0]
 
 
 def _gemm(device, role: str, tile: GemmConfig):
