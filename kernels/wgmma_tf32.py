@@ -397,7 +397,7 @@ class Tf32x3WgmmaGemm:
       raw A and B k tiles `stages - 1` tiles ahead in the raw ring (PipelineTmaAsync; TMA zero-fills rows
       past M and k past K, the T-deep K tail). All 128 threads then turn each raw k tile into its big / small
       tiles in wgmma's swizzled K-major layout (big = x & 0xffffe000, small = `tf32_small(x, big)`: the bits
-      the mma.sync kernel forms in registers), in the operand ring (PipelineAsync);
+      tf32_split wrote and the mma.sync kernel forms in registers), in the operand ring (PipelineAsync);
       each thread fences its generic-proxy stores for the async proxy (wgmma) before it arrives. The raw slot
       is released once converted, the big / small slot when the consumers are done with it.
       K-major raw tiles are staged in the K-major swizzled layout itself, so the split is position-wise
