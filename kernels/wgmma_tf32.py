@@ -18,13 +18,14 @@ mma.sync kernel does) and one IEEE add per accumulator register. `mask_small` st
 low 13 bits cleared (tells whether wgmma, like mma.sync, reads only the top 19 bits of an operand).
 Output C (64, N) FP32: the one-slice partial of gemm_tf32x3 for the same K.
 
-`tf32x3_wgmma_gemm` (`Tf32x3WgmmaGemm`: TMA of the raw FP32 operand tiles, K- or MN-major, into a
-staging ring; the producer warpgroup splits each staged tile into its big / small tiles in wgmma's
-swizzled K-major layout, a second ring; two consumer warpgroups run the wgmmas) computes gemm_tf32x3's
-"partial" epilogue P[s, m, n] under the same chunk contract. `ROLE_GEMMS`: the variants the launcher runs
-on sm_90a for T >= its WGMMA_MIN_ROWS (fc2, fc2_dgrad and the T-deep fc2_wgrad). Swizzled smem is written
-as Int32 bit patterns through pointers that keep the byte swizzle (`_bits_view`) or at offsets checked
-against the layouts at build time (`_transpose_plan`).
+`tf32_split` writes the big and small operand arrays (FP32 bit patterns, K-major; or from X^T through a
+32 x 32 shared-memory transpose with a zero-padded K, for the backward's N- and M-major operands), and
+`tf32x3_wgmma_gemm` (`Tf32x3WgmmaGemm`: TMA + mbarrier ring, a producer warpgroup, two consumer
+warpgroups) computes gemm_tf32x3's "partial" epilogue P[s, m, n] from them under the same chunk
+contract. `ROLE_GEMMS`: the variants the launcher runs on sm_90a for T >= its WGMMA_MIN_ROWS (fc2, fc2_dgrad
+and the T-deep fc2_wgrad, whose K is the split's zero-padded T). The staging swizzle
+is a byte-address XOR on the shared-memory pointer: stores of bit patterns go through a pointer that
+keeps it (`_bits_view`).
 """
 from __future__ import annotations
 
@@ -95,15 +96,9 @@ def tf32_smem_layout(rows: int, tile_k: int, stages: int, *, is_a: bool):
 
 
 @cute.jit
-def _bits_tensor(ptr, layout: cute.ComposedLayout):
-    """A swizzled, stage-stacked smem buffer as Int32 (row, k, stage), keeping the swizzle on the pointer."""
-    return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=cutlass.Int32), layout.outer)
-
-
-@cute.jit
 def _bits_view(ptr, layout: cute.ComposedLayout):
-    """Stage 0 of `_bits_tensor`."""
-    return _bits_tensor(ptr, layout)[None, None, 0]
+    """Stage 0 of a swizzled TF32 smem buffer as Int32, keeping the swizzle on the pointer."""
+    return cute.make_tensor(cute.recast_ptr(ptr, layout.inner, dtype=cutlass.Int32), layout.outer)[None, None, 0]
 
 
 # --- the probe ------------------------------------------------------------------------------------
@@ -210,250 +205,92 @@ class WgmmaTF32Probe:
             tCgC[i] = acc[i]
 
 
-# --- the 3xTF32 GEMM: TMA of the raw operands, split in shared memory, warp-specialized wgmma ------
+# --- the 3xTF32 GEMM: TMA + mbarrier ring, warp-specialized --------------------------------------
 
 
 @dataclass(frozen=True)
 class WgmmaTile:
     """CTA tile of `Tf32x3WgmmaGemm`: 128 rows (two consumer warpgroups of 64), bn columns, bk-deep k tiles
-    (bk * 4 bytes = the K-major swizzle row: 32 -> 128 B, 16 -> 64 B); `stages` ring slots of the raw FP32
-    A and B tiles (TMA -> converters), `mma_stages` ring slots of their big / small tiles (converters -> wgmma)."""
+    (bk * 4 bytes = the swizzle row: 32 -> 128 B, 16 -> 64 B), `stages` ring slots of four operand tiles."""
 
     bn: int = 128
     bk: int = 32
     stages: int = 3
-    mma_stages: int = 2
 
     def __post_init__(self):
-        if self.bn != 128:
-            raise ValueError(f"{self}: bn must be 128 (the converters' 32-row blocks: four per warp and k block)")
+        if self.bn % 16 or not 16 <= self.bn <= 128:
+            raise ValueError(f"{self}: bn in 16..128, a multiple of 16 (two chunk tiles + acc in registers)")
         if self.bk not in (16, 32):
             raise ValueError(f"{self}: bk must be 16 or 32")
-        if self.stages < 2 or self.mma_stages < 2 or self.smem_bytes > GEMM_SMEM_BYTES:
-            raise ValueError(f"{self}: {self.stages} raw + {self.mma_stages} big/small slots "
-                             f"({self.smem_bytes} B) do not fit {GEMM_SMEM_BYTES} B")
+        if self.stages < 2 or self.stage_bytes * self.stages > GEMM_SMEM_BYTES:
+            raise ValueError(f"{self}: {self.stages} stages of {self.stage_bytes} B do not fit")
 
     @property
-    def raw_bytes(self) -> int:
-        return (GEMM_BM + self.bn) * self.bk * 4  # the raw A and B tiles of one k tile
-
-    @property
-    def smem_bytes(self) -> int:
-        return self.stages * self.raw_bytes + self.mma_stages * 2 * self.raw_bytes  # big and small of A and B
+    def stage_bytes(self) -> int:
+        return 2 * (GEMM_BM + self.bn) * self.bk * 4  # big and small of A and B
 
     def astuple(self) -> tuple:
-        return (self.bn, self.bk, self.stages, self.mma_stages)
+        return (self.bn, self.bk, self.stages)
 
 
 GEMM_BM = 128
-# The H200's 227 KB per CTA, less 1 KB for the mbarriers and the padding to the tiles' 1 KB alignment.
-GEMM_SMEM_BYTES = 226 * 1024
-CONVERT_BLOCK = 32  # rows (and k, up to bk) of the converters' transposing blocks: one row per lane
-
-
-def _raw_smem_layout(rows: int, tile_k: int, stages: int, mn_major: bool, is_a: bool):
-    """Raw FP32 staging tiles (rows, tile_k): wgmma's K-major layout (then the split is position-wise), or
-    for an MN-major operand its MN-major swizzled layout (128-byte rows along MN, what TMA can write)."""
-    if not mn_major:
-        return tf32_smem_layout(rows, tile_k, stages, is_a=is_a)
-    if is_a:
-        return sm90.make_smem_layout_a(LayoutEnum.COL_MAJOR, (rows, 8, tile_k), cutlass.Float32, stages)
-    return sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (8, rows, tile_k), cutlass.Float32, stages)
-
-
-@cute.jit
-def _split_slot_flat(raw_ptr, big_ptr, small_ptr, slot_elems: cutlass.Constexpr, raw_slot, mma_slot, tidx):
-    """Big / small of one K-major raw tile: the same swizzled layout on both sides, so element i of the raw
-    slot goes to element i of the big and small slots; thread t takes 16-byte vectors t, t + 128, ...
-    (each quarter-warp covers 128 contiguous bytes: no bank conflicts)."""
-    vectors = cute.make_layout((4, 1 << 24), stride=(1, 4))  # a flat view over the buffer, 16-byte columns
-    raw = cute.make_tensor(cute.recast_ptr(raw_ptr, dtype=cutlass.Int32), vectors)
-    big = cute.make_tensor(cute.recast_ptr(big_ptr, dtype=cutlass.Int32), vectors)
-    small = cute.make_tensor(cute.recast_ptr(small_ptr, dtype=cutlass.Int32), vectors)
-    vecs = slot_elems // 4
-    raw_base, mma_base = raw_slot * vecs, mma_slot * vecs
-    for i in cutlass.range_constexpr(vecs // CONVERTER_THREADS):
-        v = i * CONVERTER_THREADS + tidx
-        x = raw[None, raw_base + v].load()
-        hi = x & TF32_BIG_MASK
-        lo = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
-        for j in cutlass.range_constexpr(4):
-            lo[j] = tf32_small(x[j], hi[j])
-        big[None, mma_base + v].store(hi)
-        small[None, mma_base + v].store(lo.load())
-
-
-def _element_offset(layout: cute.ComposedLayout, m: int, k: int) -> int:
-    """Stage-0 element offset of (m, k) in a swizzled TF32/FP32 smem layout (its swizzle acts on byte addresses;
-    stage bases are multiples of 1 KB, so the swizzle of a stage is that of stage 0). Trace-time ints."""
-    sw = layout.inner
-    x = 4 * cute.crd2idx((m, k, 0), layout.outer)
-    mask = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
-    return (x ^ ((x & mask) >> sw.num_shift)) // 4
-
-
-@dataclass(frozen=True)
-class _TransposePlan:
-    """Static addressing of `_split_slot_transposing` for one operand (element offsets within a slot). Warp w
-    converts the rows 32 w .. 32 w + 31 (`rows` = 32 x the converter warps), k block by k block (kb = min(bk,
-    32) deep); lane l takes row 32 w + l and at step r of k block j the column kb j + ((l >> shift) ^ r) % kb,
-    at raw offset raw_k_block[j] + w raw_warp + (raw_lane(l) ^ raw_step[r]), raw_lane(l) the XOR of
-    raw_lane_bits[i] over the set bits i of l; the big / small offset likewise (mma_*)."""
-
-    kb: int
-    raw: tuple  # (k_block, warp, lane_bits, step)
-    mma: tuple
-
-
-def _transpose_plan(raw_layout: cute.ComposedLayout, mma_layout: cute.ComposedLayout, rows: int,
-                    depth: int) -> _TransposePlan:
-    """The first diagonal (column ((lane >> shift) ^ r) % kb at step r, shift 0..3) whose accesses hit 32
-    distinct banks per warp on both sides (bk 32: shift 0; the 64-byte K-major rows of bk 16 need shift 1);
-    checks for every element that the decomposition gives both layouts' own offsets."""
-    kb = min(depth, CONVERT_BLOCK)
-    warps = CONVERTER_THREADS // 32
-    if rows != CONVERT_BLOCK * warps or depth % kb:
-        raise ValueError(f"transposing split: {rows} x {depth} tiles are not {warps} warps' 32-row blocks")
-    for shift in range(4):
-        parts = [_diagonal(layout, kb, depth, warps, shift) for layout in (raw_layout, mma_layout)]
-        if all(part is not None for part in parts):
-            return _TransposePlan(kb, *parts)
-    raise ValueError(f"transposing split: no conflict-free diagonal for {raw_layout} -> {mma_layout}")
-
-
-def _diagonal(layout: cute.ComposedLayout, kb: int, depth: int, warps: int, shift: int):
-    """(k_block, warp, lane_bits, step) of `_TransposePlan` for one layout, or None on a bank conflict; raises
-    where the XOR decomposition misses the layout's offset."""
-    def off(m, k):
-        return _element_offset(layout, m, k)
-
-    k_block = tuple(off(0, kb * j) for j in range(depth // kb))
-    warp = off(CONVERT_BLOCK, 0) - off(0, 0)
-    lane_bits = tuple(off(1 << b, ((1 << b) >> shift) % kb) - off(0, 0) for b in range(5))
-    step = tuple(off(0, r) - off(0, 0) for r in range(kb))
-    conflict_free = True
-    for j in range(depth // kb):
-        for w in range(warps):
-            for r in range(kb):
-                banks = set()
-                for lane in range(32):
-                    lane_part = 0
-                    for b in range(5):
-                        if lane >> b & 1:
-                            lane_part ^= lane_bits[b]
-                    got = k_block[j] + w * warp + (lane_part ^ step[r])
-                    if got != off(CONVERT_BLOCK * w + lane, kb * j + ((lane >> shift) ^ r) % kb):
-                        raise ValueError(f"transposing split: the XOR addressing misses {layout} at k block {j}, "
-                                         f"warp {w}, lane {lane}, step {r}")
-                    banks.add(got % 32)
-                conflict_free &= len(banks) == 32
-    return (k_block, warp, lane_bits, step) if conflict_free else None
-
-
-@cute.jit
-def _lane_offset(lane, bits: cutlass.Constexpr):
-    """XOR of bits[i] over the set bits i of lane (a GF(2)-linear map, checked by `_transpose_plan`)."""
-    acc = cutlass.Int32(0)
-    for b in cutlass.range_constexpr(5):
-        acc = acc ^ (((lane >> b) & 1) * bits[b])
-    return acc
-
-
-@cute.jit
-def _split_slot_transposing(raw_ptr, big_ptr, small_ptr, plan: cutlass.Constexpr, raw_slot_elems: cutlass.Constexpr,
-                            raw_slot, mma_slot, raw_lane, mma_lane, warp):
-    """Big / small (K-major) of one MN-major raw tile, element by element along `_transpose_plan`'s diagonals:
-    with the raw tile's MN-major 128-byte swizzle (16-byte unit m / 4 XOR k % 8) and the K-major 128- or
-    64-byte one (unit k / 4 XOR m % 8, or (m / 2) % 4), a warp's 32 loads and its 32 stores each hit 32
-    banks (checked at build time). raw_lane / mma_lane: this lane's `_lane_offset`s, computed once."""
-    flat = cute.make_layout(1 << 24)
-    raw = cute.make_tensor(cute.recast_ptr(raw_ptr, dtype=cutlass.Int32), flat)
-    big = cute.make_tensor(cute.recast_ptr(big_ptr, dtype=cutlass.Int32), flat)
-    small = cute.make_tensor(cute.recast_ptr(small_ptr, dtype=cutlass.Int32), flat)
-    raw_k_block, raw_warp, _, raw_step = plan.raw
-    mma_k_block, mma_warp, _, mma_step = plan.mma
-    raw_row = raw_slot * raw_slot_elems + warp * raw_warp
-    mma_row = mma_slot * raw_slot_elems + warp * mma_warp
-    for j in cutlass.range_constexpr(len(raw_k_block)):
-        for r in cutlass.range_constexpr(plan.kb):
-            x = raw[raw_row + raw_k_block[j] + (raw_lane ^ raw_step[r])]
-            hi = x & TF32_BIG_MASK
-            e = mma_row + mma_k_block[j] + (mma_lane ^ mma_step[r])
-            big[e] = hi
-            small[e] = tf32_small(x, hi)
-
-
-CONVERTER_THREADS = 128  # the producer warpgroup; its warp 0 also issues the TMA loads
+GEMM_SMEM_BYTES = 220 * 1024  # of the H200's 227 KB per CTA: the rest holds the mbarriers
 
 
 class Tf32x3WgmmaGemm:
     """P[s, m, n] = slice s of sum_k A[m, k] B[n, k] under the MLP's 3xTF32 chunk contract, with TF32 wgmma.
 
-    A (M, K) and B (N, K) are the raw FP32 operands, each K-major or MN-major (`a_mn`, `b_mn`: a (rows, K) view
-    with strides (1, rows) of a row-major (K, rows) tensor, e.g. grad^T of grad). Grid (N / bn, ceil(M / 128),
-    splits); CTA (n, m, s) owns one output tile of slice s. 384 threads:
-
-    - Warpgroup 0 (the producer, `CONVERTER_THREADS`): one elected thread of warp 0 keeps the TMA loads of the
-      raw A and B k tiles `stages - 1` tiles ahead in the raw ring (PipelineTmaAsync; TMA zero-fills rows
-      past M and k past K, the T-deep K tail). All 128 threads then turn each raw k tile into its big / small
-      tiles in wgmma's swizzled K-major layout (big = x & 0xffffe000, small = `tf32_small(x, big)`: the bits
-      tf32_split wrote and the mma.sync kernel forms in registers), in the operand ring (PipelineAsync);
-      each thread fences its generic-proxy stores for the async proxy (wgmma) before it arrives. The raw slot
-      is released once converted, the big / small slot when the consumers are done with it.
-      K-major raw tiles are staged in the K-major swizzled layout itself, so the split is position-wise
-      (16-byte vectors); MN-major ones in the MN-major 128-byte swizzle, read and written element by element
-      along a diagonal that keeps both sides free of bank conflicts (`_split_slot_transposing`).
-    - Warpgroups 1 and 2 (the consumers) take 64 rows each: per k8 chunk j, into chunk tile j % 2,
-      wgmma(small_a, big_b) with scale-d = 0, then wgmma(big_a, small_b) and wgmma(big_a, big_b) accumulating;
-      commit; wait_group(1) (chunk j - 1 is done) and add chunk j - 1 to acc with add.rn.f32; the k tile's last
-      chunk is added after wait_group(0), and the slot released, before the next slot is awaited (a wgmma in
-      flight across an mbarrier spin makes ptxas serialize every wgmma: adaln_gemm `_ieee_mainloop`). The
-      epilogue stores acc to P rows < M straight from registers.
-    Per element: the mma.sync kernel's chunk order over the same operand bits, so its bits (tests).
+    Operands come pre-split (`tf32_split`): A_big, A_small (M, K), B_big, B_small (N, K), FP32 bit patterns,
+    K-major. Grid (N / bn, ceil(M / 128), splits); CTA (n, m, s) owns one output tile of slice s.
+    Warpgroup 0 produces: one thread issues the four TMA tile loads of each k tile into a `stages`-deep
+    ring (PipelineTmaAsync: full / empty mbarrier per slot); TMA zero-fills rows past M. Warpgroups 1 and 2
+    consume 64 rows each: per k8 chunk j, into chunk tile j % 2, wgmma(small_a, big_b) with scale-d = 0,
+    then wgmma(big_a, small_b) and wgmma(big_a, big_b) accumulating; commit; wait_group(1) (chunk j - 1
+    is done) and add chunk j - 1 to acc with add.rn.f32; the k tile's last chunk is added after
+    wait_group(0), and the slot released, before the next slot is awaited (a wgmma in flight across an
+    mbarrier spin makes ptxas serialize every wgmma: adaln_gemm `_ieee_mainloop`). The epilogue stores
+    acc to P rows < M straight from registers. Per element: the mma.sync kernel's chunk order, so its bits
+    if the tensor cores agree (tf32_wgmma_probe).
     Launched with PDL: every thread waits (griddepcontrol.wait) before the first load.
     """
 
-    # setmaxnreg: the CTA launches at 168 registers per thread (384 threads, one CTA per SM); the producer
-    # gives up 168 - 80 per thread, the consumers take 208 (128 x 80 + 256 x 208 <= 384 x 168). The consumers
-    # hold acc + 2 chunk tiles (3 bn / 2 registers); ptxas 13.0 spilled the fc2_wgrad converters (64
-    # transposed elements per k tile) at 56 and 64 registers, none at 80.
-    _PRODUCER_REGS = 80
-    _CONSUMER_REGS = 208
+    _PRODUCER_REGS = 40
+    _CONSUMER_REGS = 232  # 128 x 40 + 256 x 232 <= 65536; acc + 2 chunk tiles = 3 bn / 2 per thread
     _THREADS = 384
 
-    def __init__(self, tile: WgmmaTile, splits: int, a_mn: bool, b_mn: bool):
+    def __init__(self, tile: WgmmaTile, splits: int):
         self.tile = tile
         self.splits = splits
-        self.a_mn = a_mn
-        self.b_mn = b_mn
 
     @cute.jit
-    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mP: cute.Tensor, stream):
+    def __call__(self, mA_big: cute.Tensor, mA_small: cute.Tensor, mB_big: cute.Tensor, mB_small: cute.Tensor,
+                 mP: cute.Tensor, stream):
         from cutlass.cute.nvgpu import cpasync
 
         t = self.tile
-        rA_layout = _raw_smem_layout(GEMM_BM, t.bk, t.stages, self.a_mn, is_a=True)
-        rB_layout = _raw_smem_layout(t.bn, t.bk, t.stages, self.b_mn, is_a=False)
-        sA_layout = tf32_smem_layout(GEMM_BM, t.bk, t.mma_stages, is_a=True)
-        sB_layout = tf32_smem_layout(t.bn, t.bk, t.mma_stages, is_a=False)
-        # FP32 descriptors: TMA copies the raw bits (a TF32 descriptor may round them on the way).
-        tma_a, tma_mA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
-                                                    cute.slice_(rA_layout, (None, None, 0)), (GEMM_BM, t.bk))
-        tma_b, tma_mB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
-                                                    cute.slice_(rB_layout, (None, None, 0)), (t.bn, t.bk))
+        sA_layout = tf32_smem_layout(GEMM_BM, t.bk, t.stages, is_a=True)
+        sB_layout = tf32_smem_layout(t.bn, t.bk, t.stages, is_a=False)
+        # The TMA descriptors take the operands as FP32 (raw bits): a TF32 descriptor would round the pre-split
+        # patterns (small carries its own round-half-away in the low 13 bits, which the mma ignores) once more.
+        tmas = []
+        for mX, layout, rows in ((mA_big, sA_layout, GEMM_BM), (mA_small, sA_layout, GEMM_BM),
+                                 (mB_big, sB_layout, t.bn), (mB_small, sB_layout, t.bn)):
+            tmas.append(cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mX,
+                cute.slice_(layout, (None, None, 0)), (rows, t.bk)))
         tiled_mma = make_tf32_tiled_mma(t.bn, GEMM_BM // WGMMA_M)
-        grid = (cute.size(mB, mode=[0]) // t.bn, cute.ceil_div(cute.size(mA, mode=[0]), GEMM_BM), self.splits)
-        self.kernel(mA, mP, tma_a, tma_mA, tma_b, tma_mB, rA_layout, rB_layout, sA_layout, sB_layout,
-                    tiled_mma).launch(
+        grid = (cute.size(mB_big, mode=[0]) // t.bn, cute.ceil_div(cute.size(mA_big, mode=[0]), GEMM_BM), self.splits)
+        self.kernel(mA_big, mP, tmas[0][0], tmas[0][1], tmas[1][0], tmas[1][1], tmas[2][0], tmas[2][1], tmas[3][0],
+                    tmas[3][1], sA_layout, sB_layout, tiled_mma).launch(
             grid=grid, block=[self._THREADS, 1, 1], stream=stream, use_pdl=True,
             # setmaxnreg redistributes the registers ptxas gives the CTA: ask for one CTA's full share.
             max_number_threads=[self._THREADS, 1, 1], min_blocks_per_mp=1)
 
     @cute.kernel
-    def kernel(self, mA: cute.Tensor, mP: cute.Tensor, tma_a: cute.CopyAtom, tma_mA: cute.Tensor,
-               tma_b: cute.CopyAtom, tma_mB: cute.Tensor, rA_layout: cute.ComposedLayout,
-               rB_layout: cute.ComposedLayout, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout,
-               tiled_mma: cute.TiledMma):
+    def kernel(self, mA: cute.Tensor, mP: cute.Tensor, tma_ab: cute.CopyAtom, tma_mAb: cute.Tensor,
+               tma_as: cute.CopyAtom, tma_mAs: cute.Tensor, tma_bb: cute.CopyAtom, tma_mBb: cute.Tensor,
+               tma_bs: cute.CopyAtom, tma_mBs: cute.Tensor, sA_layout: cute.ComposedLayout,
+               sB_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma):
         from cutlass import pipeline
         from cutlass.cute.nvgpu import cpasync
 
@@ -462,98 +299,66 @@ class Tf32x3WgmmaGemm:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_tile, m_tile, split = cute.arch.block_idx()
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
+            for atom in (tma_ab, tma_as, tma_bb, tma_bs):
+                cpasync.prefetch_descriptor(atom)
 
-        ra_size, rb_size = cute.cosize(rA_layout), cute.cosize(rB_layout)
         a_size, b_size = cute.cosize(sA_layout), cute.cosize(sB_layout)
 
         @cute.struct
         class SharedStorage:
-            raw_barriers: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
-            mma_barriers: cute.struct.MemRange[cutlass.Int64, 2 * t.mma_stages]
-            a_raw: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, ra_size], 1024]
-            b_raw: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, rb_size], 1024]
+            barriers: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
             a_big: cute.struct.Align[cute.struct.MemRange[cutlass.TFloat32, a_size], 1024]
             a_small: cute.struct.Align[cute.struct.MemRange[cutlass.TFloat32, a_size], 1024]
             b_big: cute.struct.Align[cute.struct.MemRange[cutlass.TFloat32, b_size], 1024]
             b_small: cute.struct.Align[cute.struct.MemRange[cutlass.TFloat32, b_size], 1024]
 
         storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
-        rA = storage.a_raw.get_tensor(rA_layout.outer, swizzle=rA_layout.inner)
-        rB = storage.b_raw.get_tensor(rB_layout.outer, swizzle=rB_layout.inner)
+        sA_big = storage.a_big.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sA_small = storage.a_small.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+        sB_big = storage.b_big.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+        sB_small = storage.b_small.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
 
-        raw_ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.raw_barriers.data_ptr(),
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
             num_stages=t.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERTER_THREADS // 32),
-            tx_count=t.raw_bytes,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (self._THREADS - 128) // 32),
+            tx_count=t.stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            defer_sync=True,
-        )
-        mma_ring = pipeline.PipelineAsync.create(
-            barrier_storage=storage.mma_barriers.data_ptr(),
-            num_stages=t.mma_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONVERTER_THREADS),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self._THREADS - CONVERTER_THREADS),
         )
 
-        k_tile_count = cute.ceil_div(cute.size(mA, mode=[1]), t.bk * self.splits)
+        k_tile_count = cute.size(mA, mode=[1]) // (t.bk * self.splits)
         k_tile_first = split * k_tile_count
         loads = []
-        for atom, tma_m, raw, rows, tile in ((tma_a, tma_mA, rA, GEMM_BM, m_tile), (tma_b, tma_mB, rB, t.bn, n_tile)):
+        for atom, tma_m, smem, rows, tile in ((tma_ab, tma_mAb, sA_big, GEMM_BM, m_tile),
+                                              (tma_as, tma_mAs, sA_small, GEMM_BM, m_tile),
+                                              (tma_bb, tma_mBb, sB_big, t.bn, n_tile),
+                                              (tma_bs, tma_mBs, sB_small, t.bn, n_tile)):
             g = cute.local_tile(tma_m, (rows, t.bk), (tile, None))
-            s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(raw, 0, 2),
+            s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
                                                    cute.group_modes(g, 0, 2))
             loads.append((atom, s_part, g_part))
 
-        # PDL: the operands may be the previous kernel's output.
+        # PDL: the operands may be the previous kernel's output (the split).
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
-            for k_tile in cutlass.range_constexpr(t.stages - 1):
-                if warp_idx == 0:
-                    self._load(raw_ring, loads, k_tile, k_tile_first, k_tile_count)
-            lane, warp = tidx % 32, tidx // 32
-            splits = []  # per operand: (raw, big, small, plan or None, this lane's raw / big-small offsets)
-            for raw_mem, big_mem, small_mem, raw_layout, mma_layout, rows, mn_major in (
-                    (storage.a_raw, storage.a_big, storage.a_small, rA_layout, sA_layout, GEMM_BM, self.a_mn),
-                    (storage.b_raw, storage.b_big, storage.b_small, rB_layout, sB_layout, t.bn, self.b_mn)):
-                plan = _transpose_plan(raw_layout, mma_layout, rows, t.bk) if mn_major else None
-                lanes = (_lane_offset(lane, plan.raw[2]), _lane_offset(lane, plan.mma[2])) if mn_major else (0, 0)
-                splits.append((raw_mem.data_ptr(), big_mem.data_ptr(), small_mem.data_ptr(), plan, rows * t.bk,
-                               lanes))
-            converted = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-            filled = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.mma_stages)
-            for k_tile in range(k_tile_count):
-                if warp_idx == 0:
-                    self._load(raw_ring, loads, k_tile + t.stages - 1, k_tile_first, k_tile_count)
-                raw_ring.consumer_wait(converted)
-                mma_ring.producer_acquire(filled)
-                for raw_ptr, big_ptr, small_ptr, plan, slot_elems, lanes in splits:
-                    if cutlass.const_expr(plan is None):
-                        _split_slot_flat(raw_ptr, big_ptr, small_ptr, slot_elems, converted.index, filled.index, tidx)
-                    else:
-                        _split_slot_transposing(raw_ptr, big_ptr, small_ptr, plan, slot_elems, converted.index,
-                                                filled.index, lanes[0], lanes[1], warp)
-                # The big / small stores (generic proxy) must be visible to wgmma (async proxy); the raw reads
-                # are ordered before the next TMA write of the slot.
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.sync_warp()
-                raw_ring.consumer_release(converted)  # lane 0 of each warp, after the whole warp's reads
-                mma_ring.producer_commit(filled)
-                converted.advance()
-                filled.advance()
+            if warp_idx == 0:
+                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
+                for k_tile in range(k_tile_count):
+                    ring.producer_acquire(produce)
+                    full = ring.producer_get_barrier(produce)
+                    for atom, s_part, g_part in loads:
+                        cute.copy(atom, g_part[None, k_tile_first + k_tile], s_part[None, produce.index],
+                                  tma_bar_ptr=full)
+                    ring.producer_commit(produce)
+                    produce.advance()
+                ring.producer_tail(produce)
         else:
             cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
-            ctidx = tidx - CONVERTER_THREADS
-            sA_big = storage.a_big.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-            sA_small = storage.a_small.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-            sB_big = storage.b_big.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-            sB_small = storage.b_small.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+            ctidx = tidx - 128
             thr_mma = tiled_mma.get_slice(ctidx)
             frags = (tiled_mma.make_fragment_A(thr_mma.partition_A(sA_big)),
                      tiled_mma.make_fragment_A(thr_mma.partition_A(sA_small)),
@@ -566,31 +371,18 @@ class Tf32x3WgmmaGemm:
             tCcC = thr_mma.partition_C(cC)
             acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             acc.fill(0.0)
-            self._mainloop(tiled_mma, acc, frags, mma_ring, k_tile_count)
+            self._mainloop(tiled_mma, acc, frags, ring, k_tile_count)
             rows = cute.size(mOut, mode=[0])
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if cute.elem_less(tCcC[i][0], rows):
                     tCgC[i] = acc[i]
 
     @cute.jit
-    def _load(self, raw_ring, loads, k_tile, k_tile_first, k_tile_count):
-        """Warp 0: TMA of k tile `k_tile` (if any) into its raw slot; the slot's state from the tile number."""
-        from cutlass import pipeline
-
-        if k_tile < k_tile_count:
-            produce = pipeline.PipelineState(self.tile.stages, k_tile, k_tile % self.tile.stages,
-                                             ((k_tile // self.tile.stages) % 2) ^ 1)
-            raw_ring.producer_acquire(produce)
-            full = raw_ring.producer_get_barrier(produce)
-            for atom, s_part, g_part in loads:
-                cute.copy(atom, g_part[None, k_tile_first + k_tile], s_part[None, produce.index], tma_bar_ptr=full)
-
-    @cute.jit
     def _mainloop(self, tiled_mma, acc, frags, ring, k_tile_count):
         from cutlass import pipeline
 
         a_big, a_small, b_big, b_small = frags
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.mma_stages)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
         chunks = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
         num_chunks = self.tile.bk // K_CHUNK
         for _ in range(k_tile_count):
@@ -620,55 +412,139 @@ def _add_rn_tile(acc: cute.Tensor, chunk: cute.Tensor):
         acc[i] = add_rn(acc[i], chunk[i])
 
 
+# --- the big / small split ------------------------------------------------------------------------
+
+SPLIT_THREADS = 256
+TRANSPOSE_TILE = 32
+
+
+@cute.jit
+def _vec4(t: cute.Tensor, offset):
+    """The 4 elements of `t` at flat element offset `offset` (a multiple of 4) as Int32 bits, 16-byte aligned."""
+    ptr = cute.make_ptr(cutlass.Int32, (t.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout(4))
+
+
+@cute.jit
+def _split_bits(x):
+    """(big, small) operand bit patterns of FP32 bits x, as the mma.sync kernel forms them."""
+    big = x & TF32_BIG_MASK
+    return big, tf32_small(x, big)
+
+
+@cute.kernel
+def _split_kernel(mX: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Tensor):
+    """Contiguous X (R, K): thread i splits the 16-byte vector i (R * K % 4 == 0, R * K < 2^31)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    cute.arch.griddepcontrol_wait()
+    cute.arch.griddepcontrol_launch_dependents()
+    v = (bidx * SPLIT_THREADS + tidx) * 4
+    if v < cute.size(mX):
+        x = _vec4(mX, v).load()
+        big = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
+        small = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
+        for i in cutlass.range_constexpr(4):
+            big[i], small[i] = _split_bits(x[i])
+        _vec4(mBig, v).store(big.load())
+        _vec4(mSmall, v).store(small.load())
+
+
+@cute.kernel
+def _split_transpose_kernel(mXt: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Tensor):
+    """X^T given as contiguous (K, R); out (R, K_out), K_out >= K, columns past K zero. A 32 x 32 tile
+    through shared memory (33-word rows: no bank conflicts), loads coalesced along R, stores along K."""
+    tx, ty, _ = cute.arch.thread_idx()
+    bid_r, bid_k, _ = cute.arch.block_idx()
+    cute.arch.griddepcontrol_wait()
+    cute.arch.griddepcontrol_launch_dependents()
+    smem = cutlass.utils.SmemAllocator()
+    tile = smem.allocate_tensor(cutlass.Int32, cute.make_layout((TRANSPOSE_TILE, TRANSPOSE_TILE + 1),
+                                                                stride=(TRANSPOSE_TILE + 1, 1)), byte_alignment=16)
+    mXt_bits = cute.recast_tensor(mXt, cutlass.Int32)
+    depth, rows = cute.size(mXt, mode=[0]), cute.size(mXt, mode=[1])
+    r0, k0 = bid_r * TRANSPOSE_TILE, bid_k * TRANSPOSE_TILE
+    for i in cutlass.range_constexpr(TRANSPOSE_TILE // 8):
+        k = k0 + ty + 8 * i
+        x = cutlass.Int32(0)  # +0: columns past K add nothing
+        if k < depth and r0 + tx < rows:
+            x = mXt_bits[k, r0 + tx]
+        tile[ty + 8 * i, tx] = x
+    cute.arch.sync_threads()
+    mBig_bits = cute.recast_tensor(mBig, cutlass.Int32)
+    mSmall_bits = cute.recast_tensor(mSmall, cutlass.Int32)
+    for i in cutlass.range_constexpr(TRANSPOSE_TILE // 8):
+        r = r0 + ty + 8 * i
+        if r < rows:
+            big, small = _split_bits(tile[tx, ty + 8 * i])
+            mBig_bits[r, k0 + tx] = big
+            mSmall_bits[r, k0 + tx] = small
+
+
+@cute.jit
+def _split_launch(mX: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Tensor, stream, transpose: cutlass.Constexpr):
+    if cutlass.const_expr(transpose):
+        grid = (cute.ceil_div(cute.size(mBig, mode=[0]), TRANSPOSE_TILE), cute.size(mBig, mode=[1]) // TRANSPOSE_TILE, 1)
+        _split_transpose_kernel(mX, mBig, mSmall).launch(grid=grid, block=(TRANSPOSE_TILE, 8, 1), stream=stream,
+                                                          use_pdl=True)
+    else:
+        vectors = cute.size(mX) // 4
+        _split_kernel(mX, mBig, mSmall).launch(grid=(cute.ceil_div(vectors, SPLIT_THREADS), 1, 1),
+                                               block=(SPLIT_THREADS, 1, 1), stream=stream, use_pdl=True)
+
+
+def build_split(arch: str, *, transpose: bool):
+    """big, small (R, K_out) of X. transpose=False: called (X (R, K), big, small), K_out = K, K % 4 == 0.
+    transpose=True: called (X^T (K, R) contiguous, big, small), K_out a multiple of 32 >= K, zero past K
+    (a T-deep operand padded to whole k tiles: zero chunks add +0, as the mma.sync kernel's K tail)."""
+    rows, depth, depth_out = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    x = _compact((depth, rows)) if transpose else _compact((rows, depth))
+    out_depth = depth_out if transpose else depth
+    return compile_for(arch, _split_launch, x, _compact((rows, out_depth)), _compact((rows, out_depth)),
+                       env_stream(), transpose)
+
+
 # --- builds ----------------------------------------------------------------------------------------
 
-# Tiles to measure (identical bits by contract), (bn, bk, raw stages, big/small stages): 32 KB raw + 64 KB
-# big/small per bk-32 k tile (three raw slots keep two TMA loads in flight while one is split), 16 + 32 KB
-# per bk-16 k tile.
-GEMM_TILES = ((128, 32, 3, 2), (128, 32, 2, 2), (128, 16, 6, 3), (128, 16, 4, 4))
-LAUNCH_TILE = (128, 32, 3, 2)  # the launcher's tile for every role
-# role -> (K, slices, A MN-major, B MN-major) of the MLP GEMMs the launcher runs on wgmma
-# (kernels/timestep_mlp.ROLES: same K and slice count as the mma.sync role, so the same chunk contract and
-# bits). K None: T-deep (symbolic), one slice; TMA zero-fills the last k tile past T (zero chunks add +0).
+# Tiles to measure (identical bits by contract): 64 KB stages x 3, or 32 KB (bk 16, 64-byte swizzle) x 6.
+GEMM_TILES = ((128, 32, 3), (128, 16, 6), (64, 32, 4))
+LAUNCH_TILE = (128, 32, 3)  # the launcher's tile for every role (fastest fc2 tile on the H200)
+# role -> (K, slices) of the MLP GEMMs the launcher runs on wgmma (kernels/timestep_mlp.ROLES: same K and
+# slice count as the mma.sync role, so the same chunk contract and bits). K None: T-deep, the operands
+# zero-padded by the transposing split to a multiple of TRANSPOSE_TILE.
 ROLE_GEMMS = {
-    "fc2": (5376, 6, False, False),  # h (T, 5376) x w2 (2688, 5376)
-    "fc2_dgrad": (2688, 3, False, True),  # grad (T, 2688) x w2^T: w2 (2688, 5376) read MN-major
-    "fc2_wgrad": (None, 1, True, True),  # grad^T x h^T: grad (T, 2688) and h (T, 5376) read MN-major
+    "fc2": (5376, 6),  # h (T, 5376) x w2 (2688, 5376)
+    "fc2_dgrad": (2688, 3),  # grad (T, 2688) x w2^T (5376, 2688): transposing split of w2
+    "fc2_wgrad": (None, 1),  # grad^T (2688, T) x h^T (5376, T): transposing splits, K tail zero
 }
 
 
-def build_gemm(arch: str, *, role: str, tile: tuple):
-    """P (splits, M, N) = 3xTF32 slices of A B^T for a `ROLE_GEMMS` role, called (A, B, P) with the raw FP32
-    operands: A (M, K), B (N, K), each contiguous K-major, or, MN-major, the (rows, K) view with strides
-    (1, rows) of a contiguous (K, rows) tensor (launch.timestep_mlp.transposed). M symbolic, N a multiple of
-    bn; K static (a multiple of splits * bk) or T-deep."""
+def build_gemm(arch: str, *, k: Optional[int], splits: int, tile: tuple):
+    """P (splits, M, N) = 3xTF32 slices of A B^T, called (A_big, A_small (M, k), B_big, B_small (N, k), P);
+    M and N symbolic (N % bn == 0). k static, a multiple of splits * bk; or None: symbolic (T-deep), one
+    slice, a multiple of TRANSPOSE_TILE at run time (the transposing split's zero-padded K)."""
     assert arch == "sm_90a", "wgmma is sm_90a only"
-    k, splits, a_mn, b_mn = ROLE_GEMMS[role]
     wtile = WgmmaTile(*tile)
     if k is None:
-        k = cute.sym_int()
+        if splits != 1 or TRANSPOSE_TILE % wtile.bk:
+            raise ValueError("a T-deep GEMM is one slice of whole bk tiles of the padded K")
+        k = cute.sym_int(divisibility=TRANSPOSE_TILE)
     elif k % (splits * wtile.bk):
         raise ValueError(f"K = {k} does not split into {splits} slices of whole {wtile.bk}-deep tiles")
-    # M = T for a K-major A; an MN-major A's M is its row stride, which TMA needs 16-byte aligned
-    m_dim = cute.sym_int(divisibility=4) if a_mn else cute.sym_int()
-    n_dim = cute.sym_int(divisibility=wtile.bn)
-    gemm = Tf32x3WgmmaGemm(wtile, splits, a_mn, b_mn)
-    return compile_for(arch, gemm, _operand((m_dim, k), a_mn), _operand((n_dim, k), b_mn),
+    m_dim, n_dim = cute.sym_int(), cute.sym_int()
+    gemm = Tf32x3WgmmaGemm(wtile, splits)
+    a, b = _compact((m_dim, k)), _compact((n_dim, k))
+    return compile_for(arch, gemm, a, _compact((m_dim, k)), b, _compact((n_dim, k)),
                        _compact((splits, m_dim, n_dim)), env_stream())
 
 
 def gemm_variants() -> list:
     """fc2 in every measured tile (the perf script times them); the other roles in the launcher's tile."""
-    variants = [dict(role="fc2", tile=t) for t in GEMM_TILES]
-    variants += [dict(role=role, tile=LAUNCH_TILE) for role in ROLE_GEMMS if role != "fc2"]
+    variants = [dict(k=5376, splits=6, tile=t) for t in GEMM_TILES]
+    for role, (k, splits) in ROLE_GEMMS.items():
+        if role != "fc2":
+            variants.append(dict(k=k, splits=splits, tile=LAUNCH_TILE))
     return variants
-
-
-def _operand(shape, mn_major: bool):
-    """(rows, K) FP32: K-major (contiguous), or MN-major (strides (1, rows))."""
-    if not mn_major:
-        return _compact(shape)
-    return make_fake_compact_tensor(cutlass.Float32, shape, stride_order=(0, 1), assumed_align=16)
 
 
 def _compact(shape):
@@ -702,11 +578,19 @@ SPECS = [
         archs=("sm_90a",),
     ),
     KernelSpec(
+        name="tf32_split",
+        build=build_split,
+        variants=lambda arch: [dict(transpose=False), dict(transpose=True)],
+        ptx_markers=("db, 4096;", "griddepcontrol.wait"),
+        ptx_forbidden=("atom.", "\tred."),
+        archs=("sm_90a",),
+    ),
+    KernelSpec(
         name="tf32x3_wgmma_gemm",
         build=build_gemm,
         variants=lambda arch: gemm_variants(),
         ptx_markers=("wgmma.mma_async.sync.aligned.m64n", ".tf32.tf32", "add.rn.f32", "cp.async.bulk.tensor",
-                     "mbarrier.try_wait", "setmaxnreg", "griddepcontrol.wait", "fence.proxy.async.shared::cta"),
+                     "mbarrier.try_wait", "setmaxnreg", "griddepcontrol.wait"),
         ptx_forbidden=("atom.", "\tred."),
         archs=("sm_90a",),
     ),

@@ -8,9 +8,9 @@ timed alone with CUDA events: median of 50 samples after 10 warm-ups. The whole 
 are also timed as one CUDA-graph replay (`graph`), which shows what launch overlap (PDL) buys over
 the sum of the isolated steps (`sum`), and so is every config of `CONFIGS` (the tile ranking per T).
 On sm_90a from L.WGMMA_MIN_ROWS rows (the launcher's default there) also the TF32-wgmma path step by step
-(phases fwd_wgmma / bwd_wgmma: the wgmma GEMMs, which split their operands in shared memory, next to the
-shared mma.sync steps) and as graphs, next to the mma.sync path (phases fwd / bwd, forced with
-wgmma=False); and the fc2 GEMM per wgmma tile at every T.
+(phases fwd_wgmma / bwd_wgmma: the splits and the wgmma GEMMs next to the shared mma.sync steps) and as
+graphs, next to the mma.sync path (phases fwd / bwd, forced with wgmma=False); and the fc2 GEMM per
+wgmma tile at every T.
 Prints a table; writes `$H3CUTE_OUT/mlp_kernels.json`.
 The step list mirrors the launcher: keep the two in step when the launcher changes.
 """
@@ -32,9 +32,9 @@ SIZES = (1, 4, 64, 256, 512, 2048)
 CUBLAS_US = {1: (58, 299), 4: (61, 341), 64: (169, 433), 256: (272, 705), 2048: (1773, 4694)}  # fwd, fwd+bwd
 # (T = 512: no cuBLAS baseline measured; no target printed)
 WARMUP, SAMPLES = 10, 50
-# kernels/wgmma_tf32.GEMM_TILES (bn, bk, raw stages, big/small stages), copied: this script never imports the
-# DSL (a CPU test keeps the two equal).
-WGMMA_FC2_TILES = ((128, 32, 3, 2), (128, 32, 2, 2), (128, 16, 6, 3), (128, 16, 4, 4))
+# kernels/wgmma_tf32.GEMM_TILES (bn, bk, stages), copied: this script never imports the DSL (a CPU test
+# keeps the two equal).
+WGMMA_FC2_TILES = ((128, 32, 3), (128, 16, 6), (64, 32, 4))
 F1, HIDDEN, D = L.SINUSOID_WIDTH, L.HIDDEN, L.TEMB_WIDTH
 
 
@@ -102,16 +102,29 @@ def _steps(num_rows: int, dev):
         "bwd": lambda c: L.backward(grad, x, w1, b1, w2, config=c, wgmma=False),
     }
     if L.uses_wgmma(dev, num_rows):
-        wgmma = {role: runtime.kernel("tf32x3_wgmma_gemm", dev, role=role, tile=L.WGMMA_TILE) for role in L.WGMMA_ROLES}
+        split, split_t = (runtime.kernel("tf32_split", dev, transpose=t) for t in (False, True))
+        wgmma = {role: runtime.kernel("tf32x3_wgmma_gemm", dev, k=k, splits=s, tile=L.WGMMA_TILE)
+                 for role, (k, s) in L.WGMMA_ROLES.items()}
+        depth = -(-num_rows // L.WGMMA_K_PAD) * L.WGMMA_K_PAD
+        h2, w2_2, g2 = (torch.empty_like(h), torch.empty_like(h)), (torch.empty_like(w2), torch.empty_like(w2)), \
+            (torch.empty_like(grad), torch.empty_like(grad))
+        w2t_2 = tuple(torch.empty(HIDDEN, D, **f32) for _ in range(2))
+        gt_2, ht_2 = (tuple(torch.empty(n, depth, **f32) for _ in range(2)) for n in (D, HIDDEN))
         by_name = {name: fn for _, name, fn in steps}
         steps += [
             ("fwd_wgmma", "fc1 (h)", by_name["fc1 (h)"]),
-            ("fwd_wgmma", "wgmma fc2 partials", lambda: wgmma["fc2"](h, w2, p_fc2)),
+            ("fwd_wgmma", "split h", lambda: split(h, *h2)),
+            ("fwd_wgmma", "split w2", lambda: split(w2, *w2_2)),
+            ("fwd_wgmma", "wgmma fc2 partials", lambda: wgmma["fc2"](*h2, *w2_2, p_fc2)),
             ("fwd_wgmma", "fold + b2", by_name["fold + b2"]),
             ("bwd_wgmma", "fc1 (z, h)", by_name["fc1 (z, h)"]),
-            ("bwd_wgmma", "wgmma fc2_dgrad partials", lambda: wgmma["fc2_dgrad"](grad, T(w2), p_dh)),
+            ("bwd_wgmma", "split grad", lambda: split(grad, *g2)),
+            ("bwd_wgmma", "split w2^T", lambda: split_t(w2, *w2t_2)),
+            ("bwd_wgmma", "wgmma fc2_dgrad partials", lambda: wgmma["fc2_dgrad"](*g2, *w2t_2, p_dh)),
         ] + [("bwd_wgmma", name, by_name[name]) for name in ("dz fold + db1", "fc1_dgrad partials", "fold dx")] + [
-            ("bwd_wgmma", "wgmma fc2_wgrad dW2", lambda: wgmma["fc2_wgrad"](T(grad), T(h), dw2)),
+            ("bwd_wgmma", "split grad^T", lambda: split_t(grad, *gt_2)),
+            ("bwd_wgmma", "split h^T", lambda: split_t(h, *ht_2)),
+            ("bwd_wgmma", "wgmma fc2_wgrad dW2", lambda: wgmma["fc2_wgrad"](*gt_2, *ht_2, dw2)),
             ("bwd_wgmma", "fc1_wgrad dW1", by_name["fc1_wgrad dW1"]),
             ("bwd_wgmma", "colsum db2", by_name["colsum db2"]),
         ]
@@ -121,14 +134,17 @@ def _steps(num_rows: int, dev):
 
 
 def _wgmma_fc2(num_rows: int, dev) -> dict:
-    """sm_90a: the TF32-wgmma fc2 GEMM (operands split in shared memory) per tile in wgmma_tf32.GEMM_TILES."""
+    """sm_90a: the TF32-wgmma fc2 (split h, split w2, GEMM per tile in wgmma_tf32.GEMM_TILES), timed alone."""
     f32 = dict(dtype=torch.float32, device=dev)
     h, w2 = torch.randn(num_rows, HIDDEN, **f32), torch.randn(D, HIDDEN, **f32) * HIDDEN ** -0.5
+    h_parts, w2_parts = (torch.empty_like(h), torch.empty_like(h)), (torch.empty_like(w2), torch.empty_like(w2))
     p_fc2 = torch.empty(L.SPLITS["fc2"], num_rows, D, **f32)
-    out = {}
+    split = runtime.kernel("tf32_split", dev, transpose=False)
+    out = {"split h": _safe(_median_us, lambda: split(h, *h_parts)),
+           "split w2": _safe(_median_us, lambda: split(w2, *w2_parts))}
     for tile in WGMMA_FC2_TILES:
-        gemm = runtime.kernel("tf32x3_wgmma_gemm", dev, role="fc2", tile=tile)
-        out[f"gemm {tile}"] = _safe(_median_us, lambda g=gemm: g(h, w2, p_fc2))
+        gemm = runtime.kernel("tf32x3_wgmma_gemm", dev, k=HIDDEN, splits=L.SPLITS["fc2"], tile=tile)
+        out[f"gemm {tile}"] = _safe(_median_us, lambda g=gemm: g(*h_parts, *w2_parts, p_fc2))
     return out
 
 

@@ -3,10 +3,9 @@
 CPU (slow: compiles): every probe variant compiles for sm_90a to TF32 wgmma, three per k8 chunk, one
 IEEE add per accumulator register per chunk, staging stores swizzled; where ptxas is installed, it
 assembles (the GEMM and the split without spills).
-GPU, the GEMM (operands TMA-loaded raw and split into big / small in shared memory): fc2 in every tile,
-fc2_dgrad (grad x w2^T, w2 read MN-major, 3 slices) and the T-deep fc2_wgrad (grad^T x h^T, both MN-major,
-K = T with TMA's zero fill past T) equal the mma.sync role's partials bit for bit at T = 1, 33, 200, 257,
-2048, zero rows, signed zeros and non-finite / subnormal operands included; rows are batch-invariant.
+GPU, the launcher's roles: fc2_dgrad (grad x w2^T through the transposing split of w2, 3 slices) and the
+T-deep fc2_wgrad (grad^T x h^T, K = T zero-padded, with extra all-zero k tiles too) equal the mma.sync
+role's partials bit for bit, zero rows and signed-zero products included.
 GPU (`-m gpu`, H200): the probe's (64, N) output equals, bit for bit, the one-slice partial of the
 production mma.sync kernel (timestep_mlp_gemm role fc2, slice s of a T = 64 call; columns past K in
 the slice are zero, whose chunks add +0 and leave every bit alone) on random normal data, a wide
@@ -173,11 +172,9 @@ def test_probe_non_finite_inputs_land_where_mma_sync_puts_them(static):
     assert torch.equal(bits(got[finite]), bits(want[finite])), _describe_difference(got[finite], want[finite])
 
 
-# ---- the TMA + wgmma 3xTF32 GEMM (operands split in shared memory) ----------------------------------------
+# ---- the TMA + wgmma 3xTF32 GEMM and its split ----------------------------------------------------------
 
 FC2_SPLITS = HIDDEN // K_SLICE
-_GEMM_TILES = ((128, 32, 3, 2), (128, 32, 2, 2), (128, 16, 6, 3), (128, 16, 4, 4))
-_TILE_IDS = ["bk32_s3_2", "bk32_s2_2", "bk16_s6_3", "bk16_s4_4"]
 
 
 def _no_spills(report: str) -> bool:
@@ -195,7 +192,7 @@ def _ptxas_ok(ptx: str, tmp_path) -> str:
 
 
 @pytest.mark.slow
-def test_wgmma_gemm_splits_in_shared_memory_and_runs_three_tf32_wgmma_per_chunk(tmp_path):
+def test_wgmma_gemm_compiles_to_three_tf32_wgmma_per_chunk(tmp_path):
     pytest.importorskip("cutlass", exc_type=ImportError)
     from h3cute.kernels import get_spec
     from h3cute.kernels import wgmma_tf32 as W
@@ -206,66 +203,32 @@ def test_wgmma_gemm_splits_in_shared_memory_and_runs_three_tf32_wgmma_per_chunk(
     for static in spec.variants("sm_90a"):
         _, ptxs = compile_variant(spec, "sm_90a", static, keep_ptx=True)
         ptx = "\n".join(ptxs)
-        bn, bk, _, _ = static["tile"]
-        _, _, a_mn, b_mn = W.ROLE_GEMMS[static["role"]]
+        bn, bk, _ = static["tile"]
         chunks = bk // 8
         # The consumer's k-tile body is emitted once: 3 wgmma per chunk, an IEEE add per accumulator
-        # register (64 x bn over 128 threads) per chunk.
+        # register (64 x bn over 128 threads) per chunk; four TMA loads per k tile (the producer's loop
+        # may be unrolled).
         assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{bn}k8.f32.tf32.tf32") == 3 * chunks, static
         assert ptx.count("add.rn.f32 ") == (bn // 2) * chunks, static
-        assert "cp.async.bulk.tensor.2d" in ptx and "fence.proxy.async.shared::cta" in ptx
-        assert "setmaxnreg.dec.sync.aligned.u32 \t80;" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t208;" in ptx
-        # The split, once per k tile (the converter loop body is emitted once): per thread of the producer
-        # warpgroup, a K-major operand's (128 x bk) tile in 16-byte vectors, one load and two stores each; an
-        # MN-major one element by element, one load and two stores each.
-        elems = 128 * bk // 128
-        vec_ops = sum(elems // 4 for mn in (a_mn, b_mn) if not mn)
-        scalar_ops = sum(elems for mn in (a_mn, b_mn) if mn)
-        assert ptx.count("ld.shared.v4.b32") == vec_ops and ptx.count("st.shared.v4.b32") == 2 * vec_ops, static
-        assert ptx.count("ld.shared.b32") == scalar_ops and ptx.count("st.shared.b32") == 2 * scalar_ops, static
-        assert ptx.count("and.b32 \t%r") >= 4 * vec_ops + scalar_ops
+        n_tma = ptx.count("cp.async.bulk.tensor.2d")
+        assert n_tma and n_tma % 4 == 0, (static, n_tma)
         assert ".local" not in ptx and "atom." not in ptx
         if shutil.which("ptxas"):
             report = _ptxas_ok(ptx, tmp_path)
             assert _no_spills(report) and "warning" not in report.lower(), report
     variants = spec.variants("sm_90a")
-    assert {v["tile"] for v in variants if v["role"] == "fc2"} == set(W.GEMM_TILES)  # fc2: every measured tile
-    for role in W.ROLE_GEMMS:
-        assert dict(role=role, tile=W.LAUNCH_TILE) in variants
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("bk", (16, 32))
-def test_transposing_split_addresses_are_the_layouts_and_conflict_free(bk):
-    """`_transpose_plan` (raises otherwise) for A and B at both k depths: the XOR addressing equals the MN-major
-    raw and K-major big / small layouts' offsets for every element, and every warp access hits 32 banks."""
-    pytest.importorskip("cutlass", exc_type=ImportError)
-    import cutlass.cute as cute
-
-    from h3cute.kernels import wgmma_tf32 as W
-
-    plans = []
-
-    @cute.jit
-    def plan_all():
-        for is_a in (True, False):
-            raw = W._raw_smem_layout(128, bk, 3, True, is_a)
-            mma = W.tf32_smem_layout(128, bk, 2, is_a=is_a)
-            plans.append(W._transpose_plan(raw, mma, 128, bk))
-
-    cute.compile(plan_all, options="--gpu-arch sm_90a")
-    assert len(plans) == 2 and all(p.kb == min(bk, 32) for p in plans)
+    assert {v["tile"] for v in variants if v["k"] == HIDDEN} == set(W.GEMM_TILES)  # fc2: every measured tile
+    for k, splits in W.ROLE_GEMMS.values():
+        assert dict(k=k, splits=splits, tile=W.LAUNCH_TILE) in variants
 
 
 def test_wgmma_tiles_are_checked():
     pytest.importorskip("cutlass", exc_type=ImportError)
-    from h3cute.kernels.wgmma_tf32 import GEMM_TILES, LAUNCH_TILE, WgmmaTile
+    from h3cute.kernels.wgmma_tf32 import GEMM_TILES, WgmmaTile
 
-    assert GEMM_TILES == _GEMM_TILES and LAUNCH_TILE in GEMM_TILES
     for tile in GEMM_TILES:
         assert WgmmaTile(*tile).astuple() == tile
-    for bad in ((64, 32, 3, 2), (256, 32, 2, 2), (128, 64, 2, 2), (128, 32, 4, 2), (128, 32, 3, 3), (128, 8, 6, 3),
-                (128, 32, 1, 2), (128, 32, 2, 1)):
+    for bad in ((256, 32, 3), (120, 32, 3), (128, 64, 2), (128, 32, 4), (128, 8, 6), (128, 32, 1)):
         with pytest.raises(ValueError):
             WgmmaTile(*bad)
 
@@ -281,13 +244,60 @@ def test_perf_script_times_every_wgmma_tile():
     assert tuple(perf["WGMMA_FC2_TILES"]) == GEMM_TILES
 
 
-def _wgmma(role, tile, a, b, shape):
-    """Partials of the wgmma GEMM on NaN-poisoned output (a, b as the launcher passes them)."""
+@pytest.mark.slow
+def test_split_compiles_to_vector_copies(tmp_path):
+    pytest.importorskip("cutlass", exc_type=ImportError)
+    from h3cute.kernels import get_spec
+    from h3cute.runtime.dsl import compile_variant
+
+    spec = get_spec("tf32_split")
+    for static in spec.variants("sm_90a"):
+        _, ptxs = compile_variant(spec, "sm_90a", static, keep_ptx=True)
+        ptx = "\n".join(ptxs)
+        assert "and.b32" in ptx and "db, 4096;" in ptx
+        if not static["transpose"]:
+            assert "ld.global.v4.b32" in ptx and ptx.count("st.global.v4.b32") == 2
+        if shutil.which("ptxas"):
+            assert _no_spills(_ptxas_ok(ptx, tmp_path))
+
+
+def _reference_split(x: torch.Tensor):
+    """big = x & 0xffffe000, small = bits(x - big) + 2^12 (x - big is exact in FP32): gemm_tf32x3's split."""
+    big = bits(x) & -8192
+    small = bits(x - big.view(torch.float32)) + 4096
+    return big.view(torch.float32), small.view(torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, depth", ((1, 8), (5, 5376), (2688, 5376), (200, 2688)))
+def test_split_gives_the_mma_sync_operand_bits(rows, depth):
     from h3cute import runtime
 
-    out = torch.full(shape, float("nan"), device="cuda")
-    runtime.kernel("tf32x3_wgmma_gemm", a.device, role=role, tile=tile)(a, b, out)
-    return out
+    x = torch.randn(rows, depth, generator=_gen(rows + depth), device="cuda")
+    x[0, 0] = float("nan")
+    if depth > 3:
+        x[0, 1], x[0, 2], x[0, 3] = float("inf"), -0.0, 1e-40  # subnormal
+    big, small = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    runtime.kernel("tf32_split", x.device, transpose=False)(x, big, small)
+    want_big, want_small = _reference_split(x)
+    assert torch.equal(bits(big), bits(want_big)) and torch.equal(bits(small), bits(want_small))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("depth, rows, depth_out", ((1, 2688, 32), (5, 5376, 32), (200, 2688, 224),
+                                                     (2688, 5376, 2688), (2048, 256, 2048), (33, 40, 64)))
+def test_transposing_split_feeds_k_major_with_a_zero_tail(depth, rows, depth_out):
+    """X^T (K, R) in (the backward's grad, h, dz, x and w^T operands) -> big, small (R, K_out), zero past K."""
+    from h3cute import runtime
+
+    xt = torch.randn(depth, rows, generator=_gen(depth * rows), device="cuda")
+    big, small = (torch.full((rows, depth_out), float("nan"), device="cuda") for _ in range(2))
+    runtime.kernel("tf32_split", xt.device, transpose=True)(xt, big, small)
+    padded = torch.zeros(rows, depth_out, device="cuda")
+    padded[:, :depth] = xt.t()
+    want_big, want_small = _reference_split(padded)
+    assert torch.equal(bits(big), bits(want_big)) and torch.equal(bits(small), bits(want_small))
+    assert torch.equal(bits(big[:, depth:]), torch.zeros_like(bits(big[:, depth:])))
 
 
 def _fc2_inputs(num_rows: int, seed: int):
@@ -298,17 +308,54 @@ def _fc2_inputs(num_rows: int, seed: int):
 
 
 def _wgmma_fc2(h, w2, tile):
-    return _wgmma("fc2", tile, h, w2, (FC2_SPLITS, h.shape[0], N))
+    from h3cute import runtime
+
+    split = runtime.kernel("tf32_split", h.device, transpose=False)
+    parts = [torch.full_like(t, float("nan")) for t in (h, h, w2, w2)]
+    split(h, parts[0], parts[1])
+    split(w2, parts[2], parts[3])
+    partials = torch.full((FC2_SPLITS, h.shape[0], N), float("nan"), device="cuda")
+    runtime.kernel("tf32x3_wgmma_gemm", h.device, k=HIDDEN, splits=FC2_SPLITS, tile=tile)(*parts, partials)
+    return partials
 
 
-def _mma_sync(role, num_rows, a, b, shape):
+_GEMM_TILES = ((128, 32, 3), (128, 16, 6), (64, 32, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", _GEMM_TILES, ids=["bn128_bk32", "bn128_bk16", "bn64_bk32"])
+@pytest.mark.parametrize("num_rows", (1, 5, 64, 200, 2048))
+def test_wgmma_fc2_partials_equal_the_mma_sync_partials(num_rows, tile):
+    """Bitwise: every slice partial of fc2 (T rows, K = 5376, 6 slices) equals timestep_mlp_gemm's for the
+    launcher's config at that T; FP64 first, so a layout bug reads as such."""
     from h3cute import runtime
     from h3cute.launch import timestep_mlp as L
 
-    want = torch.full(shape, float("nan"), device="cuda")
-    tile = getattr(L.pick_config(num_rows), role).astuple()
-    runtime.kernel("timestep_mlp_gemm", a.device, role=role, tile=tile)(a, b, want)
-    return want
+    h, w2 = _fc2_inputs(num_rows, 5000 + num_rows)
+    got = _wgmma_fc2(h, w2, tile)
+    want = torch.full_like(got, float("nan"))
+    runtime.kernel("timestep_mlp_gemm", h.device, role="fc2", tile=L.pick_config(num_rows).fc2.astuple())(
+        h, w2, want)
+    for s in range(FC2_SPLITS):
+        k = slice(K_SLICE * s, K_SLICE * (s + 1))
+        ref = h[:, k].double() @ w2[:, k].double().t()
+        scale = h[:, k].double().abs() @ w2[:, k].double().abs().t()
+        assert torch.isfinite(got[s]).all(), s
+        assert ((got[s].double() - ref).abs() <= 1e-5 * scale).all(), (s, "far from FP64")
+        assert torch.equal(bits(got[s]), bits(want[s])), f"slice {s}: {_describe_difference(got[s], want[s])}"
+
+
+@pytest.mark.gpu
+def test_wgmma_fc2_rows_are_batch_invariant():
+    """A row alone, and inside batches where it sits at other tile positions, gives the same partial bits."""
+    h, w2 = _fc2_inputs(300, 6001)
+    full = _wgmma_fc2(h, w2, _GEMM_TILES[0])
+    for lo, hi in ((0, 1), (137, 138), (5, 200), (299, 300), (100, 300)):
+        part = _wgmma_fc2(h[lo:hi].contiguous(), w2, _GEMM_TILES[0])
+        assert torch.equal(bits(part), bits(full[:, lo:hi])), (lo, hi)
+
+
+# ---- the backward's roles: fc2_dgrad and the T-deep fc2_wgrad -------------------------------------------
 
 
 def _check_partials(got, want, ref_a, ref_b, what):
@@ -324,72 +371,52 @@ def _check_partials(got, want, ref_a, ref_b, what):
         assert torch.equal(bits(got[s]), bits(want[s])), f"{what} slice {s}: {_describe_difference(got[s], want[s])}"
 
 
-ROWS = (1, 33, 200, 257, 2048)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", _GEMM_TILES, ids=_TILE_IDS)
-@pytest.mark.parametrize("num_rows", ROWS)
-def test_wgmma_fc2_partials_equal_the_mma_sync_partials(num_rows, tile):
-    """Bitwise: every slice partial of fc2 (T rows, K = 5376, 6 slices) equals timestep_mlp_gemm's for the
-    launcher's config at that T; FP64 first, so a layout bug reads as such."""
-    h, w2 = _fc2_inputs(num_rows, 5000 + num_rows)
-    got = _wgmma_fc2(h, w2, tile)
-    want = _mma_sync("fc2", num_rows, h, w2, got.shape)
-    _check_partials(got, want, h, w2.t(), f"fc2 {tile}")
-
-
-@pytest.mark.gpu
-def test_wgmma_fc2_non_finite_and_special_inputs_land_where_mma_sync_puts_them():
-    """NaN, +-inf, -0 and subnormal operands go through the shared-memory split as through mma.sync's."""
-    h, w2 = _fc2_inputs(300, 5500)
-    h[3, 5], h[9, 4000], h[17, 17] = float("nan"), float("inf"), -0.0
-    h[40, 100:140] = 1e-40
-    w2[100, 2000], w2[7, 900] = float("-inf"), float("nan")
-    w2[50, 200:240] = -1e-39
-    got = _wgmma_fc2(h, w2, _GEMM_TILES[0])
-    want = _mma_sync("fc2", 300, h, w2, got.shape)
-    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(want).any()
-    finite = ~torch.isnan(want)
-    assert torch.equal(bits(got[finite]), bits(want[finite])), _describe_difference(got[finite], want[finite])
-
-
-@pytest.mark.gpu
-def test_wgmma_fc2_rows_are_batch_invariant():
-    """A row alone, and inside batches where it sits at other tile positions, gives the same partial bits."""
-    h, w2 = _fc2_inputs(300, 6001)
-    full = _wgmma_fc2(h, w2, _GEMM_TILES[0])
-    for lo, hi in ((0, 1), (137, 138), (5, 200), (299, 300), (100, 300)):
-        part = _wgmma_fc2(h[lo:hi].contiguous(), w2, _GEMM_TILES[0])
-        assert torch.equal(bits(part), bits(full[:, lo:hi])), (lo, hi)
-
-
-# ---- the backward's roles: fc2_dgrad (w2 read MN-major) and the T-deep fc2_wgrad (both MN-major) ----------
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", ROWS)
+@pytest.mark.parametrize("num_rows", (1, 200, 2048))
 def test_wgmma_fc2_dgrad_partials_equal_the_mma_sync_partials(num_rows):
-    """dh partials (3, T, 5376) = grad (T, 2688) x w2 (2688, 5376) in 3 slices; both GEMMs read w2 through its
-    transposed view (B = w2^T, MN-major), the wgmma one transposing it in shared memory."""
+    """dh partials (3, T, 5376) = grad (T, 2688) x w2 (2688, 5376) in 3 slices: A split in place, B = w2^T
+    through the transposing split; the mma.sync role reads w2 N-major in place."""
+    from h3cute import runtime
     from h3cute.launch import timestep_mlp as L
 
     g = _gen(7000 + num_rows)
     grad = torch.randn(num_rows, N, generator=g, device="cuda")
     w2 = torch.randn(N, HIDDEN, generator=g, device="cuda") * HIDDEN ** -0.5
-    shape = (L.SPLITS["fc2_dgrad"], num_rows, HIDDEN)
-    got = _wgmma("fc2_dgrad", L.WGMMA_TILE, grad, L.transposed(w2), shape)
-    want = _mma_sync("fc2_dgrad", num_rows, grad, L.transposed(w2), shape)
+    k, splits = L.WGMMA_ROLES["fc2_dgrad"]
+    parts = [torch.full_like(grad, float("nan")) for _ in range(2)] + \
+        [torch.full((HIDDEN, N), float("nan"), device="cuda") for _ in range(2)]
+    runtime.kernel("tf32_split", grad.device, transpose=False)(grad, parts[0], parts[1])
+    runtime.kernel("tf32_split", grad.device, transpose=True)(w2, parts[2], parts[3])
+    got = torch.full((splits, num_rows, HIDDEN), float("nan"), device="cuda")
+    runtime.kernel("tf32x3_wgmma_gemm", grad.device, k=k, splits=splits, tile=L.WGMMA_TILE)(*parts, got)
+    want = torch.full_like(got, float("nan"))
+    runtime.kernel("timestep_mlp_gemm", grad.device, role="fc2_dgrad",
+                   tile=L.pick_config(num_rows).fc2_dgrad.astuple())(grad, L.transposed(w2), want)
     _check_partials(got, want, grad, w2, "fc2_dgrad")
 
 
+def _wgmma_wgrad(grad, h, depth_out):
+    from h3cute import runtime
+    from h3cute.launch import timestep_mlp as L
+
+    split = runtime.kernel("tf32_split", grad.device, transpose=True)
+    parts = []
+    for xt in (grad, h):
+        pair = [torch.full((xt.shape[1], depth_out), float("nan"), device="cuda") for _ in range(2)]
+        split(xt, *pair)
+        parts += pair
+    out = torch.full((1, N, HIDDEN), float("nan"), device="cuda")
+    runtime.kernel("tf32x3_wgmma_gemm", grad.device, k=None, splits=1, tile=L.WGMMA_TILE)(*parts, out)
+    return out
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", ROWS)
-def test_wgmma_fc2_wgrad_equals_the_mma_sync_wgrad(num_rows):
-    """dW2 (1, 2688, 5376) = grad^T h over K = T, both read MN-major in place; TMA zero-fills the last k tile
-    past T (the mma.sync kernel pads to its own tile_k). Relied on: acc starts at +0 and an RN sum is -0 only
-    when both terms are, so a zero chunk (+0 or -0) changes no bit. Zero rows and a -0 column of grad put
-    signed zeros in chunks; every mma.sync wgrad tile agrees."""
+@pytest.mark.parametrize("num_rows", (1, 33, 257, 2048))
+def test_wgmma_fc2_wgrad_equals_the_mma_sync_wgrad_for_any_zero_padding(num_rows):
+    """dW2 (1, 2688, 5376) = grad^T h over K = T: the transposing splits pad K with zeros to a multiple of
+    32, here also with 64 more (two more all-zero k tiles). Relied on: acc starts at +0 and an RN sum is -0
+    only when both terms are, so acc is never -0 and adding a zero chunk (+0 or -0) changes no bit; the
+    mma.sync kernel pads to its own tile_k. Zero rows and a -0 column of grad put signed zeros in chunks."""
     from h3cute import runtime
     from h3cute.launch import timestep_mlp as L
 
@@ -398,30 +425,17 @@ def test_wgmma_fc2_wgrad_equals_the_mma_sync_wgrad(num_rows):
     h = torch.nn.functional.silu(torch.randn(num_rows, HIDDEN, generator=g, device="cuda") * 2)
     grad[::4] = 0.0
     grad[:, 3] = -0.0
+    tiles = {cfg.fc2_wgrad.astuple() for cfg in L.CONFIGS}
     wants = []
-    for tile in sorted({cfg.fc2_wgrad.astuple() for cfg in L.CONFIGS}):
+    for tile in sorted(tiles):  # every mma.sync wgrad tile agrees (tile_k 32: its own padding)
         want = torch.full((1, N, HIDDEN), float("nan"), device="cuda")
         runtime.kernel("timestep_mlp_gemm", grad.device, role="fc2_wgrad", tile=tile)(
             L.transposed(grad), L.transposed(h), want)
         wants.append(want)
-    got = _wgmma("fc2_wgrad", L.WGMMA_TILE, L.transposed(grad), L.transposed(h), (1, N, HIDDEN))
-    _check_partials(got, wants[0], grad.t(), h, "fc2_wgrad")
-    assert not got[0, 3].any()
+    depth = -(-num_rows // L.WGMMA_K_PAD) * L.WGMMA_K_PAD
+    for depth_out in (depth, depth + 64):
+        got = _wgmma_wgrad(grad, h, depth_out)
+        _check_partials(got, wants[0], grad.t(), h, f"fc2_wgrad K padded to {depth_out}")
+        assert not got[0, 3].any()
     for want in wants[1:]:
         assert torch.equal(bits(want), bits(wants[0]))
-
-
-@pytest.mark.gpu
-def test_wgmma_fc2_wgrad_reads_only_the_first_t_rows():
-    """K = T exactly: rows of grad / h past T in the same allocation (NaN) never reach dW2."""
-    from h3cute.launch import timestep_mlp as L
-
-    g = _gen(8500)
-    grad_buf = torch.full((300, N), float("nan"), device="cuda")
-    h_buf = torch.full((300, HIDDEN), float("nan"), device="cuda")
-    grad_buf[:257] = torch.randn(257, N, generator=g, device="cuda")
-    h_buf[:257] = torch.randn(257, HIDDEN, generator=g, device="cuda")
-    grad, h = grad_buf[:257], h_buf[:257]
-    got = _wgmma("fc2_wgrad", L.WGMMA_TILE, L.transposed(grad), L.transposed(h), (1, N, HIDDEN))
-    clean = _wgmma("fc2_wgrad", L.WGMMA_TILE, L.transposed(grad.clone()), L.transposed(h.clone()), (1, N, HIDDEN))
-    assert torch.isfinite(got).all() and torch.equal(bits(got), bits(clean))

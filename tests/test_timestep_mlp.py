@@ -59,17 +59,16 @@ def test_transposed_views_have_the_compiled_strides():
 
 
 def test_wgmma_roles_are_built_variants():
-    """The launcher's wgmma roles and tile are what kernels/wgmma_tf32.py builds."""
+    """The launcher's wgmma roles, tile and K padding are what kernels/wgmma_tf32.py builds."""
     pytest.importorskip("cutlass", exc_type=ImportError)
     from h3cute.kernels import get_spec
     from h3cute.kernels import wgmma_tf32 as W
 
     assert L.WGMMA_ROLES == W.ROLE_GEMMS and L.WGMMA_TILE == W.LAUNCH_TILE
+    assert L.WGMMA_K_PAD == W.TRANSPOSE_TILE and L.WGMMA_K_PAD % W.WgmmaTile(*L.WGMMA_TILE).bk == 0
     built = get_spec("tf32x3_wgmma_gemm").variants("sm_90a")
-    for role, (k, splits, _, _) in L.WGMMA_ROLES.items():
-        assert dict(role=role, tile=L.WGMMA_TILE) in built, role
-        assert (k, splits) == ((HIDDEN, L.SPLITS[role]) if role == "fc2" else
-                               (L.TEMB_WIDTH, L.SPLITS[role]) if role == "fc2_dgrad" else (None, 1)), role
+    for k, splits in L.WGMMA_ROLES.values():
+        assert dict(k=k, splits=splits, tile=L.WGMMA_TILE) in built, (k, splits)
     assert get_spec("tf32x3_wgmma_gemm").archs == ("sm_90a",)
 
 
@@ -438,9 +437,8 @@ def _both_paths(x, w1, b1, w2, b2, grad):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", (256, 257, 300, 512, 2048))
 def test_wgmma_path_gives_the_mma_sync_bits(num_rows):
-    """sm_90a: the whole op on the TF32-wgmma GEMMs (TMA, big / small split in shared memory, warpgroup MMA)
-    equals the mma.sync path bit for bit, forward and all five gradients; FP64 first, so a layout bug reads as
-    such."""
+    """sm_90a: the whole op on the TF32-wgmma GEMMs (operand splits, TMA, warpgroup MMA) equals the mma.sync
+    path bit for bit, forward and all five gradients; FP64 first, so a layout bug reads as such."""
     if not _sm90():
         pytest.skip("the TF32 wgmma path is sm_90a only")
     assert L.uses_wgmma(torch.device("cuda"), num_rows)
@@ -462,7 +460,7 @@ def test_wgmma_path_gives_the_mma_sync_bits(num_rows):
 @pytest.mark.parametrize("num_rows", (257, 2048))
 def test_wgmma_path_keeps_zero_rows_and_signed_zeros(num_rows):
     """Zero rows of grad (and a zero grad column: a dW2 row of +-0 products only) through both paths: dW2 is
-    a T-deep sum whose K tail the two paths pad differently (TMA to bk vs the mma.sync tile_k); the zero chunks
+    a T-deep sum whose K tail the two paths pad differently (to 32 vs the mma.sync tile_k); the zero chunks
     must leave every bit alone, signed zeros included."""
     if not _sm90():
         pytest.skip("the TF32 wgmma path is sm_90a only")
@@ -535,7 +533,7 @@ def test_cuda_graph_replay_gives_the_eager_bits(num_rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", (3, 300))  # 300: on sm_90a the wgmma path (TMA reads the weights)
+@pytest.mark.parametrize("num_rows", (3, 300))  # 300: on sm_90a the wgmma path (splits read the weights)
 def test_weights_written_just_before_the_call_are_seen(num_rows):
     """fc2 and the dgrad GEMMs stream their weight before waiting on the previous kernel (PDL); a
     torch kernel that rewrites the weights right before the call must still be fully visible."""

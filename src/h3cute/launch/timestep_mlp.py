@@ -13,11 +13,11 @@ fc2_dgrad and fc1_dgrad prefetch their weight before waiting on the previous ker
 launched right before each must not write that weight (fc1 / fc1_zh / the dz kernel do not).
 
 Large T on sm_90a (T >= WGMMA_MIN_ROWS): fc2, fc2_dgrad and fc2_wgrad run on the TF32 warpgroup MMA
-(kernels/wgmma_tf32.py, `tf32x3_wgmma_gemm`): it reads the same operands in place as the mma.sync GEMM
-(w2^T, grad^T, h^T through their `transposed` views), splits them into big / small in shared memory, and
-writes the same partial layout under the same chunk contract (same K slices, same k8 chunks, same IEEE
-adds) into the same folds: the same bits at every T (GPU tests compare the whole op). fc1, fc1_zh,
-fc1_dgrad and fc1_wgrad stay on mma.sync.
+(kernels/wgmma_tf32.py): each operand is first split into its big / small TF32 operand arrays
+(`tf32_split`; w2^T, grad^T and h^T through its transposing form, the T-deep K zero-padded to a multiple
+of 32), then `tf32x3_wgmma_gemm` writes the same partial layout the mma.sync GEMM writes, under the same
+chunk contract (same K slices, same k8 chunks, same IEEE adds), into the same folds: the same bits at
+every T (GPU tests compare the whole op). fc1, fc1_zh, fc1_dgrad and fc1_wgrad stay on mma.sync.
 
 Config choice may look at T (it changes only speed): every config in CONFIGS gives the same bits,
 because the summation order is fixed by K and the slice count (kernels/timestep_mlp.py). The op
@@ -78,16 +78,14 @@ LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dg
 CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
-# sm_90a from this many rows: the fc2-sized GEMMs on TF32 wgmma (speed only: same bits). H200 at 2355bb0,
-# fc2 alone with the former global-memory splits: wgmma 39.8 + 83 us of splits vs mma.sync 51.5 at T = 64,
-# 78.9 + ~58 vs 143.9 at T = 256. The splits now happen in the GEMM's shared memory (perf/mlp_kernels.py
-# decides whether a lower threshold pays).
+# sm_90a from this many rows: the fc2-sized GEMMs on TF32 wgmma (speed only: same bits). H200, fc2 alone:
+# wgmma GEMM + both splits 39.8 + 83 vs mma.sync 51.5 us at T = 64; 78.9 + ~50 vs 143.9 at T = 256
+# (split w2 46.6 is T-independent); 563 + 83 vs 1062 at T = 2048.
 WGMMA_MIN_ROWS = 256
-WGMMA_TILE = (128, 32, 3, 2)  # wgmma_tf32.LAUNCH_TILE (bn, bk, raw stages, big/small stages)
-# wgmma_tf32.ROLE_GEMMS: (K, slices, A MN-major, B MN-major); K None = T-deep
-WGMMA_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"], False, False),
-               "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"], False, True),
-               "fc2_wgrad": (None, 1, True, True)}
+WGMMA_TILE = (128, 32, 3)  # wgmma_tf32.LAUNCH_TILE (bn, bk, stages): every role's variant is built in it
+WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a multiple of it
+WGMMA_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"]), "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"]),
+               "fc2_wgrad": (None, 1)}  # wgmma_tf32.ROLE_GEMMS: (K, slices); None = T-deep
 
 # pick_config's T ranges: up to each bound, its config.
 T_BOUNDS = ((16, SMALL_T), (64, WIDE_T), (256, MID_T), (runtime.MAX_ROWS, LARGE_T))
@@ -140,7 +138,23 @@ def _fold(device, role: str, mode: str):
 
 
 def _wgmma_gemm(device, role: str):
-    return runtime.kernel("tf32x3_wgmma_gemm", device, role=role, tile=WGMMA_TILE)
+    k, splits = WGMMA_ROLES[role]
+    return runtime.kernel("tf32x3_wgmma_gemm", device, k=k, splits=splits, tile=WGMMA_TILE)
+
+
+def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The big / small TF32 operand arrays of a contiguous K-major (R, K) operand."""
+    big, small = torch.empty_like(x), torch.empty_like(x)
+    runtime.kernel("tf32_split", x.device, transpose=False)(x, big, small)
+    return big, small
+
+
+def _split_transposed(xt: torch.Tensor, depth_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Big / small (R, depth_out) arrays of X = xt^T for a contiguous (K, R) xt, zero past K."""
+    shape = (xt.shape[1], depth_out)
+    big, small = xt.new_empty(shape), xt.new_empty(shape)
+    runtime.kernel("tf32_split", xt.device, transpose=True)(xt, big, small)
+    return big, small
 
 
 def _fc1(x, w1, b1, tile: GemmConfig):
@@ -166,7 +180,7 @@ def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None, wgmma: bool | No
     partials = torch.empty((SPLITS["fc2"], num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
     use_wgmma = uses_wgmma(dev, num_rows) if wgmma is None else wgmma
     if use_wgmma:
-        _wgmma_gemm(dev, "fc2")(h, w2, partials)
+        _wgmma_gemm(dev, "fc2")(*_split(h), *_split(w2), partials)
     else:
         _gemm(dev, "fc2", cfg.fc2)(h, w2, partials)
     _fold(dev, "fc2", "bias")(partials, b2, out)
@@ -193,9 +207,10 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool |
     z, h = _fc1(x, w1, b1, cfg.fc1)
 
     dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, HIDDEN), **f32)
-    # w2 read N-major in place by either GEMM
-    dgrad = _wgmma_gemm(dev, "fc2_dgrad") if use_wgmma else _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)
-    dgrad(grad, transposed(w2), dh_partials)
+    if use_wgmma:  # B = w2^T (5376, 2688): w2 (2688, 5376) is its contiguous transpose
+        _wgmma_gemm(dev, "fc2_dgrad")(*_split(grad), *_split_transposed(w2, TEMB_WIDTH), dh_partials)
+    else:
+        _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)  # w2 read N-major in place
     dz = torch.empty((num_rows, HIDDEN), **f32)
     db1 = torch.empty((HIDDEN,), **f32)
     # dz = fold(dh partials) * silu'(z), and db1 = column sums of dz, in one pass
@@ -207,11 +222,14 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool |
     _fold(dev, "fc1_dgrad", "sum")(dx_partials, dx.new_empty((1,)), dx)
 
     dw2 = torch.empty((1, TEMB_WIDTH, HIDDEN), **f32)
-    # K = T: both GEMMs zero-fill the last k tile past T (wgmma: TMA, to its bk; mma.sync: to its tile_k). A
-    # chunk of zeros adds +-0, and acc is never -0 (it starts at +0; an RN sum is -0 only when both terms are),
-    # so the padding leaves every bit alone.
-    wgrad = _wgmma_gemm(dev, "fc2_wgrad") if use_wgmma else _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)
-    wgrad(transposed(grad), transposed(h), dw2)
+    if use_wgmma:
+        # A = grad^T (2688, T), B = h^T (5376, T), K = T zero-padded: a chunk of zeros adds +-0, and acc is
+        # never -0 (it starts at +0; an RN sum is -0 only when both terms are), so it leaves every bit alone,
+        # however many such chunks the padding (here to 32, in the mma.sync kernel to its tile_k) adds.
+        depth = -(-num_rows // WGMMA_K_PAD) * WGMMA_K_PAD
+        _wgmma_gemm(dev, "fc2_wgrad")(*_split_transposed(grad, depth), *_split_transposed(h, depth), dw2)
+    else:
+        _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)(transposed(grad), transposed(h), dw2)
     dw1 = torch.empty((1, HIDDEN, SINUSOID_WIDTH), **f32)
     _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)(transposed(dz), transposed(x), dw1)
 
