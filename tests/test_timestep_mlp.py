@@ -81,7 +81,7 @@ def test_kernel_handles_leave_the_wgmma_path_to_python(monkeypatch, arch):
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: type("K", (), {"__chandle__": lambda s: 1})())
     for backward in (0, 1):
-        for rows in (1, 16, 17, 64, 65, 255, 256, 257, 300, 2048, 100000):
+        for rows in (1, 16, 17, 64, 65, 255, 256, 257, 300, 511, 512, 513, 2048, 100000):
             lo, hi, handles, (python_only,) = L.kernel_handles(0, backward, rows)
             assert lo <= rows <= hi
             wgmma = arch == "sm_90a" and rows >= L.WGMMA_MIN_ROWS
@@ -409,8 +409,8 @@ def _sm90() -> bool:
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", (1, 17, 100, 300))
 def test_every_config_gives_identical_bits(num_rows):
-    """Every mma.sync config (forced: on sm_90a the default at 300 rows is the wgmma path), and on sm_90a the
-    wgmma path (which any T may take), give the same bits."""
+    """Every mma.sync config (forced: on sm_90a the default from WGMMA_MIN_ROWS rows is the wgmma path), and on
+    sm_90a the wgmma path (which any T may take), give the same bits."""
     w1, b1, w2, b2 = _params(3)
     x = _randn((num_rows, F1), 31)
     grad = _randn((num_rows, D), 32)
@@ -441,7 +441,7 @@ def test_wgmma_path_gives_the_mma_sync_bits(num_rows):
     path bit for bit, forward and all five gradients; FP64 first, so a layout bug reads as such."""
     if not _sm90():
         pytest.skip("the TF32 wgmma path is sm_90a only")
-    assert L.uses_wgmma(torch.device("cuda"), num_rows)
+    assert L.uses_wgmma(torch.device("cuda"), num_rows) == (num_rows >= L.WGMMA_MIN_ROWS)
     w1, b1, w2, b2 = _params(10 + num_rows)
     x = _randn((num_rows, F1), 3000 + num_rows)
     grad = _randn((num_rows, D), 4000 + num_rows)
@@ -453,7 +453,7 @@ def test_wgmma_path_gives_the_mma_sync_bits(num_rows):
     assert same_bits(out1, out0)
     for name, g1, g0 in zip(("dx", "dw1", "db1", "dw2", "db2"), grads1, grads0):
         assert same_bits(g1, g0), name
-    assert same_bits(L.forward(x, w1, b1, w2, b2), out1)  # the default at this T is the wgmma path
+    assert same_bits(L.forward(x, w1, b1, w2, b2), out1)  # the default path at this T: the same bits
 
 
 @pytest.mark.gpu
@@ -508,7 +508,7 @@ def test_parameter_gradients_are_repeatable(num_rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", (1, 64, 300))
+@pytest.mark.parametrize("num_rows", (1, 64, 300, 600))  # 600: on sm_90a the wgmma path
 def test_cuda_graph_replay_gives_the_eager_bits(num_rows):
     """Every kernel is launched with PDL (programmatic dependent launch): captured into a graph the
     launches keep their programmatic edges; the bits must be those of the eager calls."""
@@ -533,7 +533,7 @@ def test_cuda_graph_replay_gives_the_eager_bits(num_rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", (3, 300))  # 300: on sm_90a the wgmma path (splits read the weights)
+@pytest.mark.parametrize("num_rows", (3, 600))  # 600: on sm_90a the wgmma path (splits read the weights)
 def test_weights_written_just_before_the_call_are_seen(num_rows):
     """fc2 and the dgrad GEMMs stream their weight before waiting on the previous kernel (PDL); a
     torch kernel that rewrites the weights right before the call must still be fully visible."""

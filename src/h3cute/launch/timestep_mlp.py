@@ -78,10 +78,12 @@ LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dg
 CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
-# sm_90a from this many rows: the fc2-sized GEMMs on TF32 wgmma (speed only: same bits). H200, fc2 alone:
-# wgmma GEMM + both splits 39.8 + 83 vs mma.sync 51.5 us at T = 64; 78.9 + ~50 vs 143.9 at T = 256
-# (split w2 46.6 is T-independent); 563 + 83 vs 1062 at T = 2048.
-WGMMA_MIN_ROWS = 256
+# sm_90a from this many rows: the fc2-sized GEMMs on TF32 wgmma (speed only: same bits). H200 at 2355bb0
+# (perf/results/h200/mlp_kernels.json, graph us fwd + bwd): T = 256 wgmma 154.5 + 348.2 vs mma.sync 170.8 +
+# 400.3, but the wgmma sequence runs through the Python launcher (the C++ layer leaves it to the Python impl),
+# whose host time made the eager fwd+bwd 963 us against the C++ mma.sync path's ~570; T = 512 853 vs 1067
+# device, where the host time (~1 ms) and the device time meet; T = 2048 2696 vs 3944.
+WGMMA_MIN_ROWS = 512
 WGMMA_TILE = (128, 32, 3)  # wgmma_tf32.LAUNCH_TILE (bn, bk, stages): every role's variant is built in it
 WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a multiple of it
 WGMMA_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"]), "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"]),
