@@ -604,6 +604,22 @@ class _WgmmaGemm(_WarpMmaGemm):
             tiler_mn=(64, self.tile.bn),
         )
 
+    def _tma_ring(self, storage, sA_layout, sB_layout):
+        """The stage ring of the TMA mainloops: a full mbarrier per stage expecting one A and one B tile of
+        bytes, an empty one taking one arrive per consumer warp (lane 0 signals)."""
+        from cutlass import pipeline
+
+        stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
+            cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0)))
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.tile.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile.threads // 32),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
     def _tma_loads(self, mA: cute.Tensor, mB: cute.Tensor, sA_layout, sB_layout):
         """TMA load atoms (and their coordinate tensors) for one (bm, bk) A tile and one (bn, bk) B tile."""
         from cutlass.cute.nvgpu import cpasync
@@ -858,17 +874,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         sA = cute.make_tensor(cute.recast_ptr(ab, sA_layout.inner), sA_layout.outer)
         sB = cute.make_tensor(cute.recast_ptr(ab + a_size, sB_layout.inner), sB_layout.outer)
 
-        stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
-            cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0)))
-        # Empty barriers: one arrive per consumer warp (lane 0 signals).
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=t.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.threads // 32),
-            tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
+        ring = self._tma_ring(storage, sA_layout, sB_layout)
 
         # k tiles as in _WarpMmaGemm._k_tiles: shifted back by the K tail so the first tile is the
         # partial one (negative K coordinates: TMA zero-fills them).
@@ -1078,16 +1084,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         sB = storage.b.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sC = storage.c.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
 
-        stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
-            cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0)))
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=t.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.threads // 32),
-            tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
+        ring = self._tma_ring(storage, sA_layout, sB_layout)
 
         # (bm, bk, tiles_m, k_tiles) / (bn, bk, tiles_n, k_tiles), k tiles shifted back by the K tail as in
         # _WarpMmaGemm._k_tiles (the first one partial, negative K coordinates zero-filled by TMA).
