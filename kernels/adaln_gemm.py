@@ -620,6 +620,17 @@ class _WgmmaGemm(_WarpMmaGemm):
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
+    @staticmethod
+    def _tma_partitions(tma_a, tma_b, sA, sB, gA, gB):
+        """(smem, gmem) TMA partitions of the A and B stage rings and their k-tiled global views."""
+        from cutlass.cute.nvgpu import cpasync
+
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                           cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+        return tAsA, tAgA, tBsB, tBgB
+
     def _tma_loads(self, mA: cute.Tensor, mB: cute.Tensor, sA_layout, sB_layout):
         """TMA load atoms (and their coordinate tensors) for one (bm, bk) A tile and one (bn, bk) B tile."""
         from cutlass.cute.nvgpu import cpasync
@@ -888,10 +899,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         if cutlass.const_expr(self.k_splits > 1):
             k_tile_count = k_tile_count // self.k_splits
             k_tile_first = split * k_tile_count
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                                           cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                           cute.group_modes(gB, 0, 2))
+        tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB)
 
         if warp_idx < 4 * self._PRODUCER_WARPGROUPS:
             cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
@@ -1096,10 +1104,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         k_tile_count = cute.size(gA, mode=[3])
         tiles_n = cute.size(gB, mode=[2])
         num_tiles = cute.size(gA, mode=[2]) * tiles_n
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
-                                           cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                           cute.group_modes(gB, 0, 2))
+        tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB)
         gC = cute.local_tile(tma_mC, (t.bm, t.bn), (None, None))  # (bm, bn, tiles_m, tiles_n)
         tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                                            cute.group_modes(gC, 0, 2))
