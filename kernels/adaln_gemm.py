@@ -740,6 +740,24 @@ class _WgmmaGemm(_WarpMmaGemm):
         self._epilogue(acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
 
 
+@cute.jit
+def produce_k_tiles(ring, stages: cutlass.Constexpr, loads, k_tile_first, k_tile_count):
+    """A TMA mainloop's producer thread: k tiles k_tile_first.. of every (atom, smem partition, gmem partition)
+    in `loads` into the `ring` (PipelineTmaAsync) stage by stage, each stage completing on its full mbarrier;
+    then the tail that waits for the consumers' last releases. Shared with kernels/wgmma_tf32.py."""
+    from cutlass import pipeline
+
+    produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    for k_tile in range(k_tile_count):
+        ring.producer_acquire(produce)
+        full = ring.producer_get_barrier(produce)
+        for atom, s_part, g_part in loads:
+            cute.copy(atom, g_part[None, k_tile_first + k_tile], s_part[None, produce.index], tma_bar_ptr=full)
+        ring.producer_commit(produce)
+        produce.advance()
+    ring.producer_tail(produce)
+
+
 def _ieee_unit(tile: GemmTile, split_k_tiles: int) -> int:
     """k tiles per drained unit of `_TmaWgmmaGemm._ieee_mainloop` (whole units per K split): at least two
     DGRAD_K_BLOCK blocks, three where the split allows (N = 96768: 126 k tiles), which drains a third less often;
@@ -868,7 +886,6 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         sB_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
     ):
-        from cutlass import pipeline
         from cutlass.cute.nvgpu import cpasync
 
         t = self.tile
@@ -904,15 +921,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         if warp_idx < 4 * self._PRODUCER_WARPGROUPS:
             cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
             if warp_idx == 0:
-                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
-                for k_tile in range(k_tile_count):
-                    ring.producer_acquire(produce)
-                    full = ring.producer_get_barrier(produce)
-                    cute.copy(tma_a, tAgA[None, k_tile_first + k_tile], tAsA[None, produce.index], tma_bar_ptr=full)
-                    cute.copy(tma_b, tBgB[None, k_tile_first + k_tile], tBsB[None, produce.index], tma_bar_ptr=full)
-                    ring.producer_commit(produce)
-                    produce.advance()
-                ring.producer_tail(produce)
+                produce_k_tiles(ring, t.stages, ((tma_a, tAsA, tAgA), (tma_b, tBsB, tBgB)), k_tile_first, k_tile_count)
         else:
             cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
             ctidx = tidx - 128 * self._PRODUCER_WARPGROUPS

@@ -44,6 +44,7 @@ from cutlass.cute.nvgpu.warpgroup.mma import MmaOp, MmaTraits
 from cutlass.utils import LayoutEnum
 from cutlass.utils import hopper_helpers as sm90
 
+from h3cute.kernels.adaln_gemm import produce_k_tiles
 from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, tf32_small
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
@@ -346,16 +347,7 @@ class Tf32x3WgmmaGemm:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
             if warp_idx == 0:
-                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, t.stages)
-                for k_tile in range(k_tile_count):
-                    ring.producer_acquire(produce)
-                    full = ring.producer_get_barrier(produce)
-                    for atom, s_part, g_part in loads:
-                        cute.copy(atom, g_part[None, k_tile_first + k_tile], s_part[None, produce.index],
-                                  tma_bar_ptr=full)
-                    ring.producer_commit(produce)
-                    produce.advance()
-                ring.producer_tail(produce)
+                produce_k_tiles(ring, t.stages, loads, k_tile_first, k_tile_count)
         else:
             cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
             ctidx = tidx - 128
