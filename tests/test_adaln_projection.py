@@ -577,6 +577,24 @@ def test_persistent_wgrad_on_the_block_table(block_params, rows):
 
 
 @gpu
+@pytest.mark.parametrize("rows", [1, 2, 7, 300, 2048])
+def test_silu_cast_matches_torch_and_ignores_alignment(rows):
+    """adaln_silu_cast (8 columns per thread, 16-byte vectors) gives torch's bf16(silu(x)) bits on every
+    element, special values included, writes every element, and a temb starting off a 16-byte boundary
+    (copied by the launcher) gives the same bits."""
+    temb = _temb(rows, 70 + rows)
+    temb[0, :8] = torch.tensor([0.0, -0.0, 88.0, -90.0, float("inf"), float("-inf"), float("nan"), 1e-30])
+    want = torch.nn.functional.silu(temb).bfloat16()
+    act = launch.silu_bf16(temb)
+    assert act.shape == temb.shape and torch.equal(act.isnan(), want.isnan())
+    assert torch.equal(act.nan_to_num().view(torch.int16), want.nan_to_num().view(torch.int16))
+    backing = torch.empty(rows * D + 1, device=temb.device)
+    shifted = backing[1:].view(rows, D)  # 4 bytes past an aligned start
+    shifted.copy_(temb)
+    assert shifted.data_ptr() % 16 and torch.equal(launch.silu_bf16(shifted).view(torch.int16), act.view(torch.int16))
+
+
+@gpu
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_dtemb_fold_act_matches_silu_cast(rows):
     """The backward's act (written by adaln_dtemb_fold) has adaln_silu_cast's exact bits."""

@@ -138,8 +138,16 @@ def kernel_handles(device: int, backward: int, num_rows: int):
     return lo, hi, [fn.__chandle__() for fn in fns], [BIAS_ROW_GROUPS if unfused_dbias else 0]
 
 
+def dense16(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous with a 16-byte aligned start (the kernels' 16-byte vector and TMA accesses), copied
+    if it is not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def silu_bf16(temb: torch.Tensor) -> torch.Tensor:
     """(T, 2688) FP32 -> bf16(silu(temb)), SiLU in FP32 (the GEMM's activation operand)."""
+    temb = dense16(temb)
     act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
     runtime.kernel("adaln_silu_cast", temb.device, width=TEMB_WIDTH)(temb, act)
     return act
@@ -151,11 +159,11 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config
     out = torch.empty((rows, out_features), dtype=torch.bfloat16, device=temb.device)
     if rows == 0:  # a zero-sized grid is not a valid launch
         return out
-    act = silu_bf16(temb.contiguous())
+    act = silu_bf16(temb)
     wgmma = _uses_wgmma(temb.device, config)
     fn = runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", temb.device,
                         out_features=out_features, config=config or config_for_rows(rows, wgmma))
-    fn(act, weight.contiguous(), bias.contiguous(), out)
+    fn(act, dense16(weight), dense16(bias), out)
     return out
 
 
@@ -169,7 +177,7 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
     device = temb.device
     if rows == 0:
         return temb.new_empty((0, TEMB_WIDTH)), torch.zeros_like(weight), weight.new_zeros((out_features,))
-    grad, temb, weight = grad.contiguous(), temb.contiguous(), weight.contiguous()
+    grad, temb, weight = dense16(grad), temb.contiguous(), dense16(weight)
     partial = torch.empty((DGRAD_SPLITS, rows, TEMB_WIDTH), dtype=torch.float32, device=device)
     wgmma = _uses_wgmma(device, config)
     runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", device, out_features=out_features,

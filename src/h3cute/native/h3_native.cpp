@@ -425,9 +425,10 @@ std::tuple<at::Tensor, at::Tensor> final_adaln_out_fwd_cuda(const at::Tensor& x,
                                                             double eps, bool check_indices) {
   const int d = x.is_cuda() ? x.get_device() : -1;
   const bool fast = !check_indices && eps > 0 && rows_fast(x, d) && dense(norm_weight, at::kBFloat16, d, {kHidden}) &&
-                    aligned16(norm_weight) && dense(temb, at::kFloat, d, {-1, kTemb}) && temb.size(0) > 0 &&
-                    dense(proj_weight, at::kBFloat16, d, {kFinalProjection, kTemb}) &&
-                    dense(proj_bias, at::kBFloat16, d, {kFinalProjection}) && dense(ti, at::kLong, d, {x.size(0)});
+                    aligned16(norm_weight) && dense(temb, at::kFloat, d, {-1, kTemb}) && aligned16(temb) &&
+                    temb.size(0) > 0 && dense(proj_weight, at::kBFloat16, d, {kFinalProjection, kTemb}) &&
+                    aligned16(proj_weight) && dense(proj_bias, at::kBFloat16, d, {kFinalProjection}) &&
+                    aligned16(proj_bias) && dense(ti, at::kLong, d, {x.size(0)});
   if (!fast) {
     using R = std::tuple<at::Tensor, at::Tensor>;
     return python_impl<R>("h3cute.ops.adaln", "_final_fwd_cuda", x, norm_weight, temb, proj_weight, proj_bias, ti,
@@ -525,9 +526,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
   const int d = x.is_cuda() ? x.get_device() : -1;
   const bool fast = eps > 0 && rows_fast(x, d) && rows_fast(grad, d) && grad.size(0) == x.size(0) &&
                     dense(nw, at::kBFloat16, d, {kHidden}) && aligned16(nw) && dense(temb, at::kFloat, d, {-1, kTemb}) &&
-                    temb.size(0) > 0 && temb.size(0) <= kMaxFusedTableRows &&
-                    dense(pw, at::kBFloat16, d, {kFinalProjection, kTemb}) &&
-                    dense(pb, at::kBFloat16, d, {kFinalProjection}) && dense(ti, at::kLong, d, {x.size(0)}) &&
+                    aligned16(temb) && temb.size(0) > 0 && temb.size(0) <= kMaxFusedTableRows &&
+                    dense(pw, at::kBFloat16, d, {kFinalProjection, kTemb}) && aligned16(pw) &&
+                    dense(pb, at::kBFloat16, d, {kFinalProjection}) && aligned16(pb) && dense(ti, at::kLong, d, {x.size(0)}) &&
                     (!table || (dense(*table, at::kBFloat16, d, {temb.size(0), kFinalProjection}) &&
                                 aligned16(*table)));
   if (!fast) {
@@ -627,13 +628,13 @@ constexpr int64_t kBlockProjection = 3 * kBlockTable;  // h3cute.ops.validate.PR
 KernelTable projection_kernels("h3cute.launch.adaln_projection");
 
 bool projection_fast(const at::Tensor& temb, const at::Tensor& weight, int d) {
-  return dense(temb, at::kFloat, d, {-1, kTemb}) && temb.size(0) > 0 &&
-         dense(weight, at::kBFloat16, d, {kBlockProjection, kTemb});
+  return dense(temb, at::kFloat, d, {-1, kTemb}) && aligned16(temb) && temb.size(0) > 0 &&
+         dense(weight, at::kBFloat16, d, {kBlockProjection, kTemb}) && aligned16(weight);
 }
 
 at::Tensor adaln_projection_cuda(const at::Tensor& temb, const at::Tensor& weight, const at::Tensor& bias) {
   const int d = temb.is_cuda() ? temb.get_device() : -1;
-  if (!(projection_fast(temb, weight, d) && dense(bias, at::kBFloat16, d, {kBlockProjection})))
+  if (!(projection_fast(temb, weight, d) && dense(bias, at::kBFloat16, d, {kBlockProjection}) && aligned16(bias)))
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_projection_cuda", temb, weight, bias);
   const int64_t timesteps = temb.size(0);
   const TVMFFIObjectHandle* fn = projection_kernels.get(d, 0, timesteps).fns;
@@ -647,7 +648,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_projection_backward_cuda(co
                                                                               const at::Tensor& temb,
                                                                               const at::Tensor& weight) {
   const int d = temb.is_cuda() ? temb.get_device() : -1;
-  if (!(projection_fast(temb, weight, d) && dense(grad, at::kBFloat16, d, {temb.size(0), kBlockProjection})))
+  if (!(projection_fast(temb, weight, d) && dense(grad, at::kBFloat16, d, {temb.size(0), kBlockProjection}) &&
+        aligned16(grad)))
     return python_impl<std::tuple<at::Tensor, at::Tensor, at::Tensor>>("h3cute.ops.adaln", "_projection_backward_cuda",
                                                                        grad, temb, weight);
   const KernelTable::Entry& k = projection_kernels.get(d, 1, temb.size(0));
