@@ -6,6 +6,7 @@ Compute to time each kernel alone (no launch gaps, no host time).
 
 Cases (each warmed up outside the range first, so loading and first-touch costs stay out):
   mlp_fwd:T, mlp_fwd_bwd:T        torch.ops.h3.timestep_mlp forward / forward + backward
+  mlp_fwd:T:CONFIG, mlp_bwd:T:CONFIG   launch.timestep_mlp.forward / backward with a named MlpConfig
   proj_fwd:T, proj_bwd:T          launch.adaln_projection.forward / backward (N = 96768)
   proj_wgrad:T:CONFIG             the dW GEMM alone with one config (wgmma family on sm_90a)
   peer_proj_fwd:T                 the cuBLAS replay's forward (silu, BF16 cast, F.linear)
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from h3cute import runtime
 from h3cute.launch import adaln_projection as P
+from h3cute.launch import timestep_mlp as M
 
 D, N = P.TEMB_WIDTH, 96768
 
@@ -38,8 +40,14 @@ def _case(spec: str, dev):
     kind, rows, *rest = spec.split(":")
     rows = int(rows)
     g = torch.Generator(device=dev).manual_seed(rows)
-    if kind in ("mlp_fwd", "mlp_fwd_bwd", "peer_mlp_fwd"):
+    if kind in ("mlp_fwd", "mlp_fwd_bwd", "peer_mlp_fwd", "mlp_bwd"):
         x, w1, b1, w2, b2 = _mlp(rows, dev, g)
+        if rest:
+            config = getattr(M, rest[0])
+            if kind == "mlp_fwd":
+                return lambda: M.forward(x, w1, b1, w2, b2, config=config)
+            grad = torch.randn(rows, M.TEMB_WIDTH, generator=g, device=dev)
+            return lambda: M.backward(grad, x, w1, b1, w2, config=config)
         if kind == "peer_mlp_fwd":
             return lambda: F.linear(F.silu(F.linear(x, w1, b1)), w2, b2)
         if kind == "mlp_fwd":
