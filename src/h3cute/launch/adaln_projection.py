@@ -41,7 +41,9 @@ TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
-WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg")
+# The `*_tstore` tiles store C by TMA (kernels/adaln_gemm.WGRAD_TMA_STORE): same bits, timed as alternatives.
+WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg", "wg_wgrad_n64_1wg_tstore", "wg_wgrad_n64_tstore",
+                       "wg_wgrad_tstore")
 # The persistent dW kernel (TMA stores from double-buffered C tiles) is in the same tuple: same bits.
 TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_persist", "tma_wgrad_persist_n64")
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
