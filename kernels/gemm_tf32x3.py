@@ -120,6 +120,17 @@ def _atom_groups(m_atoms: int, n_atoms: int) -> list:
     return [[(m, n) for m in range(m_atoms)] for n in range(n_atoms)]
 
 
+_PASSES = ((1, 2), (0, 3), (0, 2))  # indices into (a_big, a_small, b_big, b_small)
+
+
+def _interleaves_k(m_atoms: int, n_atoms: int, k_blocks: int) -> bool:
+    """Whether a k tile's chunk chains interleave across its k-blocks too: for warp tiles of one or two
+    atoms (the small-T tiles), where one k-block's chains alone left the mma latency exposed (Nsight
+    Compute on the H200 at T = 1: fc1 and fc2 warps issuing every ~4 cycles, stalled on fixed-latency
+    dependencies, fc2 reading w2 at 2.8 TB/s)."""
+    return m_atoms * n_atoms * k_blocks <= MAX_INTERLEAVED
+
+
 class GemmTF32x3:
     """One compiled GEMM: static config, epilogue, split count; M (and K when symbolic) at run time."""
 
@@ -197,6 +208,48 @@ class GemmTF32x3:
             val_layout = cute.make_layout((1, 4))
         layout = cute.tile_to_shape(atom, (rows, cfg.tile_k, cfg.stages), (0, 1, 2))
         return layout, swizzle, cute.make_tiled_copy_tv(g2s_atom, thr_layout, val_layout)
+
+    @cute.jit
+    def _k_tile_interleaved(self, s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, mma_atom, acc,
+                            k_splits, k_chunks):
+        """One k tile of a small warp tile (`_interleaves_k`): every k-block's fragments loaded and split
+        first, then each of the three products issued for every (k-block, atom) chain in turn, then the
+        chunk sums added to acc in ascending k. The same chunk sums and the same order of IEEE adds as the
+        k-block by k-block loop (the contract), with up to MAX_INTERLEAVED mma chains in flight."""
+        k_blocks = cute.size(tCrA, mode=[2])
+        m_atoms, n_atoms = cute.size(acc, mode=[1]), cute.size(acc, mode=[2])
+        atoms = [(m, n) for n in range(n_atoms) for m in range(m_atoms)]
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.copy(s2r_A, tXsA[None, None, kb, read_slot], tXrA[None, None, kb])
+            cute.copy(s2r_B, tXsB[None, None, kb, read_slot], tXrB[None, None, kb])
+            a_big, a_small, b_big, b_small = k_splits[kb]
+            for i in cutlass.range_constexpr(cute.size(a_big)):
+                x = tCrA[None, None, kb][i]
+                big = x & TF32_BIG_MASK
+                a_big[i] = big
+                a_small[i] = tf32_small(x, big)
+            for i in cutlass.range_constexpr(cute.size(b_big)):
+                x = tCrB[None, None, kb][i]
+                big = x & TF32_BIG_MASK
+                b_big[i] = big
+                b_small[i] = tf32_small(x, big)
+        for kb in cutlass.range_constexpr(k_blocks):
+            for j in cutlass.range_constexpr(len(atoms)):
+                k_chunks[kb][j].fill(0.0)
+        # (a operand, b operand) per pass, smallest products first: small_a*big_b, big_a*small_b, big_a*big_b.
+        for p in cutlass.range_constexpr(len(_PASSES)):
+            a_sel, b_sel = _PASSES[p]
+            for kb in cutlass.range_constexpr(k_blocks):
+                for j in cutlass.range_constexpr(len(atoms)):
+                    m, n = atoms[j]
+                    cute.gemm(mma_atom, k_chunks[kb][j], cute.append_ones(k_splits[kb][a_sel][None, m], 3),
+                              cute.append_ones(k_splits[kb][b_sel][None, n], 3), k_chunks[kb][j])
+        for kb in cutlass.range_constexpr(k_blocks):
+            for j in cutlass.range_constexpr(len(atoms)):
+                m, n = atoms[j]
+                acc_mn = acc[None, m, n]
+                for i in cutlass.range_constexpr(cute.size(acc_mn)):
+                    acc_mn[i] = add_rn(acc_mn[i], k_chunks[kb][j][i])
 
     @cute.jit
     def _load_a(self, tiled_copy: cute.TiledCopy, tAgA: cute.Tensor, tAsA: cute.Tensor, tAcA: cute.Tensor,
@@ -339,6 +392,12 @@ class GemmTF32x3:
         chunks = [cute.make_fragment_like(acc[None, 0, 0]) for _ in atom_groups[0]]
         chunks_mn = [cute.append_ones(c, 3) for c in chunks]  # the (V, 1, 1) shape gemm dispatches on
         k_blocks = cute.size(tCrA, mode=[2])
+        interleave_k = _interleaves_k(cute.size(acc, mode=[1]), cute.size(acc, mode=[2]), k_blocks)
+        # The interleaved path's registers: per k-block big/small fragments, per (k-block, atom) a chunk sum.
+        k_splits_big = [[cute.make_fragment_like(f) for f in (a_big, a_small, b_big, b_small)]
+                        for _ in range(k_blocks if interleave_k else 0)]
+        k_chunks = [[cute.append_ones(cute.make_fragment_like(acc[None, 0, 0]), 3) for _ in atom_groups[0]]
+                    for _ in range(k_blocks if interleave_k else 0)]
 
         read_slot = 0
         write_slot = cfg.stages - 1
@@ -352,7 +411,10 @@ class GemmTF32x3:
                 self._load_b(tiled_copy_b, tBgB, tBsB, tBcB, tBpB, k_tile_first + next_tile, write_slot, depth)
             cute.arch.cp_async_commit_group()
 
-            for kb in cutlass.range_constexpr(k_blocks):
+            if cutlass.const_expr(interleave_k):
+                self._k_tile_interleaved(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, mma_atom,
+                                         acc, k_splits_big, k_chunks)
+            for kb in cutlass.range_constexpr(0 if interleave_k else k_blocks):
                 # One k-block's fragments at a time: with the chunk sums live, whole-tile
                 # fragments push the 128 x 128 tile past 255 registers.
                 cute.copy(s2r_A, tXsA[None, None, kb, read_slot], tXrA[None, None, kb])
