@@ -27,9 +27,9 @@ atomics), not batch-invariant by nature.
 
 On sm_90a the wgmma family has two mainloops with the same k16 order and epilogue, so the same bits:
 `_WgmmaGemm` (the cp.async ring above, `WGMMA_CONFIGS`) and `_TmaWgmmaGemm` (TMA loads into an mbarrier
-ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGRAD_CONFIGS`), plus, for dW,
-`_TmaWgmmaPersistentGemm` (the TMA mainloop in a fixed grid of `PERSISTENT_CTAS` CTAs that walk the output
-tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`).
+ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGRAD_CONFIGS`), plus, for dW
+and the forward, `_TmaWgmmaPersistentGemm` (the TMA mainloop in a fixed grid of `PERSISTENT_CTAS` CTAs that walk
+the output tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`, `TMA_FWD_CONFIGS`).
 
 Constraints: K-major operands need K % 8 == 0 (the copy vector runs along K); MN-major operand
 extents are multiples of 8; all pointers 16-byte aligned and all tensors contiguous.
@@ -178,6 +178,17 @@ TMA_WGRAD_CONFIGS = {
                                   persistent_ctas=PERSISTENT_CTAS),  # 128 + 64 KB
     "tma_wgrad_persist_n64": GemmTile(bm=128, bn=64, bk=64, warps_m=8, warps_n=1, stages=6,
                                       persistent_ctas=PERSISTENT_CTAS),  # 144 + 32 KB
+}
+# The forward on the persistent kernel (`_TmaWgmmaPersistentGemm`: the tile's pipeline fill and epilogue overlap
+# the neighbouring tiles' loads, where a `TMA_CONFIGS` CTA pays both alone). Same k16 walk and epilogue
+# expression as every wgmma forward config, so the same bits (tests check). Forward only. C (out^T, M-major)
+# goes out in (128 x FWD_C_SUBTILE_N) subtiles through two 16 KB buffers, which leaves room for the stages.
+FWD_C_SUBTILE_N = 64
+TMA_FWD_CONFIGS = {
+    "tma_fwd_persist": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4,
+                                persistent_ctas=PERSISTENT_CTAS),  # 192 + 32 KB
+    "tma_fwd_persist_n128": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=6,
+                                     persistent_ctas=PERSISTENT_CTAS),  # 192 + 32 KB
 }
 
 
@@ -1142,31 +1153,37 @@ class _TmaWgmmaGemm(_WgmmaGemm):
 
 
 class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
-    """The dW GEMM (C = A B^T, BF16 C N-major) as a persistent `_TmaWgmmaGemm`: `tile.persistent_ctas` CTAs,
-    CTA c computes output tiles i = c, c + G, c + 2G, ... (N fastest: i -> (i // tiles_n, i % tiles_n)), a fixed
-    static schedule. The producer warp streams every tile's A (grad^T) and B (a^T) k tiles through one ring,
-    running ahead into the next tile while the consumers finish the current one. Per tile the consumers run the
-    chained k16 walk from a zero accumulator (`_chained_mainloop`'s, the K tail placed as in `_k_tiles`: the
-    same bits as every wgmma dW config), then store C through shared memory: BF16 fragments -> C buffer
-    (tile count % 2; stmatrix into the swizzled layout TMA reads) -> one TMA store (`cp.async.bulk.tensor`
-    shared -> global) issued by one thread, which waits only before a buffer is reused
-    (`cp.async.bulk.wait_group.read 1`: the store of two tiles ago has read it). So the stores of tile i
+    """A persistent `_TmaWgmmaGemm` with TMA-stored BF16 C: the dW GEMM (C N-major, `bf16`) and the forward
+    (out^T = W a^T + b: K-major A and B, C M-major, `bias_bf16`). `tile.persistent_ctas` CTAs; CTA c computes
+    output tiles i = c, c + G, c + 2G, ... (N fastest: i -> (i // tiles_n, i % tiles_n), so the CTAs resident
+    together share their A tile, W or grad^T, in L2), a fixed static schedule. The producer warp streams every
+    tile's A and B k tiles through one ring (`_TmaWgmmaGemm`'s loads and smem layouts), running ahead into the
+    next tile while the consumers finish the current one. Per tile the consumers run the chained k16 walk from a
+    zero accumulator (`_chained_mainloop`'s, the K tail placed as in `_k_tiles`: the same bits as every wgmma
+    config of the GEMM), then store C through shared memory in (bm x c_subtile_n) subtiles: (acc + bias[m] in
+    FP32 for the forward, `_store_c_bf16`'s expression) -> BF16 -> C buffer (subtile count % 2; stmatrix into the
+    swizzled layout TMA reads) -> one TMA store (`cp.async.bulk.tensor` shared -> global, clipped at the tensor's
+    end: the forward's columns past T) issued by one thread, which waits only before a buffer is reused
+    (`cp.async.bulk.wait_group.read 1`: the store of two subtiles ago has read it). So the stores of tile i
     overlap the loads and MMAs of tile i + 1. db (`dbias_rows`): the tiles of the first N tile write it, with
     `_store_dbias` (the same order and bits)."""
 
     _C_BUFFERS = 2
 
-    def __init__(self, tile: GemmTile, **kw):
+    def __init__(self, tile: GemmTile, c_subtile_n: int = 0, **kw):
         super().__init__(tile, **kw)
-        assert tile.persistent_ctas > 0 and self.c_n_major and self.epilogue == "bf16", (tile, kw)
-        assert self.k_splits == 1 and not self.ieee_steps, kw
+        assert tile.persistent_ctas > 0 and self.k_splits == 1 and not self.ieee_steps, (tile, kw)
+        # dW: C N-major, no bias; the forward: C M-major (out^T), bias per row m.
+        assert (self.c_n_major, self.epilogue) in ((True, "bf16"), (False, "bias_bf16")), kw
+        self.c_subtile_n = c_subtile_n or tile.bn
+        assert tile.bn % self.c_subtile_n == 0 and self.c_subtile_n % 16 == 0, (tile, c_subtile_n)
 
     def _c_layout(self):
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as sm90
 
-        t = self.tile
-        return sm90.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (t.bm, t.bn), self._C_BUFFERS)
+        layout = LayoutEnum.ROW_MAJOR if self.c_n_major else LayoutEnum.COL_MAJOR
+        return sm90.make_smem_layout_epi(cutlass.BFloat16, layout, (self.tile.bm, self.c_subtile_n), self._C_BUFFERS)
 
     def _allocate_smem(self, sA_layout, sB_layout, align: int):
         """The mbarrier pair per stage, the A and B stages, and the C buffers (their own: TMA reads them while
@@ -1191,7 +1208,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         sC_layout = self._c_layout()
         tma_a, tma_mA, tma_b, tma_mB = self._tma_loads(mA, mB, sA_layout, sB_layout)
         tma_c, tma_mC = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (t.bm, t.bn))
+            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (t.bm, self.c_subtile_n))
         tiled_mma = self._wgmma_tiled_mma()
         self.persistent_kernel(mA, mBias, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout,
                                sC_layout, tiled_mma).launch(
@@ -1221,6 +1238,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         from cutlass.utils import hopper_helpers as sm90
 
         t = self.tile
+        subtiles = t.bn // self.c_subtile_n
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta, _, _ = cute.arch.block_idx()
@@ -1247,7 +1265,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         tiles_n = cute.size(gB, mode=[2])
         num_tiles = cute.size(gA, mode=[2]) * tiles_n
         tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB)
-        gC = cute.local_tile(tma_mC, (t.bm, t.bn), (None, None))  # (bm, bn, tiles_m, tiles_n)
+        gC = cute.local_tile(tma_mC, (t.bm, self.c_subtile_n), (None, None))  # (bm, c_n, tiles_m, subtiles_n)
         tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                                            cute.group_modes(gC, 0, 2))
 
@@ -1272,15 +1290,21 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             thr_mma = tiled_mma.get_slice(ctidx)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            acc = cute.make_rmem_tensor(thr_mma.partition_C(sC[None, None, 0]).shape, cutlass.Float32)
+            # The whole tile's accumulator (its (bm, bn) coordinates: the bias row of each element).
+            tCcC = thr_mma.partition_C(cute.make_identity_tensor((t.bm, t.bn)))
+            acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             # Fragments -> swizzled C buffer with stmatrix (the layout the TMA store reads).
-            st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
+            c_layout = LayoutEnum.ROW_MAJOR if self.c_n_major else LayoutEnum.COL_MAJOR
+            st_atom = sm90.get_smem_store_op(c_layout, cutlass.BFloat16, cutlass.Float32)
             r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
             thr_r2s = r2s.get_slice(ctidx)
-            tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer)
-            tRS_acc = r2s.retile(acc)  # acc in the copy's source order, as the BF16 registers below
+            tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer), one subtile
+            tRS_acc = r2s.retile(acc)  # the whole tile's acc in the copy's source order, N subtile slowest
             tRS_rC = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], cutlass.BFloat16)
+            per_subtile = cute.size(tRS_rC)
+            assert cute.size(tRS_acc) == subtiles * per_subtile
+            columns = cute.size(tma_mC, mode=[1])
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
@@ -1303,20 +1327,30 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                 ring.consumer_release(release)
                 release.advance()
 
-                if ctidx == 0:  # the store that last read this buffer (two tiles ago) is done reading it
-                    cute.arch.cp_async_bulk_wait_group(self._C_BUFFERS - 1, read=True)
-                self._epilogue_barrier()
-                for i in cutlass.range(cute.size(tRS_rC), unroll_full=True):
-                    tRS_rC[i] = tRS_acc[i].to(cutlass.BFloat16)
-                cute.copy(r2s, tRS_rC, tRS_sC[None, None, None, buffer])
-                cute.arch.fence_proxy("async.shared", space="cta")  # the writes are visible to the TMA unit
-                self._epilogue_barrier()
-                if ctidx == 0:
-                    cute.copy(tma_c, tCsC[None, buffer], tCgC[None, m_tile, n_tile])
-                    cute.arch.cp_async_bulk_commit_group()
-                if cutlass.const_expr(self.dbias_rows):
-                    self._store_dbias(mA, mBias, n_tile, m_tile, ctidx)
-                buffer = (buffer + 1) % self._C_BUFFERS
+                if cutlass.const_expr(self.epilogue == "bias_bf16"):
+                    # bf16(acc + bias[m]): the FP32 add of `_store_c_bf16`, then the one rounding below.
+                    for i in cutlass.range(cute.size(acc), unroll_full=True):
+                        acc[i] = acc[i] + mBias[m_tile * t.bm + tCcC[i][0]].to(cutlass.Float32)
+                for sub in cutlass.range_constexpr(subtiles):
+                    if ctidx == 0:  # the store that last read this buffer (two subtiles ago) is done reading it
+                        cute.arch.cp_async_bulk_wait_group(self._C_BUFFERS - 1, read=True)
+                    self._epilogue_barrier()
+                    for i in cutlass.range(per_subtile, unroll_full=True):
+                        tRS_rC[i] = tRS_acc[sub * per_subtile + i].to(cutlass.BFloat16)
+                    cute.copy(r2s, tRS_rC, tRS_sC[None, None, None, buffer])
+                    cute.arch.fence_proxy("async.shared", space="cta")  # the writes are visible to the TMA unit
+                    self._epilogue_barrier()
+                    if ctidx == 0:
+                        c_sub = n_tile * subtiles + sub
+                        if cutlass.const_expr(self.c_n_major):
+                            cute.copy(tma_c, tCsC[None, buffer], tCgC[None, m_tile, c_sub])
+                        else:
+                            if c_sub * self.c_subtile_n < columns:  # a subtile wholly past T: nothing to store
+                                cute.copy(tma_c, tCsC[None, buffer], tCgC[None, m_tile, c_sub])
+                        cute.arch.cp_async_bulk_commit_group()
+                    if cutlass.const_expr(self.dbias_rows and sub == subtiles - 1):
+                        self._store_dbias(mA, mBias, n_tile, m_tile, ctidx)
+                    buffer = (buffer + 1) % self._C_BUFFERS
             if ctidx == 0:  # shared memory must outlive the last stores' reads
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -1327,6 +1361,9 @@ def _fake(dtype, shape, stride_order=None):
 
 
 def _gemm(arch: str, config: str, **kw):
+    if config in TMA_FWD_CONFIGS:
+        assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
+        return _TmaWgmmaPersistentGemm(TMA_FWD_CONFIGS[config], c_subtile_n=FWD_C_SUBTILE_N, **kw)
     if config in TMA_CONFIGS:
         assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
         return _TmaWgmmaGemm(TMA_CONFIGS[config], **kw)
@@ -1338,6 +1375,7 @@ def _gemm(arch: str, config: str, **kw):
 
 def _build_fwd(arch: str, *, out_features: int, config: str):
     gemm = _gemm(arch, config, a_k_major=True, b_k_major=True, epilogue="bias_bf16")
+    assert out_features % gemm.tile.bm == 0, (out_features, gemm.tile)  # every M tile's bias rows exist
 
     @cute.jit
     def adaln_proj_fwd(act: cute.Tensor, weight: cute.Tensor, bias: cute.Tensor, out: cute.Tensor, stream):
@@ -1584,7 +1622,7 @@ SPECS = [
     _gemm_spec("adaln_proj_fwd", _build_fwd, CONFIGS, wgmma_family=False),
     _gemm_spec("adaln_proj_dgrad", _build_dgrad, CONFIGS, wgmma_family=False, markers=_LDMATRIX_T),
     _gemm_spec("adaln_proj_wgrad", _build_wgrad, WGRAD_CONFIGS, wgmma_family=False, markers=_LDMATRIX_T),
-    _gemm_spec("adaln_proj_fwd", _build_fwd, {**WGMMA_CONFIGS, **TMA_CONFIGS}, wgmma_family=True),
+    _gemm_spec("adaln_proj_fwd", _build_fwd, {**WGMMA_CONFIGS, **TMA_CONFIGS, **TMA_FWD_CONFIGS}, wgmma_family=True),
     _gemm_spec("adaln_proj_dgrad", _build_dgrad, {**WGMMA_CONFIGS, **TMA_DGRAD_CONFIGS}, wgmma_family=True),
     _gemm_spec("adaln_proj_wgrad", _build_wgrad, {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}, wgmma_family=True,
                wgmma=True),

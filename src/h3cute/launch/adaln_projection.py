@@ -36,7 +36,9 @@ WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # The wgmma family's TMA + mbarrier warp-specialized mainloop (kernels/adaln_gemm.TMA_CONFIGS, same kernels,
 # same bits): forward and d_temb configs (the d_temb GEMM has no 256-wide tile: its block tiles' registers),
 # and dW tiles.
-TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256")
+# The last two are the forward on the persistent kernel (kernels/adaln_gemm.TMA_FWD_CONFIGS: TMA-stored C
+# subtiles overlap the next tile's loads; same bits), forward only.
+TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_fwd_persist", "tma_fwd_persist_n128")
 TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
