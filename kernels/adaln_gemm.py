@@ -1630,7 +1630,7 @@ SPECS = [
         name="adaln_silu_cast",
         build=_build_silu_cast,
         variants=lambda arch: [dict(width=TEMB_WIDTH)],
-        ptx_markers=("cvt.rn.bf16.f32",),
+        ptx_markers=("cvt.rn.bf16x2.f32", "ld.global.v4", "st.global.v4", "div.rn.f32"),
         ptx_forbidden=_NO_ATOMICS,
     ),
     KernelSpec(

@@ -971,7 +971,7 @@ def test_persistent_forward_gives_the_bits_of_tma_wide_n256(block_params, out_fe
     assert_same_bits(run("wg_mid"), ref, f"wg_mid vs tma_wide_n256, T={rows}, N={out_features}")
     ref64 = torch.nn.functional.linear(act.double(), w.double(), b.double())
     assert _rel_err(ref, ref64) <= BF16_ERR_CEILING
-    for config in _tma_kernels().TMA_FWD_CONFIGS:
+    for config in (c for c in launch.TMA_CONFIGS if "_persist" in c):  # no kernel module import on the device
         for _ in range(2):
             assert_same_bits(run(config), ref, f"{config} vs tma_wide_n256, T={rows}, N={out_features}")
 
@@ -1050,7 +1050,6 @@ def test_tma_store_wgrad_on_the_block_table(block_params, rows):
     from h3cute import runtime
 
     _family_configs("wgmma")
-    k = _tma_kernels()
     w, _ = block_params
     act = launch.silu_bf16(_temb(rows, 90 + rows))
     grad = torch.randn((rows, N_BLOCK), generator=_gen(91 + rows), device="cuda").to(torch.bfloat16)
@@ -1069,7 +1068,7 @@ def test_tma_store_wgrad_on_the_block_table(block_params, rows):
 
     ref_dw, ref_db = run("wg_wgrad")
     assert _rel_err(ref_dw, grad.double().t() @ act.double()) <= BF16_ERR_CEILING
-    for config in sorted(k.WGRAD_TMA_STORE):
+    for config in (c for c in launch.WGRAD_WGMMA_CONFIGS if c.endswith("_tstore")):  # the device has no cutlass
         for _ in range(2):
             dw, db = run(config)
             assert_same_bits(dw, ref_dw, f"dW {config} vs wg_wgrad, T={rows}")
