@@ -27,9 +27,9 @@ atomics), not batch-invariant by nature.
 
 On sm_90a the wgmma family has two mainloops with the same k16 order and epilogue, so the same bits:
 `_WgmmaGemm` (the cp.async ring above, `WGMMA_CONFIGS`) and `_TmaWgmmaGemm` (TMA loads into an mbarrier
-ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGRAD_CONFIGS`), plus, for dW
-and the forward, `_TmaWgmmaPersistentGemm` (the TMA mainloop in a fixed grid of `PERSISTENT_CTAS` CTAs that walk
-the output tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`, `TMA_FWD_CONFIGS`).
+ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGRAD_CONFIGS`), plus, for dW,
+`_TmaWgmmaPersistentGemm` (the TMA mainloop in a fixed grid of `PERSISTENT_CTAS` CTAs that walk the output
+tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`).
 
 Constraints: K-major operands need K % 8 == 0 (the copy vector runs along K); MN-major operand
 extents are multiples of 8; all pointers 16-byte aligned and all tensors contiguous.
@@ -145,15 +145,7 @@ WGRAD_WGMMA_CONFIGS = {
     # One warpgroup over both 64-row slabs: 96 registers x 128 threads, 5 CTAs per SM without spills
     # (a cap at 6 spills 1 KB), 25% more dW bytes in flight than wg_wgrad_n64 if its epilogue keeps up.
     "wg_wgrad_n64_1wg": GemmTile(bm=128, bn=64, bk=32, warps_m=4, warps_n=1, stages=3, ctas_per_sm=5),
-    # The same tiles with C stored by TMA (`_WgmmaTmaStoreGemm`, names in WGRAD_TMA_STORE): stmatrix + one bulk
-    # store in place of scalar st.shared + ld.shared.v4 + st.global.v4, the shared-memory instruction queue
-    # (MIO) that throttles the 1wg kernel at T = 64. ptxas: 96 / 64 / 94 registers, no spills; the 1wg tile capped
-    # at 6 CTAs per SM spills 1 KB and serializes its wgmmas (C7512).
-    "wg_wgrad_n64_1wg_tstore": GemmTile(bm=128, bn=64, bk=32, warps_m=4, warps_n=1, stages=3, ctas_per_sm=5),
-    "wg_wgrad_n64_tstore": GemmTile(bm=128, bn=64, bk=32, warps_m=8, warps_n=1, stages=3),
-    "wg_wgrad_tstore": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=4),
 }
-WGRAD_TMA_STORE = frozenset(name for name in WGRAD_WGMMA_CONFIGS if name.endswith("_tstore"))
 # The TMA + mbarrier warp-specialized mainloop of the wgmma family (`_TmaWgmmaGemm`): same k16 walk, so
 # the same bits as WGMMA_CONFIGS (tests check). Two consumer warpgroups of 64 rows (warps_m = 8) and
 # enough stages to fill shared memory: one CTA per SM, which the register split below assumes.
@@ -178,17 +170,6 @@ TMA_WGRAD_CONFIGS = {
                                   persistent_ctas=PERSISTENT_CTAS),  # 128 + 64 KB
     "tma_wgrad_persist_n64": GemmTile(bm=128, bn=64, bk=64, warps_m=8, warps_n=1, stages=6,
                                       persistent_ctas=PERSISTENT_CTAS),  # 144 + 32 KB
-}
-# The forward on the persistent kernel (`_TmaWgmmaPersistentGemm`: the tile's pipeline fill and epilogue overlap
-# the neighbouring tiles' loads, where a `TMA_CONFIGS` CTA pays both alone). Same k16 walk and epilogue
-# expression as every wgmma forward config, so the same bits (tests check). Forward only. C (out^T, M-major)
-# goes out in (128 x FWD_C_SUBTILE_N) subtiles through two 16 KB buffers, which leaves room for the stages.
-FWD_C_SUBTILE_N = 64
-TMA_FWD_CONFIGS = {
-    "tma_fwd_persist": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4,
-                                persistent_ctas=PERSISTENT_CTAS),  # 192 + 32 KB
-    "tma_fwd_persist_n128": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=6,
-                                     persistent_ctas=PERSISTENT_CTAS),  # 192 + 32 KB
 }
 
 
@@ -416,7 +397,9 @@ class _WarpMmaGemm:
             for n in range(tBpB.shape[1]):
                 tBpB[v, n, 0] = cute.elem_less(tBcB[(0, v), n, 0, 0][0], mB.shape[0])
 
-        self._zero_stages(mA, tAsA, tBsB)
+        # Zero smem once: rows past T and the K tail are never loaded and must read as 0.
+        tAsA.fill(0)
+        tBsB.fill(0)
         cute.arch.sync_threads()
 
         num_stages = t.stages
@@ -439,11 +422,6 @@ class _WarpMmaGemm:
             k_tile_index = k_tile_index + 1
             cute.arch.cp_async_commit_group()
         return tAgA, tAsA, tBgB, tBsB, tApA, tBpB, k_tile_index
-
-    def _zero_stages(self, mA: cute.Tensor, tAsA: cute.Tensor, tBsB: cute.Tensor):
-        """Zero smem once: rows past T and the K tail are never loaded and must read as 0."""
-        tAsA.fill(0)
-        tBsB.fill(0)
 
     def _c_tiles(self, mC: cute.Tensor, thr_mma, m_tile, n_tile, split):
         """This CTA's output tile (of its K split's slice), its coordinates, and their MMA partitions."""
@@ -700,21 +678,13 @@ class _WgmmaGemm(_WarpMmaGemm):
         copy_B: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
     ):
+        t = self.tile
         tidx, _, _ = cute.arch.thread_idx()
         n_tile, m_tile, split = cute.arch.block_idx()
-        k_tiles = self._k_tiles(mA, mB, m_tile, n_tile, split)
-        storage = self._allocate_smem(sA_layout, sB_layout, 1024)
-        acc, thr_mma, tCgC, tCcC, gC, cC, gC_full = self._cp_async_mainloop(
-            tidx, mA, mB, mC, k_tiles, storage, sA_layout, sB_layout, copy_A, copy_B, tiled_mma, n_tile, m_tile, split)
-        self._epilogue(acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
 
-    @cute.jit
-    def _cp_async_mainloop(self, tidx, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, k_tiles, storage,
-                           sA_layout, sB_layout, copy_A, copy_B, tiled_mma, n_tile, m_tile, split):
-        """The cp.async ring and the wgmma k walk of this CTA's tile (`k_tiles`: `_k_tiles`' views and range):
-        acc and the C tiles for an epilogue."""
-        t = self.tile
-        gA, gB, cA, cB, k_tile_count, k_tile_first = k_tiles
+        gA, gB, cA, cB, k_tile_count, k_tile_first = self._k_tiles(mA, mB, m_tile, n_tile, split)
+
+        storage = self._allocate_smem(sA_layout, sB_layout, 1024)
         sA = storage.a.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.b.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
 
@@ -767,121 +737,7 @@ class _WgmmaGemm(_WarpMmaGemm):
             if smem_read == num_stages:
                 smem_read = 0
         cute.arch.cp_async_wait_group(0)
-        return acc, thr_mma, tCgC, tCcC, gC, cC, gC_full
-
-
-class _WgmmaTmaStoreGemm(_WgmmaGemm):
-    """`_WgmmaGemm`'s dW GEMM (BF16 C, N-major) with C stored by TMA: the same cp.async ring and k16 walk (the
-    same bits), then BF16 fragments -> `stmatrix` into a 128B-swizzled (bm, bn) C tile in A's stages (free once
-    every warpgroup's wgmmas are done) -> `fence.proxy.async` -> barrier -> one thread issues the bulk tensor
-    store (`cp.async.bulk.tensor` shared -> global) and, after db (`dbias_rows`, `_store_dbias`), waits
-    `cp.async.bulk.wait_group.read 0` (shared memory must outlive the store's reads) before the CTA exits.
-    Why: at small T dW's 520 MB of writes are the cost, and the padded-tile epilogue's scalar st.shared, then
-    ld.shared.v4 and st.global.v4 per thread fill the shared-memory instruction queue (ncu at T = 64: MIO
-    throttle, 52% of DRAM bandwidth); stmatrix.x4 moves 8 values per instruction and the store is one TMA.
-    Needs whole tiles (the dW shapes: N_out % bm == 0, D % bn == 0; the build asserts it)."""
-
-    def __init__(self, tile: GemmTile, **kw):
-        super().__init__(tile, **kw)
-        assert self.c_n_major and self.epilogue == "bf16" and self.k_splits == 1 and not self.ieee_steps, kw
-
-    @cute.jit
-    def _zero_stages(self, mA: cute.Tensor, tAsA: cute.Tensor, tBsB: cute.Tensor):
-        """Whole M and N tiles: only the K tail (K = T) is never loaded, in the first k tile (stage 0, see
-        `_k_tiles`); the other stages are either fully loaded or never read. So zero stage 0 when T % bk != 0,
-        not all stages (18 of the 1wg kernel's 16-byte st.shared per thread)."""
-        if cute.size(mA, mode=[1]) % self.tile.bk != 0:
-            tAsA[None, None, None, 0].fill(0)
-            tBsB[None, None, None, 0].fill(0)
-
-    def _c_layout(self):
-        from cutlass.utils import LayoutEnum
-        from cutlass.utils import hopper_helpers as sm90
-
-        return sm90.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (self.tile.bm, self.tile.bn), 1)
-
-    def _allocate_smem(self, sA_layout, sB_layout, align: int):
-        """A and B stages (1024-aligned for the swizzles); the C tile reuses A's stages."""
-        a_size, b_size = cute.cosize(sA_layout), cute.cosize(sB_layout)
-        assert cute.cosize(self._c_layout()) <= a_size, (self.tile, a_size)
-        fields = {
-            "a": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, a_size], align],
-            "b": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, b_size], align],
-        }
-        shared = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
-        return cutlass.memory.SmemAllocator().allocate(shared)
-
-    @cute.jit
-    def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
-        from cutlass.cute.nvgpu import cpasync
-
-        t = self.tile
-        sA_layout = self._wgmma_smem_layout(self.a_k_major, t.bm, True)
-        sB_layout = self._wgmma_smem_layout(self.b_k_major, t.bn, False)
-        sC_layout = self._c_layout()
-        tma_c, tma_mC = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (t.bm, t.bn))
-        copy_A = self._gmem_copy(self.a_k_major, t.bm)
-        copy_B = self._gmem_copy(self.b_k_major, t.bn)
-        tiled_mma = self._wgmma_tiled_mma()
-        grid = self._grid(mA, mB)
-        self.tma_store_kernel(mA, mB, mC, mBias, tma_c, tma_mC, sA_layout, sB_layout, sC_layout, copy_A, copy_B,
-                              tiled_mma).launch(grid=grid, block=[t.threads, 1, 1], stream=stream, **t.launch_bounds())
-
-    @cute.kernel
-    def tma_store_kernel(
-        self,
-        mA: cute.Tensor,
-        mB: cute.Tensor,
-        mC: cute.Tensor,
-        mBias: cute.Tensor,
-        tma_c: cute.CopyAtom,
-        tma_mC: cute.Tensor,
-        sA_layout: cute.ComposedLayout,
-        sB_layout: cute.ComposedLayout,
-        sC_layout: cute.ComposedLayout,
-        copy_A: cute.TiledCopy,
-        copy_B: cute.TiledCopy,
-        tiled_mma: cute.TiledMma,
-    ):
-        from cutlass.cute.nvgpu import cpasync
-        from cutlass.utils import LayoutEnum
-        from cutlass.utils import hopper_helpers as sm90
-
-        t = self.tile
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        n_tile, m_tile, split = cute.arch.block_idx()
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_c)
-        k_tiles = self._k_tiles(mA, mB, m_tile, n_tile, split)
-        storage = self._allocate_smem(sA_layout, sB_layout, 1024)
-        acc, _, _, _, _, _, _ = self._cp_async_mainloop(
-            tidx, mA, mB, mC, k_tiles, storage, sA_layout, sB_layout, copy_A, copy_B, tiled_mma, n_tile, m_tile, split)
-
-        sC = storage.a.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)  # (bm, bn, 1)
-        st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
-        r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(tidx)
-        tRS_sC = thr_r2s.partition_D(sC)
-        tRS_acc = r2s.retile(acc)  # acc in the copy's source order
-        tRS_rC = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], cutlass.BFloat16)
-        for i in cutlass.range(cute.size(tRS_rC), unroll_full=True):
-            tRS_rC[i] = tRS_acc[i].to(cutlass.BFloat16)
-        self._epilogue_barrier()  # every warpgroup's wgmmas are done reading A's stages, which C reuses
-        cute.copy(r2s, tRS_rC, tRS_sC[None, None, None, 0])
-        cute.arch.fence_proxy("async.shared", space="cta")  # the writes are visible to the TMA unit
-        self._epilogue_barrier()
-        gC = cute.local_tile(tma_mC, (t.bm, t.bn), (m_tile, n_tile))
-        tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
-                                           cute.group_modes(gC, 0, 2))
-        if tidx == 0:
-            cute.copy(tma_c, tCsC[None, 0], tCgC)
-            cute.arch.cp_async_bulk_commit_group()
-        if cutlass.const_expr(self.dbias_rows):
-            self._store_dbias(mA, mBias, n_tile, m_tile, tidx)
-        if tidx == 0:  # shared memory must outlive the store's reads
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self._epilogue(acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
 
 
 @cute.jit
@@ -1153,37 +1009,31 @@ class _TmaWgmmaGemm(_WgmmaGemm):
 
 
 class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
-    """A persistent `_TmaWgmmaGemm` with TMA-stored BF16 C: the dW GEMM (C N-major, `bf16`) and the forward
-    (out^T = W a^T + b: K-major A and B, C M-major, `bias_bf16`). `tile.persistent_ctas` CTAs; CTA c computes
-    output tiles i = c, c + G, c + 2G, ... (N fastest: i -> (i // tiles_n, i % tiles_n), so the CTAs resident
-    together share their A tile, W or grad^T, in L2), a fixed static schedule. The producer warp streams every
-    tile's A and B k tiles through one ring (`_TmaWgmmaGemm`'s loads and smem layouts), running ahead into the
-    next tile while the consumers finish the current one. Per tile the consumers run the chained k16 walk from a
-    zero accumulator (`_chained_mainloop`'s, the K tail placed as in `_k_tiles`: the same bits as every wgmma
-    config of the GEMM), then store C through shared memory in (bm x c_subtile_n) subtiles: (acc + bias[m] in
-    FP32 for the forward, `_store_c_bf16`'s expression) -> BF16 -> C buffer (subtile count % 2; stmatrix into the
-    swizzled layout TMA reads) -> one TMA store (`cp.async.bulk.tensor` shared -> global, clipped at the tensor's
-    end: the forward's columns past T) issued by one thread, which waits only before a buffer is reused
-    (`cp.async.bulk.wait_group.read 1`: the store of two subtiles ago has read it). So the stores of tile i
+    """The dW GEMM (C = A B^T, BF16 C N-major) as a persistent `_TmaWgmmaGemm`: `tile.persistent_ctas` CTAs,
+    CTA c computes output tiles i = c, c + G, c + 2G, ... (N fastest: i -> (i // tiles_n, i % tiles_n)), a fixed
+    static schedule. The producer warp streams every tile's A (grad^T) and B (a^T) k tiles through one ring,
+    running ahead into the next tile while the consumers finish the current one. Per tile the consumers run the
+    chained k16 walk from a zero accumulator (`_chained_mainloop`'s, the K tail placed as in `_k_tiles`: the
+    same bits as every wgmma dW config), then store C through shared memory: BF16 fragments -> C buffer
+    (tile count % 2; stmatrix into the swizzled layout TMA reads) -> one TMA store (`cp.async.bulk.tensor`
+    shared -> global) issued by one thread, which waits only before a buffer is reused
+    (`cp.async.bulk.wait_group.read 1`: the store of two tiles ago has read it). So the stores of tile i
     overlap the loads and MMAs of tile i + 1. db (`dbias_rows`): the tiles of the first N tile write it, with
     `_store_dbias` (the same order and bits)."""
 
     _C_BUFFERS = 2
 
-    def __init__(self, tile: GemmTile, c_subtile_n: int = 0, **kw):
+    def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
-        assert tile.persistent_ctas > 0 and self.k_splits == 1 and not self.ieee_steps, (tile, kw)
-        # dW: C N-major, no bias; the forward: C M-major (out^T), bias per row m.
-        assert (self.c_n_major, self.epilogue) in ((True, "bf16"), (False, "bias_bf16")), kw
-        self.c_subtile_n = c_subtile_n or tile.bn
-        assert tile.bn % self.c_subtile_n == 0 and self.c_subtile_n % 16 == 0, (tile, c_subtile_n)
+        assert tile.persistent_ctas > 0 and self.c_n_major and self.epilogue == "bf16", (tile, kw)
+        assert self.k_splits == 1 and not self.ieee_steps, kw
 
     def _c_layout(self):
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as sm90
 
-        layout = LayoutEnum.ROW_MAJOR if self.c_n_major else LayoutEnum.COL_MAJOR
-        return sm90.make_smem_layout_epi(cutlass.BFloat16, layout, (self.tile.bm, self.c_subtile_n), self._C_BUFFERS)
+        t = self.tile
+        return sm90.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (t.bm, t.bn), self._C_BUFFERS)
 
     def _allocate_smem(self, sA_layout, sB_layout, align: int):
         """The mbarrier pair per stage, the A and B stages, and the C buffers (their own: TMA reads them while
@@ -1208,7 +1058,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         sC_layout = self._c_layout()
         tma_a, tma_mA, tma_b, tma_mB = self._tma_loads(mA, mB, sA_layout, sB_layout)
         tma_c, tma_mC = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (t.bm, self.c_subtile_n))
+            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (t.bm, t.bn))
         tiled_mma = self._wgmma_tiled_mma()
         self.persistent_kernel(mA, mBias, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout,
                                sC_layout, tiled_mma).launch(
@@ -1238,7 +1088,6 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         from cutlass.utils import hopper_helpers as sm90
 
         t = self.tile
-        subtiles = t.bn // self.c_subtile_n
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         cta, _, _ = cute.arch.block_idx()
@@ -1265,7 +1114,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         tiles_n = cute.size(gB, mode=[2])
         num_tiles = cute.size(gA, mode=[2]) * tiles_n
         tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB)
-        gC = cute.local_tile(tma_mC, (t.bm, self.c_subtile_n), (None, None))  # (bm, c_n, tiles_m, subtiles_n)
+        gC = cute.local_tile(tma_mC, (t.bm, t.bn), (None, None))  # (bm, bn, tiles_m, tiles_n)
         tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
                                            cute.group_modes(gC, 0, 2))
 
@@ -1290,21 +1139,15 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             thr_mma = tiled_mma.get_slice(ctidx)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            # The whole tile's accumulator (its (bm, bn) coordinates: the bias row of each element).
-            tCcC = thr_mma.partition_C(cute.make_identity_tensor((t.bm, t.bn)))
-            acc = cute.make_rmem_tensor(tCcC.shape, cutlass.Float32)
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(sC[None, None, 0]).shape, cutlass.Float32)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             # Fragments -> swizzled C buffer with stmatrix (the layout the TMA store reads).
-            c_layout = LayoutEnum.ROW_MAJOR if self.c_n_major else LayoutEnum.COL_MAJOR
-            st_atom = sm90.get_smem_store_op(c_layout, cutlass.BFloat16, cutlass.Float32)
+            st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
             r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
             thr_r2s = r2s.get_slice(ctidx)
-            tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer), one subtile
-            tRS_acc = r2s.retile(acc)  # the whole tile's acc in the copy's source order, N subtile slowest
+            tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer)
+            tRS_acc = r2s.retile(acc)  # acc in the copy's source order, as the BF16 registers below
             tRS_rC = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], cutlass.BFloat16)
-            per_subtile = cute.size(tRS_rC)
-            assert cute.size(tRS_acc) == subtiles * per_subtile
-            columns = cute.size(tma_mC, mode=[1])
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
@@ -1327,30 +1170,20 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                 ring.consumer_release(release)
                 release.advance()
 
-                if cutlass.const_expr(self.epilogue == "bias_bf16"):
-                    # bf16(acc + bias[m]): the FP32 add of `_store_c_bf16`, then the one rounding below.
-                    for i in cutlass.range(cute.size(acc), unroll_full=True):
-                        acc[i] = acc[i] + mBias[m_tile * t.bm + tCcC[i][0]].to(cutlass.Float32)
-                for sub in cutlass.range_constexpr(subtiles):
-                    if ctidx == 0:  # the store that last read this buffer (two subtiles ago) is done reading it
-                        cute.arch.cp_async_bulk_wait_group(self._C_BUFFERS - 1, read=True)
-                    self._epilogue_barrier()
-                    for i in cutlass.range(per_subtile, unroll_full=True):
-                        tRS_rC[i] = tRS_acc[sub * per_subtile + i].to(cutlass.BFloat16)
-                    cute.copy(r2s, tRS_rC, tRS_sC[None, None, None, buffer])
-                    cute.arch.fence_proxy("async.shared", space="cta")  # the writes are visible to the TMA unit
-                    self._epilogue_barrier()
-                    if ctidx == 0:
-                        c_sub = n_tile * subtiles + sub
-                        if cutlass.const_expr(self.c_n_major):
-                            cute.copy(tma_c, tCsC[None, buffer], tCgC[None, m_tile, c_sub])
-                        else:
-                            if c_sub * self.c_subtile_n < columns:  # a subtile wholly past T: nothing to store
-                                cute.copy(tma_c, tCsC[None, buffer], tCgC[None, m_tile, c_sub])
-                        cute.arch.cp_async_bulk_commit_group()
-                    if cutlass.const_expr(self.dbias_rows and sub == subtiles - 1):
-                        self._store_dbias(mA, mBias, n_tile, m_tile, ctidx)
-                    buffer = (buffer + 1) % self._C_BUFFERS
+                if ctidx == 0:  # the store that last read this buffer (two tiles ago) is done reading it
+                    cute.arch.cp_async_bulk_wait_group(self._C_BUFFERS - 1, read=True)
+                self._epilogue_barrier()
+                for i in cutlass.range(cute.size(tRS_rC), unroll_full=True):
+                    tRS_rC[i] = tRS_acc[i].to(cutlass.BFloat16)
+                cute.copy(r2s, tRS_rC, tRS_sC[None, None, None, buffer])
+                cute.arch.fence_proxy("async.shared", space="cta")  # the writes are visible to the TMA unit
+                self._epilogue_barrier()
+                if ctidx == 0:
+                    cute.copy(tma_c, tCsC[None, buffer], tCgC[None, m_tile, n_tile])
+                    cute.arch.cp_async_bulk_commit_group()
+                if cutlass.const_expr(self.dbias_rows):
+                    self._store_dbias(mA, mBias, n_tile, m_tile, ctidx)
+                buffer = (buffer + 1) % self._C_BUFFERS
             if ctidx == 0:  # shared memory must outlive the last stores' reads
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -1361,9 +1194,6 @@ def _fake(dtype, shape, stride_order=None):
 
 
 def _gemm(arch: str, config: str, **kw):
-    if config in TMA_FWD_CONFIGS:
-        assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
-        return _TmaWgmmaPersistentGemm(TMA_FWD_CONFIGS[config], c_subtile_n=FWD_C_SUBTILE_N, **kw)
     if config in TMA_CONFIGS:
         assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
         return _TmaWgmmaGemm(TMA_CONFIGS[config], **kw)
@@ -1375,7 +1205,6 @@ def _gemm(arch: str, config: str, **kw):
 
 def _build_fwd(arch: str, *, out_features: int, config: str):
     gemm = _gemm(arch, config, a_k_major=True, b_k_major=True, epilogue="bias_bf16")
-    assert out_features % gemm.tile.bm == 0, (out_features, gemm.tile)  # every M tile's bias rows exist
 
     @cute.jit
     def adaln_proj_fwd(act: cute.Tensor, weight: cute.Tensor, bias: cute.Tensor, out: cute.Tensor, stream):
@@ -1428,10 +1257,8 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
     if wgmma:
         assert arch == "sm_90a"
         tile = {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}[config]
-        cls = _WgmmaTmaStoreGemm if config in WGRAD_TMA_STORE else _WgmmaGemm if config in WGRAD_WGMMA_CONFIGS \
-            else _TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm
-        # The TMA-stored C tile has no bounds checks of its own (TMA clips, but the tiles must be whole).
-        assert cls is not _WgmmaTmaStoreGemm or (out_features % tile.bm == 0 and TEMB_WIDTH % tile.bn == 0), config
+        cls = _WgmmaGemm if config in WGRAD_WGMMA_CONFIGS else \
+            _TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm
         gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True, dbias_rows=True)
     else:
         gemm = _WarpMmaGemm(WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True,
@@ -1622,7 +1449,7 @@ SPECS = [
     _gemm_spec("adaln_proj_fwd", _build_fwd, CONFIGS, wgmma_family=False),
     _gemm_spec("adaln_proj_dgrad", _build_dgrad, CONFIGS, wgmma_family=False, markers=_LDMATRIX_T),
     _gemm_spec("adaln_proj_wgrad", _build_wgrad, WGRAD_CONFIGS, wgmma_family=False, markers=_LDMATRIX_T),
-    _gemm_spec("adaln_proj_fwd", _build_fwd, {**WGMMA_CONFIGS, **TMA_CONFIGS, **TMA_FWD_CONFIGS}, wgmma_family=True),
+    _gemm_spec("adaln_proj_fwd", _build_fwd, {**WGMMA_CONFIGS, **TMA_CONFIGS}, wgmma_family=True),
     _gemm_spec("adaln_proj_dgrad", _build_dgrad, {**WGMMA_CONFIGS, **TMA_DGRAD_CONFIGS}, wgmma_family=True),
     _gemm_spec("adaln_proj_wgrad", _build_wgrad, {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}, wgmma_family=True,
                wgmma=True),

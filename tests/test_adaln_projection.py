@@ -72,7 +72,7 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
             _, ptx = compile_variant(specs[name + "_wgmma"], "sm_90a", dict(out_features=N_FINAL, config=config),
                                      keep_ptx=True)
             mmas = set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)[\w.]+", "\n".join(ptx)))
-            bn = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS, **k.TMA_FWD_CONFIGS}[config].bn
+            bn = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS}[config].bn
             assert mmas == {f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16"}, (name, config, mmas)
             if name == "adaln_proj_dgrad":
                 tile = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS}[config]
@@ -112,8 +112,7 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert tuple(k.WGMMA_CONFIGS) == launch.WGMMA_CONFIGS
     assert tuple(k.WGRAD_CONFIGS) == launch.WGRAD_CONFIGS
     assert tuple(k.WGRAD_WGMMA_CONFIGS) == launch.WGRAD_WGMMA_CONFIGS
-    assert tuple(k.TMA_CONFIGS) + tuple(k.TMA_FWD_CONFIGS) == launch.TMA_CONFIGS
-    assert tuple(k.TMA_DGRAD_CONFIGS) == launch.TMA_DGRAD_CONFIGS
+    assert tuple(k.TMA_CONFIGS) == launch.TMA_CONFIGS and tuple(k.TMA_DGRAD_CONFIGS) == launch.TMA_DGRAD_CONFIGS
     assert tuple(k.TMA_WGRAD_CONFIGS) == launch.TMA_WGRAD_CONFIGS
     family = (*launch.WGMMA_CONFIGS, *launch.TMA_CONFIGS, *launch.WGRAD_WGMMA_CONFIGS, *launch.TMA_WGRAD_CONFIGS)
     assert all(c.startswith("tma_") for c in launch.TMA_CONFIGS + launch.TMA_WGRAD_CONFIGS)
@@ -205,7 +204,7 @@ def test_tma_mainloop_instructions():
     cases += [("adaln_proj_dgrad_wgmma", c, {}) for c in launch.TMA_DGRAD_CONFIGS]
     cases += [("adaln_proj_wgrad_wgmma", c, dict(wgmma=True)) for c in launch.TMA_WGRAD_CONFIGS]
     for name, config, extra in cases:
-        tile = {**k.TMA_CONFIGS, **k.TMA_FWD_CONFIGS, **k.TMA_WGRAD_CONFIGS}[config]
+        tile = {**k.TMA_CONFIGS, **k.TMA_WGRAD_CONFIGS}[config]
         _, ptx = compile_variant(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra),
                                  keep_ptx=True)
         text = "\n".join(ptx)
@@ -223,13 +222,11 @@ def test_tma_mainloop_instructions():
         else:  # BF16 epilogues stage C in shared memory behind the consumers' named barrier
             assert re.search(r"bar\.sync\s+1, 256;", text), (name, config)
         if tile.persistent_ctas:  # C: stmatrix -> C buffer -> TMA store, a buffer reused after its store read it
-            stmatrix = "x4.trans.shared" if config in k.TMA_FWD_CONFIGS else "x4.shared"  # the forward's C: M-major
-            for marker in (f"stmatrix.sync.aligned.m8n8.{stmatrix}.b16", "fence.proxy.async.shared::cta",
+            for marker in ("stmatrix.sync.aligned.m8n8.x4.shared.b16", "fence.proxy.async.shared::cta",
                            "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group"):
                 assert marker in text, (config, marker)
             waits = re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", text)
-            subtiles = tile.bn // k.FWD_C_SUBTILE_N if config in k.TMA_FWD_CONFIGS else 1  # one wait per C subtile
-            assert waits == [str(k._TmaWgmmaPersistentGemm._C_BUFFERS - 1)] * subtiles + ["0"], (config, waits)
+            assert waits == [str(k._TmaWgmmaPersistentGemm._C_BUFFERS - 1), "0"], (config, waits)
             assert "st.global.v4" not in text, config  # no 16-byte register stores of C left
         if shutil.which("ptxas"):
             with tempfile.TemporaryDirectory() as tmp:
@@ -836,241 +833,3 @@ def test_fresh_inputs_each_seed(block_params):
         temb = _temb(8, 1000 + seed) * (1 + seed)
         _assert_no_worse_than_replay(launch.forward(temb, w, b), _replay(temb, w, b),
                                      reference.adaln_projection_fp64(temb, w, b), f"forward seed {seed}")
-
-
-# ---- the forward on the persistent TMA kernel (tma_fwd_persist*) ----------------------------------------
-
-
-def test_persistent_forward_configs_fit_and_tile_the_projection():
-    """The persistent forward tiles: one CTA per SM (stages + two C subtile buffers fill more than half of the
-    H200's 227 KB and fit, counted as the kernel's struct lays them out: 1024-aligned ranges after the mbarriers),
-    whole M tiles of both N_out (the epilogue reads bias[m] unguarded), whole C subtiles, no d_temb variant."""
-    k = _tma_kernels()
-    smem_max = 227 * 1024
-    assert set(k.TMA_FWD_CONFIGS) and not set(k.TMA_FWD_CONFIGS) & set(k.TMA_CONFIGS)
-    for name, tile in k.TMA_FWD_CONFIGS.items():
-        assert tile.persistent_ctas == k.PERSISTENT_CTAS and tile.warps_m == 8 and tile.bm == 128, name
-        assert tile.bn % k.FWD_C_SUBTILE_N == 0 and D % tile.bk == 0 and tile.bk % 64 == 0, name
-        assert all(n % tile.bm == 0 for n in k.OUT_FEATURES), name
-        aligned = lambda b: -(-b // 1024) * 1024  # noqa: E731
-        smem = aligned(2 * 8 * tile.stages) + aligned(tile.stages * tile.bm * tile.bk * 2) \
-            + aligned(tile.stages * tile.bn * tile.bk * 2) + k._TmaWgmmaPersistentGemm._C_BUFFERS * tile.bm * k.FWD_C_SUBTILE_N * 2
-        assert smem_max // 2 < smem <= smem_max, (name, smem)
-        assert name not in launch.TMA_DGRAD_CONFIGS
-        with pytest.raises(ValueError, match=f"{name}.*no d_temb GEMM"):
-            launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), torch.zeros((2, D)), torch.zeros((8, D)),
-                            config=name)
-
-
-@pytest.mark.slow
-def test_persistent_forward_ptx():
-    """Both persistent forward configs, both N_out: wgmma m64n{bn}k16 only, C leaves only through TMA stores
-    (`cp.async.bulk.tensor` shared -> global from `stmatrix.trans` subtiles: no st.global at all), the bias read
-    once per distinct row of a thread's fragment (2 loads), one BF16 rounding instruction kind, no atomics; ptxas
-    (where installed): no spills, no serialized wgmmas (C7511 / C7514 / C7515)."""
-    import re
-    import shutil
-    import tempfile
-
-    from h3cute.runtime.dsl import compile_variant
-
-    k = _tma_kernels()
-    spec = _specs()["adaln_proj_fwd_wgmma"]
-    for name, tile in k.TMA_FWD_CONFIGS.items():
-        for n in k.OUT_FEATURES:
-            _, ptx = compile_variant(spec, "sm_90a", dict(out_features=n, config=name), keep_ptx=True)
-            text = "\n".join(ptx)
-            assert set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)[\w.]+", text)) == \
-                {f"wgmma.mma_async.sync.aligned.m64n{tile.bn}k16.f32.bf16.bf16"}, (name, n)
-            stores = text.count("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group")
-            # one per 64-row half of each subtile (the 128-byte swizzle bounds a TMA box's M extent at 64)
-            assert stores == 2 * tile.bn // k.FWD_C_SUBTILE_N, (name, n, stores)
-            assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text, (name, n)
-            assert "st.global" not in text and text.count("ld.global") == 2, (name, n)
-            assert "cvt.rn.bf16" in text, (name, n)
-            for forbidden in ("atom.", "\tred.", "cp.async.cg", "mma.sync"):
-                assert forbidden not in text, (name, n, forbidden)
-            if shutil.which("ptxas"):
-                with tempfile.TemporaryDirectory() as tmp:
-                    src = Path(tmp) / "k.ptx"
-                    src.write_text(ptx[0])
-                    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                                         capture_output=True, text=True, timeout=600)
-                log = run.stdout + run.stderr
-                assert run.returncode == 0 and "0 bytes spill stores" in log, (name, n, log[-2000:])
-                assert not any(c in log for c in ("C7511", "C7514", "C7515")), (name, n, "wgmmas serialized")
-
-
-@pytest.mark.slow
-def test_persistent_forward_subtiles_split_the_accumulator():
-    """The epilogue stores the accumulator subtile by subtile as tRS_acc[sub * per_subtile + i]: for every
-    consumer thread (static coordinates at trace time), that element of the retiled accumulator is the MMA
-    fragment's own coordinate, and it is element i of the (bm x FWD_C_SUBTILE_N) subtile's stmatrix partition,
-    shifted by sub subtiles along N. A wrong split would put values in the wrong columns of the table."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.utils import LayoutEnum
-    from cutlass.utils import hopper_helpers as sm90
-
-    k = _tma_kernels()
-    seen = []
-    for name, tile in k.TMA_FWD_CONFIGS.items():
-        gemm = k._gemm("sm_90a", name, a_k_major=True, b_k_major=True, epilogue="bias_bf16")
-        c_n = gemm.c_subtile_n
-
-        @cute.jit
-        def probe():
-            tiled_mma = gemm._wgmma_tiled_mma()
-            st_atom = sm90.get_smem_store_op(LayoutEnum.COL_MAJOR, cutlass.BFloat16, cutlass.Float32)
-            r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
-            full, sub = cute.make_identity_tensor((tile.bm, tile.bn)), cute.make_identity_tensor((tile.bm, c_n))
-            for t in cutlass.range_constexpr(0, 256, 5):
-                acc_coords = r2s.retile(tiled_mma.get_slice(t).partition_C(full))
-                sub_coords = r2s.get_slice(t).partition_S(sub)
-                per = cute.size(sub_coords)
-                assert cute.size(acc_coords) == (tile.bn // c_n) * per
-                for s in cutlass.range_constexpr(tile.bn // c_n):
-                    for i in cutlass.range_constexpr(per):
-                        seen.append((name, t, tuple(acc_coords[s * per + i]), (sub_coords[i][0], sub_coords[i][1] + s * c_n)))
-
-        cute.compile(probe, options="--gpu-arch sm_90a")
-    assert seen and all(isinstance(x[2][0], int) for x in seen)
-    bad = [x for x in seen if x[2] != x[3]]
-    assert not bad, bad[:4]
-    for name, tile in k.TMA_FWD_CONFIGS.items():  # a thread's elements are distinct coordinates
-        per_thread = {}
-        for x in (x for x in seen if x[0] == name):
-            per_thread.setdefault(x[1], []).append(x[2])
-        assert all(len(set(v)) == len(v) == tile.bm * tile.bn // 256 for v in per_thread.values()), name
-
-
-@gpu
-@pytest.mark.parametrize("out_features", [N_BLOCK, N_FINAL])
-@pytest.mark.parametrize("rows", [1, 7, 64, 255, 256, 300, 2048])
-def test_persistent_forward_gives_the_bits_of_tma_wide_n256(block_params, out_features, rows):
-    """tma_fwd_persist / tma_fwd_persist_n128 on NaN-poisoned outputs with NaN guards behind them: every element
-    written (the TMA store clips the T tail, nothing past the end), the bits of tma_wide_n256 and wg_mid (the same
-    k16 walk, bias add and rounding), twice (repeatable), fresh random inputs per case, FP64 accuracy bar."""
-    from h3cute import runtime
-
-    _family_configs("wgmma")
-    w, b = block_params if out_features == N_BLOCK else _params(N_FINAL, seed=70 + rows)
-    temb = _temb(rows, 71 + rows + out_features)
-    temb[rows // 2] *= 1e3  # a huge row next to ordinary ones
-    act = launch.silu_bf16(temb)
-    dev, nan, pad = temb.device, float("nan"), 4096
-
-    def run(config):
-        fn = runtime.kernel("adaln_proj_fwd_wgmma", dev, out_features=out_features, config=config)
-        out = torch.full((rows * out_features + pad,), nan, dtype=torch.bfloat16, device=dev)
-        fn(act, w, b, out[:-pad].view(rows, out_features))
-        assert not out[:-pad].isnan().any() and out[-pad:].isnan().all(), (config, rows, out_features)
-        return out[:-pad].view(rows, out_features)
-
-    ref = run("tma_wide_n256")
-    assert_same_bits(run("wg_mid"), ref, f"wg_mid vs tma_wide_n256, T={rows}, N={out_features}")
-    ref64 = torch.nn.functional.linear(act.double(), w.double(), b.double())
-    assert _rel_err(ref, ref64) <= BF16_ERR_CEILING
-    for config in (c for c in launch.TMA_CONFIGS if "_persist" in c):  # no kernel module import on the device
-        for _ in range(2):
-            assert_same_bits(run(config), ref, f"{config} vs tma_wide_n256, T={rows}, N={out_features}")
-
-
-@gpu
-@pytest.mark.parametrize("config", ["tma_fwd_persist", "tma_fwd_persist_n128"])
-def test_persistent_forward_is_row_invariant(block_params, config):
-    """Through the op's launcher: T = 2048 rows vs each of a few rows alone and sub-batches straddling the tile
-    edges (1, 255, 257, 1023): the same bytes per row."""
-    _family_configs("wgmma")
-    w, b = block_params
-    temb = _temb(2048, 77)
-    full = launch.forward(temb, w, b, config=config)
-    for start, size in ((0, 1), (1000, 1), (2047, 1), (3, 255), (700, 257), (1025, 1023)):
-        sl = slice(start, start + size)
-        assert_same_bits(launch.forward(temb[sl], w, b, config=config), full[sl], f"{config} rows {start}+{size}")
-
-
-# ---- dW with TMA-stored C (`_WgmmaTmaStoreGemm`, kernels/adaln_gemm.WGRAD_TMA_STORE) --------------------------
-
-
-def test_tma_store_wgrad_configs_are_registered_whole_tiles():
-    """The TMA-store dW tiles are wgmma dW configs the launch knows (so the build compiles them and
-    perf/adaln_kernels.py times them), tile every projection width exactly (the kernel has no bounds checks)
-    and fit their (bm, bn) BF16 C tile into A's stages, which it reuses."""
-    k = _tma_kernels()
-    assert k.WGRAD_TMA_STORE and k.WGRAD_TMA_STORE <= set(launch.WGRAD_WGMMA_CONFIGS)
-    for name in k.WGRAD_TMA_STORE:
-        tile = k.WGRAD_WGMMA_CONFIGS[name]
-        assert all(n % tile.bm == 0 for n in k.OUT_FEATURES) and D % tile.bn == 0, name
-        assert tile.bm * tile.bn <= tile.stages * tile.bm * tile.bk, name
-
-
-@pytest.mark.slow
-def test_tma_store_wgrad_instructions():
-    """Every TMA-store dW config compiles for sm_90a to the cp.async wgmma mainloop and the stmatrix + bulk
-    tensor store epilogue: no 16-byte register stores of C, one `wait_group.read 0` before exit, no atomics.
-    Where ptxas is installed: no spills and no serialized wgmmas."""
-    import re
-    import shutil
-    import tempfile
-
-    from h3cute.runtime.dsl import compile_variant
-
-    k = _tma_kernels()
-    spec = _specs()["adaln_proj_wgrad_wgmma"]
-    for config in sorted(k.WGRAD_TMA_STORE):
-        tile = k.WGRAD_WGMMA_CONFIGS[config]
-        for n in k.OUT_FEATURES:
-            _, ptx = compile_variant(spec, "sm_90a", dict(out_features=n, config=config, wgmma=True), keep_ptx=True)
-            text = "\n".join(ptx)
-            for marker in (f"wgmma.mma_async.sync.aligned.m64n{tile.bn}k16.f32.bf16.bf16", "cp.async.cg.shared.global",
-                           "stmatrix.sync.aligned.m8n8.x4.shared.b16", "fence.proxy.async.shared::cta",
-                           "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group"):
-                assert marker in text, (config, n, marker)
-            for forbidden in ("st.global.v4", "ld.shared.v4", "atom.", "\tred.", "mma.sync"):
-                assert forbidden not in text, (config, n, forbidden)
-            assert re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", text) == ["0"], (config, n)
-            if shutil.which("ptxas"):
-                with tempfile.TemporaryDirectory() as tmp:
-                    src = Path(tmp) / "k.ptx"
-                    src.write_text(ptx[0])
-                    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                                         capture_output=True, text=True, timeout=600)
-                log = run.stdout + run.stderr
-                assert run.returncode == 0 and "0 bytes spill stores" in log, (config, n, log[-2000:])
-                assert not any(c in log for c in ("C7511", "C7512", "C7514", "C7515")), (config, n, "wgmmas serialized")
-
-
-@gpu
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 63, 64, 65, 128, 200])
-def test_tma_store_wgrad_on_the_block_table(block_params, rows):
-    """The TMA-store dW kernels on N = 96768 with NaN-poisoned dW and db and NaN guards behind them: every
-    element written, nothing past the end, the bits of wg_wgrad (dW, and db up to FUSED_DBIAS_ROWS, including an
-    all -0.0 column), db untouched beyond; fresh inputs per T, each kernel run twice."""
-    from h3cute import runtime
-
-    _family_configs("wgmma")
-    w, _ = block_params
-    act = launch.silu_bf16(_temb(rows, 90 + rows))
-    grad = torch.randn((rows, N_BLOCK), generator=_gen(91 + rows), device="cuda").to(torch.bfloat16)
-    grad[:, 5] = -0.0
-    dev, nan, pad = act.device, float("nan"), 4096
-
-    def run(config):
-        fn = runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=N_BLOCK, wgmma=True, config=config)
-        dw = torch.full((N_BLOCK * D + pad,), nan, dtype=torch.bfloat16, device=dev)
-        db = torch.full((N_BLOCK + pad,), nan, dtype=torch.bfloat16, device=dev)
-        fn(grad, act, dw[:-pad].view(N_BLOCK, D), db[:-pad])
-        assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), (config, rows)
-        fused = rows <= launch.FUSED_DBIAS_ROWS
-        assert (not db[:-pad].isnan().any() if fused else db[:-pad].isnan().all()) and db[-pad:].isnan().all()
-        return dw[:-pad].view(N_BLOCK, D), db[:-pad]
-
-    ref_dw, ref_db = run("wg_wgrad")
-    assert _rel_err(ref_dw, grad.double().t() @ act.double()) <= BF16_ERR_CEILING
-    for config in (c for c in launch.WGRAD_WGMMA_CONFIGS if c.endswith("_tstore")):  # the device has no cutlass
-        for _ in range(2):
-            dw, db = run(config)
-            assert_same_bits(dw, ref_dw, f"dW {config} vs wg_wgrad, T={rows}")
-            if rows <= launch.FUSED_DBIAS_ROWS:
-                assert_same_bits(db, ref_db, f"db {config} vs wg_wgrad, T={rows}")

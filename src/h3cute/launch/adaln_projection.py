@@ -36,16 +36,12 @@ WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # The wgmma family's TMA + mbarrier warp-specialized mainloop (kernels/adaln_gemm.TMA_CONFIGS, same kernels,
 # same bits): forward and d_temb configs (the d_temb GEMM has no 256-wide tile: its block tiles' registers),
 # and dW tiles.
-# The last two are the forward on the persistent kernel (kernels/adaln_gemm.TMA_FWD_CONFIGS: TMA-stored C
-# subtiles overlap the next tile's loads; same bits), forward only.
-TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_fwd_persist", "tma_fwd_persist_n128")
+TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256")
 TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
-# The `*_tstore` tiles store C by TMA (kernels/adaln_gemm.WGRAD_TMA_STORE): same bits, timed as alternatives.
-WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg", "wg_wgrad_n64_1wg_tstore", "wg_wgrad_n64_tstore",
-                       "wg_wgrad_tstore")
+WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg")
 # The persistent dW kernel (TMA stores from double-buffered C tiles) is in the same tuple: same bits.
 TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_persist", "tma_wgrad_persist_n64")
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
