@@ -145,7 +145,15 @@ WGRAD_WGMMA_CONFIGS = {
     # One warpgroup over both 64-row slabs: 96 registers x 128 threads, 5 CTAs per SM without spills
     # (a cap at 6 spills 1 KB), 25% more dW bytes in flight than wg_wgrad_n64 if its epilogue keeps up.
     "wg_wgrad_n64_1wg": GemmTile(bm=128, bn=64, bk=32, warps_m=4, warps_n=1, stages=3, ctas_per_sm=5),
+    # The same tiles with C stored by TMA (`_WgmmaTmaStoreGemm`, names in WGRAD_TMA_STORE): stmatrix + one bulk
+    # store in place of scalar st.shared + ld.shared.v4 + st.global.v4, the shared-memory instruction queue
+    # (MIO) that throttles the 1wg kernel at T = 64. ptxas: 96 / 64 / 94 registers, no spills; the 1wg tile capped
+    # at 6 CTAs per SM spills 1 KB and serializes its wgmmas (C7512).
+    "wg_wgrad_n64_1wg_tstore": GemmTile(bm=128, bn=64, bk=32, warps_m=4, warps_n=1, stages=3, ctas_per_sm=5),
+    "wg_wgrad_n64_tstore": GemmTile(bm=128, bn=64, bk=32, warps_m=8, warps_n=1, stages=3),
+    "wg_wgrad_tstore": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=4),
 }
+WGRAD_TMA_STORE = frozenset(name for name in WGRAD_WGMMA_CONFIGS if name.endswith("_tstore"))
 # The TMA + mbarrier warp-specialized mainloop of the wgmma family (`_TmaWgmmaGemm`): same k16 walk, so
 # the same bits as WGMMA_CONFIGS (tests check). Two consumer warpgroups of 64 rows (warps_m = 8) and
 # enough stages to fill shared memory: one CTA per SM, which the register split below assumes.
@@ -397,9 +405,7 @@ class _WarpMmaGemm:
             for n in range(tBpB.shape[1]):
                 tBpB[v, n, 0] = cute.elem_less(tBcB[(0, v), n, 0, 0][0], mB.shape[0])
 
-        # Zero smem once: rows past T and the K tail are never loaded and must read as 0.
-        tAsA.fill(0)
-        tBsB.fill(0)
+        self._zero_stages(mA, tAsA, tBsB)
         cute.arch.sync_threads()
 
         num_stages = t.stages
@@ -422,6 +428,11 @@ class _WarpMmaGemm:
             k_tile_index = k_tile_index + 1
             cute.arch.cp_async_commit_group()
         return tAgA, tAsA, tBgB, tBsB, tApA, tBpB, k_tile_index
+
+    def _zero_stages(self, mA: cute.Tensor, tAsA: cute.Tensor, tBsB: cute.Tensor):
+        """Zero smem once: rows past T and the K tail are never loaded and must read as 0."""
+        tAsA.fill(0)
+        tBsB.fill(0)
 
     def _c_tiles(self, mC: cute.Tensor, thr_mma, m_tile, n_tile, split):
         """This CTA's output tile (of its K split's slice), its coordinates, and their MMA partitions."""
@@ -678,13 +689,21 @@ class _WgmmaGemm(_WarpMmaGemm):
         copy_B: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
     ):
-        t = self.tile
         tidx, _, _ = cute.arch.thread_idx()
         n_tile, m_tile, split = cute.arch.block_idx()
-
-        gA, gB, cA, cB, k_tile_count, k_tile_first = self._k_tiles(mA, mB, m_tile, n_tile, split)
-
+        k_tiles = self._k_tiles(mA, mB, m_tile, n_tile, split)
         storage = self._allocate_smem(sA_layout, sB_layout, 1024)
+        acc, thr_mma, tCgC, tCcC, gC, cC, gC_full = self._cp_async_mainloop(
+            tidx, mA, mB, mC, k_tiles, storage, sA_layout, sB_layout, copy_A, copy_B, tiled_mma, n_tile, m_tile, split)
+        self._epilogue(acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
+
+    @cute.jit
+    def _cp_async_mainloop(self, tidx, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, k_tiles, storage,
+                           sA_layout, sB_layout, copy_A, copy_B, tiled_mma, n_tile, m_tile, split):
+        """The cp.async ring and the wgmma k walk of this CTA's tile (`k_tiles`: `_k_tiles`' views and range):
+        acc and the C tiles for an epilogue."""
+        t = self.tile
+        gA, gB, cA, cB, k_tile_count, k_tile_first = k_tiles
         sA = storage.a.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.b.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
 
@@ -737,7 +756,134 @@ class _WgmmaGemm(_WarpMmaGemm):
             if smem_read == num_stages:
                 smem_read = 0
         cute.arch.cp_async_wait_group(0)
-        self._epilogue(acc, thr_mma, tidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
+        return acc, thr_mma, tCgC, tCcC, gC, cC, gC_full
+
+
+def r2s_source_order(tiled_mma, r2s, tile_mn) -> list:
+    """For each source register i of the stmatrix copy `r2s`, the index of the accumulator element (of
+    `tiled_mma`'s C partition) at the same (m, n) of the tile, from thread 0's static coordinates (the tests
+    check every thread). `r2s.retile(acc)` assumes the two orders agree; they do for one 64-row wgmma tile per
+    warpgroup, not when one warpgroup repeats along M (the 128-row, one-warpgroup dW tile: 3 of 4 values
+    would land in the wrong columns)."""
+    full = cute.make_identity_tensor(tile_mn)
+    acc = tiled_mma.get_slice(0).partition_C(full)
+    src = r2s.get_slice(0).partition_S(full)
+    where = {tuple(acc[j]): j for j in range(cute.size(acc))}
+    return [where[tuple(src[i])] for i in range(cute.size(src))]
+
+
+class _WgmmaTmaStoreGemm(_WgmmaGemm):
+    """`_WgmmaGemm`'s dW GEMM (BF16 C, N-major) with C stored by TMA: the same cp.async ring and k16 walk (the
+    same bits), then BF16 fragments -> `stmatrix` into a 128B-swizzled (bm, bn) C tile in A's stages (free once
+    every warpgroup's wgmmas are done) -> `fence.proxy.async` -> barrier -> one thread issues the bulk tensor
+    store (`cp.async.bulk.tensor` shared -> global) and, after db (`dbias_rows`, `_store_dbias`), waits
+    `cp.async.bulk.wait_group.read 0` (shared memory must outlive the store's reads) before the CTA exits.
+    Why: at small T dW's 520 MB of writes are the cost, and the padded-tile epilogue's scalar st.shared, then
+    ld.shared.v4 and st.global.v4 per thread fill the shared-memory instruction queue (ncu at T = 64: MIO
+    throttle, 52% of DRAM bandwidth); stmatrix.x4 moves 8 values per instruction and the store is one TMA.
+    Needs whole tiles (the dW shapes: N_out % bm == 0, D % bn == 0; the build asserts it)."""
+
+    def __init__(self, tile: GemmTile, **kw):
+        super().__init__(tile, **kw)
+        assert self.c_n_major and self.epilogue == "bf16" and self.k_splits == 1 and not self.ieee_steps, kw
+
+    @cute.jit
+    def _zero_stages(self, mA: cute.Tensor, tAsA: cute.Tensor, tBsB: cute.Tensor):
+        """Whole M and N tiles: only the K tail (K = T) is never loaded, in the first k tile (stage 0, see
+        `_k_tiles`); the other stages are either fully loaded or never read. So zero stage 0 when T % bk != 0,
+        not all stages (18 of the 1wg kernel's 16-byte st.shared per thread)."""
+        if cute.size(mA, mode=[1]) % self.tile.bk != 0:
+            tAsA[None, None, None, 0].fill(0)
+            tBsB[None, None, None, 0].fill(0)
+
+    def _c_layout(self):
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as sm90
+
+        return sm90.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (self.tile.bm, self.tile.bn), 1)
+
+    def _allocate_smem(self, sA_layout, sB_layout, align: int):
+        """A and B stages (1024-aligned for the swizzles); the C tile reuses A's stages."""
+        a_size, b_size = cute.cosize(sA_layout), cute.cosize(sB_layout)
+        assert cute.cosize(self._c_layout()) <= a_size, (self.tile, a_size)
+        fields = {
+            "a": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, a_size], align],
+            "b": cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, b_size], align],
+        }
+        shared = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        return cutlass.memory.SmemAllocator().allocate(shared)
+
+    @cute.jit
+    def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
+        from cutlass.cute.nvgpu import cpasync
+
+        t = self.tile
+        sA_layout = self._wgmma_smem_layout(self.a_k_major, t.bm, True)
+        sB_layout = self._wgmma_smem_layout(self.b_k_major, t.bn, False)
+        sC_layout = self._c_layout()
+        tma_c, tma_mC = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (t.bm, t.bn))
+        copy_A = self._gmem_copy(self.a_k_major, t.bm)
+        copy_B = self._gmem_copy(self.b_k_major, t.bn)
+        tiled_mma = self._wgmma_tiled_mma()
+        grid = self._grid(mA, mB)
+        self.tma_store_kernel(mA, mB, mC, mBias, tma_c, tma_mC, sA_layout, sB_layout, sC_layout, copy_A, copy_B,
+                              tiled_mma).launch(grid=grid, block=[t.threads, 1, 1], stream=stream, **t.launch_bounds())
+
+    @cute.kernel
+    def tma_store_kernel(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        mBias: cute.Tensor,
+        tma_c: cute.CopyAtom,
+        tma_mC: cute.Tensor,
+        sA_layout: cute.ComposedLayout,
+        sB_layout: cute.ComposedLayout,
+        sC_layout: cute.ComposedLayout,
+        copy_A: cute.TiledCopy,
+        copy_B: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+    ):
+        from cutlass.cute.nvgpu import cpasync
+        from cutlass.utils import LayoutEnum
+        from cutlass.utils import hopper_helpers as sm90
+
+        t = self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        n_tile, m_tile, split = cute.arch.block_idx()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_c)
+        k_tiles = self._k_tiles(mA, mB, m_tile, n_tile, split)
+        storage = self._allocate_smem(sA_layout, sB_layout, 1024)
+        acc, _, _, _, _, _, _ = self._cp_async_mainloop(
+            tidx, mA, mB, mC, k_tiles, storage, sA_layout, sB_layout, copy_A, copy_B, tiled_mma, n_tile, m_tile, split)
+
+        sC = storage.a.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)  # (bm, bn, 1)
+        st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
+        r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
+        thr_r2s = r2s.get_slice(tidx)
+        tRS_sC = thr_r2s.partition_D(sC)
+        tRS_rC = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], cutlass.BFloat16)
+        order = r2s_source_order(tiled_mma, r2s, (t.bm, t.bn))
+        for i in cutlass.range_constexpr(len(order)):
+            tRS_rC[i] = acc[order[i]].to(cutlass.BFloat16)
+        self._epilogue_barrier()  # every warpgroup's wgmmas are done reading A's stages, which C reuses
+        cute.copy(r2s, tRS_rC, tRS_sC[None, None, None, 0])
+        cute.arch.fence_proxy("async.shared", space="cta")  # the writes are visible to the TMA unit
+        self._epilogue_barrier()
+        gC = cute.local_tile(tma_mC, (t.bm, t.bn), (m_tile, n_tile))
+        tCsC, tCgC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2),
+                                           cute.group_modes(gC, 0, 2))
+        if tidx == 0:
+            cute.copy(tma_c, tCsC[None, 0], tCgC)
+            cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.dbias_rows):
+            self._store_dbias(mA, mBias, n_tile, m_tile, tidx)
+        if tidx == 0:  # shared memory must outlive the store's reads
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 @cute.jit
@@ -1257,8 +1403,10 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
     if wgmma:
         assert arch == "sm_90a"
         tile = {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}[config]
-        cls = _WgmmaGemm if config in WGRAD_WGMMA_CONFIGS else \
-            _TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm
+        cls = _WgmmaTmaStoreGemm if config in WGRAD_TMA_STORE else _WgmmaGemm if config in WGRAD_WGMMA_CONFIGS \
+            else _TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm
+        # The TMA-stored C tile has no bounds checks of its own (TMA clips, but the tiles must be whole).
+        assert cls is not _WgmmaTmaStoreGemm or (out_features % tile.bm == 0 and TEMB_WIDTH % tile.bn == 0), config
         gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True, dbias_rows=True)
     else:
         gemm = _WarpMmaGemm(WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True,

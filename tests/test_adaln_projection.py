@@ -833,3 +833,127 @@ def test_fresh_inputs_each_seed(block_params):
         temb = _temb(8, 1000 + seed) * (1 + seed)
         _assert_no_worse_than_replay(launch.forward(temb, w, b), _replay(temb, w, b),
                                      reference.adaln_projection_fp64(temb, w, b), f"forward seed {seed}")
+
+
+# ---- dW with TMA-stored C (`_WgmmaTmaStoreGemm`, kernels/adaln_gemm.WGRAD_TMA_STORE) --------------------------
+
+
+def test_tma_store_wgrad_configs_are_registered_whole_tiles():
+    """The TMA-store dW tiles are wgmma dW configs the launch knows (so the build compiles them and
+    perf/adaln_kernels.py times them), tile every projection width exactly (the kernel has no bounds checks)
+    and fit their (bm, bn) BF16 C tile into A's stages, which it reuses."""
+    k = _tma_kernels()
+    assert k.WGRAD_TMA_STORE and k.WGRAD_TMA_STORE <= set(launch.WGRAD_WGMMA_CONFIGS)
+    for name in k.WGRAD_TMA_STORE:
+        tile = k.WGRAD_WGMMA_CONFIGS[name]
+        assert all(n % tile.bm == 0 for n in k.OUT_FEATURES) and D % tile.bn == 0, name
+        assert tile.bm * tile.bn <= tile.stages * tile.bm * tile.bk, name
+
+
+@pytest.mark.slow
+def test_tma_store_wgrad_instructions():
+    """Every TMA-store dW config compiles for sm_90a to the cp.async wgmma mainloop and the stmatrix + bulk
+    tensor store epilogue: no 16-byte register stores of C, one `wait_group.read 0` before exit, no atomics.
+    Where ptxas is installed: no spills and no serialized wgmmas."""
+    import re
+    import shutil
+    import tempfile
+
+    from h3cute.runtime.dsl import compile_variant
+
+    k = _tma_kernels()
+    spec = _specs()["adaln_proj_wgrad_wgmma"]
+    for config in sorted(k.WGRAD_TMA_STORE):
+        tile = k.WGRAD_WGMMA_CONFIGS[config]
+        for n in k.OUT_FEATURES:
+            _, ptx = compile_variant(spec, "sm_90a", dict(out_features=n, config=config, wgmma=True), keep_ptx=True)
+            text = "\n".join(ptx)
+            for marker in (f"wgmma.mma_async.sync.aligned.m64n{tile.bn}k16.f32.bf16.bf16", "cp.async.cg.shared.global",
+                           "stmatrix.sync.aligned.m8n8.x4.shared.b16", "fence.proxy.async.shared::cta",
+                           "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group"):
+                assert marker in text, (config, n, marker)
+            for forbidden in ("st.global.v4", "ld.shared.v4", "atom.", "\tred.", "mma.sync"):
+                assert forbidden not in text, (config, n, forbidden)
+            assert re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", text) == ["0"], (config, n)
+            if shutil.which("ptxas"):
+                with tempfile.TemporaryDirectory() as tmp:
+                    src = Path(tmp) / "k.ptx"
+                    src.write_text(ptx[0])
+                    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                                         capture_output=True, text=True, timeout=600)
+                log = run.stdout + run.stderr
+                assert run.returncode == 0 and "0 bytes spill stores" in log, (config, n, log[-2000:])
+                assert not any(c in log for c in ("C7511", "C7512", "C7514", "C7515")), (config, n, "wgmmas serialized")
+
+
+@pytest.mark.slow
+def test_tma_store_wgrad_registers_reach_their_own_columns():
+    """For every thread of every TMA-store dW tile, the BF16 register i handed to stmatrix holds the accumulator
+    element at the (m, n) that register i is stored to (`r2s_source_order`). The one-warpgroup 128-row tile is
+    the case where `r2s.retile(acc)` is wrong (its wgmma tile repeats along M): on the H200 that version put
+    3 of 4 dW values in wrong columns."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.utils import LayoutEnum
+    from cutlass.utils import hopper_helpers as sm90
+
+    k = _tma_kernels()
+    seen = {}
+    for name in sorted(k.WGRAD_TMA_STORE):
+        tile = k.WGRAD_WGMMA_CONFIGS[name]
+        gemm = k._WgmmaTmaStoreGemm(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
+
+        @cute.jit
+        def probe():
+            tiled_mma = gemm._wgmma_tiled_mma()
+            st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
+            r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
+            order = k.r2s_source_order(tiled_mma, r2s, (tile.bm, tile.bn))
+            full = cute.make_identity_tensor((tile.bm, tile.bn))
+            for t in cutlass.range_constexpr(tile.threads):
+                acc = tiled_mma.get_slice(t).partition_C(full)
+                src = r2s.get_slice(t).partition_S(full)
+                seen[(name, t)] = [(tuple(src[i]), tuple(acc[order[i]])) for i in range(len(order))]
+
+        cute.compile(probe, options="--gpu-arch sm_90a")
+    assert len(seen) == sum(k.WGRAD_WGMMA_CONFIGS[n].threads for n in k.WGRAD_TMA_STORE)
+    bad = [(key, pair) for key, pairs in seen.items() for pair in pairs if pair[0] != pair[1]]
+    assert not bad, bad[:4]
+    for (name, _), pairs in seen.items():  # each thread's values are distinct cells of the tile
+        tile = k.WGRAD_WGMMA_CONFIGS[name]
+        assert len({p[0] for p in pairs}) == len(pairs) == tile.bm * tile.bn // tile.threads
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 63, 64, 65, 128, 200])
+def test_tma_store_wgrad_on_the_block_table(block_params, rows):
+    """The TMA-store dW kernels on N = 96768 with NaN-poisoned dW and db and NaN guards behind them: every
+    element written, nothing past the end, the bits of wg_wgrad (dW, and db up to FUSED_DBIAS_ROWS, including an
+    all -0.0 column), db untouched beyond; fresh inputs per T, each kernel run twice."""
+    from h3cute import runtime
+
+    _family_configs("wgmma")
+    w, _ = block_params
+    act = launch.silu_bf16(_temb(rows, 90 + rows))
+    grad = torch.randn((rows, N_BLOCK), generator=_gen(91 + rows), device="cuda").to(torch.bfloat16)
+    grad[:, 5] = -0.0
+    dev, nan, pad = act.device, float("nan"), 4096
+
+    def run(config):
+        fn = runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=N_BLOCK, wgmma=True, config=config)
+        dw = torch.full((N_BLOCK * D + pad,), nan, dtype=torch.bfloat16, device=dev)
+        db = torch.full((N_BLOCK + pad,), nan, dtype=torch.bfloat16, device=dev)
+        fn(grad, act, dw[:-pad].view(N_BLOCK, D), db[:-pad])
+        assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), (config, rows)
+        fused = rows <= launch.FUSED_DBIAS_ROWS
+        assert (not db[:-pad].isnan().any() if fused else db[:-pad].isnan().all()) and db[-pad:].isnan().all()
+        return dw[:-pad].view(N_BLOCK, D), db[:-pad]
+
+    ref_dw, ref_db = run("wg_wgrad")
+    assert _rel_err(ref_dw, grad.double().t() @ act.double()) <= BF16_ERR_CEILING
+    for config in (c for c in launch.WGRAD_WGMMA_CONFIGS if c.endswith("_tstore")):  # the device has no cutlass
+        for _ in range(2):
+            dw, db = run(config)
+            assert_same_bits(dw, ref_dw, f"dW {config} vs wg_wgrad, T={rows}")
+            if rows <= launch.FUSED_DBIAS_ROWS:
+                assert_same_bits(db, ref_db, f"db {config} vs wg_wgrad, T={rows}")

@@ -41,7 +41,9 @@ TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
-WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg")
+# The `*_tstore` tiles store C by TMA (kernels/adaln_gemm.WGRAD_TMA_STORE): same bits, timed as alternatives.
+WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg", "wg_wgrad_n64_1wg_tstore", "wg_wgrad_n64_tstore",
+                       "wg_wgrad_tstore")
 # The persistent dW kernel (TMA stores from double-buffered C tiles) is in the same tuple: same bits.
 TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_persist", "tma_wgrad_persist_n64")
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
@@ -81,15 +83,16 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
 
 
 def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
-    """A family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs. wgmma: the H200
-    timings at 0baae16 and d24d50b: one warpgroup over 128 x 64 at T <= 64 (wg_wgrad_n64_1wg 159.4 / 160.7 /
-    202.0 us at T = 1 / 4 / 64; the persistent TMA kernel 160.5 / 161.6 / 267.6), the persistent TMA kernel
-    with overlapped TMA stores beyond 128 (T = 256: tma_wgrad_persist 234.6 vs wg_wgrad 428.2; T = 2048: 1600.1
-    vs tma_wgrad 1936.4); T in (64, 128] keeps wg_wgrad (not measured there: the crossover lies between 64 and
-    256)."""
+    """A family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs. wgmma, from the
+    H200 per-launch timings (perf/adaln_kernels.py): at T <= 64 one warpgroup over 128 x 64 with C stored by
+    TMA (wg_wgrad_n64_1wg_tstore 117.0 / 120.5 / 178.6 us at T = 1 / 4 / 64 against wg_wgrad_n64_1wg's 159.1 /
+    160.6 / 204.6, reverted_session5/adaln_kernels_d1994d3.json, where its column order was still wrong; the
+    fixed kernel's own run: perf/results/h200/README.md), the persistent TMA kernel beyond 128 (T = 256:
+    tma_wgrad_persist 249.4 vs 361.0 for the TMA-store tile; T = 2048 1669.7 vs tma_wgrad 1720.7); T in (64, 128]
+    keeps wg_wgrad (not measured there: the crossover lies between 64 and 256)."""
     if wgmma:
         if rows <= 64:
-            return "wg_wgrad_n64_1wg"
+            return "wg_wgrad_n64_1wg_tstore"
         return "wg_wgrad" if rows <= 128 else "tma_wgrad_persist"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
