@@ -67,16 +67,6 @@ SMALL_T = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_
 SMALL_T_K64 = MlpConfig(fc1=GemmConfig(16, 32, 64, 6, 1, 4), fc2=GemmConfig(16, 64, 64, 5, 1, 4),
                         fc2_dgrad=GemmConfig(16, 64, 64, 5, 1, 4), fc1_dgrad=GemmConfig(16, 32, 64, 6, 1, 4),
                         **_WGRAD_SHALLOW)
-# Sweep candidates for T <= 16 (not picked yet). Under Nsight Compute on the H200 at T = 1 the SMALL_T fc2
-# (252 CTAs of 4 warps, 60 KB smem each: 1.9 CTAs per SM) read w2 at 2.8 TB/s while each scheduler issued
-# every 2.1 cycles from 1.9 warps (latency-bound), and fc1 (168 CTAs) took 8.2 us for 5.5 MB. Narrower tiles
-# double the CTAs and warps per SM, all resident at once: fc2 504 CTAs (48 KB each) or 1008 CTAs of 2 warps.
-_SMALL_N32 = GemmConfig(16, 32, 32, 8, 1, 4)
-_SMALL_N16 = GemmConfig(16, 16, 32, 8, 1, 2)
-# The dgrad GEMMs read w2^T / w1^T in place (an MN-major B needs tile_n >= 32).
-SMALL_T_N32 = MlpConfig(fc1=_SMALL_N16, fc2=_SMALL_N32, fc2_dgrad=_SMALL_N32, fc1_dgrad=_SMALL_NARROW, **_WGRAD_SHALLOW)
-SMALL_T_N16 = MlpConfig(fc1=_SMALL_N16, fc2=GemmConfig(16, 16, 32, 6, 1, 2), fc2_dgrad=_SMALL_N32,
-                        fc1_dgrad=_SMALL_NARROW, **_WGRAD_SHALLOW)
 WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE, **_WGRAD_SHALLOW)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID, **_WGRAD_DEEP)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, **_WGRAD_DEEP)
@@ -85,7 +75,7 @@ LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, 
 _LARGE_S5 = GemmConfig(128, 128, 32, 5, 2, 4)
 LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dgrad=_LARGE_S5,
                        fc2_wgrad=_LARGE_S5, fc1_wgrad=_MID)
-CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5, SMALL_T_N32, SMALL_T_N16)  # pick_config's choices + sweep candidates
+CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
 # sm_90a from this many rows: the fc2-sized GEMMs on TF32 wgmma (speed only: same bits). H200 at 2355bb0
