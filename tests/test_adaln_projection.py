@@ -916,6 +916,21 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
                 seen[(name, t)] = [(tuple(src[i]), tuple(acc[order[i]])) for i in range(len(order))]
 
         cute.compile(probe, options="--gpu-arch sm_90a")
+    # The persistent dW kernel hands `r2s.retile(acc)` to stmatrix: valid only while the two orders agree.
+    for name, tile in k.TMA_WGRAD_CONFIGS.items():
+        if tile.persistent_ctas:
+            gemm = k._TmaWgmmaPersistentGemm(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
+
+            @cute.jit
+            def persistent_probe():
+                tiled_mma = gemm._wgmma_tiled_mma()
+                st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
+                r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
+                seen[(name, "order")] = k.r2s_source_order(tiled_mma, r2s, (tile.bm, tile.bn))
+
+            cute.compile(persistent_probe, options="--gpu-arch sm_90a")
+            order = seen.pop((name, "order"))
+            assert order == list(range(len(order))), name
     assert len(seen) == sum(k.WGRAD_WGMMA_CONFIGS[n].threads for n in k.WGRAD_TMA_STORE)
     bad = [(key, pair) for key, pairs in seen.items() for pair in pairs if pair[0] != pair[1]]
     assert not bad, bad[:4]
