@@ -1,7 +1,7 @@
 """Device script: time every kernel launch of `adaln_projection` forward and backward, one at a time.
 
 Runs against the prebuilt bundle (never compiles):
-    bash perf/device_run.sh python3 perf/adaln_kernels.py
+    bash perf/device_run.sh python3 perf/adaln_kernels.py [T ...]
 For T in (1, 4, 64, 256, 2048) and each MMA family (warp mma.sync; wgmma on sm_90a), each launch of
 `h3cute.launch.adaln_projection.forward` / `backward` (N = 96768) is replayed on preallocated buffers
 and timed alone with CUDA events: median of 20 samples after 5 warm-ups, with achieved GB/s (bytes
@@ -107,7 +107,7 @@ def main() -> int:
     default_family = L.SM90_FAMILY if runtime.arch_of(dev) == "sm_90a" else "warp"
     report = {"gpu": torch.cuda.get_device_name(dev), "arch": runtime.arch_of(dev), "samples": SAMPLES,
               "warmup": WARMUP, "out_features": N, "sm90_family": L.SM90_FAMILY, "sizes": {}}
-    for rows in SIZES:
+    for rows in [int(a) for a in sys.argv[1:]] or SIZES:
         buf = _buffers(rows, dev)
         report["sizes"][str(rows)] = per_family = {}
         for family in families:
