@@ -29,7 +29,8 @@ On sm_90a the wgmma family has two mainloops with the same k16 order and epilogu
 `_WgmmaGemm` (the cp.async ring above, `WGMMA_CONFIGS`) and `_TmaWgmmaGemm` (TMA loads into an mbarrier
 ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGRAD_CONFIGS`), plus, for dW,
 `_TmaWgmmaPersistentGemm` (the TMA mainloop in a fixed grid of `PERSISTENT_CTAS` CTAs that walk the output
-tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`).
+tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`). The forward's `tma_wide_n256_mc2`
+runs `_TmaWgmmaGemm` in 2-CTA clusters that share the activation tile by TMA multicast (same bits).
 
 Constraints: K-major operands need K % 8 == 0 (the copy vector runs along K); MN-major operand
 extents are multiples of 8; all pointers 16-byte aligned and all tensors contiguous.
@@ -74,7 +75,9 @@ _COPY_BITS = 128
 class GemmTile:
     """CTA tile (bm x bn x bk), warp grid (warps_m x warps_n) and cp.async pipeline depth;
     `ctas_per_sm` > 0 asks ptxas for that many resident CTAs (.maxntid + .minnctapersm: a register cap);
-    `persistent_ctas` > 0: a persistent grid of that many CTAs walking the output tiles (`_TmaWgmmaPersistentGemm`)."""
+    `persistent_ctas` > 0: a persistent grid of that many CTAs walking the output tiles (`_TmaWgmmaPersistentGemm`);
+    `cluster_m` > 1: clusters of that many M tiles (grid y) of one N tile that share B by TMA multicast
+    (`_TmaWgmmaGemm`)."""
 
     bm: int
     bn: int
@@ -84,6 +87,7 @@ class GemmTile:
     stages: int
     ctas_per_sm: int = 0
     persistent_ctas: int = 0
+    cluster_m: int = 1
 
     @property
     def threads(self) -> int:
@@ -162,6 +166,9 @@ TMA_CONFIGS = {
     "tma_wide": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5),  # 160 KB
     # Forward only: the dgrad's two block tiles next to the accumulator would need 3 x 128 registers.
     "tma_wide_n256": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4),  # 192 KB
+    # The same tile in clusters of 2 W tiles of one T tile: each CTA loads half of the a tile (B) into both
+    # (TMA multicast), halving B's L2 reads; A, the k16 walk and the epilogue as tma_wide_n256: the same bits.
+    "tma_wide_n256_mc2": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4, cluster_m=2),  # 192 KB
 }
 # ieee_steps keeps acc and two block tiles (3 x bn / 2 FP32 registers per consumer thread): bn <= 128.
 _IEEE_MAX_BN = 128
@@ -617,40 +624,51 @@ class _WgmmaGemm(_WarpMmaGemm):
 
     def _tma_ring(self, storage, sA_layout, sB_layout):
         """The stage ring of the TMA mainloops: a full mbarrier per stage expecting one A and one B tile of
-        bytes, an empty one taking one arrive per consumer warp (lane 0 signals)."""
+        bytes, an empty one taking one arrive per consumer warp (lane 0 signals). In a cluster (`cluster_m` > 1)
+        every CTA's B stage is filled by all of the cluster's CTAs, so each consumer warp releases a stage to
+        every CTA of the cluster (lane r signals CTA r) and an empty barrier takes cluster_m arrives per warp;
+        `create` then syncs the cluster after the barrier init (no remote arrive before it)."""
         from cutlass import pipeline
 
+        cluster_m = self.tile.cluster_m
         stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
             cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0)))
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=self.tile.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile.threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cluster_m * self.tile.threads // 32),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)),
         )
 
     @staticmethod
-    def _tma_partitions(tma_a, tma_b, sA, sB, gA, gB):
-        """(smem, gmem) TMA partitions of the A and B stage rings and their k-tiled global views."""
+    def _tma_partitions(tma_a, tma_b, sA, sB, gA, gB, b_rank=0, b_ctas=1):
+        """(smem, gmem) TMA partitions of the A and B stage rings and their k-tiled global views; with B
+        multicast over `b_ctas` CTAs, CTA `b_rank`'s slice of B (the rows it loads into all of them)."""
         from cutlass.cute.nvgpu import cpasync
 
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
                                            cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+        tBsB, tBgB = cpasync.tma_partition(tma_b, b_rank, cute.make_layout(b_ctas), cute.group_modes(sB, 0, 2),
                                            cute.group_modes(gB, 0, 2))
         return tAsA, tAgA, tBsB, tBgB
 
     def _tma_loads(self, mA: cute.Tensor, mB: cute.Tensor, sA_layout, sB_layout):
-        """TMA load atoms (and their coordinate tensors) for one (bm, bk) A tile and one (bn, bk) B tile."""
+        """TMA load atoms (and their coordinate tensors) for one (bm, bk) A tile and one (bn, bk) B tile; in a
+        cluster (`cluster_m` > 1) B's atom multicasts a 1 / cluster_m slice of the B tile."""
         from cutlass.cute.nvgpu import cpasync
 
         t = self.tile
         tma_a, tma_mA = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (t.bm, t.bk))
-        tma_b, tma_mB = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk))
+        if t.cluster_m == 1:
+            tma_b, tma_mB = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk))
+        else:
+            tma_b, tma_mB = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, cute.slice_(sB_layout, (None, None, 0)),
+                (t.bn, t.bk), num_multicast=t.cluster_m)
         return tma_a, tma_mA, tma_b, tma_mB
 
     def _wgmma_smem_layout(self, k_major: bool, mn: int, is_a: bool):
@@ -888,20 +906,28 @@ class _WgmmaTmaStoreGemm(_WgmmaGemm):
 
 @cute.jit
 def produce_k_tiles(ring, stages: cutlass.Constexpr, loads, k_tile_first, k_tile_count):
-    """A TMA mainloop's producer thread: k tiles k_tile_first.. of every (atom, smem partition, gmem partition)
-    in `loads` into the `ring` (PipelineTmaAsync) stage by stage, each stage completing on its full mbarrier;
-    then the tail that waits for the consumers' last releases. Shared with kernels/wgmma_tf32.py."""
+    """A TMA mainloop's producer thread: k tiles k_tile_first.. of every (atom, smem partition, gmem partition
+    [, multicast mask]) in `loads` into the `ring` (PipelineTmaAsync) stage by stage, each stage completing on
+    its full mbarrier (a multicast load on the same-placed mbarrier of every CTA in its mask); then the tail that
+    waits for the consumers' last releases (in a cluster also the peers' releases, so no CTA exits while a peer
+    may still signal its barriers). Shared with kernels/wgmma_tf32.py."""
     from cutlass import pipeline
 
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     for k_tile in range(k_tile_count):
         ring.producer_acquire(produce)
         full = ring.producer_get_barrier(produce)
-        for atom, s_part, g_part in loads:
-            cute.copy(atom, g_part[None, k_tile_first + k_tile], s_part[None, produce.index], tma_bar_ptr=full)
+        for load in loads:
+            cute.copy(load[0], load[2][None, k_tile_first + k_tile], load[1][None, produce.index], tma_bar_ptr=full,
+                      **_multicast(load))
         ring.producer_commit(produce)
         produce.advance()
     ring.producer_tail(produce)
+
+
+def _multicast(load) -> dict:
+    """The copy arguments of a `produce_k_tiles` load: its multicast mask, where it has one."""
+    return dict(mcast_mask=load[3]) if len(load) == 4 else {}
 
 
 def _ieee_unit(tile: GemmTile, split_k_tiles: int) -> int:
@@ -955,6 +981,10 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     barrier); the BF16 C tile reuses the A/B stages once every wgmma is done and every load has landed.
     Registers: the producer warpgroup drops to `_PRODUCER_REGS`, the consumers rise to
     `_CONSUMER_REGS` (64512 of the SM's 65536 with one CTA per SM, which the configs' smem ensures).
+    Clusters (`tile.cluster_m` = 2, forward only): the grid's y pairs (two W tiles of one T tile) run as one
+    cluster; CTA r of the cluster loads rows [r bn / 2, (r + 1) bn / 2) of each B stage into both CTAs (TMA
+    multicast) and its own A, so a full barrier still expects A + B bytes, and every consumer warp releases
+    each stage to both CTAs (`_tma_ring`). B's bytes and their zero fill are the same, so are the bits.
     """
 
     _PRODUCER_WARPGROUPS = 1
@@ -976,6 +1006,8 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         self.b_k_major = kw.pop("b_k_major")
         self.epilogue = kw.pop("epilogue")
         assert not kw, kw
+        # A cluster shares B along M: one K range per CTA (no splits) and the chained walk only.
+        assert tile.cluster_m in (1, 2) and (tile.cluster_m == 1 or (self.k_splits == 1 and not self.ieee_steps)), tile
         self.tile = tile
         self.cta_tiler = (tile.bm, tile.bn, tile.bk)
 
@@ -1012,10 +1044,12 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         tma_a, tma_mA, tma_b, tma_mB = self._tma_loads(mA, mB, sA_layout, sB_layout)
         tiled_mma = self._wgmma_tiled_mma()
         grid = self._grid(mA, mB)
+        # Clusters along grid y (M tiles); the grid's M tile count must be a multiple (the builder asserts).
+        cluster = {} if t.cluster_m == 1 else dict(cluster=[1, t.cluster_m, 1])
         self.tma_kernel(mA, mC, mBias, tma_a, tma_mA, tma_b, tma_mB, sA_layout, sB_layout, tiled_mma).launch(
             grid=grid, block=[self._cta_threads, 1, 1], stream=stream,
             # setmaxnreg redistributes the registers ptxas gives the CTA: ask for one CTA's full share.
-            max_number_threads=[self._cta_threads, 1, 1], min_blocks_per_mp=1,
+            max_number_threads=[self._cta_threads, 1, 1], min_blocks_per_mp=1, **cluster,
         )
 
     @cute.kernel
@@ -1062,12 +1096,19 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         if cutlass.const_expr(self.k_splits > 1):
             k_tile_count = k_tile_count // self.k_splits
             k_tile_first = split * k_tile_count
-        tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB)
+        if cutlass.const_expr(t.cluster_m == 1):
+            tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB)
+            loads = ((tma_a, tAsA, tAgA), (tma_b, tBsB, tBgB))
+        else:
+            # The cluster's CTAs are M tiles of one N tile (grid y): rank r loads its slice of B into all of them.
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB, rank, t.cluster_m)
+            loads = ((tma_a, tAsA, tAgA), (tma_b, tBsB, tBgB, cutlass.Int16((1 << t.cluster_m) - 1)))
 
         if warp_idx < 4 * self._PRODUCER_WARPGROUPS:
             cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
             if warp_idx == 0:
-                produce_k_tiles(ring, t.stages, ((tma_a, tAsA, tAgA), (tma_b, tBsB, tBgB)), k_tile_first, k_tile_count)
+                produce_k_tiles(ring, t.stages, loads, k_tile_first, k_tile_count)
         else:
             cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
             ctidx = tidx - 128 * self._PRODUCER_WARPGROUPS
@@ -1082,6 +1123,11 @@ class _TmaWgmmaGemm(_WgmmaGemm):
             else:
                 self._chained_mainloop(tiled_mma, acc, tCrA, tCrB, ring, k_tile_count)
             self._epilogue(acc, thr_mma, ctidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
+        if cutlass.const_expr(t.cluster_m > 1):
+            # No CTA leaves while its peer may still write its shared memory or arrive on its barriers (the
+            # producer's tail already waits for the peer's releases; this also covers every other thread).
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def _chained_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, k_tile_count):
@@ -1171,7 +1217,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
 
     def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
-        assert tile.persistent_ctas > 0 and self.c_n_major and self.epilogue == "bf16", (tile, kw)
+        assert tile.persistent_ctas > 0 and tile.cluster_m == 1 and self.c_n_major and self.epilogue == "bf16", (tile, kw)
         assert self.k_splits == 1 and not self.ieee_steps, kw
 
     def _c_layout(self):
@@ -1351,6 +1397,8 @@ def _gemm(arch: str, config: str, **kw):
 
 def _build_fwd(arch: str, *, out_features: int, config: str):
     gemm = _gemm(arch, config, a_k_major=True, b_k_major=True, epilogue="bias_bf16")
+    # A cluster of M tiles needs whole clusters along grid y (N_out / 128 = 756 and 84: even).
+    assert out_features % (gemm.tile.bm * gemm.tile.cluster_m) == 0, (out_features, config)
 
     @cute.jit
     def adaln_proj_fwd(act: cute.Tensor, weight: cute.Tensor, bias: cute.Tensor, out: cute.Tensor, stream):

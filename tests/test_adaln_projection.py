@@ -239,6 +239,68 @@ def test_tma_mainloop_instructions():
             assert not any(c in log for c in ("C7511", "C7514", "C7515")), (name, config, "wgmmas serialized")
 
 
+def test_multicast_config_is_the_n256_tile_in_whole_clusters_forward_only():
+    """tma_wide_n256_mc2 is tma_wide_n256 in clusters of 2 W tiles: every N_out gives whole clusters along grid y,
+    no other config is clustered, and the backward (no d_temb kernel of its width) refuses it."""
+    import dataclasses
+
+    k = _tma_kernels()
+    mc2 = k.TMA_CONFIGS["tma_wide_n256_mc2"]
+    assert mc2.cluster_m == 2 and dataclasses.replace(mc2, cluster_m=1) == k.TMA_CONFIGS["tma_wide_n256"]
+    tables = (k.CONFIGS, k.WGMMA_CONFIGS, k.WGRAD_CONFIGS, k.WGRAD_WGMMA_CONFIGS, k.TMA_CONFIGS, k.TMA_WGRAD_CONFIGS)
+    assert {n for table in tables for n, t in table.items() if t.cluster_m != 1} == {"tma_wide_n256_mc2"}
+    assert all(n % (mc2.bm * mc2.cluster_m) == 0 for n in k.OUT_FEATURES) and N_BLOCK in k.OUT_FEATURES
+    assert "tma_wide_n256_mc2" in launch.TMA_CONFIGS and "tma_wide_n256_mc2" not in launch.TMA_DGRAD_CONFIGS
+    with pytest.raises(ValueError, match="tma_wide_n256_mc2.*no d_temb GEMM"):
+        launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), torch.zeros((2, 2688)), torch.zeros((8, 2688)),
+                        config="tma_wide_n256_mc2")
+
+
+@pytest.mark.slow
+def test_multicast_forward_instructions():
+    """tma_wide_n256_mc2 for both N_out: B (the activation tile) by multicast TMA into the cluster, A by the
+    plain per-CTA TMA, the consumers' releases reaching the peer's empty barriers (mapa + shared::cluster
+    arrives), the cluster barrier after the barrier init and before exit, the same wgmma shape and count as
+    tma_wide_n256, no atomics. ptxas: no spills, no serialized wgmmas, tma_wide_n256's register count."""
+    import re
+    import shutil
+    import tempfile
+
+    from h3cute.runtime.dsl import compile_variant
+
+    spec = _specs()["adaln_proj_fwd_wgmma"]
+    for n in (N_BLOCK, N_FINAL):
+        texts = {c: "\n".join(compile_variant(spec, "sm_90a", dict(out_features=n, config=c), keep_ptx=True)[1])
+                 for c in ("tma_wide_n256", "tma_wide_n256_mc2")}
+        text, plain = texts["tma_wide_n256_mc2"], texts["tma_wide_n256"]
+        loads = re.findall(r"cp\.async\.bulk\.tensor\.[\w:.]+", text)
+        assert any(".multicast::cluster" in x and "shared::cluster" in x for x in loads), (n, loads)
+        assert any(".multicast::cluster" not in x and "shared::cta" in x for x in loads), (n, loads)
+        assert ".multicast::cluster" not in plain and "barrier.cluster" not in plain, n
+        for marker in ("barrier.cluster.arrive.relaxed", "barrier.cluster.arrive;", "barrier.cluster.wait",
+                       "mapa.shared::cluster", "mbarrier.arrive.shared::cluster", "%cluster_ctarank"):
+            assert marker in text, (n, marker)
+        assert text.count("barrier.cluster.wait") == 2, n  # after the barrier init and before exit
+        mmas = re.findall(r"wgmma\.mma_async[\w.]+", text)
+        assert sorted(mmas) == sorted(re.findall(r"wgmma\.mma_async[\w.]+", plain)), n
+        assert set(mmas) == {"wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"}, n
+        for forbidden in ("atom.", "\tred.", "mma.sync", "cp.async.cg"):
+            assert forbidden not in text, (n, forbidden)
+        if shutil.which("ptxas"):
+            regs = {}
+            for c, ptx in texts.items():
+                with tempfile.TemporaryDirectory() as tmp:
+                    src = Path(tmp) / "k.ptx"
+                    src.write_text(ptx)
+                    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                                         capture_output=True, text=True, timeout=600)
+                log = run.stdout + run.stderr
+                assert run.returncode == 0 and "0 bytes spill stores" in log, (n, c, log[-2000:])
+                assert not any(x in log for x in ("C7511", "C7514", "C7515")), (n, c, "wgmmas serialized")
+                regs[c] = re.findall(r"Used (\d+) registers", log)
+            assert regs["tma_wide_n256_mc2"] == regs["tma_wide_n256"], (n, regs)
+
+
 def test_launch_modules_do_not_import_cutlass():
     code = ("import sys, h3cute.launch.adaln_projection, h3cute.launch.final_adaln_out; "
             "assert 'cutlass' not in sys.modules, 'launch imported cutlass'")
@@ -795,6 +857,31 @@ def test_tma_poisoned_outputs_are_fully_written(rows):
         assert_same_bits(dw, results["wg_wgrad"][0], f"dW {c} vs wg_wgrad, T={rows}")
         if rows <= launch.FUSED_DBIAS_ROWS:
             assert_same_bits(db, results["wg_wgrad"][1], f"db {c} vs wg_wgrad, T={rows}")
+
+
+@gpu
+@pytest.mark.parametrize("n", [N_BLOCK, N_FINAL])
+@pytest.mark.parametrize("rows", [1, 7, 64, 255, 256, 300, 2048])
+def test_multicast_forward_gives_the_bits_of_tma_wide_n256(n, rows):
+    """tma_wide_n256_mc2 (2-CTA clusters, the activation tile multicast) on NaN-poisoned outputs with NaN guards
+    behind them, twice, each on fresh buffers: every element written, nothing past the end, the bits of
+    tma_wide_n256 (itself run twice) and within the BF16 ceiling of the FP64 reference."""
+    from h3cute import runtime
+
+    _family_configs("wgmma")
+    w, b = _params(n, seed=31 + rows + n % 7)
+    temb = _temb(rows, 32 + rows)
+    act = launch.silu_bf16(temb)
+    dev, pad = temb.device, 4096
+    outs = []
+    for config in ("tma_wide_n256", "tma_wide_n256_mc2") * 2:
+        buf = torch.full((rows * n + pad,), float("nan"), dtype=torch.bfloat16, device=dev)
+        runtime.kernel("adaln_proj_fwd_wgmma", dev, out_features=n, config=config)(act, w, b, buf[:-pad].view(rows, n))
+        assert not buf[:-pad].isnan().any() and buf[-pad:].isnan().all(), (config, n, rows)
+        outs.append((config, buf[:-pad].view(rows, n)))
+    for config, out in outs:
+        assert_same_bits(out, outs[0][1], f"forward {config} vs tma_wide_n256, N={n}, T={rows}")
+    assert _rel_err(outs[0][1], reference.adaln_projection_fp64(temb, w, b)) <= BF16_ERR_CEILING
 
 
 @gpu

@@ -35,8 +35,8 @@ CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wi
 WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # The wgmma family's TMA + mbarrier warp-specialized mainloop (kernels/adaln_gemm.TMA_CONFIGS, same kernels,
 # same bits): forward and d_temb configs (the d_temb GEMM has no 256-wide tile: its block tiles' registers),
-# and dW tiles.
-TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256")
+# and dW tiles. tma_wide_n256_mc2: tma_wide_n256 in 2-CTA clusters sharing the activation tile (TMA multicast).
+TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_n256_mc2")
 TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
