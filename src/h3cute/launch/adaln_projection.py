@@ -55,11 +55,13 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
     """The fastest projection config of a family for T rows; the choice never changes the bits. wgmma: the
     H200 timings at 0baae16 (perf/adaln_kernels.py): T <= 64 the cp.async tiles (wg_mid 134.6 us at T = 64 vs
     tma_mid 136.3), beyond them the TMA mainloop (T = 256: tma_wide_n256 223.6 vs wg_wide 247.5; T = 2048:
-    1755.9 vs 2063.9); the 256-wide tile only once T fills it."""
+    1755.9 vs 2063.9); the 256-wide tile only once T fills it, in 2-CTA clusters sharing the activation tile by
+    TMA multicast (tma_wide_n256_mc2: Nsight Compute put the unclustered tile's L2 throughput at 72% against
+    cuBLAS's 54% with its 1 x 2 cluster; per-launch times: perf/results/h200/README.md)."""
     if wgmma:
         if rows <= 64:
             return "wg_skinny" if rows <= 16 else "wg_mid"
-        return "tma_wide" if rows <= 192 else "tma_wide_n256"
+        return "tma_wide" if rows <= 192 else "tma_wide_n256_mc2"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
