@@ -786,42 +786,46 @@ T final_adaln_out_autograd(CT x, CT nw, CT temb, CT pw, CT pb, CT ti, double eps
 }
 T adaln_projection_autograd(CT temb, CT weight, CT bias) { return AdalnProjectionFn::apply(temb, weight, bias); }
 
-// The ops this library implements; h3cute.ops registers no Python CUDA impl for them.
-const char* const kNativeOps[] = {"timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate",
-                                  "norm_modulate_backward", "gate_residual", "gate_residual_backward",
-                                  "final_adaln_out", "final_adaln_out_fwd", "final_adaln_out_backward",
-                                  "adaln_row_gather", "adaln_row_gather_backward", "adaln_projection",
-                                  "adaln_projection_backward"};
-// The ops whose autograd kernel is this library's (h3cute.ops registers no Python one for them).
-const char* const kAutogradOps[] = {"timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out",
-                                    "adaln_row_gather", "adaln_projection"};
+// The ops this library implements, each with its impl: `visit(name, TORCH_FN(impl))` once per op. install()
+// registers them and the module's OPS / AUTOGRAD_OPS list their names, so the two never disagree.
+// CUDA impls: h3cute.ops registers no Python CUDA impl for these ops.
+template <typename Visit>
+void each_cuda_impl(Visit&& visit) {
+  visit("timestep_sinusoid", TORCH_FN(timestep_sinusoid_cuda));
+  visit("timestep_mlp", TORCH_FN(timestep_mlp_cuda));
+  visit("timestep_mlp_backward", TORCH_FN(timestep_mlp_backward_cuda));
+  visit("norm_modulate", TORCH_FN(norm_modulate_cuda));
+  visit("norm_modulate_backward", TORCH_FN(norm_modulate_backward_cuda));
+  visit("gate_residual", TORCH_FN(gate_residual_cuda));
+  visit("gate_residual_backward", TORCH_FN(gate_residual_backward_cuda));
+  visit("final_adaln_out", TORCH_FN(final_adaln_out_cuda));
+  visit("final_adaln_out_fwd", TORCH_FN(final_adaln_out_fwd_cuda));
+  visit("final_adaln_out_backward", TORCH_FN(final_adaln_out_backward_cuda));
+  visit("adaln_row_gather", TORCH_FN(adaln_row_gather_cuda));
+  visit("adaln_row_gather_backward", TORCH_FN(adaln_row_gather_backward_cuda));
+  visit("adaln_projection", TORCH_FN(adaln_projection_cuda));
+  visit("adaln_projection_backward", TORCH_FN(adaln_projection_backward_cuda));
+}
+
+// Autograd kernels: h3cute.ops registers no Python autograd kernel for these ops.
+template <typename Visit>
+void each_autograd_kernel(Visit&& visit) {
+  visit("timestep_mlp", TORCH_FN(timestep_mlp_autograd));
+  visit("norm_modulate", TORCH_FN(norm_modulate_autograd));
+  visit("gate_residual", TORCH_FN(gate_residual_autograd));
+  visit("final_adaln_out", TORCH_FN(final_adaln_out_autograd));
+  visit("adaln_row_gather", TORCH_FN(adaln_row_gather_autograd));
+  visit("adaln_projection", TORCH_FN(adaln_projection_autograd));
+}
 
 void install() {
   static torch::Library* lib = nullptr;
   static torch::Library* autograd = nullptr;
   if (lib != nullptr) return;
   autograd = new torch::Library(torch::Library::IMPL, "h3", c10::DispatchKey::Autograd, __FILE__, __LINE__);
-  autograd->impl("timestep_mlp", TORCH_FN(timestep_mlp_autograd));
-  autograd->impl("norm_modulate", TORCH_FN(norm_modulate_autograd));
-  autograd->impl("gate_residual", TORCH_FN(gate_residual_autograd));
-  autograd->impl("final_adaln_out", TORCH_FN(final_adaln_out_autograd));
-  autograd->impl("adaln_row_gather", TORCH_FN(adaln_row_gather_autograd));
-  autograd->impl("adaln_projection", TORCH_FN(adaln_projection_autograd));
+  each_autograd_kernel([](const char* op, auto fn) { autograd->impl(op, fn); });
   lib = new torch::Library(torch::Library::IMPL, "h3", c10::DispatchKey::CUDA, __FILE__, __LINE__);
-  lib->impl("timestep_sinusoid", TORCH_FN(timestep_sinusoid_cuda));
-  lib->impl("timestep_mlp", TORCH_FN(timestep_mlp_cuda));
-  lib->impl("timestep_mlp_backward", TORCH_FN(timestep_mlp_backward_cuda));
-  lib->impl("norm_modulate", TORCH_FN(norm_modulate_cuda));
-  lib->impl("norm_modulate_backward", TORCH_FN(norm_modulate_backward_cuda));
-  lib->impl("gate_residual", TORCH_FN(gate_residual_cuda));
-  lib->impl("gate_residual_backward", TORCH_FN(gate_residual_backward_cuda));
-  lib->impl("final_adaln_out_backward", TORCH_FN(final_adaln_out_backward_cuda));
-  lib->impl("adaln_row_gather", TORCH_FN(adaln_row_gather_cuda));
-  lib->impl("adaln_row_gather_backward", TORCH_FN(adaln_row_gather_backward_cuda));
-  lib->impl("final_adaln_out", TORCH_FN(final_adaln_out_cuda));
-  lib->impl("final_adaln_out_fwd", TORCH_FN(final_adaln_out_fwd_cuda));
-  lib->impl("adaln_projection", TORCH_FN(adaln_projection_cuda));
-  lib->impl("adaln_projection_backward", TORCH_FN(adaln_projection_backward_cuda));
+  each_cuda_impl([](const char* op, auto fn) { lib->impl(op, fn); });
 }
 
 }  // namespace h3native
@@ -829,10 +833,9 @@ void install() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "h3cute's C++ CUDA impls of the one-launch torch.ops.h3 calls";
   m.def("install", &h3native::install, "register the CUDA impls with the h3 library (after its ops are defined)");
-  py::list ops;
-  for (const char* op : h3native::kNativeOps) ops.append(op);
+  py::list ops, autograd_ops;
+  h3native::each_cuda_impl([&ops](const char* op, auto) { ops.append(op); });
+  h3native::each_autograd_kernel([&autograd_ops](const char* op, auto) { autograd_ops.append(op); });
   m.attr("OPS") = ops;
-  py::list autograd_ops;
-  for (const char* op : h3native::kAutogradOps) autograd_ops.append(op);
   m.attr("AUTOGRAD_OPS") = autograd_ops;
 }
