@@ -790,6 +790,21 @@ def r2s_source_order(tiled_mma, r2s, tile_mn) -> list:
     return [where[tuple(src[i])] for i in range(cute.size(src))]
 
 
+def bf16_c_stmatrix(tiled_mma, tile_mn, sC: cute.Tensor, tidx):
+    """The stmatrix copy of `tiled_mma`'s FP32 accumulator, as BF16, into the row-major swizzled C buffers `sC`
+    (bm, bn, buffers) that a TMA store reads: (copy, this thread's sC partition, its BF16 source registers, and
+    `r2s_source_order`: the accumulator index each register takes). Shared by the TMA-store and persistent
+    dW kernels."""
+    from cutlass.utils import LayoutEnum
+    from cutlass.utils import hopper_helpers as sm90
+
+    st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
+    r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
+    thr_r2s = r2s.get_slice(tidx)
+    rC = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], cutlass.BFloat16)
+    return r2s, thr_r2s.partition_D(sC), rC, r2s_source_order(tiled_mma, r2s, tile_mn)
+
+
 class _WgmmaTmaStoreGemm(_WgmmaGemm):
     """`_WgmmaGemm`'s dW GEMM (BF16 C, N-major) with C stored by TMA: the same cp.async ring and k16 walk (the
     same bits), then BF16 fragments -> `stmatrix` into a 128B-swizzled (bm, bn) C tile in A's stages (free once
@@ -865,8 +880,6 @@ class _WgmmaTmaStoreGemm(_WgmmaGemm):
         tiled_mma: cute.TiledMma,
     ):
         from cutlass.cute.nvgpu import cpasync
-        from cutlass.utils import LayoutEnum
-        from cutlass.utils import hopper_helpers as sm90
 
         t = self.tile
         tidx, _, _ = cute.arch.thread_idx()
@@ -880,12 +893,7 @@ class _WgmmaTmaStoreGemm(_WgmmaGemm):
             tidx, mA, mB, mC, k_tiles, storage, sA_layout, sB_layout, copy_A, copy_B, tiled_mma, n_tile, m_tile, split)
 
         sC = storage.a.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)  # (bm, bn, 1)
-        st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
-        r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(tidx)
-        tRS_sC = thr_r2s.partition_D(sC)
-        tRS_rC = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], cutlass.BFloat16)
-        order = r2s_source_order(tiled_mma, r2s, (t.bm, t.bn))
+        r2s, tRS_sC, tRS_rC, order = bf16_c_stmatrix(tiled_mma, (t.bm, t.bn), sC, tidx)
         for i in cutlass.range_constexpr(len(order)):
             tRS_rC[i] = acc[order[i]].to(cutlass.BFloat16)
         self._epilogue_barrier()  # every warpgroup's wgmmas are done reading A's stages, which C reuses
@@ -1276,8 +1284,6 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
     ):
         from cutlass import pipeline
         from cutlass.cute.nvgpu import cpasync
-        from cutlass.utils import LayoutEnum
-        from cutlass.utils import hopper_helpers as sm90
 
         t = self.tile
         tidx, _, _ = cute.arch.thread_idx()
@@ -1334,12 +1340,11 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             acc = cute.make_rmem_tensor(thr_mma.partition_C(sC[None, None, 0]).shape, cutlass.Float32)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             # Fragments -> swizzled C buffer with stmatrix (the layout the TMA store reads).
-            st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
-            r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
-            thr_r2s = r2s.get_slice(ctidx)
-            tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffer)
-            tRS_acc = r2s.retile(acc)  # acc in the copy's source order, as the BF16 registers below
-            tRS_rC = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], cutlass.BFloat16)
+            r2s, tRS_sC, tRS_rC, order = bf16_c_stmatrix(tiled_mma, (t.bm, t.bn), sC, ctidx)  # sC: (.., buffer)
+            # Two 64-row warpgroups: the stmatrix registers are the accumulator's own order (checked here at
+            # compile time), so the retiled view feeds them directly.
+            assert order == list(range(len(order))), (t, "stmatrix order differs from the accumulator's")
+            tRS_acc = r2s.retile(acc)
 
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)

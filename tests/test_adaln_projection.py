@@ -604,18 +604,16 @@ def test_wgrad_tiles_give_identical_bits(family, rows):
             assert dbs[c].isnan().all(), f"dW tile {c} wrote db at T={rows}"
 
 
-@gpu
-@pytest.mark.parametrize("rows", [1, 33, 64, 65, 256])
-def test_persistent_wgrad_on_the_block_table(block_params, rows):
-    """The persistent dW kernels on N = 96768 (15876 / 31752 output tiles over the fixed 132-CTA grid, the last
-    round partial): NaN-poisoned dW and db with NaN guards behind them, every element written, nothing past
-    the end, the bits of the cp.async wgmma kernel (wg_wgrad), db fused up to FUSED_DBIAS_ROWS; run twice."""
+def _assert_wgrad_tiles_match_wg_wgrad_on_block_table(rows, seed, configs):
+    """dW (and db) of each wgmma dW config on N = 96768: NaN-poisoned outputs with NaN guards behind them, every
+    element written, nothing past the end, db written exactly up to FUSED_DBIAS_ROWS (an all -0.0 grad column
+    included), the bits of wg_wgrad, each config run twice; fresh inputs per T and seed."""
     from h3cute import runtime
 
     _family_configs("wgmma")
-    w, _ = block_params
-    act = launch.silu_bf16(_temb(rows, 60 + rows))
-    grad = torch.randn((rows, N_BLOCK), generator=_gen(61 + rows), device="cuda").to(torch.bfloat16)
+    act = launch.silu_bf16(_temb(rows, seed + rows))
+    grad = torch.randn((rows, N_BLOCK), generator=_gen(seed + 1 + rows), device="cuda").to(torch.bfloat16)
+    grad[:, 5] = -0.0
     dev, nan, pad = act.device, float("nan"), 4096
 
     def run(config):
@@ -630,12 +628,23 @@ def test_persistent_wgrad_on_the_block_table(block_params, rows):
 
     ref_dw, ref_db = run("wg_wgrad")
     assert _rel_err(ref_dw, grad.double().t() @ act.double()) <= BF16_ERR_CEILING
-    for config in (c for c in launch.TMA_WGRAD_CONFIGS if "persist" in c):
+    assert configs
+    for config in configs:
         for _ in range(2):
             dw, db = run(config)
             assert_same_bits(dw, ref_dw, f"dW {config} vs wg_wgrad, T={rows}")
             if rows <= launch.FUSED_DBIAS_ROWS:
                 assert_same_bits(db, ref_db, f"db {config} vs wg_wgrad, T={rows}")
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 33, 64, 65, 256])
+def test_persistent_wgrad_on_the_block_table(rows):
+    """The persistent dW kernels on N = 96768 (15876 / 31752 output tiles over the fixed 132-CTA grid, the last
+    round partial): NaN-poisoned dW and db with NaN guards behind them, every element written, nothing past
+    the end, the bits of the cp.async wgmma kernel (wg_wgrad), db fused up to FUSED_DBIAS_ROWS; run twice."""
+    _assert_wgrad_tiles_match_wg_wgrad_on_block_table(
+        rows, 60, [c for c in launch.TMA_WGRAD_CONFIGS if "persist" in c])
 
 
 @gpu
@@ -1028,34 +1037,9 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
 
 @gpu
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 63, 64, 65, 128, 200])
-def test_tma_store_wgrad_on_the_block_table(block_params, rows):
+def test_tma_store_wgrad_on_the_block_table(rows):
     """The TMA-store dW kernels on N = 96768 with NaN-poisoned dW and db and NaN guards behind them: every
     element written, nothing past the end, the bits of wg_wgrad (dW, and db up to FUSED_DBIAS_ROWS, including an
     all -0.0 column), db untouched beyond; fresh inputs per T, each kernel run twice."""
-    from h3cute import runtime
-
-    _family_configs("wgmma")
-    w, _ = block_params
-    act = launch.silu_bf16(_temb(rows, 90 + rows))
-    grad = torch.randn((rows, N_BLOCK), generator=_gen(91 + rows), device="cuda").to(torch.bfloat16)
-    grad[:, 5] = -0.0
-    dev, nan, pad = act.device, float("nan"), 4096
-
-    def run(config):
-        fn = runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=N_BLOCK, wgmma=True, config=config)
-        dw = torch.full((N_BLOCK * D + pad,), nan, dtype=torch.bfloat16, device=dev)
-        db = torch.full((N_BLOCK + pad,), nan, dtype=torch.bfloat16, device=dev)
-        fn(grad, act, dw[:-pad].view(N_BLOCK, D), db[:-pad])
-        assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), (config, rows)
-        fused = rows <= launch.FUSED_DBIAS_ROWS
-        assert (not db[:-pad].isnan().any() if fused else db[:-pad].isnan().all()) and db[-pad:].isnan().all()
-        return dw[:-pad].view(N_BLOCK, D), db[:-pad]
-
-    ref_dw, ref_db = run("wg_wgrad")
-    assert _rel_err(ref_dw, grad.double().t() @ act.double()) <= BF16_ERR_CEILING
-    for config in (c for c in launch.WGRAD_WGMMA_CONFIGS if c.endswith("_tstore")):  # the device has no cutlass
-        for _ in range(2):
-            dw, db = run(config)
-            assert_same_bits(dw, ref_dw, f"dW {config} vs wg_wgrad, T={rows}")
-            if rows <= launch.FUSED_DBIAS_ROWS:
-                assert_same_bits(db, ref_db, f"db {config} vs wg_wgrad, T={rows}")
+    _assert_wgrad_tiles_match_wg_wgrad_on_block_table(
+        rows, 90, [c for c in launch.WGRAD_WGMMA_CONFIGS if c.endswith("_tstore")])  # the device has no cutlass
