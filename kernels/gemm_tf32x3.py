@@ -210,6 +210,24 @@ class GemmTF32x3:
         return layout, swizzle, cute.make_tiled_copy_tv(g2s_atom, thr_layout, val_layout)
 
     @cute.jit
+    def _load_split_k_block(self, s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot,
+                            kb: cutlass.Constexpr, a_big, a_small, b_big, b_small):
+        """k-block kb's A and B fragments from shared memory, each register split into its TF32 big and small
+        parts (`tf32_small`)."""
+        cute.copy(s2r_A, tXsA[None, None, kb, read_slot], tXrA[None, None, kb])
+        cute.copy(s2r_B, tXsB[None, None, kb, read_slot], tXrB[None, None, kb])
+        for i in cutlass.range_constexpr(cute.size(a_big)):
+            x = tCrA[None, None, kb][i]
+            big = x & TF32_BIG_MASK
+            a_big[i] = big
+            a_small[i] = tf32_small(x, big)
+        for i in cutlass.range_constexpr(cute.size(b_big)):
+            x = tCrB[None, None, kb][i]
+            big = x & TF32_BIG_MASK
+            b_big[i] = big
+            b_small[i] = tf32_small(x, big)
+
+    @cute.jit
     def _k_tile_interleaved(self, s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, mma_atom, acc,
                             k_splits, k_chunks):
         """One k tile of a small warp tile (`_interleaves_k`): every k-block's fragments loaded and split
@@ -220,19 +238,7 @@ class GemmTF32x3:
         m_atoms, n_atoms = cute.size(acc, mode=[1]), cute.size(acc, mode=[2])
         atoms = [(m, n) for n in range(n_atoms) for m in range(m_atoms)]
         for kb in cutlass.range_constexpr(k_blocks):
-            cute.copy(s2r_A, tXsA[None, None, kb, read_slot], tXrA[None, None, kb])
-            cute.copy(s2r_B, tXsB[None, None, kb, read_slot], tXrB[None, None, kb])
-            a_big, a_small, b_big, b_small = k_splits[kb]
-            for i in cutlass.range_constexpr(cute.size(a_big)):
-                x = tCrA[None, None, kb][i]
-                big = x & TF32_BIG_MASK
-                a_big[i] = big
-                a_small[i] = tf32_small(x, big)
-            for i in cutlass.range_constexpr(cute.size(b_big)):
-                x = tCrB[None, None, kb][i]
-                big = x & TF32_BIG_MASK
-                b_big[i] = big
-                b_small[i] = tf32_small(x, big)
+            self._load_split_k_block(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, kb, *k_splits[kb])
         for kb in cutlass.range_constexpr(k_blocks):
             for j in cutlass.range_constexpr(len(atoms)):
                 k_chunks[kb][j].fill(0.0)
@@ -417,18 +423,8 @@ class GemmTF32x3:
             for kb in cutlass.range_constexpr(0 if interleave_k else k_blocks):
                 # One k-block's fragments at a time: with the chunk sums live, whole-tile
                 # fragments push the 128 x 128 tile past 255 registers.
-                cute.copy(s2r_A, tXsA[None, None, kb, read_slot], tXrA[None, None, kb])
-                cute.copy(s2r_B, tXsB[None, None, kb, read_slot], tXrB[None, None, kb])
-                for i in cutlass.range_constexpr(cute.size(a_big)):
-                    x = tCrA[None, None, kb][i]
-                    big = x & TF32_BIG_MASK
-                    a_big[i] = big
-                    a_small[i] = tf32_small(x, big)
-                for i in cutlass.range_constexpr(cute.size(b_big)):
-                    x = tCrB[None, None, kb][i]
-                    big = x & TF32_BIG_MASK
-                    b_big[i] = big
-                    b_small[i] = tf32_small(x, big)
+                self._load_split_k_block(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, kb,
+                                         a_big, a_small, b_big, b_small)
                 # Per (m16, n8) atom: the k8 chunk's three products, smallest first, into a
                 # zeroed chunk sum (the tensor core's truncating adds see only this chunk), then
                 # one IEEE round-to-nearest add into the running sum. The order is the contract.
