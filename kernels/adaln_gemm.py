@@ -76,8 +76,9 @@ class GemmTile:
     """CTA tile (bm x bn x bk), warp grid (warps_m x warps_n) and cp.async pipeline depth;
     `ctas_per_sm` > 0 asks ptxas for that many resident CTAs (.maxntid + .minnctapersm: a register cap);
     `persistent_ctas` > 0: a persistent grid of that many CTAs walking the output tiles (`_TmaWgmmaPersistentGemm`);
-    `cluster_m` > 1: clusters of that many M tiles (grid y) of one N tile that share B by TMA multicast
-    (`_TmaWgmmaGemm`)."""
+    `cluster_m` > 1: clusters of that many M tiles (grid y) of one N tile that share B by TMA multicast;
+    `cluster_n` > 1: clusters of that many N tiles (grid x) of one M tile that share A (`_TmaWgmmaGemm`; one of the
+    two at most)."""
 
     bm: int
     bn: int
@@ -88,6 +89,11 @@ class GemmTile:
     ctas_per_sm: int = 0
     persistent_ctas: int = 0
     cluster_m: int = 1
+    cluster_n: int = 1
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_m * self.cluster_n
 
     @property
     def threads(self) -> int:
@@ -169,6 +175,9 @@ TMA_CONFIGS = {
     # The same tile in clusters of 2 W tiles of one T tile: each CTA loads half of the a tile (B) into both
     # (TMA multicast), halving B's L2 reads; A, the k16 walk and the epilogue as tma_wide_n256: the same bits.
     "tma_wide_n256_mc2": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4, cluster_m=2),  # 192 KB
+    # tma_wide in clusters of 2 T tiles of one A tile (d_temb: a W^T tile of one K split; forward: a W tile), each CTA
+    # loading half of it into both: a stage's L2 reads drop from 32 to 24 KB per CTA.
+    "tma_wide_a_mc2": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5, cluster_n=2),  # 160 KB
 }
 # ieee_steps keeps acc and two block tiles (3 x bn / 2 FP32 registers per consumer thread): bn <= 128.
 _IEEE_MAX_BN = 128
@@ -180,6 +189,8 @@ TMA_WGRAD_CONFIGS = {
     "tma_wgrad": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5),  # 160 KB
     # bk 32: half the zero-padded K tail at mid T (T = 256: 8 k tiles).
     "tma_wgrad_k32": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=8),  # 128 KB
+    # tma_wgrad in clusters of 2 dW row tiles sharing the a^T tile (B) by TMA multicast.
+    "tma_wgrad_mc2": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5, cluster_m=2),  # 160 KB
     # Persistent (T <= 256, where writing dW's 520 MB is the cost): + two C buffers for the TMA stores.
     "tma_wgrad_persist": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4,
                                   persistent_ctas=PERSISTENT_CTAS),  # 128 + 64 KB
@@ -624,31 +635,31 @@ class _WgmmaGemm(_WarpMmaGemm):
 
     def _tma_ring(self, storage, sA_layout, sB_layout):
         """The stage ring of the TMA mainloops: a full mbarrier per stage expecting one A and one B tile of
-        bytes, an empty one taking one arrive per consumer warp (lane 0 signals). In a cluster (`cluster_m` > 1)
-        every CTA's B stage is filled by all of the cluster's CTAs, so each consumer warp releases a stage to
-        every CTA of the cluster (lane r signals CTA r) and an empty barrier takes cluster_m arrives per warp;
-        `create` then syncs the cluster after the barrier init (no remote arrive before it)."""
+        bytes, an empty one taking one arrive per consumer warp (lane 0 signals). In a cluster (`cluster_m` or
+        `cluster_n` > 1) every CTA's B (or A) stage is filled by all of the cluster's CTAs, so each consumer warp
+        releases a stage to every CTA of the cluster (lane r signals CTA r) and an empty barrier takes one arrive
+        per warp of each CTA; `create` then syncs the cluster after the barrier init (no remote arrive before it)."""
         from cutlass import pipeline
 
-        cluster_m = self.tile.cluster_m
+        t = self.tile
         stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
             cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0)))
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=self.tile.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cluster_m * self.tile.threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster_size * t.threads // 32),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, cluster_m, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, t.cluster_m, t.cluster_n, 1)),
         )
 
     @staticmethod
-    def _tma_partitions(tma_a, tma_b, sA, sB, gA, gB, b_rank=0, b_ctas=1):
-        """(smem, gmem) TMA partitions of the A and B stage rings and their k-tiled global views; with B
-        multicast over `b_ctas` CTAs, CTA `b_rank`'s slice of B (the rows it loads into all of them)."""
+    def _tma_partitions(tma_a, tma_b, sA, sB, gA, gB, b_rank=0, b_ctas=1, a_rank=0, a_ctas=1):
+        """(smem, gmem) TMA partitions of the A and B stage rings and their k-tiled global views; with B (A)
+        multicast over `b_ctas` (`a_ctas`) CTAs, CTA `b_rank`'s (`a_rank`'s) slice: the rows it loads into all."""
         from cutlass.cute.nvgpu import cpasync
 
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+        tAsA, tAgA = cpasync.tma_partition(tma_a, a_rank, cute.make_layout(a_ctas), cute.group_modes(sA, 0, 2),
                                            cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cpasync.tma_partition(tma_b, b_rank, cute.make_layout(b_ctas), cute.group_modes(sB, 0, 2),
                                            cute.group_modes(gB, 0, 2))
@@ -656,19 +667,19 @@ class _WgmmaGemm(_WarpMmaGemm):
 
     def _tma_loads(self, mA: cute.Tensor, mB: cute.Tensor, sA_layout, sB_layout):
         """TMA load atoms (and their coordinate tensors) for one (bm, bk) A tile and one (bn, bk) B tile; in a
-        cluster (`cluster_m` > 1) B's atom multicasts a 1 / cluster_m slice of the B tile."""
+        cluster B's atom (`cluster_m` > 1) or A's (`cluster_n` > 1) multicasts a 1 / cluster-size slice of its tile."""
         from cutlass.cute.nvgpu import cpasync
 
         t = self.tile
-        tma_a, tma_mA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (t.bm, t.bk))
-        if t.cluster_m == 1:
-            tma_b, tma_mB = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk))
-        else:
-            tma_b, tma_mB = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, cute.slice_(sB_layout, (None, None, 0)),
-                (t.bn, t.bk), num_multicast=t.cluster_m)
+
+        def atom(m, layout, tile, ctas):
+            if ctas == 1:
+                return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m, layout, tile)
+            return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), m, layout, tile,
+                                               num_multicast=ctas)
+
+        tma_a, tma_mA = atom(mA, cute.slice_(sA_layout, (None, None, 0)), (t.bm, t.bk), t.cluster_n)
+        tma_b, tma_mB = atom(mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk), t.cluster_m)
         return tma_a, tma_mA, tma_b, tma_mB
 
     def _wgmma_smem_layout(self, k_major: bool, mn: int, is_a: bool):
@@ -989,10 +1000,13 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     barrier); the BF16 C tile reuses the A/B stages once every wgmma is done and every load has landed.
     Registers: the producer warpgroup drops to `_PRODUCER_REGS`, the consumers rise to
     `_CONSUMER_REGS` (64512 of the SM's 65536 with one CTA per SM, which the configs' smem ensures).
-    Clusters (`tile.cluster_m` = 2, forward only): the grid's y pairs (two W tiles of one T tile) run as one
-    cluster; CTA r of the cluster loads rows [r bn / 2, (r + 1) bn / 2) of each B stage into both CTAs (TMA
-    multicast) and its own A, so a full barrier still expects A + B bytes, and every consumer warp releases
-    each stage to both CTAs (`_tma_ring`). B's bytes and their zero fill are the same, so are the bits.
+    Clusters: with `tile.cluster_m` = 2 the grid's y pairs (two M tiles of one N tile: the forward's W tiles of
+    one T tile) run as one cluster; CTA r of the cluster loads rows [r bn / 2, (r + 1) bn / 2) of each B stage
+    into both CTAs (TMA multicast) and its own A, so a full barrier still expects A + B bytes, and every consumer
+    warp releases each stage to both CTAs (`_tma_ring`). `tile.cluster_n` = 2 is the same along grid x with A
+    shared (d_temb: two T tiles of one W^T tile and K split); grid x is rounded up to whole clusters, the extra
+    CTA's B rows lie past T (TMA zero-fills them) and its C is never stored. The bytes, their zero fill and the
+    k16 walk are the same, so are the bits.
     """
 
     _PRODUCER_WARPGROUPS = 1
@@ -1014,8 +1028,8 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         self.b_k_major = kw.pop("b_k_major")
         self.epilogue = kw.pop("epilogue")
         assert not kw, kw
-        # A cluster shares B along M: one K range per CTA (no splits) and the chained walk only.
-        assert tile.cluster_m in (1, 2) and (tile.cluster_m == 1 or (self.k_splits == 1 and not self.ieee_steps)), tile
+        # A cluster shares B along M or A along N, not both (the ring's release counts assume one line of CTAs).
+        assert tile.cluster_m in (1, 2) and tile.cluster_n in (1, 2) and tile.cluster_size <= 2, tile
         self.tile = tile
         self.cta_tiler = (tile.bm, tile.bn, tile.bk)
 
@@ -1052,8 +1066,10 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         tma_a, tma_mA, tma_b, tma_mB = self._tma_loads(mA, mB, sA_layout, sB_layout)
         tiled_mma = self._wgmma_tiled_mma()
         grid = self._grid(mA, mB)
-        # Clusters along grid y (M tiles); the grid's M tile count must be a multiple (the builder asserts).
-        cluster = {} if t.cluster_m == 1 else dict(cluster=[1, t.cluster_m, 1])
+        # Clusters along grid y (M tiles: the builder asserts whole clusters) or grid x (N tiles: rounded up).
+        cluster = {} if t.cluster_size == 1 else dict(cluster=[t.cluster_n, t.cluster_m, 1])
+        if cutlass.const_expr(t.cluster_n > 1):
+            grid = (cute.ceil_div(grid[0], t.cluster_n) * t.cluster_n, grid[1], grid[2])
         self.tma_kernel(mA, mC, mBias, tma_a, tma_mA, tma_b, tma_mB, sA_layout, sB_layout, tiled_mma).launch(
             grid=grid, block=[self._cta_threads, 1, 1], stream=stream,
             # setmaxnreg redistributes the registers ptxas gives the CTA: ask for one CTA's full share.
@@ -1104,14 +1120,21 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         if cutlass.const_expr(self.k_splits > 1):
             k_tile_count = k_tile_count // self.k_splits
             k_tile_first = split * k_tile_count
-        if cutlass.const_expr(t.cluster_m == 1):
+        if cutlass.const_expr(t.cluster_size == 1):
             tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB)
             loads = ((tma_a, tAsA, tAgA), (tma_b, tBsB, tBgB))
         else:
-            # The cluster's CTAs are M tiles of one N tile (grid y): rank r loads its slice of B into all of them.
+            # The cluster's CTAs are M tiles of one N tile (grid y) or N tiles of one M tile (grid x): rank r loads
+            # its slice of the shared operand into all of them.
             rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB, rank, t.cluster_m)
-            loads = ((tma_a, tAsA, tAgA), (tma_b, tBsB, tBgB, cutlass.Int16((1 << t.cluster_m) - 1)))
+            everyone = cutlass.Int16((1 << t.cluster_size) - 1)
+            if cutlass.const_expr(t.cluster_m > 1):
+                tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB, rank, t.cluster_m)
+                loads = ((tma_a, tAsA, tAgA), (tma_b, tBsB, tBgB, everyone))
+            else:
+                tAsA, tAgA, tBsB, tBgB = self._tma_partitions(tma_a, tma_b, sA, sB, gA, gB, a_rank=rank,
+                                                              a_ctas=t.cluster_n)
+                loads = ((tma_a, tAsA, tAgA, everyone), (tma_b, tBsB, tBgB))
 
         if warp_idx < 4 * self._PRODUCER_WARPGROUPS:
             cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
@@ -1131,7 +1154,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
             else:
                 self._chained_mainloop(tiled_mma, acc, tCrA, tCrB, ring, k_tile_count)
             self._epilogue(acc, thr_mma, ctidx, storage, tCgC, tCcC, gC, cC, gC_full, mA, mBias, n_tile, m_tile)
-        if cutlass.const_expr(t.cluster_m > 1):
+        if cutlass.const_expr(t.cluster_size > 1):
             # No CTA leaves while its peer may still write its shared memory or arrive on its barriers (the
             # producer's tail already waits for the peer's releases; this also covers every other thread).
             cute.arch.cluster_arrive()
@@ -1225,7 +1248,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
 
     def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
-        assert tile.persistent_ctas > 0 and tile.cluster_m == 1 and self.c_n_major and self.epilogue == "bf16", (tile, kw)
+        assert tile.persistent_ctas > 0 and tile.cluster_size == 1 and self.c_n_major and self.epilogue == "bf16", (tile, kw)
         assert self.k_splits == 1 and not self.ieee_steps, kw
 
     def _c_layout(self):
@@ -1458,8 +1481,10 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
         tile = {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}[config]
         cls = _WgmmaTmaStoreGemm if config in WGRAD_TMA_STORE else _WgmmaGemm if config in WGRAD_WGMMA_CONFIGS \
             else _TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm
-        # The TMA-stored C tile has no bounds checks of its own (TMA clips, but the tiles must be whole).
+        # The TMA-stored C tile has no bounds checks of its own (TMA clips, but the tiles must be whole); a cluster
+        # of M tiles needs whole clusters along grid y.
         assert cls is not _WgmmaTmaStoreGemm or (out_features % tile.bm == 0 and TEMB_WIDTH % tile.bn == 0), config
+        assert out_features % (tile.bm * tile.cluster_m) == 0, (out_features, config)
         gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True, dbias_rows=True)
     else:
         gemm = _WarpMmaGemm(WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True,

@@ -35,9 +35,10 @@ CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wi
 WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # The wgmma family's TMA + mbarrier warp-specialized mainloop (kernels/adaln_gemm.TMA_CONFIGS, same kernels,
 # same bits): forward and d_temb configs (the d_temb GEMM has no 256-wide tile: its block tiles' registers),
-# and dW tiles. tma_wide_n256_mc2: tma_wide_n256 in 2-CTA clusters sharing the activation tile (TMA multicast).
-TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_n256_mc2")
-TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide")
+# and dW tiles. tma_wide_n256_mc2: tma_wide_n256 in 2-CTA clusters sharing the activation tile (TMA multicast);
+# tma_wide_a_mc2: tma_wide in 2-CTA clusters sharing the weight tile; tma_wgrad_mc2: tma_wgrad sharing a^T.
+TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_n256_mc2", "tma_wide_a_mc2")
+TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_a_mc2")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
@@ -45,7 +46,7 @@ WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
 WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg", "wg_wgrad_n64_1wg_tstore", "wg_wgrad_n64_tstore",
                        "wg_wgrad_tstore")
 # The persistent dW kernel (TMA stores from double-buffered C tiles) is in the same tuple: same bits.
-TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_persist", "tma_wgrad_persist_n64")
+TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_mc2", "tma_wgrad_persist", "tma_wgrad_persist_n64")
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
 # and was as fast or faster at every T measured (1, 4, 64, 256, 2048); sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
