@@ -9,7 +9,9 @@ Cases (each warmed up outside the range first, so loading and first-touch costs 
   mlp_fwd:T:CONFIG, mlp_bwd:T:CONFIG   launch.timestep_mlp.forward / backward with a named MlpConfig
   proj_fwd:T, proj_bwd:T          launch.adaln_projection.forward / backward (N = 96768)
   proj_wgrad:T:CONFIG             the dW GEMM alone with one config (wgmma family on sm_90a)
+  proj_dgrad:T:CONFIG             the d_temb GEMM alone with one config (wgmma family on sm_90a)
   peer_proj_fwd:T                 the cuBLAS replay's forward (silu, BF16 cast, F.linear)
+  peer_proj_bwd:T                 the cuBLAS replay's backward (torch autograd of that forward)
   peer_mlp_fwd:T                  the cuBLAS FP32 replay of timestep_mlp's forward (TF32 off)
 Each profiled range is bracketed by an NVTX push/pop named after the case.
 """
@@ -64,6 +66,17 @@ def _case(spec: str, dev):
         return lambda: P.backward(grad, temb, w)
     if kind == "peer_proj_fwd":
         return lambda: F.linear(F.silu(temb).bfloat16(), w, b)
+    if kind == "peer_proj_bwd":
+        leaves = [t.detach().requires_grad_(True) for t in (temb, w, b)]
+        out = F.linear(F.silu(leaves[0]).bfloat16(), leaves[1], leaves[2])
+        return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    if kind == "proj_dgrad":
+        (config,) = rest
+        wgmma = runtime.arch_of(dev) == "sm_90a"
+        partial = torch.empty(P.DGRAD_SPLITS, rows, D, device=dev)
+        fn = runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=N,
+                            config=config)
+        return lambda: fn(grad, w, partial)
     if kind == "proj_wgrad":
         (config,) = rest
         act = P.silu_bf16(temb)
