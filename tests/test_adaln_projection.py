@@ -142,7 +142,7 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
         for tile in k.TMA_WGRAD_CONFIGS.values():
             assert n % tile.bm == 0 and D % tile.bn == 0
     # The picks of the wgmma family may be cp.async or TMA mainloops (same kernels, same bits).
-    for rows in (1, 8, 16, 17, 64, 65, 128, 129, 192, 193, 2048, 4096):
+    for rows in (1, 8, 16, 17, 64, 65, 128, 129, 192, 193, 256, 257, 384, 385, 1024, 1025, 2048, 4096):
         assert launch.config_for_rows(rows) in launch.CONFIGS
         assert launch.config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS + launch.TMA_CONFIGS
         assert launch.dgrad_config_for_rows(rows) in launch.CONFIGS

@@ -53,16 +53,18 @@ SM90_FAMILY = "wgmma"
 
 
 def config_for_rows(rows: int, wgmma: bool = False) -> str:
-    """The fastest projection config of a family for T rows; the choice never changes the bits. wgmma: the
-    H200 timings at 0baae16 (perf/adaln_kernels.py): T <= 64 the cp.async tiles (wg_mid 134.6 us at T = 64 vs
-    tma_mid 136.3), beyond them the TMA mainloop (T = 256: tma_wide_n256 223.6 vs wg_wide 247.5; T = 2048:
-    1755.9 vs 2063.9); the 256-wide tile only once T fills it, in 2-CTA clusters sharing the activation tile by
-    TMA multicast (tma_wide_n256_mc2: Nsight Compute put the unclustered tile's L2 throughput at 72% against
-    cuBLAS's 54% with its 1 x 2 cluster; per-launch times: perf/results/h200/README.md)."""
+    """The fastest projection config of a family for T rows; the choice never changes the bits. wgmma, from the
+    H200 per-launch timings (perf/adaln_kernels.py; perf/results/h200/README.md maps the files): T <= 64 the
+    cp.async tiles (wg_mid 134.6 us at T = 64 vs tma_mid 136.3, 0baae16), then the TMA mainloop; from T = 129
+    the 256-wide tile in 2-CTA clusters sharing the activation tile by TMA multicast (tma_wide_n256_mc2; ef9eb22:
+    219.4 vs tma_wide 278.2 us at T = 192, 399.3 vs 451.6 at 512, 1512.9 vs 1725.8 at 2048) except where its T
+    padding costs more than it gains: T in (256, 384] (tma_wide 347.1 vs 396.4 at T = 384)."""
     if wgmma:
         if rows <= 64:
             return "wg_skinny" if rows <= 16 else "wg_mid"
-        return "tma_wide" if rows <= 192 else "tma_wide_n256_mc2"
+        if rows <= 128 or 256 < rows <= 384:
+            return "tma_wide"
+        return "tma_wide_n256_mc2"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
@@ -71,13 +73,20 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
 
 
 def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
-    """The d_temb GEMM's config for T rows (same bits whatever the config). wgmma: the H200 timings at 0baae16:
-    wg_skinny while W streams (T <= 16), then the TMA mainloop (T = 64: tma_mid 128.4 us vs wg_mid 135.2;
-    T = 256: tma_wide 324.6 vs wg_mid 505.7; T = 2048: 2780 vs 3531)."""
+    """The d_temb GEMM's config for T rows (same bits whatever the config). wgmma, from the H200 per-launch
+    timings: wg_skinny while W streams (T <= 16), then the TMA mainloop (T = 64: tma_mid 128.4 us vs wg_mid
+    135.2, 0baae16). ef9eb22 / 5614333: tma_wide at T = 96 / 128 (137.9 / 137.9), tma_mid at T = 192 (221.8 vs
+    tma_wide 255.9); the 2-CTA clusters sharing the W tile (tma_wide_a_mc2) where T fills whole clusters of
+    128-row tiles: T = 256 226.0 vs 234.1, 512 432.7 vs 505.3, 1024 964.4 vs 974.3; tma_wide at T = 384 (363.3
+    vs 481.8: the cluster pads 3 tiles to 4) and T = 2048 (1819.1 vs 1965.7)."""
     if wgmma:
         if rows <= 16:
             return "wg_skinny"
-        return "tma_mid" if rows <= 64 else "tma_wide"
+        if rows <= 64 or 128 < rows <= 192:
+            return "tma_mid"
+        if 192 < rows <= 256 or 384 < rows <= 1024:
+            return "tma_wide_a_mc2"
+        return "tma_wide"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
@@ -88,15 +97,12 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
 def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     """A family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs. wgmma, from the
     H200 per-launch timings (perf/adaln_kernels.py): at T <= 64 one warpgroup over 128 x 64 with C stored by
-    TMA (wg_wgrad_n64_1wg_tstore 117.0 / 120.5 / 178.6 us at T = 1 / 4 / 64 against wg_wgrad_n64_1wg's 159.1 /
-    160.6 / 204.6, reverted_session5/adaln_kernels_d1994d3.json, where its column order was still wrong; the
-    fixed kernel's own run: perf/results/h200/README.md), the persistent TMA kernel beyond 128 (T = 256:
-    tma_wgrad_persist 249.4 vs 361.0 for the TMA-store tile; T = 2048 1669.7 vs tma_wgrad 1720.7); T in (64, 128]
-    keeps wg_wgrad (not measured there: the crossover lies between 64 and 256)."""
+    TMA (wg_wgrad_n64_1wg_tstore 117.3 / 121.4 / 177.5 us at T = 1 / 4 / 64 against wg_wgrad_n64_1wg's 159.4 /
+    161.5 / 201.4, a0a2b50), beyond 64 (where db is a separate launch) the persistent TMA kernel (ef9eb22 /
+    5614333: tma_wgrad_persist 152.4 / 158.3 us at T = 96 / 128 against wg_wgrad 268.2 / 296.4 and the TMA-store
+    tile 212.6 / 232.9; T = 256 244.8, 2048 1613.1 against tma_wgrad 1728.4)."""
     if wgmma:
-        if rows <= 64:
-            return "wg_wgrad_n64_1wg_tstore"
-        return "wg_wgrad" if rows <= 128 else "tma_wgrad_persist"
+        return "wg_wgrad_n64_1wg_tstore" if rows <= 64 else "tma_wgrad_persist"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
@@ -106,9 +112,9 @@ def _uses_wgmma(device, config: str | None) -> bool:
     return SM90_FAMILY == "wgmma" and runtime.arch_of(device) == "sm_90a"
 
 
-# Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 192), the
-# d_temb config (16, 64, 256), the dW tile (64, 128) and the fused db (64).
-T_BOUNDS = (16, 64, 128, 192, 256, runtime.MAX_ROWS)
+# Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 256,
+# 384), the d_temb config (16, 64, 128, 192, 256, 384, 1024), the dW tile and the fused db (64).
+T_BOUNDS = (16, 64, 128, 192, 256, 384, 1024, runtime.MAX_ROWS)
 
 
 def _choices(device, rows: int, backward: bool) -> tuple:
