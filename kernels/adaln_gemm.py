@@ -178,9 +178,13 @@ TMA_CONFIGS = {
     # tma_wide in clusters of 2 T tiles of one A tile (d_temb: a W^T tile of one K split; forward: a W tile), each CTA
     # loading half of it into both: a stage's L2 reads drop from 32 to 24 KB per CTA.
     "tma_wide_a_mc2": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5, cluster_n=2),  # 160 KB
+    # 192 T rows per tile: 20% fewer operand bytes per MMA than 128 x 128; d_temb runs it with one block tile.
+    "tma_wide_n192": GemmTile(bm=128, bn=192, bk=64, warps_m=8, warps_n=1, stages=5),  # 200 KB
 }
-# ieee_steps keeps acc and two block tiles (3 x bn / 2 FP32 registers per consumer thread): bn <= 128.
-_IEEE_MAX_BN = 128
+# ieee_steps keeps acc and two block tiles (3 x bn / 2 FP32 registers per consumer thread) up to bn = 128, acc and
+# one block tile (2 x bn / 2) up to 192 (`_TmaWgmmaGemm._ieee_mainloop` / `_ieee_serial_mainloop`).
+_IEEE_PIPELINED_MAX_BN = 128
+_IEEE_MAX_BN = 192
 TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items() if tile.bn <= _IEEE_MAX_BN}
 # The persistent dW grid: one CTA per H200 SM (132; a constant, never a device query). On a GPU with more
 # SMs the kernel stays correct and leaves some idle; the tile order, hence the bits, never depends on it.
@@ -1149,7 +1153,9 @@ class _TmaWgmmaGemm(_WgmmaGemm):
             gC_full, gC, cC, tCgC, tCcC = self._c_tiles(mC, thr_mma, m_tile, n_tile, split)
             acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             acc.fill(0.0)
-            if cutlass.const_expr(self.ieee_steps):
+            if cutlass.const_expr(self.ieee_steps and t.bn > _IEEE_PIPELINED_MAX_BN):
+                self._ieee_serial_mainloop(tiled_mma, acc, tCrA, tCrB, ring, k_tile_count)
+            elif cutlass.const_expr(self.ieee_steps):
                 self._ieee_mainloop(tiled_mma, acc, tCrA, tCrB, ring, k_tile_count)
             else:
                 self._chained_mainloop(tiled_mma, acc, tCrA, tCrB, ring, k_tile_count)
@@ -1224,6 +1230,27 @@ class _TmaWgmmaGemm(_WgmmaGemm):
             self._add(acc, blocks[(unit * per_tile - 1) % 2])
             ring.consumer_release(release)
             release.advance()
+
+    @cute.jit
+    def _ieee_serial_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, k_tile_count):
+        """`_ieee_mainloop`'s sums (block b from zero by the tensor core, added to acc with IEEE FP32 adds in
+        ascending b) with one block tile, for tiles too wide for two next to acc: each block's wgmmas are drained
+        (wait_group(0)) before its adds, and a k tile's stage is released after its last block. The tensor core
+        stays busy while one warpgroup adds if the other's wgmmas are queued: the two consumer warpgroups run
+        the same loop on their own 64-row halves and wait on their own wgmma groups."""
+        from cutlass import pipeline
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
+        block = cute.make_rmem_tensor(acc.shape, cutlass.Float32)
+        mmas = _block_mmas(tiled_mma)
+        for _ in range(k_tile_count):
+            ring.consumer_wait(read)
+            for g in cutlass.range_constexpr(self.tile.bk // DGRAD_K_BLOCK):
+                _wgmma_k_block(mmas, block, tCrA, tCrB, read.index, g)
+                cute.nvgpu.warpgroup.wait_group(0)
+                self._add(acc, block)
+            ring.consumer_release(read)
+            read.advance()
 
     @staticmethod
     def _add(acc, step):
