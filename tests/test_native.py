@@ -334,7 +334,7 @@ def _finite(tensors) -> bool:
 
 
 @gpu
-@pytest.mark.parametrize("timesteps", [1, 3, 4, 17, 64, 65, 129, 193, 256, 300, 385, 1025])  # every range of its T_BOUNDS
+@pytest.mark.parametrize("timesteps", [1, 3, 4, 17, 64, 65, 129, 193, 256, 300, 385])  # every range of its T_BOUNDS
 def test_adaln_projection_cpp_equals_python_impl(block_projection, timesteps):
     weight, bias = block_projection
     temb = _seeded((timesteps, 2688), 52 + timesteps)

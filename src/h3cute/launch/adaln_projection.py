@@ -55,16 +55,17 @@ SM90_FAMILY = "wgmma"
 def config_for_rows(rows: int, wgmma: bool = False) -> str:
     """The fastest projection config of a family for T rows; the choice never changes the bits. wgmma, from the
     H200 per-launch timings (perf/adaln_kernels.py; perf/results/h200/README.md maps the files): T <= 64 the
-    cp.async tiles (wg_mid 134.6 us at T = 64 vs tma_mid 136.3, 0baae16), then the TMA mainloop; from T = 129
-    the 256-wide tile in 2-CTA clusters sharing the activation tile by TMA multicast (tma_wide_n256_mc2; ef9eb22:
-    219.4 vs tma_wide 278.2 us at T = 192, 399.3 vs 451.6 at 512, 1512.9 vs 1725.8 at 2048) except where its T
+    cp.async tiles (wg_mid 134.6 us at T = 64 vs tma_mid 136.3, 0baae16), then the TMA mainloop: tma_wide to
+    T = 128, one 192-row tile to 192 (1a113a8: tma_wide_n192 166.6 us at T = 192 vs tma_wide_n256_mc2 205.2;
+    ef9eb22: tma_wide 278.2), then the 256-wide tile in 2-CTA clusters sharing the activation tile by TMA
+    multicast (ef9eb22: 399.3 vs tma_wide 451.6 us at T = 512, 1512.9 vs 1725.8 at 2048) except where its T
     padding costs more than it gains: T in (256, 384] (tma_wide 347.1 vs 396.4 at T = 384)."""
     if wgmma:
         if rows <= 64:
             return "wg_skinny" if rows <= 16 else "wg_mid"
         if rows <= 128 or 256 < rows <= 384:
             return "tma_wide"
-        return "tma_wide_n256_mc2"
+        return "tma_wide_n192" if rows <= 192 else "tma_wide_n256_mc2"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
@@ -75,18 +76,17 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
 def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     """The d_temb GEMM's config for T rows (same bits whatever the config). wgmma, from the H200 per-launch
     timings: wg_skinny while W streams (T <= 16), then the TMA mainloop (T = 64: tma_mid 128.4 us vs wg_mid
-    135.2, 0baae16). ef9eb22 / 5614333: tma_wide at T = 96 / 128 (137.9 / 137.9), tma_mid at T = 192 (221.8 vs
-    tma_wide 255.9); the 2-CTA clusters sharing the W tile (tma_wide_a_mc2) where T fills whole clusters of
-    128-row tiles: T = 256 226.0 vs 234.1, 512 432.7 vs 505.3, 1024 964.4 vs 974.3; tma_wide at T = 384 (363.3
-    vs 481.8: the cluster pads 3 tiles to 4) and T = 2048 (1819.1 vs 1965.7)."""
+    135.2, 0baae16), tma_wide beyond 64 (ef9eb22: 137.9 us at T = 96 and 128) except for one 192-row tile
+    in (128, 192] (1a113a8: tma_wide_n192 187.8 us at T = 192 vs tma_mid 217.7; its one-block-tile mainloop is
+    slower once several T tiles share a W tile: 2208.1 vs 1941.8 at T = 2048). The 2-CTA clusters sharing
+    the W tile (tma_wide_a_mc2) won and lost by turns between runs (T = 256: 226.0 vs 234.1 at ef9eb22,
+    302.7 vs 240.7 at 1a113a8; T = 2048: 1965.7 vs 1819.1, then 1890.2 vs 1941.8): not picked."""
     if wgmma:
         if rows <= 16:
             return "wg_skinny"
-        if rows <= 64 or 128 < rows <= 192:
+        if rows <= 64:
             return "tma_mid"
-        if 192 < rows <= 256 or 384 < rows <= 1024:
-            return "tma_wide_a_mc2"
-        return "tma_wide"
+        return "tma_wide_n192" if 128 < rows <= 192 else "tma_wide"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
@@ -112,9 +112,9 @@ def _uses_wgmma(device, config: str | None) -> bool:
     return SM90_FAMILY == "wgmma" and runtime.arch_of(device) == "sm_90a"
 
 
-# Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 256,
-# 384), the d_temb config (16, 64, 128, 192, 256, 384, 1024), the dW tile and the fused db (64).
-T_BOUNDS = (16, 64, 128, 192, 256, 384, 1024, runtime.MAX_ROWS)
+# Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 192,
+# 256, 384), the d_temb config (16, 64, 128, 192), the dW tile and the fused db (64).
+T_BOUNDS = (16, 64, 128, 192, 256, 384, runtime.MAX_ROWS)
 
 
 def _choices(device, rows: int, backward: bool) -> tuple:
