@@ -1017,6 +1017,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     _PRODUCER_REGS = 40  # a TMA-issuing warp needs a few dozen; 40 is what CUTLASS's Hopper kernels use
     _CONSUMER_REGS = 232  # 128 x 40 + 256 x 232 = 64512 <= 65536: acc 64 x bn/2 threads + dgrad's steps
     _EPILOGUE_BARRIER_ID = 1  # named barrier 0 is the CTA barrier
+    _TURN_BARRIER_IDS = (2, 3)  # `_ieee_serial_mainloop`: warpgroup 0 waits on 2, warpgroup 1 on 3
 
     def __init__(self, tile: GemmTile, **kw):
         # TMA has no thread-copy layouts to check (GemmTile.check is the cp.async tiling); the epilogue's
@@ -1235,18 +1236,28 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     def _ieee_serial_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, k_tile_count):
         """`_ieee_mainloop`'s sums (block b from zero by the tensor core, added to acc with IEEE FP32 adds in
         ascending b) with one block tile, for tiles too wide for two next to acc: each block's wgmmas are drained
-        (wait_group(0)) before its adds, and a k tile's stage is released after its last block. The tensor core
-        stays busy while one warpgroup adds if the other's wgmmas are queued: the two consumer warpgroups run
-        the same loop on their own 64-row halves and wait on their own wgmma groups."""
+        (wait_group(0)) before its adds, and a k tile's stage is released after its last block. The two consumer
+        warpgroups (64 rows each) take turns issuing (two named barriers, warpgroup 0 first): the tensor core
+        runs one warpgroup's k tile while the other adds its own, instead of both adding at once."""
         from cutlass import pipeline
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
         block = cute.make_rmem_tensor(acc.shape, cutlass.Float32)
         mmas = _block_mmas(tiled_mma)
-        for _ in range(k_tile_count):
+        tidx, _, _ = cute.arch.thread_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128 - self._PRODUCER_WARPGROUPS)
+        mine, theirs = self._TURN_BARRIER_IDS[0] + wg, self._TURN_BARRIER_IDS[1] - wg
+        turn = dict(number_of_threads=self.tile.threads)
+        if wg == 1:
+            cute.arch.barrier_arrive(barrier_id=theirs, **turn)  # warpgroup 0 issues first
+        for k_tile in range(k_tile_count):
             ring.consumer_wait(read)
             for g in cutlass.range_constexpr(self.tile.bk // DGRAD_K_BLOCK):
+                cute.arch.barrier(barrier_id=mine, **turn)
                 _wgmma_k_block(mmas, block, tCrA, tCrB, read.index, g)
+                # Every wait on a turn is matched by one arrive: warpgroup 1 skips its last.
+                if wg == 0 or k_tile < k_tile_count - 1 or g < self.tile.bk // DGRAD_K_BLOCK - 1:
+                    cute.arch.barrier_arrive(barrier_id=theirs, **turn)
                 cute.nvgpu.warpgroup.wait_group(0)
                 self._add(acc, block)
             ring.consumer_release(read)
