@@ -182,10 +182,17 @@ TMA_CONFIGS = {
     "tma_wide_n192": GemmTile(bm=128, bn=192, bk=64, warps_m=8, warps_n=1, stages=5),  # 200 KB
 }
 # ieee_steps keeps acc and two block tiles (3 x bn / 2 FP32 registers per consumer thread) up to bn = 128, acc and
-# one block tile (2 x bn / 2) up to 192 (`_TmaWgmmaGemm._ieee_mainloop` / `_ieee_serial_mainloop`).
+# one block tile (2 x bn / 2) up to 192, and at 256 two accumulators of 128-wide halves and one block tile of a half
+# (3 x 64) (`_TmaWgmmaGemm._ieee_mainloop` / `_ieee_serial_mainloop`). Clusters along M do not tile d_temb's
+# M = 2688 (21 tiles of 128).
 _IEEE_PIPELINED_MAX_BN = 128
-_IEEE_MAX_BN = 192
-TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items() if tile.bn <= _IEEE_MAX_BN}
+_IEEE_MAX_BN = 256
+TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items() if tile.bn <= _IEEE_MAX_BN and tile.cluster_m == 1}
+
+
+def dgrad_n_halves(tile: GemmTile) -> int:
+    """How many N halves d_temb's TMA kernel runs a tile as: 2 for the 256-wide tile (wgmma N = 128), else 1."""
+    return 2 if tile.bn > 192 else 1
 # The persistent dW grid: one CTA per H200 SM (132; a constant, never a device query). On a GPU with more
 # SMs the kernel stays correct and leaves some idle; the tile order, hence the bits, never depends on it.
 PERSISTENT_CTAS = 132
@@ -217,6 +224,8 @@ class _WarpMmaGemm:
     `dbias_rows`: the dW GEMM's bias gradient rides along: when K = T <= FUSED_DBIAS_ROWS, the CTAs of
     the first N tile also write mBias[m] = bf16(sum_k A[m, k]) (`_store_dbias`); else mBias is untouched.
     """
+
+    n_halves = 1  # the C tile's N halves: 2 only for d_temb on the 256-wide TMA tile (`_TmaWgmmaGemm`)
 
     def __init__(self, tile: GemmTile, a_k_major: bool, b_k_major: bool, epilogue: str, k_splits: int = 1,
                  ieee_steps: bool = False, c_n_major: bool = False, dbias_rows: bool = False):
@@ -456,14 +465,16 @@ class _WarpMmaGemm:
         tAsA.fill(0)
         tBsB.fill(0)
 
-    def _c_tiles(self, mC: cute.Tensor, thr_mma, m_tile, n_tile, split):
-        """This CTA's output tile (of its K split's slice), its coordinates, and their MMA partitions."""
+    def _c_tiles(self, mC: cute.Tensor, thr_mma, m_tile, n_tile, split, n_half=0):
+        """This CTA's output tile (of its K split's slice; with `n_halves` = 2 its half `n_half`), its
+        coordinates, and their MMA partitions."""
         t = self.tile
         gC_full = mC
         if cutlass.const_expr(self.k_splits > 1):
             gC_full = mC[None, None, split]
-        gC = cute.local_tile(gC_full, (t.bm, t.bn), (m_tile, n_tile))
-        cC = cute.local_tile(cute.make_identity_tensor(gC_full.shape), (t.bm, t.bn), (m_tile, n_tile))
+        tile_n, n = t.bn // self.n_halves, n_tile * self.n_halves + n_half
+        gC = cute.local_tile(gC_full, (t.bm, tile_n), (m_tile, n))
+        cC = cute.local_tile(cute.make_identity_tensor(gC_full.shape), (t.bm, tile_n), (m_tile, n))
         tCgC = thr_mma.partition_C(gC)
         tCcC = thr_mma.partition_C(cC)
         return gC_full, gC, cC, tCgC, tCcC
@@ -622,6 +633,11 @@ class _WgmmaGemm(_WarpMmaGemm):
     `_wgmma_k_block` into a zeroed block tile, wait, IEEE adds into acc.
     """
 
+    @property
+    def _mma_n(self) -> int:
+        """The wgmma's N: the CTA tile's, except where d_temb runs a 256-wide tile as two halves."""
+        return self.tile.bn // self.n_halves
+
     def _wgmma_tiled_mma(self):
         """BF16 wgmma m64 x bn x k16, FP32 accumulators, warps_m / 4 warpgroups stacked along M."""
         from cutlass.cute.nvgpu import OperandMajorMode
@@ -634,7 +650,7 @@ class _WgmmaGemm(_WarpMmaGemm):
             OperandMajorMode.K if self.b_k_major else OperandMajorMode.MN,
             cutlass.Float32,
             (self.tile.warps_m // 4, 1, 1),
-            tiler_mn=(64, self.tile.bn),
+            tiler_mn=(64, self._mma_n),
         )
 
     def _tma_ring(self, storage, sA_layout, sB_layout):
@@ -1027,6 +1043,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         assert not kw.get("ieee_steps") or tile.bn <= _IEEE_MAX_BN, tile
         self.dbias_rows = kw.pop("dbias_rows", False)
         self.ieee_steps = kw.pop("ieee_steps", False)
+        self.n_halves = dgrad_n_halves(tile) if self.ieee_steps else 1
         self.c_n_major = kw.pop("c_n_major", False)
         self.k_splits = kw.pop("k_splits", 1)
         self.a_k_major = kw.pop("a_k_major")
@@ -1154,8 +1171,21 @@ class _TmaWgmmaGemm(_WgmmaGemm):
             gC_full, gC, cC, tCgC, tCcC = self._c_tiles(mC, thr_mma, m_tile, n_tile, split)
             acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             acc.fill(0.0)
-            if cutlass.const_expr(self.ieee_steps and t.bn > _IEEE_PIPELINED_MAX_BN):
-                self._ieee_serial_mainloop(tiled_mma, acc, tCrA, tCrB, ring, k_tile_count)
+            if cutlass.const_expr(self.n_halves == 2):
+                # d_temb on a 256-wide tile: two 128-wide halves of B, each with its own accumulator and C tile.
+                half = t.bn // 2
+                tCrB1 = tiled_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sB, (half, t.bk, t.stages),
+                                                                                      (1, 0, 0))))
+                tCrB0 = tiled_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sB, (half, t.bk, t.stages),
+                                                                                      (0, 0, 0))))
+                _, gC1, cC1, tCgC1, tCcC1 = self._c_tiles(mC, thr_mma, m_tile, n_tile, split, 1)
+                acc1 = cute.make_rmem_tensor(tCgC1.shape, cutlass.Float32)
+                acc1.fill(0.0)
+                self._ieee_serial_mainloop(tiled_mma, (acc, acc1), tCrA, (tCrB0, tCrB1), ring, k_tile_count)
+                self._epilogue(acc1, thr_mma, ctidx, storage, tCgC1, tCcC1, gC1, cC1, gC_full, mA, mBias, n_tile,
+                               m_tile)
+            elif cutlass.const_expr(self.ieee_steps and t.bn > _IEEE_PIPELINED_MAX_BN):
+                self._ieee_serial_mainloop(tiled_mma, (acc,), tCrA, (tCrB,), ring, k_tile_count)
             elif cutlass.const_expr(self.ieee_steps):
                 self._ieee_mainloop(tiled_mma, acc, tCrA, tCrB, ring, k_tile_count)
             else:
@@ -1233,33 +1263,37 @@ class _TmaWgmmaGemm(_WgmmaGemm):
             release.advance()
 
     @cute.jit
-    def _ieee_serial_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, k_tile_count):
+    def _ieee_serial_mainloop(self, tiled_mma, accs, tCrA, tCrBs, ring, k_tile_count):
         """`_ieee_mainloop`'s sums (block b from zero by the tensor core, added to acc with IEEE FP32 adds in
         ascending b) with one block tile, for tiles too wide for two next to acc: each block's wgmmas are drained
-        (wait_group(0)) before its adds, and a k tile's stage is released after its last block. The two consumer
-        warpgroups (64 rows each) take turns issuing (two named barriers, warpgroup 0 first): the tensor core
-        runs one warpgroup's k tile while the other adds its own, instead of both adding at once."""
+        (wait_group(0)) before its adds, and a k tile's stage is released after its last block. A 256-wide tile
+        runs as two 128-wide halves (`accs`, `tCrBs`: one accumulator and B fragment each), block by block, the
+        halves in turn through the one block tile. The two consumer warpgroups (64 rows each) take turns issuing
+        (two named barriers, warpgroup 0 first): the tensor core runs one warpgroup's block while the other adds
+        its own, instead of both adding at once."""
         from cutlass import pipeline
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
-        block = cute.make_rmem_tensor(acc.shape, cutlass.Float32)
+        block = cute.make_rmem_tensor(accs[0].shape, cutlass.Float32)
         mmas = _block_mmas(tiled_mma)
         tidx, _, _ = cute.arch.thread_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128 - self._PRODUCER_WARPGROUPS)
         mine, theirs = self._TURN_BARRIER_IDS[0] + wg, self._TURN_BARRIER_IDS[1] - wg
         turn = dict(number_of_threads=self.tile.threads)
+        blocks_per_tile = self.tile.bk // DGRAD_K_BLOCK
         if wg == 1:
             cute.arch.barrier_arrive(barrier_id=theirs, **turn)  # warpgroup 0 issues first
         for k_tile in range(k_tile_count):
             ring.consumer_wait(read)
-            for g in cutlass.range_constexpr(self.tile.bk // DGRAD_K_BLOCK):
-                cute.arch.barrier(barrier_id=mine, **turn)
-                _wgmma_k_block(mmas, block, tCrA, tCrB, read.index, g)
-                # Every wait on a turn is matched by one arrive: warpgroup 1 skips its last.
-                if wg == 0 or k_tile < k_tile_count - 1 or g < self.tile.bk // DGRAD_K_BLOCK - 1:
-                    cute.arch.barrier_arrive(barrier_id=theirs, **turn)
-                cute.nvgpu.warpgroup.wait_group(0)
-                self._add(acc, block)
+            for g in cutlass.range_constexpr(blocks_per_tile):
+                for h in cutlass.range_constexpr(len(accs)):
+                    cute.arch.barrier(barrier_id=mine, **turn)
+                    _wgmma_k_block(mmas, block, tCrA, tCrBs[h], read.index, g)
+                    # Every wait on a turn is matched by one arrive: warpgroup 1 skips its last.
+                    if wg == 0 or k_tile < k_tile_count - 1 or g < blocks_per_tile - 1 or h < len(accs) - 1:
+                        cute.arch.barrier_arrive(barrier_id=theirs, **turn)
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    self._add(accs[h], block)
             ring.consumer_release(read)
             read.advance()
 

@@ -72,13 +72,14 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
             _, ptx = compile_variant(specs[name + "_wgmma"], "sm_90a", dict(out_features=N_FINAL, config=config),
                                      keep_ptx=True)
             mmas = set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)[\w.]+", "\n".join(ptx)))
-            bn = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS}[config].bn
-            assert mmas == {f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16"}, (name, config, mmas)
+            tile = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS}[config]
+            # d_temb runs the 256-wide tile as two halves of wgmma N = 128.
+            halves = k.dgrad_n_halves(tile) if name == "adaln_proj_dgrad" and config in launch.TMA_CONFIGS else 1
+            assert mmas == {f"wgmma.mma_async.sync.aligned.m64n{tile.bn // halves}k16.f32.bf16.bf16"}, (name, config)
             if name == "adaln_proj_dgrad":
-                tile = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS}[config]
                 threads = 256 if config in launch.TMA_CONFIGS else tile.threads  # the TMA kernel's consumers
-                _assert_dgrad_k_blocks("\n".join(ptx), tile.bm * 128 // (64 * threads), tile.bm * tile.bn // threads,
-                                       k.DGRAD_K_BLOCK, config)
+                _assert_dgrad_k_blocks("\n".join(ptx), tile.bm * 128 // (64 * threads),
+                                       tile.bm * tile.bn // threads // halves, k.DGRAD_K_BLOCK, config)
 
 
 def _assert_dgrad_k_blocks(text, atoms, acc_per_thread, k_block, config):
@@ -98,8 +99,9 @@ def _assert_dgrad_k_blocks(text, atoms, acc_per_thread, k_block, config):
 
 def test_backward_refuses_a_config_without_a_dtemb_gemm():
     t = torch.zeros((2, 2688))
-    with pytest.raises(ValueError, match="tma_wide_n256.*no d_temb GEMM"):
-        launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), t, torch.zeros((8, 2688)), config="tma_wide_n256")
+    with pytest.raises(ValueError, match="tma_wide_n256_mc2.*no d_temb GEMM"):
+        launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), t, torch.zeros((8, 2688)),
+                        config="tma_wide_n256_mc2")
 
 
 def test_launch_and_kernel_agree_on_configs_and_splits():
@@ -181,10 +183,13 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
         assert tile.persistent_ctas or c_lines * c_line * 2 <= ab, name
         # Persistent: a fixed grid (no device query) of at least one CTA per H200 SM.
         assert tile.persistent_ctas in (0, k.PERSISTENT_CTAS) and k.PERSISTENT_CTAS % 132 == 0, name
-    # d_temb: acc and two block tiles (the pipelined adds) up to bn = 128, acc and one block tile up to 192.
-    assert k.TMA_DGRAD_CONFIGS and all((3 if t.bn <= k._IEEE_PIPELINED_MAX_BN else 2) * t.bn // 2 <= 192
-                                       for t in k.TMA_DGRAD_CONFIGS.values())
-    assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items() if t.bn <= k._IEEE_MAX_BN}
+    # d_temb's FP32 registers per consumer thread: acc and two block tiles (the pipelined adds) up to bn = 128,
+    # acc and one block tile up to 192, two half accumulators and one half block tile at 256.
+    for name, t in k.TMA_DGRAD_CONFIGS.items():
+        halves = k.dgrad_n_halves(t)
+        tiles = 3 if t.bn <= k._IEEE_PIPELINED_MAX_BN else 2 if halves == 1 else 3
+        assert tiles * t.bn // halves // 2 <= 192 and halves in (1, 2) and t.bn % (64 * halves) == 0, name
+    assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items() if t.bn <= 256 and t.cluster_m == 1}
 
 
 @pytest.mark.slow
@@ -210,9 +215,10 @@ def test_tma_mainloop_instructions():
         _, ptx = compile_variant(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra),
                                  keep_ptx=True)
         text = "\n".join(ptx)
+        halves = k.dgrad_n_halves(tile) if name == "adaln_proj_dgrad_wgmma" else 1
         for marker in ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes",
                        "mbarrier.try_wait.parity", "mbarrier.arrive.expect_tx", ".maxntid 384, 1, 1",
-                       f"wgmma.mma_async.sync.aligned.m64n{tile.bn}k16.f32.bf16.bf16"):
+                       f"wgmma.mma_async.sync.aligned.m64n{tile.bn // halves}k16.f32.bf16.bf16"):
             assert marker in text, (name, config, marker)
         for forbidden in ("cp.async.cg", "atom.", "\tred.", "mma.sync"):
             assert forbidden not in text, (name, config, forbidden)
@@ -222,7 +228,7 @@ def test_tma_mainloop_instructions():
         serial = name == "adaln_proj_dgrad_wgmma" and tile.bn > k._IEEE_PIPELINED_MAX_BN
         assert bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", text)) != serial, (name, config)
         if name == "adaln_proj_dgrad_wgmma":
-            _assert_dgrad_k_blocks(text, 1, tile.bn // 2, k.DGRAD_K_BLOCK, config)
+            _assert_dgrad_k_blocks(text, 1, tile.bn // 2 // halves, k.DGRAD_K_BLOCK, config)
         else:  # BF16 epilogues stage C in shared memory behind the consumers' named barrier
             assert re.search(r"bar\.sync\s+1, 256;", text), (name, config)
         if tile.persistent_ctas:  # C: stmatrix -> C buffer -> TMA store, a buffer reused after its store read it
