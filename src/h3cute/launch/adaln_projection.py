@@ -76,17 +76,21 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
 def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     """The d_temb GEMM's config for T rows (same bits whatever the config). wgmma, from the H200 per-launch
     timings: wg_skinny while W streams (T <= 16), then the TMA mainloop (T = 64: tma_mid 128.4 us vs wg_mid
-    135.2, 0baae16), tma_wide beyond 64 (ef9eb22: 137.9 us at T = 96 and 128) except for one 192-row tile
-    in (128, 192] (1a113a8: tma_wide_n192 187.8 us at T = 192 vs tma_mid 217.7; its one-block-tile mainloop is
-    slower once several T tiles share a W tile: 2208.1 vs 1941.8 at T = 2048). The 2-CTA clusters sharing
-    the W tile (tma_wide_a_mc2) won and lost by turns between runs (T = 256: 226.0 vs 234.1 at ef9eb22,
-    302.7 vs 240.7 at 1a113a8; T = 2048: 1965.7 vs 1819.1, then 1890.2 vs 1941.8): not picked."""
+    135.2, 0baae16), tma_wide to T = 128 (ef9eb22: 137.9 us at T = 96 and 128), then the widest tile T fills,
+    run on one block tile with the warpgroups taking turns: one 192-row tile to T = 192 (0f2dc29: tma_wide_n192
+    163.1 us at T = 192 vs tma_mid 217.5), 256-row tiles beyond (9dd67c6: tma_wide_n256 220.4 vs tma_wide
+    245.1 us at T = 256, 429.4 vs 477.4 at 512, 1921.8 vs 1957.3 at 2048) except for T in (256, 384], where
+    tma_wide's 128-row tiles pad less (ef9eb22: 363.3 us at T = 384). The 2-CTA clusters sharing the W tile
+    (tma_wide_a_mc2) won and lost by turns between runs (T = 256: 226.0 vs tma_wide 234.1 at ef9eb22, 302.7 vs
+    240.7 at 1a113a8): not picked."""
     if wgmma:
         if rows <= 16:
             return "wg_skinny"
         if rows <= 64:
             return "tma_mid"
-        return "tma_wide_n192" if 128 < rows <= 192 else "tma_wide"
+        if rows <= 128 or 256 < rows <= 384:
+            return "tma_wide"
+        return "tma_wide_n192" if rows <= 192 else "tma_wide_n256"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
@@ -113,7 +117,7 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 
 # Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 192,
-# 256, 384), the d_temb config (16, 64, 128, 192), the dW tile and the fused db (64).
+# 256, 384), the d_temb config (the same), the dW tile and the fused db (64).
 T_BOUNDS = (16, 64, 128, 192, 256, 384, runtime.MAX_ROWS)
 
 
