@@ -90,6 +90,12 @@ class GemmTile:
     persistent_ctas: int = 0
     cluster_m: int = 1
     cluster_n: int = 1
+    pingpong: bool = False  # persistent dW: each consumer warpgroup takes whole tiles, in turn
+
+    @property
+    def mma_warpgroups(self) -> int:
+        """Warpgroups stacked along M in one tiled MMA: one per 64 rows, or one for the whole tile (pingpong)."""
+        return 1 if self.pingpong else self.warps_m // 4
 
     @property
     def cluster_size(self) -> int:
@@ -207,6 +213,10 @@ TMA_WGRAD_CONFIGS = {
                                   persistent_ctas=PERSISTENT_CTAS),  # 128 + 64 KB
     "tma_wgrad_persist_n64": GemmTile(bm=128, bn=64, bk=64, warps_m=8, warps_n=1, stages=6,
                                       persistent_ctas=PERSISTENT_CTAS),  # 144 + 32 KB
+    # The same schedule with each consumer warpgroup computing whole 128 x 128 tiles in turn (128 accumulator
+    # registers per thread), one C buffer each: a warpgroup's epilogue runs while the other's wgmmas do.
+    "tma_wgrad_persist_pingpong": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4,
+                                   persistent_ctas=PERSISTENT_CTAS, pingpong=True),  # 128 + 64 KB
 }
 
 
@@ -649,7 +659,7 @@ class _WgmmaGemm(_WarpMmaGemm):
             OperandMajorMode.K if self.a_k_major else OperandMajorMode.MN,
             OperandMajorMode.K if self.b_k_major else OperandMajorMode.MN,
             cutlass.Float32,
-            (self.tile.warps_m // 4, 1, 1),
+            (self.tile.mma_warpgroups, 1, 1),
             tiler_mn=(64, self._mma_n),
         )
 
@@ -668,7 +678,9 @@ class _WgmmaGemm(_WarpMmaGemm):
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=self.tile.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster_size * t.threads // 32),
+            # Every consumer warp releases each stage, or (pingpong) those of the one warpgroup that read it.
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     t.cluster_size * 32 * 4 * t.mma_warpgroups // 32),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, t.cluster_m, t.cluster_n, 1)),
         )
@@ -1426,6 +1438,10 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                         ring.producer_commit(produce)
                         produce.advance()
                 ring.producer_tail(produce)
+        elif cutlass.const_expr(t.pingpong):
+            cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
+            self._consume_pingpong(tidx - 128 * self._PRODUCER_WARPGROUPS, cta, num_tiles, tiles_n, k_tile_count,
+                                   ring, tiled_mma, sA, sB, sC, tma_c, tCsC, tCgC, mA, mBias)
         else:
             cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
             ctidx = tidx - 128 * self._PRODUCER_WARPGROUPS
@@ -1479,6 +1495,70 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             if ctidx == 0:  # shared memory must outlive the last stores' reads
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+
+    @cute.jit
+    def _consume_pingpong(self, ctidx, cta, num_tiles, tiles_n, k_tile_count, ring, tiled_mma, sA, sB, sC, tma_c,
+                          tCsC, tCgC, mA, mBias):
+        """The consumers of `tile.pingpong`: warpgroup w computes this CTA's tiles w, w + 2, ... (the same chained
+        k16 walk from zero, one warpgroup over all 128 rows) and stores each through its own C buffer w (stmatrix
+        in `r2s_source_order`, fence, the warpgroup's named barrier, one TMA store), skipping the other
+        warpgroup's k tiles in the ring; its next tile's wgmmas wait only for its own previous store to have
+        read the buffer, so one warpgroup's epilogue overlaps the other's mainloop."""
+        from cutlass import pipeline
+
+        t = self.tile
+        wg = cute.arch.make_warp_uniform(ctidx // 128)
+        wtidx = ctidx - wg * 128
+        thr_mma = tiled_mma.get_slice(wtidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(sC[None, None, 0]).shape, cutlass.Float32)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        r2s, tRS_sC, tRS_rC, order = bf16_c_stmatrix(tiled_mma, (t.bm, t.bn), sC, wtidx)
+        barrier = dict(barrier_id=self._TURN_BARRIER_IDS[0] + wg, number_of_threads=128)
+
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        if wg == 1:  # warpgroup 0's first tile comes first in the ring
+            for _ in range(k_tile_count):
+                read.advance()
+                release.advance()
+        for tile in range(cta + wg * t.persistent_ctas, num_tiles, 2 * t.persistent_ctas):
+            m_tile = tile // tiles_n
+            n_tile = tile - m_tile * tiles_n
+            acc.fill(0.0)
+            ring.consumer_wait(read)
+            self._chained_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+            read.advance()
+            for _ in range(1, k_tile_count):
+                ring.consumer_wait(read)
+                self._chained_tile(tiled_mma, acc, tCrA, tCrB, read.index)
+                cute.nvgpu.warpgroup.wait_group(1)
+                ring.consumer_release(release)
+                release.advance()
+                read.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            ring.consumer_release(release)
+            release.advance()
+            for _ in range(k_tile_count):  # the other warpgroup's tile
+                read.advance()
+                release.advance()
+
+            if wtidx == 0:  # this warpgroup's previous store is done reading its buffer
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(**barrier)
+            for i in cutlass.range_constexpr(cute.size(tRS_rC)):
+                tRS_rC[i] = acc[order[i]].to(cutlass.BFloat16)
+            cute.copy(r2s, tRS_rC, tRS_sC[None, None, None, wg])
+            cute.arch.fence_proxy("async.shared", space="cta")  # the writes are visible to the TMA unit
+            cute.arch.barrier(**barrier)
+            if wtidx == 0:
+                cute.copy(tma_c, tCsC[None, wg], tCgC[None, m_tile, n_tile])
+                cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.dbias_rows):
+                self._store_dbias(mA, mBias, n_tile, m_tile, wtidx)
+        if wtidx == 0:  # shared memory must outlive the last stores' reads
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 # ------------------------------------------------------------------------------ the projection
 def _fake(dtype, shape, stride_order=None):

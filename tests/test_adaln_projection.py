@@ -229,6 +229,8 @@ def test_tma_mainloop_instructions():
         assert bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", text)) != serial, (name, config)
         if name == "adaln_proj_dgrad_wgmma":
             _assert_dgrad_k_blocks(text, 1, tile.bn // 2 // halves, k.DGRAD_K_BLOCK, config)
+        elif tile.pingpong:  # each warpgroup's epilogue behind its own named barrier (2 or 3), 128 threads
+            assert re.search(r"bar\.sync\s+%r\d+, 128;", text) and not re.search(r"bar\.sync\s+1, 256;", text), config
         else:  # BF16 epilogues stage C in shared memory behind the consumers' named barrier
             assert re.search(r"bar\.sync\s+1, 256;", text), (name, config)
         if tile.persistent_ctas:  # C: stmatrix -> C buffer -> TMA store, a buffer reused after its store read it
@@ -236,7 +238,9 @@ def test_tma_mainloop_instructions():
                            "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group"):
                 assert marker in text, (config, marker)
             waits = re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", text)
-            assert waits == [str(k._TmaWgmmaPersistentGemm._C_BUFFERS - 1), "0"], (config, waits)
+            # Two C buffers: shared by both warpgroups (the store of two tiles ago), or one per warpgroup (pingpong).
+            reuse = "0" if tile.pingpong else str(k._TmaWgmmaPersistentGemm._C_BUFFERS - 1)
+            assert waits == [reuse, "0"], (config, waits)
             assert "st.global.v4" not in text, config  # no 16-byte register stores of C left
         if shutil.which("ptxas"):
             with tempfile.TemporaryDirectory() as tmp:
@@ -1022,9 +1026,15 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
 
     k = _tma_kernels()
     seen = {}
-    for name in sorted(k.WGRAD_TMA_STORE):
-        tile = k.WGRAD_WGMMA_CONFIGS[name]
-        gemm = k._WgmmaTmaStoreGemm(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
+    # The TMA-store tiles and the pingpong persistent tile (one warpgroup of 128 threads over 128 rows) index the
+    # accumulator through the order; the other persistent tiles hand `r2s.retile(acc)` to stmatrix: valid only
+    # while the two orders agree.
+    gemms = {name: (k._WgmmaTmaStoreGemm, k.WGRAD_WGMMA_CONFIGS[name], k.WGRAD_WGMMA_CONFIGS[name].threads)
+             for name in sorted(k.WGRAD_TMA_STORE)}
+    gemms.update({name: (k._TmaWgmmaPersistentGemm, tile, 128) for name, tile in k.TMA_WGRAD_CONFIGS.items()
+                  if tile.pingpong})
+    for name, (cls, tile, threads) in gemms.items():
+        gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
 
         @cute.jit
         def probe():
@@ -1033,15 +1043,14 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
             r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
             order = k.r2s_source_order(tiled_mma, r2s, (tile.bm, tile.bn))
             full = cute.make_identity_tensor((tile.bm, tile.bn))
-            for t in cutlass.range_constexpr(tile.threads):
+            for t in cutlass.range_constexpr(threads):
                 acc = tiled_mma.get_slice(t).partition_C(full)
                 src = r2s.get_slice(t).partition_S(full)
                 seen[(name, t)] = [(tuple(src[i]), tuple(acc[order[i]])) for i in range(len(order))]
 
         cute.compile(probe, options="--gpu-arch sm_90a")
-    # The persistent dW kernel hands `r2s.retile(acc)` to stmatrix: valid only while the two orders agree.
     for name, tile in k.TMA_WGRAD_CONFIGS.items():
-        if tile.persistent_ctas:
+        if tile.persistent_ctas and not tile.pingpong:
             gemm = k._TmaWgmmaPersistentGemm(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
 
             @cute.jit
@@ -1054,12 +1063,12 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
             cute.compile(persistent_probe, options="--gpu-arch sm_90a")
             order = seen.pop((name, "order"))
             assert order == list(range(len(order))), name
-    assert len(seen) == sum(k.WGRAD_WGMMA_CONFIGS[n].threads for n in k.WGRAD_TMA_STORE)
+    assert len(seen) == sum(threads for _, _, threads in gemms.values()) and any(t.pingpong for _, t, _ in gemms.values())
     bad = [(key, pair) for key, pairs in seen.items() for pair in pairs if pair[0] != pair[1]]
     assert not bad, bad[:4]
     for (name, _), pairs in seen.items():  # each thread's values are distinct cells of the tile
-        tile = k.WGRAD_WGMMA_CONFIGS[name]
-        assert len({p[0] for p in pairs}) == len(pairs) == tile.bm * tile.bn // tile.threads
+        _, tile, threads = gemms[name]
+        assert len({p[0] for p in pairs}) == len(pairs) == tile.bm * tile.bn // threads
 
 
 @gpu
