@@ -1046,6 +1046,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     _CONSUMER_REGS = 232  # 128 x 40 + 256 x 232 = 64512 <= 65536: acc 64 x bn/2 threads + dgrad's steps
     _EPILOGUE_BARRIER_ID = 1  # named barrier 0 is the CTA barrier
     _TURN_BARRIER_IDS = (2, 3)  # `_ieee_serial_mainloop`: warpgroup 0 waits on 2, warpgroup 1 on 3
+    _ORDER_BARRIER_IDS = (4, 5)  # the pingpong dW's mainloop turns: warpgroup 0 waits on 4, warpgroup 1 on 5
 
     def __init__(self, tile: GemmTile, **kw):
         # TMA has no thread-copy layouts to check (GemmTile.check is the cp.async tiling); the epilogue's
@@ -1503,7 +1504,9 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         k16 walk from zero, one warpgroup over all 128 rows) and stores each through its own C buffer w (stmatrix
         in `r2s_source_order`, fence, the warpgroup's named barrier, one TMA store), skipping the other
         warpgroup's k tiles in the ring; its next tile's wgmmas wait only for its own previous store to have
-        read the buffer, so one warpgroup's epilogue overlaps the other's mainloop."""
+        read the buffer, so one warpgroup's epilogue overlaps the other's mainloop. The mainloops take turns (two
+        more named barriers): tile j's waits on the ring start once tile j - 1's have all passed, so no warpgroup
+        ever waits on a stage two phases ahead (an mbarrier's parity cannot tell those apart)."""
         from cutlass import pipeline
 
         t = self.tile
@@ -1516,6 +1519,8 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         r2s, tRS_sC, tRS_rC, order = bf16_c_stmatrix(tiled_mma, (t.bm, t.bn), sC, wtidx)
         barrier = dict(barrier_id=self._TURN_BARRIER_IDS[0] + wg, number_of_threads=128)
+        my_turn = dict(barrier_id=self._ORDER_BARRIER_IDS[0] + wg, number_of_threads=256)
+        their_turn = dict(barrier_id=self._ORDER_BARRIER_IDS[1] - wg, number_of_threads=256)
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
@@ -1527,6 +1532,8 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             m_tile = tile // tiles_n
             n_tile = tile - m_tile * tiles_n
             acc.fill(0.0)
+            if tile != cta:  # after the previous tile's mainloop (the other warpgroup's) has passed its waits
+                cute.arch.barrier(**my_turn)
             ring.consumer_wait(read)
             self._chained_tile(tiled_mma, acc, tCrA, tCrB, read.index)
             read.advance()
@@ -1537,6 +1544,8 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                 ring.consumer_release(release)
                 release.advance()
                 read.advance()
+            if tile + t.persistent_ctas < num_tiles:  # the next tile's mainloop may wait on the ring now
+                cute.arch.barrier_arrive(**their_turn)
             cute.nvgpu.warpgroup.wait_group(0)
             ring.consumer_release(release)
             release.advance()
