@@ -105,9 +105,13 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     TMA (wg_wgrad_n64_1wg_tstore 117.3 / 121.4 / 177.5 us at T = 1 / 4 / 64 against wg_wgrad_n64_1wg's 159.4 /
     161.5 / 201.4, a0a2b50), beyond 64 (where db is a separate launch) the persistent TMA kernel (ef9eb22 /
     5614333: tma_wgrad_persist 152.4 / 158.3 us at T = 96 / 128 against wg_wgrad 268.2 / 296.4 and the TMA-store
-    tile 212.6 / 232.9; T = 256 244.8, 2048 1613.1 against tma_wgrad 1728.4)."""
+    tile 212.6 / 232.9; T = 256 244.8, 2048 1613.1 against tma_wgrad 1728.4), to T = 256 with its warpgroups
+    taking whole tiles in turn (125c746: tma_wgrad_persist_pingpong 157.4 / 235.2 us at T = 128 / 256 against
+    168.4 / 260.7; at T = 2048 1713.7 against 1630.4)."""
     if wgmma:
-        return "wg_wgrad_n64_1wg_tstore" if rows <= 64 else "tma_wgrad_persist"
+        if rows <= 64:
+            return "wg_wgrad_n64_1wg_tstore"
+        return "tma_wgrad_persist_pingpong" if rows <= 256 else "tma_wgrad_persist"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
