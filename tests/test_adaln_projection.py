@@ -227,6 +227,11 @@ def test_tma_mainloop_instructions():
         # One wgmma batch in flight while the next is issued; the one-block-tile d_temb drains each block first.
         serial = name == "adaln_proj_dgrad_wgmma" and tile.bn > k._IEEE_PIPELINED_MAX_BN
         assert bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", text)) != serial, (name, config)
+        # Turns between the two consumer warpgroups (named barriers over their 256 threads): the one-block-tile
+        # d_temb's issue order, the pingpong dW's mainloops.
+        turns = serial or tile.pingpong
+        assert bool(re.search(r"bar\.arrive\s+%r\d+, 256;", text) and re.search(r"bar\.sync\s+%r\d+, 256;", text)) \
+            == turns, (name, config)
         if name == "adaln_proj_dgrad_wgmma":
             _assert_dgrad_k_blocks(text, 1, tile.bn // 2 // halves, k.DGRAD_K_BLOCK, config)
         elif tile.pingpong:  # each warpgroup's epilogue behind its own named barrier (2 or 3), 128 threads
