@@ -1,18 +1,22 @@
 """Device script: time every kernel launch of `adaln_projection` forward and backward, one at a time.
 
 Runs against the prebuilt bundle (never compiles):
-    bash perf/device_run.sh python3 perf/adaln_kernels.py [T ...]
+    bash perf/device_run.sh python3 perf/adaln_kernels.py [T ...] [--family wgmma] [--rounds 3]
 For T in (1, 4, 64, 256, 2048) and each MMA family (warp mma.sync; wgmma on sm_90a), each launch of
 `h3cute.launch.adaln_projection.forward` / `backward` (N = 96768) is replayed on preallocated buffers
 and timed alone with CUDA events: median of 20 samples after 5 warm-ups, with achieved GB/s (bytes
 the launch must move at least) and TFLOP/s. The GEMMs are timed for the family's `config_for_rows`
 choice and for every other config of the family (rows marked `alt`), so `config_for_rows` can be
 retuned from this. The whole forward / backward are timed too (`op`). A kernel missing from the bundle
-is recorded as missing. Prints a table; writes `$H3CUTE_OUT/adaln_kernels.json`. The step list
-mirrors the launcher: keep the two in step when the launcher changes.
+is recorded as missing. `--rounds R` times the whole step list R times over, round-robin, and reports each
+launch's median of the R round medians with their range: one kernel's time on the lent H200 moved by up to ~10%
+between runs, so a pick should rest on a margin wider than the range. Prints a table; writes
+`$H3CUTE_OUT/adaln_kernels.json`. The step list mirrors the launcher: keep the two in step when the launcher changes.
 """
 from __future__ import annotations
 
+import argparse
+import statistics
 import sys
 import time
 
@@ -80,6 +84,40 @@ def _steps(rows: int, family: str, buf: dict, dev):
     return steps
 
 
+def _time_rounds(steps, measure, rounds: int) -> list:
+    """One record per step: `measure` (a timer: callable -> us) of each launch in `rounds` passes over the whole
+    list, so a slow spell of the GPU hits every config alike; `us` is the median of the passes, `us_min` /
+    `us_max` their range. A step whose kernel is missing (an exception in place of the function) is recorded so."""
+    times = [[] for _ in steps]
+    for _ in range(rounds):
+        for i, (*_, fn, args) in enumerate(steps):
+            if not isinstance(fn, Exception):
+                times[i].append(measure(lambda: fn(*args)))
+    records = []
+    for (phase, step, config, kind, nbytes, flops, fn, _), ts in zip(steps, times):
+        rec = {"phase": phase, "step": step, "config": config, "kind": kind}
+        if isinstance(fn, Exception):
+            rec["missing"] = f"{type(fn).__name__}: {fn}"[:200]
+        else:
+            us = statistics.median(ts)
+            rec.update(us=us, us_min=min(ts), us_max=max(ts), rounds=len(ts), gbps=nbytes / us * 1e-3,
+                       tflops=flops / us * 1e-6)
+        records.append(rec)
+    return records
+
+
+def _args(argv):
+    parser = argparse.ArgumentParser(prog="adaln_kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("sizes", nargs="*", type=int, help=f"T values (default {' '.join(map(str, SIZES))})")
+    parser.add_argument("--family", choices=("warp", "wgmma"), action="append",
+                        help="time only this MMA family (repeatable; default every family the device runs)")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the step list (median and range)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
 def _buffers(rows: int, dev):
     g = torch.Generator(device=dev).manual_seed(rows)
     return {
@@ -97,29 +135,24 @@ def _buffers(rows: int, dev):
     }
 
 
-def main() -> int:
+def main(argv) -> int:
+    args = _args(argv)
     if not torch.cuda.is_available():
         print("adaln_kernels: needs a CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda", 0)
     t0 = time.time()
     families = ["warp"] + (["wgmma"] if runtime.arch_of(dev) == "sm_90a" else [])
+    families = [f for f in families if not args.family or f in args.family]
     default_family = L.SM90_FAMILY if runtime.arch_of(dev) == "sm_90a" else "warp"
     report = {"gpu": torch.cuda.get_device_name(dev), "arch": runtime.arch_of(dev), "samples": SAMPLES,
-              "warmup": WARMUP, "out_features": N, "sm90_family": L.SM90_FAMILY, "sizes": {}}
-    for rows in [int(a) for a in sys.argv[1:]] or SIZES:
+              "warmup": WARMUP, "rounds": args.rounds, "out_features": N, "sm90_family": L.SM90_FAMILY,
+              "sizes": {}}
+    for rows in args.sizes or SIZES:
         buf = _buffers(rows, dev)
         report["sizes"][str(rows)] = per_family = {}
         for family in families:
-            records = []
-            for phase, step, config, kind, nbytes, flops, fn, args in _steps(rows, family, buf, dev):
-                rec = {"phase": phase, "step": step, "config": config, "kind": kind}
-                if isinstance(fn, Exception):
-                    rec["missing"] = f"{type(fn).__name__}: {fn}"[:200]
-                else:
-                    us = _median_us(lambda: fn(*args))
-                    rec.update(us=us, gbps=nbytes / us * 1e-3, tflops=flops / us * 1e-6)
-                records.append(rec)
+            records = _time_rounds(_steps(rows, family, buf, dev), _median_us, args.rounds)
             config = L.config_for_rows(rows, family == "wgmma")
             # The device's own family runs as the op does (config=None: per-GEMM configs); the other
             # family only through an explicit config (the forward's, for its dgrad too).
@@ -140,7 +173,9 @@ def main() -> int:
                 if "missing" in r:
                     print(f"  {r['kind']:<4} {name:<34} missing")
                 else:
-                    print(f"  {r['kind']:<4} {name:<34} {r['us']:9.1f} us {r['gbps']:7.0f} GB/s {r['tflops']:6.1f} TFLOP/s")
+                    spread = f" ({r['us_min']:.1f}-{r['us_max']:.1f})" if r["rounds"] > 1 else ""
+                    print(f"  {r['kind']:<4} {name:<34} {r['us']:9.1f} us{spread} {r['gbps']:7.0f} GB/s "
+                          f"{r['tflops']:6.1f} TFLOP/s")
             print("  op   " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in ops.items()))
         del buf
         torch.cuda.empty_cache()
@@ -164,4 +199,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -351,3 +351,35 @@ def test_perf_scripts_import(script):
     code = f"import runpy; runpy.run_path({str(Path(__file__).parents[1] / 'perf' / script)!r}, run_name='imported')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_adaln_kernels_rounds_time_every_step_in_turn():
+    """perf/adaln_kernels.py --rounds: every launch is timed once per pass over the whole step list (round-robin, so
+    a slow spell hits every config alike), reported as the median of the passes with their range; a missing kernel
+    is recorded as missing, never timed. Its arguments: sizes, repeatable --family, --rounds >= 1."""
+    import runpy
+
+    mod = runpy.run_path(str(Path(__file__).parents[1] / "perf" / "adaln_kernels.py"), run_name="imported")
+    calls = []
+    steps = [("fwd", "proj_fwd", "c1", "step", 2e6, 4e9, lambda tag: calls.append(tag), ("a",)),
+             ("fwd", "proj_fwd", "c2", "alt", 2e6, 4e9, lambda tag: calls.append(tag), ("b",)),
+             ("bwd", "bias_grad", "", "step", 1.0, 0, KeyError("not in this bundle"), ())]
+    times = iter([10.0, 20.0, 30.0, 12.0, 11.0, 25.0])
+
+    def measure(fn):
+        fn()
+        return next(times)
+
+    records = mod["_time_rounds"](steps, measure, 3)
+    assert calls == ["a", "b"] * 3
+    a, b, missing = records
+    assert (a["us"], a["us_min"], a["us_max"], a["rounds"]) == (11.0, 10.0, 30.0, 3) and a["kind"] == "step"
+    assert (b["us"], b["us_min"], b["us_max"]) == (20.0, 12.0, 25.0) and b["config"] == "c2"
+    assert a["gbps"] == pytest.approx(2e6 / 11.0 * 1e-3) and a["tflops"] == pytest.approx(4e9 / 11.0 * 1e-6)
+    assert "us" not in missing and missing["missing"].startswith("KeyError")
+    args = mod["_args"](["256", "2048", "--family", "wgmma", "--family", "warp", "--rounds", "3"])
+    assert args.sizes == [256, 2048] and args.family == ["wgmma", "warp"] and args.rounds == 3
+    defaults = mod["_args"]([])
+    assert defaults.sizes == [] and defaults.family is None and defaults.rounds == 1
+    with pytest.raises(SystemExit):
+        mod["_args"](["--rounds", "0"])
