@@ -1461,6 +1461,9 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             assert order == list(range(len(order))), (t, "stmatrix order differs from the accumulator's")
             tRS_acc = r2s.retile(acc)
 
+            # The tile walk is written out here and in `_consume_pingpong`, not called: a PipelineState advanced inside
+            # a dynamic loop of a called @cute.jit function does not come back to the caller (tried: the PTX then
+            # released stage 0 after each walk).
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
             release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
             buffer = cutlass.Int32(0)
