@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,20 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
                 threads = 256 if config in launch.TMA_CONFIGS else tile.threads  # the TMA kernel's consumers
                 _assert_dgrad_k_blocks("\n".join(ptx), tile.bm * 128 // (64 * threads),
                                        tile.bm * tile.bn // threads // halves, k.DGRAD_K_BLOCK, config)
+
+
+def _ptxas_report(ptx: str, what, serialized=("C7511", "C7514", "C7515")) -> str:
+    """ptxas -v (sm_90a) on one kernel's PTX: it assembles with no spill stores and none of the `serialized`
+    warnings (ptxas serializing the wgmmas, which undoes the overlap); returns the report (registers)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True, timeout=600)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0 and "0 bytes spill stores" in log, (what, log[-2000:])
+    assert not any(c in log for c in serialized), (what, "wgmmas serialized")
+    return log
 
 
 def _assert_dgrad_k_blocks(text, atoms, acc_per_thread, k_block, config):
@@ -201,7 +216,6 @@ def test_tma_mainloop_instructions():
     installed: no spills, and no serialized wgmmas (ptxas C7514 / C7515 / C7511, which would undo the overlap)."""
     import re
     import shutil
-    import tempfile
 
     from h3cute.runtime.dsl import compile_variant
 
@@ -248,14 +262,7 @@ def test_tma_mainloop_instructions():
             assert waits == [reuse, "0"], (config, waits)
             assert "st.global.v4" not in text, config  # no 16-byte register stores of C left
         if shutil.which("ptxas"):
-            with tempfile.TemporaryDirectory() as tmp:
-                src = Path(tmp) / "k.ptx"
-                src.write_text(ptx[0])
-                run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                                     capture_output=True, text=True, timeout=600)
-            log = run.stdout + run.stderr
-            assert run.returncode == 0 and "0 bytes spill stores" in log, (name, config, log[-2000:])
-            assert not any(c in log for c in ("C7511", "C7514", "C7515")), (name, config, "wgmmas serialized")
+            _ptxas_report(ptx[0], (name, config))
 
 
 # The clustered TMA configs: (kernel, clustered config, its unclustered twin, extra build args, shared operand).
@@ -299,7 +306,6 @@ def test_multicast_instructions(name, config, twin, extra, shared):
     d_temb's block adds), no atomics. ptxas: no spills, no serialized wgmmas, the twin's register count."""
     import re
     import shutil
-    import tempfile
 
     from h3cute.runtime.dsl import compile_variant
 
@@ -323,17 +329,7 @@ def test_multicast_instructions(name, config, twin, extra, shared):
         for forbidden in ("atom.", "\tred.", "mma.sync", "cp.async.cg"):
             assert forbidden not in text, (n, forbidden)
         if shutil.which("ptxas"):
-            regs = {}
-            for c, ptx in texts.items():
-                with tempfile.TemporaryDirectory() as tmp:
-                    src = Path(tmp) / "k.ptx"
-                    src.write_text(ptx)
-                    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                                         capture_output=True, text=True, timeout=600)
-                log = run.stdout + run.stderr
-                assert run.returncode == 0 and "0 bytes spill stores" in log, (n, c, log[-2000:])
-                assert not any(x in log for x in ("C7511", "C7514", "C7515")), (n, c, "wgmmas serialized")
-                regs[c] = re.findall(r"Used (\d+) registers", log)
+            regs = {c: re.findall(r"Used (\d+) registers", _ptxas_report(ptx, (n, c))) for c, ptx in texts.items()}
             assert regs[config] == regs[twin], (n, regs)
 
 
@@ -989,7 +985,6 @@ def test_tma_store_wgrad_instructions():
     Where ptxas is installed: no spills and no serialized wgmmas."""
     import re
     import shutil
-    import tempfile
 
     from h3cute.runtime.dsl import compile_variant
 
@@ -1008,14 +1003,7 @@ def test_tma_store_wgrad_instructions():
                 assert forbidden not in text, (config, n, forbidden)
             assert re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", text) == ["0"], (config, n)
             if shutil.which("ptxas"):
-                with tempfile.TemporaryDirectory() as tmp:
-                    src = Path(tmp) / "k.ptx"
-                    src.write_text(ptx[0])
-                    run = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                                         capture_output=True, text=True, timeout=600)
-                log = run.stdout + run.stderr
-                assert run.returncode == 0 and "0 bytes spill stores" in log, (config, n, log[-2000:])
-                assert not any(c in log for c in ("C7511", "C7512", "C7514", "C7515")), (config, n, "wgmmas serialized")
+                _ptxas_report(ptx[0], (config, n), serialized=("C7511", "C7512", "C7514", "C7515"))
 
 
 @pytest.mark.slow
