@@ -681,9 +681,9 @@ class _WgmmaGemm(_WarpMmaGemm):
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=self.tile.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # Every consumer warp releases each stage, or (pingpong) those of the one warpgroup that read it.
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                     t.cluster_size * 32 * 4 * t.mma_warpgroups // 32),
+            # Every consumer warp (4 per warpgroup) releases each stage, or (pingpong) those of the one warpgroup that
+            # read it.
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster_size * 4 * t.mma_warpgroups),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, t.cluster_m, t.cluster_n, 1)),
         )
