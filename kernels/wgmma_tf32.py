@@ -35,12 +35,14 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
 from cutlass._mlir.dialects import cute_nvgpu as _cute_nvgpu_ir
 from cutlass.cute.atom import make_atom
 from cutlass.cute.core import _pack_shape
 from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.cute.nvgpu.warpgroup import OperandSource
 from cutlass.cute.nvgpu.warpgroup.mma import MmaOp, MmaTraits
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.utils import LayoutEnum
 from cutlass.utils import hopper_helpers as sm90
 
@@ -404,6 +406,226 @@ def _add_rn_tile(acc: cute.Tensor, chunk: cute.Tensor):
         acc[i] = add_rn(acc[i], chunk[i])
 
 
+# --- the 3xTF32 GEMM with the weight split in registers -------------------------------------------
+
+class MmaTF32RegAOp(MmaTF32Op):
+    """wgmma m64nNk8, TF32, A from registers (any layout in shared memory: the threads load it), B from
+    shared memory (K-major), FP32 accumulator."""
+
+    def __init__(self, n: int) -> None:
+        MmaOp.__init__(self, cutlass.TFloat32, cutlass.TFloat32, cutlass.Float32, (WGMMA_M, n, K_CHUNK),
+                       OperandSource.RMEM, OperandMajorMode.K, OperandMajorMode.K)
+
+
+@dsl_user_op
+def f32_bits(x: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """The bit pattern of an FP32 value."""
+    return cutlass.Int32(llvm.inline_asm(
+        cutlass.Int32.mlir_type, [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+# role -> (K, slices, W K-major): the fc2-sized GEMMs whose weight operand is w2 itself.
+WEIGHT_GEMMS = {
+    "fc2": (5376, 6, True),  # W = w2 (2688, 5376), X = h (T, 5376): P (6, T, 2688)
+    "fc2_dgrad": (2688, 3, False),  # W = w2^T (5376, 2688) read as w2 in place, X = grad (T, 2688): P (3, T, 5376)
+}
+
+
+@dataclass(frozen=True)
+class WeightTile:
+    """CTA tile of `Tf32x3WeightGemm`: 128 weight rows (two consumer warpgroups of 64) x bn activation rows,
+    bk-deep k tiles, `stages` ring slots of one raw weight tile and the activation's big and small tiles."""
+
+    bn: int = 128
+    bk: int = 32
+    stages: int = 4
+
+    def __post_init__(self):
+        if self.bn % 16 or not 16 <= self.bn <= 128:
+            raise ValueError(f"{self}: bn in 16..128, a multiple of 16 (two chunk tiles + acc in registers)")
+        if self.bk != 32:
+            raise ValueError(f"{self}: bk must be 32 (the 128-byte swizzle row of the K-major operands)")
+        if self.stages < 2 or self.stage_bytes * self.stages > GEMM_SMEM_BYTES:
+            raise ValueError(f"{self}: {self.stages} stages of {self.stage_bytes} B do not fit")
+
+    @property
+    def stage_bytes(self) -> int:
+        return (GEMM_BM + 2 * self.bn) * self.bk * 4  # raw W, big and small X
+
+    def astuple(self) -> tuple:
+        return (self.bn, self.bk, self.stages)
+
+
+class Tf32x3WeightGemm:
+    """P[s, t, f] = slice s of sum_k W[f, k] X[t, k] under the MLP's 3xTF32 chunk contract: fc2 and fc2_dgrad
+    with w2 read as it is, no split arrays of the 57.8 MB weight.
+
+    The weight is the wgmma's A operand, from registers: TMA brings raw FP32 W tiles (128 x bk; K-major for
+    fc2, M-major for fc2_dgrad's w2^T) into the ring next to the activation's pre-split big / small tiles
+    (`tf32_split` of h or grad, K-major, the B operand); each consumer thread loads its four W values of a
+    k8 chunk and splits them as `tf32_split` does (big = x & mask, small = tf32_small(x, big)). Per chunk:
+    wgmma(big_w, small_x) with scale-d = 0, wgmma(small_w, big_x), wgmma(big_w, big_x): the products, k
+    positions and order of `Tf32x3WgmmaGemm`'s small_x*big_w, big_x*small_w, big_x*big_w, with the
+    operands' roles swapped (the output is D^T: weight rows along M); then acc = add.rn(acc, chunk) as
+    there. So the same bits if the tensor core's k8 sum does not depend on which operand a product's
+    factors came from (the GPU tests compare the whole op with the mma.sync path).
+    The A registers of chunk j are reused by chunk j + 2, after wait_group(1) has retired chunk j; chunk
+    j + 1's loads and splits run while chunk j's wgmmas do.
+    Grid (ceil(T / bn), F / 128, splits): CTAs launched together share one W tile and differ in their T tile.
+    The epilogue stores D^T: P[s, t, f] for t < T, straight from registers (eight consecutive f per store
+    group). Launched with PDL: X is the previous kernel's output; every thread waits before the first load.
+    """
+
+    _PRODUCER_REGS = 40
+    _CONSUMER_REGS = 232
+    _THREADS = 384
+
+    def __init__(self, tile: WeightTile, splits: int, w_k_major: bool):
+        self.tile = tile
+        self.splits = splits
+        self.w_k_major = w_k_major
+
+    @cute.jit
+    def __call__(self, mW: cute.Tensor, mX_big: cute.Tensor, mX_small: cute.Tensor, mP: cute.Tensor, stream):
+        from cutlass.cute.nvgpu import cpasync
+
+        t = self.tile
+        w_major = LayoutEnum.ROW_MAJOR if cutlass.const_expr(self.w_k_major) else LayoutEnum.COL_MAJOR
+        sW_layout = sm90.make_smem_layout_a(w_major, (GEMM_BM, 8, t.bk), cutlass.Float32, t.stages)
+        sX_layout = tf32_smem_layout(t.bn, t.bk, t.stages, is_a=False)
+        tmas = []
+        for mT, layout, rows in ((mW, sW_layout, GEMM_BM), (mX_big, sX_layout, t.bn), (mX_small, sX_layout, t.bn)):
+            tmas.append(cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mT, cute.slice_(layout, (None, None, 0)), (rows, t.bk)))
+        tiled_mma = cute.make_tiled_mma(MmaTF32RegAOp(t.bn), cute.make_layout((GEMM_BM // WGMMA_M, 1, 1)))
+        grid = (cute.ceil_div(cute.size(mX_big, mode=[0]), t.bn), cute.size(mW, mode=[0]) // GEMM_BM, self.splits)
+        self.kernel(mW, mP, tmas[0][0], tmas[0][1], tmas[1][0], tmas[1][1], tmas[2][0], tmas[2][1],
+                    sW_layout, sX_layout, tiled_mma).launch(
+            grid=grid, block=[self._THREADS, 1, 1], stream=stream, use_pdl=True,
+            max_number_threads=[self._THREADS, 1, 1], min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, mW: cute.Tensor, mP: cute.Tensor, tma_w: cute.CopyAtom, tma_mW: cute.Tensor,
+               tma_xb: cute.CopyAtom, tma_mXb: cute.Tensor, tma_xs: cute.CopyAtom, tma_mXs: cute.Tensor,
+               sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma):
+        from cutlass import pipeline
+        from cutlass.cute.nvgpu import cpasync
+
+        t = self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        t_tile, f_tile, split = cute.arch.block_idx()
+        if warp_idx == 0:
+            for atom in (tma_w, tma_xb, tma_xs):
+                cpasync.prefetch_descriptor(atom)
+
+        @cute.struct
+        class SharedStorage:
+            barriers: cute.struct.MemRange[cutlass.Int64, 2 * t.stages]
+            w: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(sW_layout)], 1024]
+            x_big: cute.struct.Align[cute.struct.MemRange[cutlass.TFloat32, cute.cosize(sX_layout)], 1024]
+            x_small: cute.struct.Align[cute.struct.MemRange[cutlass.TFloat32, cute.cosize(sX_layout)], 1024]
+
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
+        sW = storage.w.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
+        sX_big = storage.x_big.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+        sX_small = storage.x_small.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=t.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (self._THREADS - 128) // 32),
+            tx_count=t.stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
+        k_tile_count = cute.size(mW, mode=[1]) // (t.bk * self.splits)
+        loads = []
+        for atom, tma_m, smem, rows, tile in ((tma_w, tma_mW, sW, GEMM_BM, f_tile),
+                                              (tma_xb, tma_mXb, sX_big, t.bn, t_tile),
+                                              (tma_xs, tma_mXs, sX_small, t.bn, t_tile)):
+            g = cute.local_tile(tma_m, (rows, t.bk), (tile, None))
+            s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                                   cute.group_modes(g, 0, 2))
+            loads.append((atom, s_part, g_part))
+
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
+            if warp_idx == 0:
+                produce_k_tiles(ring, t.stages, loads, split * k_tile_count, k_tile_count)
+        else:
+            cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
+            thr_mma = tiled_mma.get_slice(tidx - 128)
+            tCsW = thr_mma.partition_A(sW)  # this thread's W elements: ((2, 2), 1, k8 chunks, stages)
+            x_frags = (tiled_mma.make_fragment_B(thr_mma.partition_B(sX_big)),
+                       tiled_mma.make_fragment_B(thr_mma.partition_B(sX_small)))
+            # D^T: weight rows f along M, activation rows t along N, over P[s] (T, F) seen as (F, T)
+            mOut = mP[split, None, None]
+            mOut_t = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=[1, 0]))
+            gC = cute.local_tile(mOut_t, (GEMM_BM, t.bn), (f_tile, t_tile))
+            cC = cute.local_tile(cute.make_identity_tensor(mOut_t.shape), (GEMM_BM, t.bn), (f_tile, t_tile))
+            tCgC = thr_mma.partition_C(gC)
+            tCcC = thr_mma.partition_C(cC)
+            acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
+            acc.fill(0.0)
+            self._mainloop(tiled_mma, acc, tCsW, x_frags, ring, k_tile_count)
+            cols = cute.size(mOut_t, mode=[1])
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if cute.elem_less(tCcC[i][1], cols):
+                    tCgC[i] = acc[i]
+
+    @cute.jit
+    def _mainloop(self, tiled_mma, acc, tCsW, x_frags, ring, k_tile_count):
+        from cutlass import pipeline
+
+        x_big, x_small = x_frags
+        w_shape = tCsW[None, None, 0, 0].shape
+        # two chunks' (big, small) W registers: chunk j fills pair j % 2
+        w_regs = tuple(tuple(cute.make_rmem_tensor(w_shape, cutlass.TFloat32) for _ in range(2)) for _ in range(2))
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
+        chunks = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
+        num_chunks = self.tile.bk // K_CHUNK
+        for _ in range(k_tile_count):
+            ring.consumer_wait(read)
+            s = read.index
+            _split_w_chunk(tCsW[None, None, 0, s], w_regs[0])
+            for kb in cutlass.range_constexpr(num_chunks):
+                w_big, w_small = w_regs[kb % 2]
+                chunk = chunks[kb % 2]
+                cute.nvgpu.warpgroup.fence()  # the W registers and the chunk tile are written before the wgmmas
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                cute.gemm(tiled_mma, chunk, w_big, x_small[None, None, kb, s], chunk)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.gemm(tiled_mma, chunk, w_small, x_big[None, None, kb, s], chunk)
+                cute.gemm(tiled_mma, chunk, w_big, x_big[None, None, kb, s], chunk)
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(1)  # chunk kb - 1 is done: its chunk tile and W registers are free
+                if cutlass.const_expr(kb > 0):
+                    _add_rn_tile(acc, chunks[(kb - 1) % 2])
+                if cutlass.const_expr(kb + 1 < num_chunks):
+                    _split_w_chunk(tCsW[None, None, kb + 1, s], w_regs[(kb + 1) % 2])
+            cute.nvgpu.warpgroup.wait_group(0)
+            _add_rn_tile(acc, chunks[(num_chunks - 1) % 2])
+            ring.consumer_release(read)
+            read.advance()
+
+
+@cute.jit
+def _split_w_chunk(w_smem: cute.Tensor, regs):
+    """Load this thread's W values of one k8 chunk from shared memory into (big, small) A registers."""
+    big = cute.recast_tensor(regs[0], cutlass.Int32)
+    small = cute.recast_tensor(regs[1], cutlass.Int32)
+    for i in cutlass.range_constexpr(cute.size(w_smem)):
+        x = f32_bits(w_smem[i])
+        big[i] = x & TF32_BIG_MASK
+        small[i] = tf32_small(x, big[i])
+
+
 # --- the big / small split ------------------------------------------------------------------------
 
 SPLIT_THREADS = 256
@@ -530,6 +752,26 @@ def build_gemm(arch: str, *, k: Optional[int], splits: int, tile: tuple):
                        _compact((splits, m_dim, n_dim)), env_stream())
 
 
+def build_weight_gemm(arch: str, *, role: str, tile: tuple):
+    """P (splits, T, F) of `Tf32x3WeightGemm` for `role` in WEIGHT_GEMMS, called (W, X_big, X_small (T, K), P):
+    W is w2 (2688, 5376) for fc2, the (5376, 2688) view of w2 with strides (1, 5376) for fc2_dgrad."""
+    assert arch == "sm_90a", "wgmma is sm_90a only"
+    k, splits, w_k_major = WEIGHT_GEMMS[role]
+    wtile = WeightTile(*tile)
+    if k % (splits * wtile.bk):
+        raise ValueError(f"K = {k} does not split into {splits} slices of whole {wtile.bk}-deep tiles")
+    features = 5376 * 2688 // k
+    rows = cute.sym_int()
+    w = _compact((features, k)) if w_k_major else make_fake_compact_tensor(
+        cutlass.Float32, (features, k), stride_order=(0, 1), assumed_align=16)
+    gemm = Tf32x3WeightGemm(wtile, splits, w_k_major)
+    return compile_for(arch, gemm, w, _compact((rows, k)), _compact((rows, k)), _compact((splits, rows, features)),
+                       env_stream())
+
+
+WEIGHT_TILE = (128, 32, 4)  # the launcher's tile for both roles
+
+
 def gemm_variants() -> list:
     """fc2 in every measured tile (the perf script times them); the other roles in the launcher's tile."""
     variants = [dict(k=5376, splits=6, tile=t) for t in GEMM_TILES]
@@ -574,6 +816,15 @@ SPECS = [
         build=build_split,
         variants=lambda arch: [dict(transpose=False), dict(transpose=True)],
         ptx_markers=("db, 4096;", "griddepcontrol.wait"),
+        ptx_forbidden=("atom.", "\tred."),
+        archs=("sm_90a",),
+    ),
+    KernelSpec(
+        name="tf32x3_wgmma_weight_gemm",
+        build=build_weight_gemm,
+        variants=lambda arch: [dict(role=r, tile=WEIGHT_TILE) for r in WEIGHT_GEMMS],
+        ptx_markers=("wgmma.mma_async.sync.aligned.m64n", ".tf32.tf32", "add.rn.f32", "cp.async.bulk.tensor",
+                     "mbarrier.try_wait", "setmaxnreg", "griddepcontrol.wait"),
         ptx_forbidden=("atom.", "\tred."),
         archs=("sm_90a",),
     ),

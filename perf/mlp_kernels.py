@@ -105,6 +105,8 @@ def _steps(num_rows: int, dev):
         split, split_t = (runtime.kernel("tf32_split", dev, transpose=t) for t in (False, True))
         wgmma = {role: runtime.kernel("tf32x3_wgmma_gemm", dev, k=k, splits=s, tile=L.WGMMA_TILE)
                  for role, (k, s) in L.WGMMA_ROLES.items()}
+        weight = {role: runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role=role, tile=L.WEIGHT_TILE)
+                  for role in L.WEIGHT_ROLES}
         depth = -(-num_rows // L.WGMMA_K_PAD) * L.WGMMA_K_PAD
         h2, w2_2, g2 = (torch.empty_like(h), torch.empty_like(h)), (torch.empty_like(w2), torch.empty_like(w2)), \
             (torch.empty_like(grad), torch.empty_like(grad))
@@ -114,14 +116,20 @@ def _steps(num_rows: int, dev):
         steps += [
             ("fwd_wgmma", "fc1 (h)", by_name["fc1 (h)"]),
             ("fwd_wgmma", "split h", lambda: split(h, *h2)),
-            ("fwd_wgmma", "split w2", lambda: split(w2, *w2_2)),
-            ("fwd_wgmma", "wgmma fc2 partials", lambda: wgmma["fc2"](*h2, *w2_2, p_fc2)),
+            ("fwd_wgmma", "wgmma fc2 partials (w2 in registers)", lambda: weight["fc2"](w2, *h2, p_fc2)),
             ("fwd_wgmma", "fold + b2", by_name["fold + b2"]),
             ("bwd_wgmma", "fc1 (z, h)", by_name["fc1 (z, h)"]),
             ("bwd_wgmma", "split grad", lambda: split(grad, *g2)),
-            ("bwd_wgmma", "split w2^T", lambda: split_t(w2, *w2t_2)),
-            ("bwd_wgmma", "wgmma fc2_dgrad partials", lambda: wgmma["fc2_dgrad"](*g2, *w2t_2, p_dh)),
+            ("bwd_wgmma", "wgmma fc2_dgrad partials (w2 in registers)",
+             lambda: weight["fc2_dgrad"](T(w2), *g2, p_dh)),
         ] + [("bwd_wgmma", name, by_name[name]) for name in ("dz fold + db1", "fc1_dgrad partials", "fold dx")] + [
+            # the pre-split form of fc2 / fc2_dgrad (split w2, then both operands from shared memory), timed
+            # beside the launcher's steps for comparison (phase "presplit": not in the graphs)
+            ("presplit", "split w2", lambda: split(w2, *w2_2)),
+            ("presplit", "wgmma fc2 partials (pre-split)", lambda: wgmma["fc2"](*h2, *w2_2, p_fc2)),
+            ("presplit", "split w2^T", lambda: split_t(w2, *w2t_2)),
+            ("presplit", "wgmma fc2_dgrad partials (pre-split)", lambda: wgmma["fc2_dgrad"](*g2, *w2t_2, p_dh)),
+        ] + [
             ("bwd_wgmma", "split grad^T", lambda: split_t(grad, *gt_2)),
             ("bwd_wgmma", "split h^T", lambda: split_t(h, *ht_2)),
             ("bwd_wgmma", "wgmma fc2_wgrad dW2", lambda: wgmma["fc2_wgrad"](*gt_2, *ht_2, dw2)),

@@ -222,6 +222,36 @@ def test_wgmma_gemm_compiles_to_three_tf32_wgmma_per_chunk(tmp_path):
         assert dict(k=k, splits=splits, tile=W.LAUNCH_TILE) in variants
 
 
+@pytest.mark.slow
+def test_weight_gemm_compiles_to_three_register_a_tf32_wgmma_per_chunk(tmp_path):
+    """fc2 / fc2_dgrad with w2 split in registers: per k8 chunk three m64nNk8 TF32 wgmmas whose A operand is
+    four registers (no A descriptor), an IEEE add per accumulator register, four 32-bit shared loads of W;
+    three TMA loads per k tile; ptxas: no spills, no serialization warning."""
+    pytest.importorskip("cutlass", exc_type=ImportError)
+    from h3cute.kernels import get_spec
+    from h3cute.runtime.dsl import compile_variant
+
+    spec = get_spec("tf32x3_wgmma_weight_gemm")
+    assert spec.archs == ("sm_90a",)
+    for static in spec.variants("sm_90a"):
+        _, ptxs = compile_variant(spec, "sm_90a", static, keep_ptx=True)
+        ptx = "\n".join(ptxs)
+        bn, bk, _ = static["tile"]
+        chunks = bk // 8
+        wgmmas = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k8\.f32\.tf32\.tf32 \{{[^}}]*\}}, (\{{[^}}]*\}}|%rd\d+)",
+                            ptx)
+        assert len(wgmmas) == 3 * chunks, static
+        assert all(a.startswith("{") and a.count("%r") == 4 for a in wgmmas), wgmmas  # A from registers
+        assert ptx.count("add.rn.f32 ") == (bn // 2) * chunks, static
+        assert ptx.count("ld.shared.b32") == 4 * chunks, static
+        n_tma = ptx.count("cp.async.bulk.tensor.2d")
+        assert n_tma and n_tma % 3 == 0, (static, n_tma)
+        assert ".local" not in ptx and "atom." not in ptx
+        if shutil.which("ptxas"):
+            report = _ptxas_ok(ptx, tmp_path)
+            assert _no_spills(report) and "warning" not in report.lower(), report
+
+
 def test_wgmma_tiles_are_checked():
     pytest.importorskip("cutlass", exc_type=ImportError)
     from h3cute.kernels.wgmma_tf32 import GEMM_TILES, WgmmaTile
@@ -393,6 +423,70 @@ def test_wgmma_fc2_dgrad_partials_equal_the_mma_sync_partials(num_rows):
     runtime.kernel("timestep_mlp_gemm", grad.device, role="fc2_dgrad",
                    tile=L.pick_config(num_rows).fc2_dgrad.astuple())(grad, L.transposed(w2), want)
     _check_partials(got, want, grad, w2, "fc2_dgrad")
+
+
+def _weight_gemm(role, w, x):
+    """P of the weight-in-registers GEMM: W = w2 (fc2) or w2^T read in place (fc2_dgrad), X split first."""
+    from h3cute import runtime
+    from h3cute.launch import timestep_mlp as L
+
+    _, splits, w_k_major = L.WEIGHT_ROLES[role]
+    parts = [torch.full_like(x, float("nan")) for _ in range(2)]
+    runtime.kernel("tf32_split", x.device, transpose=False)(x, *parts)
+    features = w.shape[0] if w_k_major else w.shape[1]
+    out = torch.full((splits, x.shape[0], features), float("nan"), device="cuda")
+    w_arg = w if w_k_major else L.transposed(w)
+    runtime.kernel("tf32x3_wgmma_weight_gemm", x.device, role=role, tile=L.WEIGHT_TILE)(w_arg, *parts, out)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (1, 5, 64, 200, 256, 300, 2048))
+def test_weight_gemm_fc2_partials_equal_the_mma_sync_partials(num_rows):
+    """fc2 with w2 split in registers (the weight as wgmma's A operand, D^T stored): every slice partial
+    bitwise equal to timestep_mlp_gemm's, FP64 first."""
+    from h3cute import runtime
+    from h3cute.launch import timestep_mlp as L
+
+    h, w2 = _fc2_inputs(num_rows, 9000 + num_rows)
+    got = _weight_gemm("fc2", w2, h)
+    want = torch.full_like(got, float("nan"))
+    runtime.kernel("timestep_mlp_gemm", h.device, role="fc2", tile=L.pick_config(num_rows).fc2.astuple())(
+        h, w2, want)
+    _check_partials(got, want, h, w2.t(), "fc2 (weight in registers)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (1, 130, 256, 2048))
+def test_weight_gemm_fc2_dgrad_partials_equal_the_mma_sync_partials(num_rows):
+    """dh partials with w2^T read in place (M-major weight tiles split in registers): bitwise equal to the
+    mma.sync role's, FP64 first; non-finite grad values land where mma.sync puts them."""
+    from h3cute import runtime
+    from h3cute.launch import timestep_mlp as L
+
+    g = _gen(9500 + num_rows)
+    grad = torch.randn(num_rows, N, generator=g, device="cuda")
+    w2 = torch.randn(N, HIDDEN, generator=g, device="cuda") * HIDDEN ** -0.5
+    got = _weight_gemm("fc2_dgrad", w2, grad)
+    want = torch.full_like(got, float("nan"))
+    runtime.kernel("timestep_mlp_gemm", grad.device, role="fc2_dgrad",
+                   tile=L.pick_config(num_rows).fc2_dgrad.astuple())(grad, L.transposed(w2), want)
+    _check_partials(got, want, grad, w2, "fc2_dgrad (weight in registers)")
+    grad[0, 7], w2[11, 3] = float("inf"), float("nan")
+    got, want = _weight_gemm("fc2_dgrad", w2, grad), torch.full_like(want, 0.0)
+    runtime.kernel("timestep_mlp_gemm", grad.device, role="fc2_dgrad",
+                   tile=L.pick_config(num_rows).fc2_dgrad.astuple())(grad, L.transposed(w2), want)
+    assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.gpu
+def test_weight_gemm_rows_are_batch_invariant():
+    """A row alone, and inside batches where it sits at other T-tile positions, gives the same partial bits."""
+    h, w2 = _fc2_inputs(300, 9901)
+    full = _weight_gemm("fc2", w2, h)
+    for lo, hi in ((0, 1), (137, 138), (5, 200), (299, 300), (100, 300)):
+        part = _weight_gemm("fc2", w2, h[lo:hi].contiguous())
+        assert torch.equal(bits(part), bits(full[:, lo:hi])), (lo, hi)
 
 
 def _wgmma_wgrad(grad, h, depth_out):

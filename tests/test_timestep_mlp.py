@@ -70,6 +70,10 @@ def test_wgmma_roles_are_built_variants():
     for k, splits in L.WGMMA_ROLES.values():
         assert dict(k=k, splits=splits, tile=L.WGMMA_TILE) in built, (k, splits)
     assert get_spec("tf32x3_wgmma_gemm").archs == ("sm_90a",)
+    assert L.WEIGHT_ROLES == W.WEIGHT_GEMMS and L.WEIGHT_TILE == W.WEIGHT_TILE
+    assert {k: v[:2] for k, v in L.WEIGHT_ROLES.items()} == {r: L.WGMMA_ROLES[r] for r in L.WEIGHT_ROLES}
+    built = get_spec("tf32x3_wgmma_weight_gemm").variants("sm_90a")
+    assert built == [dict(role=r, tile=L.WEIGHT_TILE) for r in L.WEIGHT_ROLES]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])

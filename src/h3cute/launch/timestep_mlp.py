@@ -83,11 +83,14 @@ CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_con
 # 400.3, but the wgmma sequence runs through the Python launcher (the C++ layer leaves it to the Python impl),
 # whose host time made the eager fwd+bwd 963 us against the C++ mma.sync path's ~570; T = 512 853 vs 1067
 # device, where the host time (~1 ms) and the device time meet; T = 2048 2696 vs 3944.
-WGMMA_MIN_ROWS = 512
+WGMMA_MIN_ROWS = 256
 WGMMA_TILE = (128, 32, 3)  # wgmma_tf32.LAUNCH_TILE (bn, bk, stages): every role's variant is built in it
 WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a multiple of it
 WGMMA_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"]), "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"]),
                "fc2_wgrad": (None, 1)}  # wgmma_tf32.ROLE_GEMMS: (K, slices); None = T-deep
+# wgmma_tf32.WEIGHT_GEMMS: (K, slices, W K-major): fc2 and fc2_dgrad read w2 as it is and split it in registers
+WEIGHT_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"], True), "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"], False)}
+WEIGHT_TILE = (128, 32, 4)  # wgmma_tf32.WEIGHT_TILE (bn, bk, stages)
 
 # pick_config's T ranges: up to each bound, its config.
 T_BOUNDS = ((16, SMALL_T), (64, WIDE_T), (256, MID_T), (runtime.MAX_ROWS, LARGE_T))
@@ -144,6 +147,10 @@ def _wgmma_gemm(device, role: str):
     return runtime.kernel("tf32x3_wgmma_gemm", device, k=k, splits=splits, tile=WGMMA_TILE)
 
 
+def _weight_gemm(device, role: str):
+    return runtime.kernel("tf32x3_wgmma_weight_gemm", device, role=role, tile=WEIGHT_TILE)
+
+
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The big / small TF32 operand arrays of a contiguous K-major (R, K) operand."""
     big, small = torch.empty_like(x), torch.empty_like(x)
@@ -182,7 +189,7 @@ def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None, wgmma: bool | No
     partials = torch.empty((SPLITS["fc2"], num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
     use_wgmma = uses_wgmma(dev, num_rows) if wgmma is None else wgmma
     if use_wgmma:
-        _wgmma_gemm(dev, "fc2")(*_split(h), *_split(w2), partials)
+        _weight_gemm(dev, "fc2")(w2, *_split(h), partials)
     else:
         _gemm(dev, "fc2", cfg.fc2)(h, w2, partials)
     _fold(dev, "fc2", "bias")(partials, b2, out)
@@ -209,8 +216,8 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool |
     z, h = _fc1(x, w1, b1, cfg.fc1)
 
     dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, HIDDEN), **f32)
-    if use_wgmma:  # B = w2^T (5376, 2688): w2 (2688, 5376) is its contiguous transpose
-        _wgmma_gemm(dev, "fc2_dgrad")(*_split(grad), *_split_transposed(w2, TEMB_WIDTH), dh_partials)
+    if use_wgmma:  # W = w2^T (5376, 2688), read as w2 in place (M-major weight tiles)
+        _weight_gemm(dev, "fc2_dgrad")(transposed(w2), *_split(grad), dh_partials)
     else:
         _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)  # w2 read N-major in place
     dz = torch.empty((num_rows, HIDDEN), **f32)
