@@ -7,7 +7,7 @@ GEMMs, folds and bias column sums) is replayed on preallocated buffers and
 timed alone with CUDA events: median of 50 samples after 10 warm-ups. The whole forward and backward
 are also timed as one CUDA-graph replay (`graph`), which shows what launch overlap (PDL) buys over
 the sum of the isolated steps (`sum`), and so is every config of `CONFIGS` (the tile ranking per T).
-On sm_90a from L.WGMMA_MIN_ROWS rows (the launcher's default there) also the TF32-wgmma path step by step
+On sm_90a from WGMMA_TIMED_FROM rows (the launcher's default from L.WGMMA_MIN_ROWS) also the TF32-wgmma path step by step
 (phases fwd_wgmma / bwd_wgmma: the splits and the wgmma GEMMs next to the shared mma.sync steps) and as
 graphs, next to the mma.sync path (phases fwd / bwd, forced with wgmma=False); and the fc2 GEMM per
 wgmma tile at every T.
@@ -26,7 +26,8 @@ from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
 from h3cute.launch import timestep_mlp as L
 
-SIZES = (1, 4, 64, 256, 512, 2048)
+SIZES = (1, 4, 64, 128, 256, 512, 2048)
+WGMMA_TIMED_FROM = 64  # sm_90a: the wgmma path is timed from here, below and above WGMMA_MIN_ROWS (the threshold's evidence)
 # Targets (issue): fwd kernel time <= 18.8 us at T <= 4 (1.25x the 15 us weight-read floor), fwd faster
 # than cuBLAS FP32 everywhere and 2x at T = 2048; fwd+bwd 1.5x faster than cuBLAS (H200 this morning).
 CUBLAS_US = {1: (58, 299), 4: (61, 341), 64: (169, 433), 256: (272, 705), 2048: (1773, 4694)}  # fwd, fwd+bwd
@@ -101,7 +102,7 @@ def _steps(num_rows: int, dev):
         "fwd": lambda c: L.forward(x, w1, b1, w2, b2, config=c, wgmma=False),
         "bwd": lambda c: L.backward(grad, x, w1, b1, w2, config=c, wgmma=False),
     }
-    if L.uses_wgmma(dev, num_rows):
+    if L.uses_wgmma(dev, num_rows) or (num_rows >= WGMMA_TIMED_FROM and L.uses_wgmma(dev, L.WGMMA_MIN_ROWS)):
         split, split_t = (runtime.kernel("tf32_split", dev, transpose=t) for t in (False, True))
         wgmma = {role: runtime.kernel("tf32x3_wgmma_gemm", dev, k=k, splits=s, tile=L.WGMMA_TILE)
                  for role, (k, s) in L.WGMMA_ROLES.items()}

@@ -77,24 +77,24 @@ def test_wgmma_roles_are_built_variants():
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_kernel_handles_leave_the_wgmma_path_to_python(monkeypatch, arch):
-    """The C++ layer caches one answer per [lo, hi]: on sm_90a every row count from WGMMA_MIN_ROWS is marked
-    python-only (the wgmma sequence lives in the launcher), and no mma.sync range reaches past it."""
+def test_kernel_handles_mark_the_wgmma_sequence(monkeypatch, arch):
+    """The C++ layer caches one answer per [lo, hi]: on sm_90a every row count from WGMMA_MIN_ROWS gets the
+    wgmma sequence's kernels (flag 1: forward 4 launches, backward 10 kernels), no mma.sync range reaches
+    past it, and every range holds one config."""
     from h3cute import runtime
 
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: type("K", (), {"__chandle__": lambda s: 1})())
     for backward in (0, 1):
         for rows in (1, 16, 17, 64, 65, 255, 256, 257, 300, 511, 512, 513, 2048, 100000):
-            lo, hi, handles, (python_only,) = L.kernel_handles(0, backward, rows)
+            lo, hi, handles, (wgmma_flag,) = L.kernel_handles(0, backward, rows)
             assert lo <= rows <= hi
             wgmma = arch == "sm_90a" and rows >= L.WGMMA_MIN_ROWS
-            assert python_only == int(wgmma) and L.uses_wgmma(0, rows) == wgmma, (rows, backward)
-            assert (handles == []) == wgmma
+            assert wgmma_flag == int(wgmma) and L.uses_wgmma(0, rows) == wgmma, (rows, backward)
+            assert len(handles) == ((10 if backward else 4) if wgmma else (8 if backward else 3))
             if arch == "sm_90a":  # the whole range takes the same path
                 assert (lo >= L.WGMMA_MIN_ROWS) == wgmma and (hi < L.WGMMA_MIN_ROWS) != wgmma, (rows, lo, hi)
-            if not wgmma:
-                assert L.pick_config(max(lo, 1)) == L.pick_config(rows) == L.pick_config(min(hi, 4096))
+            assert L.pick_config(max(lo, 1)) == L.pick_config(rows) == L.pick_config(min(hi, 4096))
 
 
 def test_gemm_config_rejects_tiles_the_kernel_cannot_run():

@@ -13,9 +13,10 @@ fc2_dgrad and fc1_dgrad prefetch their weight before waiting on the previous ker
 launched right before each must not write that weight (fc1 / fc1_zh / the dz kernel do not).
 
 Large T on sm_90a (T >= WGMMA_MIN_ROWS): fc2, fc2_dgrad and fc2_wgrad run on the TF32 warpgroup MMA
-(kernels/wgmma_tf32.py): each operand is first split into its big / small TF32 operand arrays
-(`tf32_split`; w2^T, grad^T and h^T through its transposing form, the T-deep K zero-padded to a multiple
-of 32), then `tf32x3_wgmma_gemm` writes the same partial layout the mma.sync GEMM writes, under the same
+(kernels/wgmma_tf32.py). fc2 and fc2_dgrad read w2 as it is (`tf32x3_wgmma_weight_gemm`: the weight is the
+register operand, split per k8 chunk in registers) against the pre-split activation (`tf32_split` of h or
+grad); fc2_wgrad splits grad^T and h^T through the transposing split (the T-deep K zero-padded to a multiple
+of 32) into `tf32x3_wgmma_gemm`. Both write the partial layout the mma.sync GEMM writes, under the same
 chunk contract (same K slices, same k8 chunks, same IEEE adds), into the same folds: the same bits at
 every T (GPU tests compare the whole op). fc1, fc1_zh, fc1_dgrad and fc1_wgrad stay on mma.sync.
 
@@ -78,11 +79,10 @@ LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dg
 CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
-# sm_90a from this many rows: the fc2-sized GEMMs on TF32 wgmma (speed only: same bits). H200 at 2355bb0
-# (perf/results/h200/mlp_kernels.json, graph us fwd + bwd): T = 256 wgmma 154.5 + 348.2 vs mma.sync 170.8 +
-# 400.3, but the wgmma sequence runs through the Python launcher (the C++ layer leaves it to the Python impl),
-# whose host time made the eager fwd+bwd 963 us against the C++ mma.sync path's ~570; T = 512 853 vs 1067
-# device, where the host time (~1 ms) and the device time meet; T = 2048 2696 vs 3944.
+# sm_90a from this many rows: the fc2-sized GEMMs on TF32 wgmma (speed only: same bits). H200 at e642611
+# (perf/results/h200/mlp_kernels.json, graph us fwd + bwd): T = 256 wgmma 101.2 + 301.2 vs mma.sync 169.5 +
+# 397.8; 512 210.6 + 520.6 vs 334.6 + 734.4; 2048 751.0 + 1717.8 vs 1286.8 + 2660.0. The C++ layer runs the
+# same sequence (no Python on the way).
 WGMMA_MIN_ROWS = 256
 WGMMA_TILE = (128, 32, 3)  # wgmma_tf32.LAUNCH_TILE (bn, bk, stages): every role's variant is built in it
 WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a multiple of it
@@ -113,25 +113,32 @@ def uses_wgmma(device, num_rows: int) -> bool:
 
 def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int, list[int], list[int]]:
     """For the C++ impls (h3cute.native): the T range sharing every launch choice for `num_rows`, the C
-    handles of the forward's kernels (fc1, fc2, fold) or the backward's (fc1_zh, fc2_dgrad, colsum_dz,
-    fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2), in launch order (runtime keeps them alive), and
-    [python_only]: 1 where the launcher takes the wgmma path, which the C++ layer leaves to the Python impl
-    (no handles then; host time does not matter at T >= WGMMA_MIN_ROWS)."""
+    handles of its kernels in launch order (runtime keeps them alive), and [wgmma]: 0 for the mma.sync
+    sequence, forward (fc1, fc2, fold) or backward (fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx,
+    fc2_wgrad, fc1_wgrad, colsum_db2); 1 for the sm_90a wgmma sequence, forward (fc1, split, weight fc2,
+    fold) or backward (fc1_zh, split, weight fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, transposing split,
+    wgmma fc2_wgrad, fc1_wgrad, colsum_db2)."""
     lo, hi, cfg = _bucket(num_rows)
     dev = torch.device("cuda", device)
-    if runtime.arch_of(dev) == "sm_90a":
-        if num_rows >= WGMMA_MIN_ROWS:
-            return max(lo, WGMMA_MIN_ROWS), runtime.MAX_ROWS, [], [1]
+    wgmma = uses_wgmma(dev, num_rows)
+    if wgmma:
+        lo = max(lo, WGMMA_MIN_ROWS)
+    elif runtime.arch_of(dev) == "sm_90a":
         hi = min(hi, WGMMA_MIN_ROWS - 1)
+    split = [runtime.kernel("tf32_split", dev, transpose=False)] if wgmma else []
     if not backward:
-        fns = [_gemm(dev, "fc1", cfg.fc1), _gemm(dev, "fc2", cfg.fc2), _fold(dev, "fc2", "bias")]
+        fc2 = _weight_gemm(dev, "fc2") if wgmma else _gemm(dev, "fc2", cfg.fc2)
+        fns = [_gemm(dev, "fc1", cfg.fc1)] + split + [fc2, _fold(dev, "fc2", "bias")]
     else:
-        fns = [_gemm(dev, "fc1_zh", cfg.fc1), _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad),
-               runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True),
-               _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum"),
-               _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad), _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad),
-               runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH, fold_dz=False)]
-    return lo, hi, [fn.__chandle__() for fn in fns], [0]
+        dgrad = _weight_gemm(dev, "fc2_dgrad") if wgmma else _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)
+        wgrad = [runtime.kernel("tf32_split", dev, transpose=True), _wgmma_gemm(dev, "fc2_wgrad")] if wgmma else \
+            [_gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)]
+        fns = [_gemm(dev, "fc1_zh", cfg.fc1)] + split + [
+            dgrad, runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True),
+            _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum")] + wgrad + [
+            _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad), runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH,
+                                                                   fold_dz=False)]
+    return lo, hi, [fn.__chandle__() for fn in fns], [int(wgmma)]
 
 
 def _gemm(device, role: str, tile: GemmConfig):

@@ -148,7 +148,7 @@ void call_kernel(TVMFFIObjectHandle fn, std::initializer_list<KernelArg> args) {
 // Entries are appended under the GIL and published by the count (readers take no lock).
 class KernelTable {
  public:
-  static constexpr int kMaxKernels = 8, kMaxParams = 4, kMaxEntries = 32;
+  static constexpr int kMaxKernels = 12, kMaxParams = 4, kMaxEntries = 32;
   struct Entry {
     int64_t variant, lo, hi;
     TVMFFIObjectHandle fns[kMaxKernels];
@@ -290,18 +290,70 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
     return python_impl<at::Tensor>("h3cute.ops.timestep", "_mlp_cuda", x, w1, b1, w2, b2);
   const int64_t rows = x.size(0);
   const auto& kernels = mlp_kernels.get(d, 0, rows);
-  // params[0]: the launcher's sm_90a large-T path (T >= WGMMA_MIN_ROWS: operand splits + TF32 wgmma GEMMs),
-  // left to the Python impl: one implementation of that sequence, and host time is noise at those T.
-  if (kernels.params[0]) return python_impl<at::Tensor>("h3cute.ops.timestep", "_mlp_cuda", x, w1, b1, w2, b2);
-  const TVMFFIObjectHandle* fn = kernels.fns;  // fc1, fc2, fold_fc2
+  const TVMFFIObjectHandle* fn = kernels.fns;
   at::Tensor out = at::empty({rows, kTemb}, x.options());
-  Carver scratch({rows * kMlpHidden, kFc2Splits * rows * kTemb}, x.options());  // one allocation for h, partials
+  const int64_t act = rows * kMlpHidden;
+  if (kernels.params[0]) {  // sm_90a, T >= WGMMA_MIN_ROWS: fc1, split h, fc2 with w2 split in registers, fold
+    Carver scratch({act, act, act, kFc2Splits * rows * kTemb}, x.options());
+    at::Tensor h = scratch.take({rows, kMlpHidden}), h_big = scratch.take({rows, kMlpHidden});
+    at::Tensor h_small = scratch.take({rows, kMlpHidden}), partials = scratch.take({kFc2Splits, rows, kTemb});
+    StreamScope stream(d);
+    call_kernel(fn[0], {x, w1, b1, h});
+    call_kernel(fn[1], {h, h_big, h_small});
+    call_kernel(fn[2], {w2, h_big, h_small, partials});
+    call_kernel(fn[3], {partials, b2, out});
+    return out;
+  }
+  // fc1, fc2, fold_fc2
+  Carver scratch({act, kFc2Splits * rows * kTemb}, x.options());  // one allocation for h, partials
   at::Tensor h = scratch.take({rows, kMlpHidden}), partials = scratch.take({kFc2Splits, rows, kTemb});
   StreamScope stream(d);
   call_kernel(fn[0], {x, w1, b1, h});
   call_kernel(fn[1], {h, w2, partials});
   call_kernel(fn[2], {partials, b2, out});
   return out;
+}
+
+// The sm_90a backward from WGMMA_MIN_ROWS rows (h3cute/launch/timestep_mlp.py backward, wgmma=True): fc1_zh,
+// split grad, fc2_dgrad with w2 split in registers, colsum_dz, fc1_dgrad, fold_dx, transposing split of grad and
+// of h (K = T zero-padded to a multiple of kWgmmaKPad), the wgmma fc2_wgrad, fc1_wgrad, colsum_db2.
+constexpr int64_t kWgmmaKPad = 32;  // launch/timestep_mlp.py WGMMA_K_PAD
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_wgmma(
+    const TVMFFIObjectHandle* fn, const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1,
+    const at::Tensor& b1, const at::Tensor& w2) {
+  const int64_t rows = x.size(0), act = rows * kMlpHidden, g = rows * kTemb;
+  const int64_t depth = (rows + kWgmmaKPad - 1) / kWgmmaKPad * kWgmmaKPad;
+  Carver scratch({act, act, g, g, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq, kTemb * depth,
+                  kTemb * depth, kMlpHidden * depth, kMlpHidden * depth},
+                 x.options());
+  at::Tensor z = scratch.take({rows, kMlpHidden}), h = scratch.take({rows, kMlpHidden});
+  at::Tensor g_big = scratch.take({rows, kTemb}), g_small = scratch.take({rows, kTemb});
+  at::Tensor dh_partials = scratch.take({kFc2DgradSplits, rows, kMlpHidden}), dz = scratch.take({rows, kMlpHidden});
+  at::Tensor dx_partials = scratch.take({kFc1DgradSplits, rows, kFreq});
+  at::Tensor gt_big = scratch.take({kTemb, depth}), gt_small = scratch.take({kTemb, depth});
+  at::Tensor ht_big = scratch.take({kMlpHidden, depth}), ht_small = scratch.take({kMlpHidden, depth});
+  Carver grads({rows * kFreq, kMlpHidden * kFreq, kMlpHidden, kTemb * kMlpHidden, kTemb}, x.options());
+  at::Tensor dx = grads.take({rows, kFreq}), dw1 = grads.take({kMlpHidden, kFreq}), db1 = grads.take({kMlpHidden});
+  at::Tensor dw2 = grads.take({kTemb, kMlpHidden}), db2 = grads.take({kTemb});
+
+  View unused_bias(dx, {1}, {1});
+  View dz_t = transposed(dz), x_t = transposed(x);
+  View dw2_b(dw2, {1, kTemb, kMlpHidden}, {kTemb * kMlpHidden, kMlpHidden, 1});
+  View dw1_b(dw1, {1, kMlpHidden, kFreq}, {kMlpHidden * kFreq, kFreq, 1});
+
+  StreamScope stream(x.get_device());
+  call_kernel(fn[0], {x, w1, b1, z, h});
+  call_kernel(fn[1], {grad, g_big, g_small});
+  call_kernel(fn[2], {transposed(w2), g_big, g_small, dh_partials});
+  call_kernel(fn[3], {dh_partials, z, dz, db1});
+  call_kernel(fn[4], {dz, transposed(w1), dx_partials});
+  call_kernel(fn[5], {dx_partials, unused_bias, dx});
+  call_kernel(fn[6], {grad, gt_big, gt_small});
+  call_kernel(fn[6], {h, ht_big, ht_small});
+  call_kernel(fn[7], {gt_big, gt_small, ht_big, ht_small, dw2_b});
+  call_kernel(fn[8], {dz_t, x_t, dw1_b});
+  call_kernel(fn[9], {grad, grad, grad, db2});
+  return {dx, dw1, db1, dw2, db2};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_cuda(
@@ -313,10 +365,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   }
   const int64_t rows = x.size(0);
   const auto& kernels = mlp_kernels.get(d, 1, rows);
-  if (kernels.params[0]) {  // the sm_90a wgmma path: the Python impl's (see timestep_mlp_cuda)
-    using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-    return python_impl<R>("h3cute.ops.timestep", "_mlp_backward_cuda", grad, x, w1, b1, w2);
-  }
+  if (kernels.params[0]) return timestep_mlp_backward_wgmma(kernels.fns, grad, x, w1, b1, w2);
   // fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2
   const TVMFFIObjectHandle* fn = kernels.fns;
   // Two allocations (host time at small T): the intermediates, and the five gradients as views of one buffer.
