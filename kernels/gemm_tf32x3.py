@@ -43,7 +43,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from h3cute.kernels._tiles import GemmConfig
 
-EPILOGUES = ("partial", "bias_silu", "bias_silu_h")
+EPILOGUES = ("partial", "bias_silu", "bias_silu_h", "bias_silu_split")
 
 
 K_CHUNK = 8  # k per tensor-core chunk sum: one m16n8k8 step (part of the numeric contract)
@@ -73,6 +73,22 @@ def tf32_small(x: cutlass.Int32, big: cutlass.Int32, *, loc=None, ip=None) -> cu
             ip=ip,
         )
     )
+
+
+@dsl_user_op
+def f32_bits(x: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """The bit pattern of an FP32 value."""
+    return cutlass.Int32(llvm.inline_asm(
+        cutlass.Int32.mlir_type, [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bits_f32(x: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
+    """The FP32 value of a bit pattern (stored as it is: a TF32 operand array holds raw patterns)."""
+    return cutlass.Float32(llvm.inline_asm(
+        cutlass.Float32.mlir_type, [cutlass.Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -159,7 +175,8 @@ class GemmTF32x3:
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor,
                  mH: cute.Tensor, stream):
         """mA (M, K), mB (N, K); mC is P (splits, M, N) for "partial", z (M, N) for "bias_silu", h (M, N)
-        for "bias_silu_h"; mBias (N,) is read by both bias epilogues, mH (M, N) (h) written by "bias_silu"."""
+        for "bias_silu_h", h's big TF32 operand array for "bias_silu_split"; mBias (N,) is read by the bias
+        epilogues, mH (M, N) written by "bias_silu" (h) and "bias_silu_split" (h's small operand array)."""
         cfg = self.config
         threads = cfg.threads
         g2s_atom = cute.make_copy_atom(
@@ -474,5 +491,11 @@ class GemmTF32x3:
                     if cutlass.const_expr(self.epilogue == "bias_silu"):
                         tCgC[i] = z
                         mH[coord] = h
+                    elif cutlass.const_expr(self.epilogue == "bias_silu_split"):
+                        # h's TF32 operand pair for the wgmma fc2 (tf32_split's formulas): big, small
+                        hb = f32_bits(h)
+                        big = hb & TF32_BIG_MASK
+                        tCgC[i] = bits_f32(big)
+                        mH[coord] = bits_f32(tf32_small(hb, big))
                     else:
                         tCgC[i] = h

@@ -52,6 +52,7 @@ COLSUM_GROUPS = 32  # row groups (warps) per bias-gradient CTA: part of db's sum
 ROLES = {
     "fc1": (None, HIDDEN, SINUSOID_WIDTH, "bias_silu_h"),  # forward: h only
     "fc1_zh": (None, HIDDEN, SINUSOID_WIDTH, "bias_silu"),  # backward recompute: z and h
+    "fc1_split": (None, HIDDEN, SINUSOID_WIDTH, "bias_silu_split"),  # forward into the wgmma fc2: h's big, small
     "fc2": (None, TEMB_WIDTH, HIDDEN, "partial"),
     "fc2_dgrad": (None, HIDDEN, TEMB_WIDTH, "partial"),
     "fc1_dgrad": (None, SINUSOID_WIDTH, HIDDEN, "partial"),
@@ -257,6 +258,7 @@ _FC1_TILES = ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4)) + _SHARED_TILES
 GEMM_TILES = {
     "fc1": _FC1_TILES,
     "fc1_zh": _FC1_TILES,
+    "fc1_split": _FC1_TILES,
     "fc2": ((16, 64, 32, 6, 1, 4), (16, 64, 64, 5, 1, 4)) + _SHARED_TILES,
     "fc2_dgrad": ((16, 64, 32, 6, 1, 4), (16, 64, 64, 5, 1, 4)) + _SHARED_TILES,
     "fc1_dgrad": ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4)) + _SHARED_TILES,

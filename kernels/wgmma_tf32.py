@@ -35,19 +35,17 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
 from cutlass._mlir.dialects import cute_nvgpu as _cute_nvgpu_ir
 from cutlass.cute.atom import make_atom
 from cutlass.cute.core import _pack_shape
 from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.cute.nvgpu.warpgroup import OperandSource
 from cutlass.cute.nvgpu.warpgroup.mma import MmaOp, MmaTraits
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.utils import LayoutEnum
 from cutlass.utils import hopper_helpers as sm90
 
 from h3cute.kernels.adaln_gemm import produce_k_tiles
-from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, tf32_small
+from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, f32_bits, tf32_small
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
 
@@ -417,14 +415,6 @@ class MmaTF32RegAOp(MmaTF32Op):
                        OperandSource.RMEM, OperandMajorMode.K, OperandMajorMode.K)
 
 
-@dsl_user_op
-def f32_bits(x: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
-    """The bit pattern of an FP32 value."""
-    return cutlass.Int32(llvm.inline_asm(
-        cutlass.Int32.mlir_type, [cutlass.Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
 # role -> (K, slices, W K-major): the fc2-sized GEMMs whose weight operand is w2 itself.
 WEIGHT_GEMMS = {
     "fc2": (5376, 6, True),  # W = w2 (2688, 5376), X = h (T, 5376): P (6, T, 2688)
@@ -442,8 +432,8 @@ class WeightTile:
     stages: int = 4
 
     def __post_init__(self):
-        if self.bn % 16 or not 16 <= self.bn <= 128:
-            raise ValueError(f"{self}: bn in 16..128, a multiple of 16 (two chunk tiles + acc in registers)")
+        if self.bn % 8 or not 8 <= self.bn <= 128:
+            raise ValueError(f"{self}: bn in 8..128, a multiple of 8 (two chunk tiles + acc in registers)")
         if self.bk != 32:
             raise ValueError(f"{self}: bk must be 32 (the 128-byte swizzle row of the K-major operands)")
         if self.stages < 2 or self.stage_bytes * self.stages > GEMM_SMEM_BYTES:
@@ -551,14 +541,17 @@ class Tf32x3WeightGemm:
                                                    cute.group_modes(g, 0, 2))
             loads.append((atom, s_part, g_part))
 
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
             if warp_idx == 0:
-                produce_k_tiles(ring, t.stages, loads, split * k_tile_count, k_tile_count)
+                _produce_weight_first(ring, t.stages, loads, split * k_tile_count, k_tile_count)
+            else:
+                cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         else:
+            # PDL: X is the previous kernel's output, and P may still be read by an earlier one
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
             cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
             thr_mma = tiled_mma.get_slice(tidx - 128)
             tCsW = thr_mma.partition_A(sW)  # this thread's W elements: ((2, 2), 1, k8 chunks, stages)
@@ -613,6 +606,37 @@ class Tf32x3WeightGemm:
             _add_rn_tile(acc, chunks[(num_chunks - 1) % 2])
             ring.consumer_release(read)
             read.advance()
+
+
+@cute.jit
+def _produce_weight_first(ring, stages: cutlass.Constexpr, loads, k_tile_first, k_tile_count: cutlass.Constexpr):
+    """`produce_k_tiles` for (W, X_big, X_small) loads, with the W tiles of the first `stages` k tiles issued
+    before griddepcontrol.wait: w2 is never written by the kernel launched right before (the split of h or
+    grad), so its first stages stream while that kernel and the launch gap run. Each stage's full barrier
+    expects W and X bytes alike, so a stage completes only once its X tiles, loaded after the wait, land."""
+    from cutlass import pipeline
+
+    ahead = min(stages, k_tile_count)
+    produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    w_load, x_loads = loads[0], loads[1:]
+    for i in cutlass.range_constexpr(ahead):
+        ring.producer_acquire(produce)
+        cute.copy(w_load[0], w_load[2][None, k_tile_first + i], w_load[1][None, produce.index],
+                  tma_bar_ptr=ring.producer_get_barrier(produce))
+        produce.advance()
+    cute.arch.griddepcontrol_wait()
+    for i in cutlass.range_constexpr(ahead):  # stage i holds k tile i: the ring has not wrapped yet
+        full = ring.sync_object_full.get_barrier(i)
+        for load in x_loads:
+            cute.copy(load[0], load[2][None, k_tile_first + i], load[1][None, i], tma_bar_ptr=full)
+    for k_tile in range(ahead, k_tile_count):
+        ring.producer_acquire(produce)
+        full = ring.producer_get_barrier(produce)
+        for load in loads:
+            cute.copy(load[0], load[2][None, k_tile_first + k_tile], load[1][None, produce.index], tma_bar_ptr=full)
+        ring.producer_commit(produce)
+        produce.advance()
+    ring.producer_tail(produce)
 
 
 @cute.jit
@@ -769,7 +793,9 @@ def build_weight_gemm(arch: str, *, role: str, tile: tuple):
                        env_stream())
 
 
-WEIGHT_TILE = (128, 32, 4)  # the launcher's tile for both roles
+WEIGHT_TILE = (128, 32, 4)  # the launcher's tile for both roles from WGMMA_MIN_ROWS
+# Small T (one T tile of 8 or 16 rows, 126 CTAs): deep rings of 18-20 KB stages, the weight streams.
+WEIGHT_SMALL_TILES = ((16, 32, 10), (8, 32, 12))
 
 
 def gemm_variants() -> list:
@@ -822,7 +848,8 @@ SPECS = [
     KernelSpec(
         name="tf32x3_wgmma_weight_gemm",
         build=build_weight_gemm,
-        variants=lambda arch: [dict(role=r, tile=WEIGHT_TILE) for r in WEIGHT_GEMMS],
+        variants=lambda arch: [dict(role=r, tile=t) for t in (WEIGHT_TILE,) + WEIGHT_SMALL_TILES
+                               for r in WEIGHT_GEMMS],
         ptx_markers=("wgmma.mma_async.sync.aligned.m64n", ".tf32.tf32", "add.rn.f32", "cp.async.bulk.tensor",
                      "mbarrier.try_wait", "setmaxnreg", "griddepcontrol.wait"),
         ptx_forbidden=("atom.", "\tred."),

@@ -268,10 +268,11 @@ def test_perf_script_times_every_wgmma_tile():
     import runpy
     from pathlib import Path
 
-    from h3cute.kernels.wgmma_tf32 import GEMM_TILES
+    from h3cute.kernels.wgmma_tf32 import GEMM_TILES, WEIGHT_SMALL_TILES, WEIGHT_TILE
 
     perf = runpy.run_path(str(Path(__file__).parents[1] / "perf" / "mlp_kernels.py"), run_name="imported")
     assert tuple(perf["WGMMA_FC2_TILES"]) == GEMM_TILES
+    assert tuple(perf["WEIGHT_TILES"]) == (WEIGHT_TILE,) + WEIGHT_SMALL_TILES
 
 
 @pytest.mark.slow
@@ -425,7 +426,7 @@ def test_wgmma_fc2_dgrad_partials_equal_the_mma_sync_partials(num_rows):
     _check_partials(got, want, grad, w2, "fc2_dgrad")
 
 
-def _weight_gemm(role, w, x):
+def _weight_gemm(role, w, x, tile=None):
     """P of the weight-in-registers GEMM: W = w2 (fc2) or w2^T read in place (fc2_dgrad), X split first."""
     from h3cute import runtime
     from h3cute.launch import timestep_mlp as L
@@ -436,20 +437,24 @@ def _weight_gemm(role, w, x):
     features = w.shape[0] if w_k_major else w.shape[1]
     out = torch.full((splits, x.shape[0], features), float("nan"), device="cuda")
     w_arg = w if w_k_major else L.transposed(w)
-    runtime.kernel("tf32x3_wgmma_weight_gemm", x.device, role=role, tile=L.WEIGHT_TILE)(w_arg, *parts, out)
+    runtime.kernel("tf32x3_wgmma_weight_gemm", x.device, role=role, tile=tile or L.WEIGHT_TILE)(w_arg, *parts, out)
     return out
 
 
+_WEIGHT_TILES = ((128, 32, 4), (16, 32, 10), (8, 32, 12))  # wgmma_tf32.WEIGHT_TILE + WEIGHT_SMALL_TILES
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", (1, 5, 64, 200, 256, 300, 2048))
-def test_weight_gemm_fc2_partials_equal_the_mma_sync_partials(num_rows):
-    """fc2 with w2 split in registers (the weight as wgmma's A operand, D^T stored): every slice partial
-    bitwise equal to timestep_mlp_gemm's, FP64 first."""
+@pytest.mark.parametrize("tile", _WEIGHT_TILES, ids=lambda t: f"bn{t[0]}")
+@pytest.mark.parametrize("num_rows", (1, 5, 9, 17, 64, 200, 256, 300, 2048))
+def test_weight_gemm_fc2_partials_equal_the_mma_sync_partials(num_rows, tile):
+    """fc2 with w2 split in registers (the weight as wgmma's A operand, D^T stored), every tile: every slice
+    partial bitwise equal to timestep_mlp_gemm's, FP64 first."""
     from h3cute import runtime
     from h3cute.launch import timestep_mlp as L
 
     h, w2 = _fc2_inputs(num_rows, 9000 + num_rows)
-    got = _weight_gemm("fc2", w2, h)
+    got = _weight_gemm("fc2", w2, h, tile)
     want = torch.full_like(got, float("nan"))
     runtime.kernel("timestep_mlp_gemm", h.device, role="fc2", tile=L.pick_config(num_rows).fc2.astuple())(
         h, w2, want)
@@ -457,8 +462,9 @@ def test_weight_gemm_fc2_partials_equal_the_mma_sync_partials(num_rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", (1, 130, 256, 2048))
-def test_weight_gemm_fc2_dgrad_partials_equal_the_mma_sync_partials(num_rows):
+@pytest.mark.parametrize("tile", _WEIGHT_TILES, ids=lambda t: f"bn{t[0]}")
+@pytest.mark.parametrize("num_rows", (1, 4, 130, 256, 2048))
+def test_weight_gemm_fc2_dgrad_partials_equal_the_mma_sync_partials(num_rows, tile):
     """dh partials with w2^T read in place (M-major weight tiles split in registers): bitwise equal to the
     mma.sync role's, FP64 first; non-finite grad values land where mma.sync puts them."""
     from h3cute import runtime
@@ -467,13 +473,13 @@ def test_weight_gemm_fc2_dgrad_partials_equal_the_mma_sync_partials(num_rows):
     g = _gen(9500 + num_rows)
     grad = torch.randn(num_rows, N, generator=g, device="cuda")
     w2 = torch.randn(N, HIDDEN, generator=g, device="cuda") * HIDDEN ** -0.5
-    got = _weight_gemm("fc2_dgrad", w2, grad)
+    got = _weight_gemm("fc2_dgrad", w2, grad, tile)
     want = torch.full_like(got, float("nan"))
     runtime.kernel("timestep_mlp_gemm", grad.device, role="fc2_dgrad",
                    tile=L.pick_config(num_rows).fc2_dgrad.astuple())(grad, L.transposed(w2), want)
     _check_partials(got, want, grad, w2, "fc2_dgrad (weight in registers)")
     grad[0, 7], w2[11, 3] = float("inf"), float("nan")
-    got, want = _weight_gemm("fc2_dgrad", w2, grad), torch.full_like(want, 0.0)
+    got, want = _weight_gemm("fc2_dgrad", w2, grad, tile), torch.full_like(want, 0.0)
     runtime.kernel("timestep_mlp_gemm", grad.device, role="fc2_dgrad",
                    tile=L.pick_config(num_rows).fc2_dgrad.astuple())(grad, L.transposed(w2), want)
     assert torch.equal(bits(got), bits(want))

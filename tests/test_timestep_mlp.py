@@ -73,14 +73,14 @@ def test_wgmma_roles_are_built_variants():
     assert L.WEIGHT_ROLES == W.WEIGHT_GEMMS and L.WEIGHT_TILE == W.WEIGHT_TILE
     assert {k: v[:2] for k, v in L.WEIGHT_ROLES.items()} == {r: L.WGMMA_ROLES[r] for r in L.WEIGHT_ROLES}
     built = get_spec("tf32x3_wgmma_weight_gemm").variants("sm_90a")
-    assert built == [dict(role=r, tile=L.WEIGHT_TILE) for r in L.WEIGHT_ROLES]
+    assert all(dict(role=r, tile=L.WEIGHT_TILE) in built for r in L.WEIGHT_ROLES)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_kernel_handles_mark_the_wgmma_sequence(monkeypatch, arch):
-    """The C++ layer caches one answer per [lo, hi]: on sm_90a every row count from WGMMA_MIN_ROWS gets the
-    wgmma sequence's kernels (flag 1: forward 4 launches, backward 10 kernels), no mma.sync range reaches
-    past it, and every range holds one config."""
+    """The C++ layer caches one answer per [lo, hi]: on sm_90a the backward from WGMMA_MIN_ROWS gets the wgmma
+    sequence's 10 kernels (flag 1) and no mma.sync range reaches past it; the forward's flag marks the weight
+    GEMM fc2 (T <= WEIGHT_SMALL_ROWS and from WGMMA_MIN_ROWS), one tile per range; every range holds one config."""
     from h3cute import runtime
 
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
@@ -90,10 +90,18 @@ def test_kernel_handles_mark_the_wgmma_sequence(monkeypatch, arch):
             lo, hi, handles, (wgmma_flag,) = L.kernel_handles(0, backward, rows)
             assert lo <= rows <= hi
             wgmma = arch == "sm_90a" and rows >= L.WGMMA_MIN_ROWS
-            assert wgmma_flag == int(wgmma) and L.uses_wgmma(0, rows) == wgmma, (rows, backward)
-            assert len(handles) == ((10 if backward else 4) if wgmma else (8 if backward else 3))
+            assert L.uses_wgmma(0, rows) == wgmma, (rows, backward)
+            assert len(handles) == (10 if wgmma else 8) if backward else len(handles) == 3
+            if not backward:  # the forward's flag: fc2 on the weight GEMM
+                small = arch == "sm_90a" and rows <= L.WEIGHT_SMALL_ROWS
+                assert wgmma_flag == int(wgmma or small) and (L.forward_weight_tile(0, rows) is not None) == bool(
+                    wgmma_flag)
+                assert {L.forward_weight_tile(0, r) for r in (lo, rows, min(hi, 4096))} == \
+                    {L.forward_weight_tile(0, rows)}
+                continue
             if arch == "sm_90a":  # the whole range takes the same path
                 assert (lo >= L.WGMMA_MIN_ROWS) == wgmma and (hi < L.WGMMA_MIN_ROWS) != wgmma, (rows, lo, hi)
+            assert wgmma_flag == int(wgmma)
             assert L.pick_config(max(lo, 1)) == L.pick_config(rows) == L.pick_config(min(hi, 4096))
 
 
@@ -439,10 +447,11 @@ def _both_paths(x, w1, b1, w2, b2, grad):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_rows", (256, 257, 300, 512, 2048))
+@pytest.mark.parametrize("num_rows", (1, 4, 8, 9, 16, 17, 256, 257, 300, 512, 2048))  # small T: the weight fc2 tiles
 def test_wgmma_path_gives_the_mma_sync_bits(num_rows):
-    """sm_90a: the whole op on the TF32-wgmma GEMMs (operand splits, TMA, warpgroup MMA) equals the mma.sync
-    path bit for bit, forward and all five gradients; FP64 first, so a layout bug reads as such."""
+    """sm_90a: the whole op on the TF32-wgmma GEMMs (operand splits, TMA, warpgroup MMA; at small T the forward's
+    8- and 16-row weight tiles) equals the mma.sync path bit for bit, forward and all five gradients; FP64
+    first, so a layout bug reads as such."""
     if not _sm90():
         pytest.skip("the TF32 wgmma path is sm_90a only")
     assert L.uses_wgmma(torch.device("cuda"), num_rows) == (num_rows >= L.WGMMA_MIN_ROWS)

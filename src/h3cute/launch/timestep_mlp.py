@@ -91,6 +91,10 @@ WGMMA_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"]), "fc2_dgrad": (TEMB_WIDTH, SPLITS[
 # wgmma_tf32.WEIGHT_GEMMS: (K, slices, W K-major): fc2 and fc2_dgrad read w2 as it is and split it in registers
 WEIGHT_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"], True), "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"], False)}
 WEIGHT_TILE = (128, 32, 4)  # wgmma_tf32.WEIGHT_TILE (bn, bk, stages)
+# sm_90a forward at T <= WEIGHT_SMALL_ROWS: fc2 on the weight-in-registers GEMM with one T tile of 8 or 16 rows
+# (wgmma_tf32.WEIGHT_SMALL_TILES: deep rings, w2 streams); its first stages load before the PDL wait.
+WEIGHT_SMALL_ROWS = 16
+WEIGHT_SMALL_TILES = ((8, (8, 32, 12)), (16, (16, 32, 10)))  # (up to T, tile)
 
 # pick_config's T ranges: up to each bound, its config.
 T_BOUNDS = ((16, SMALL_T), (64, WIDE_T), (256, MID_T), (runtime.MAX_ROWS, LARGE_T))
@@ -111,13 +115,23 @@ def uses_wgmma(device, num_rows: int) -> bool:
     return num_rows >= WGMMA_MIN_ROWS and runtime.arch_of(device) == "sm_90a"
 
 
+def forward_weight_tile(device, num_rows: int) -> tuple | None:
+    """The forward's fc2 tile on the weight-in-registers GEMM (fc1 then writes h's TF32 operand pair), or
+    None for the mma.sync fc2: sm_90a at T <= WEIGHT_SMALL_ROWS (one small T tile) and from WGMMA_MIN_ROWS."""
+    if runtime.arch_of(device) != "sm_90a":
+        return None
+    if num_rows >= WGMMA_MIN_ROWS:
+        return WEIGHT_TILE
+    return next((tile for rows, tile in WEIGHT_SMALL_TILES if num_rows <= rows), None)
+
+
 def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int, list[int], list[int]]:
     """For the C++ impls (h3cute.native): the T range sharing every launch choice for `num_rows`, the C
-    handles of its kernels in launch order (runtime keeps them alive), and [wgmma]: 0 for the mma.sync
-    sequence, forward (fc1, fc2, fold) or backward (fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx,
-    fc2_wgrad, fc1_wgrad, colsum_db2); 1 for the sm_90a wgmma sequence, forward (fc1, split, weight fc2,
-    fold) or backward (fc1_zh, split, weight fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, transposing split,
-    wgmma fc2_wgrad, fc1_wgrad, colsum_db2)."""
+    handles of its kernels in launch order (runtime keeps them alive), and [flag]. Forward: (fc1, fc2, fold)
+    with flag 0, or with flag 1 (`forward_weight_tile`) fc1_split (h's TF32 operand pair) and the weight GEMM.
+    Backward: flag 0, the mma.sync sequence (fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad,
+    fc1_wgrad, colsum_db2); flag 1 (`uses_wgmma`), the wgmma one (fc1_zh, split, weight fc2_dgrad,
+    colsum_dz, fc1_dgrad, fold_dx, transposing split, wgmma fc2_wgrad, fc1_wgrad, colsum_db2)."""
     lo, hi, cfg = _bucket(num_rows)
     dev = torch.device("cuda", device)
     wgmma = uses_wgmma(dev, num_rows)
@@ -125,19 +139,27 @@ def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int,
         lo = max(lo, WGMMA_MIN_ROWS)
     elif runtime.arch_of(dev) == "sm_90a":
         hi = min(hi, WGMMA_MIN_ROWS - 1)
-    split = [runtime.kernel("tf32_split", dev, transpose=False)] if wgmma else []
+        for rows, _ in WEIGHT_SMALL_TILES + ((WGMMA_MIN_ROWS - 1, None),):  # the forward's fc2 tile changes here
+            if num_rows <= rows:
+                hi = min(hi, rows)
+                break
+            lo = max(lo, rows + 1)
     if not backward:
-        fc2 = _weight_gemm(dev, "fc2") if wgmma else _gemm(dev, "fc2", cfg.fc2)
-        fns = [_gemm(dev, "fc1", cfg.fc1)] + split + [fc2, _fold(dev, "fc2", "bias")]
-    else:
-        dgrad = _weight_gemm(dev, "fc2_dgrad") if wgmma else _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)
-        wgrad = [runtime.kernel("tf32_split", dev, transpose=True), _wgmma_gemm(dev, "fc2_wgrad")] if wgmma else \
-            [_gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)]
-        fns = [_gemm(dev, "fc1_zh", cfg.fc1)] + split + [
-            dgrad, runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True),
-            _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum")] + wgrad + [
-            _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad), runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH,
-                                                                   fold_dz=False)]
+        tile = forward_weight_tile(dev, num_rows)
+        if tile is None:
+            fns = [_gemm(dev, "fc1", cfg.fc1), _gemm(dev, "fc2", cfg.fc2)]
+        else:
+            fns = [_gemm(dev, "fc1_split", cfg.fc1), _weight_gemm(dev, "fc2", tile)]
+        return lo, hi, [fn.__chandle__() for fn in fns + [_fold(dev, "fc2", "bias")]], [int(tile is not None)]
+    split = [runtime.kernel("tf32_split", dev, transpose=False)] if wgmma else []
+    dgrad = _weight_gemm(dev, "fc2_dgrad") if wgmma else _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)
+    wgrad = [runtime.kernel("tf32_split", dev, transpose=True), _wgmma_gemm(dev, "fc2_wgrad")] if wgmma else \
+        [_gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)]
+    fns = [_gemm(dev, "fc1_zh", cfg.fc1)] + split + [
+        dgrad, runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True),
+        _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum")] + wgrad + [
+        _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad), runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH,
+                                                               fold_dz=False)]
     return lo, hi, [fn.__chandle__() for fn in fns], [int(wgmma)]
 
 
@@ -154,8 +176,8 @@ def _wgmma_gemm(device, role: str):
     return runtime.kernel("tf32x3_wgmma_gemm", device, k=k, splits=splits, tile=WGMMA_TILE)
 
 
-def _weight_gemm(device, role: str):
-    return runtime.kernel("tf32x3_wgmma_weight_gemm", device, role=role, tile=WEIGHT_TILE)
+def _weight_gemm(device, role: str, tile: tuple = WEIGHT_TILE):
+    return runtime.kernel("tf32x3_wgmma_weight_gemm", device, role=role, tile=tile)
 
 
 def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,20 +206,25 @@ def _fc1(x, w1, b1, tile: GemmConfig):
 
 def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None, wgmma: bool | None = None) -> torch.Tensor:
     """temb = silu(x w1^T + b1) w2^T + b2: x (T, 256), w1 (5376, 256), w2 (2688, 5376) -> (T, 2688).
-    wgmma: the fc2 GEMM on TF32 wgmma (sm_90a only); None: `uses_wgmma`. Same bits either way."""
+    wgmma: fc2 on the TF32 wgmma weight GEMM (sm_90a only) or not; None: `forward_weight_tile`. Same bits."""
     num_rows = x.shape[0]
     dev = x.device
     out = torch.empty((num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
     if num_rows == 0:
         return out
     cfg = config or pick_config(num_rows)
-    h = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=dev)
-    _gemm(dev, "fc1", cfg.fc1)(x, w1, b1, h)  # h only: the forward never reads z
     partials = torch.empty((SPLITS["fc2"], num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
-    use_wgmma = uses_wgmma(dev, num_rows) if wgmma is None else wgmma
-    if use_wgmma:
-        _weight_gemm(dev, "fc2")(w2, *_split(h), partials)
+    if wgmma is None:
+        tile = forward_weight_tile(dev, num_rows)
     else:
+        tile = (forward_weight_tile(dev, num_rows) or WEIGHT_TILE) if wgmma else None
+    if tile is not None:  # fc1 writes h's big / small TF32 operand arrays, fc2 splits w2 in registers
+        h_big, h_small = (torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=dev) for _ in range(2))
+        _gemm(dev, "fc1_split", cfg.fc1)(x, w1, b1, h_big, h_small)
+        _weight_gemm(dev, "fc2", tile)(w2, h_big, h_small, partials)
+    else:
+        h = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=dev)
+        _gemm(dev, "fc1", cfg.fc1)(x, w1, b1, h)  # h only: the forward never reads z
         _gemm(dev, "fc2", cfg.fc2)(h, w2, partials)
     _fold(dev, "fc2", "bias")(partials, b2, out)
     return out

@@ -293,15 +293,14 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   const TVMFFIObjectHandle* fn = kernels.fns;
   at::Tensor out = at::empty({rows, kTemb}, x.options());
   const int64_t act = rows * kMlpHidden;
-  if (kernels.params[0]) {  // sm_90a, T >= WGMMA_MIN_ROWS: fc1, split h, fc2 with w2 split in registers, fold
-    Carver scratch({act, act, act, kFc2Splits * rows * kTemb}, x.options());
-    at::Tensor h = scratch.take({rows, kMlpHidden}), h_big = scratch.take({rows, kMlpHidden});
-    at::Tensor h_small = scratch.take({rows, kMlpHidden}), partials = scratch.take({kFc2Splits, rows, kTemb});
+  if (kernels.params[0]) {  // sm_90a (forward_weight_tile): fc1_split writes h's TF32 operand pair, fc2 on wgmma
+    Carver scratch({act, act, kFc2Splits * rows * kTemb}, x.options());
+    at::Tensor h_big = scratch.take({rows, kMlpHidden}), h_small = scratch.take({rows, kMlpHidden});
+    at::Tensor partials = scratch.take({kFc2Splits, rows, kTemb});
     StreamScope stream(d);
-    call_kernel(fn[0], {x, w1, b1, h});
-    call_kernel(fn[1], {h, h_big, h_small});
-    call_kernel(fn[2], {w2, h_big, h_small, partials});
-    call_kernel(fn[3], {partials, b2, out});
+    call_kernel(fn[0], {x, w1, b1, h_big, h_small});
+    call_kernel(fn[1], {w2, h_big, h_small, partials});
+    call_kernel(fn[2], {partials, b2, out});
     return out;
   }
   // fc1, fc2, fold_fc2
