@@ -207,7 +207,7 @@ def main() -> int:
         totals = {}
         for phase, fn in whole.items():
             timed = [r["us"] for r in rows if r["phase"] == phase and isinstance(r["us"], float)]
-            totals[phase] = {"sum_us": sum(timed), "graph_us": _safe(_graph_us, fn)}
+            totals[phase] = {"sum_us": float(sum(timed)), "graph_us": _safe(_graph_us, fn)}
         sweep = {name: {phase: _safe(_graph_us, lambda fn=fn, c=c: fn(c)) for phase, fn in configurable.items()}
                  for name, c in ((_config_name(c), c) for c in L.CONFIGS)}
         report["sizes"][str(num_rows)] = {"config": repr(cfg), "steps": rows, "totals": totals,
