@@ -3,10 +3,10 @@
 Forward (3 launches): fc1 GEMM with bias + SiLU fused (h), fc2 GEMM into 6 fixed K-slice partials,
 fold (slice order, + b2). Backward (recomputes z, h with the forward's fc1 kernel: GEMM1 is 1/21 of
 the FLOPs, and the public op returns only temb): dh partials = grad w2 (3 slices), fold * silu'(z) ->
-dz (and db1 = column sums of dz, same kernel); dx partials = dz w1 (6 slices), fold; dW2 = grad^T h
-and dW1 = dz^T x as T-deep GEMMs; db2 = column sums of grad. No copies: the dgrad GEMMs read w2, w1
+dz (and db1 = column sums of dz, db2 = column sums of grad, same launch); dx partials = dz w1 (6
+slices), fold; dW2 = grad^T h and dW1 = dz^T x as T-deep GEMMs. No copies: the dgrad GEMMs read w2, w1
 and the weight-gradient GEMMs read grad, h, dz, x in place, through their `transposed` views
-(8 launches, all PDL).
+(7 launches, all PDL).
 
 Launch order is part of the kernels' PDL contract (kernels/timestep_mlp.py, PREFETCH_B_ROLES): fc2,
 fc2_dgrad and fc1_dgrad prefetch their weight before waiting on the previous kernel, so the kernel
@@ -129,9 +129,9 @@ def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int,
     """For the C++ impls (h3cute.native): the T range sharing every launch choice for `num_rows`, the C
     handles of its kernels in launch order (runtime keeps them alive), and [flag]. Forward: (fc1, fc2, fold)
     with flag 0, or with flag 1 (`forward_weight_tile`) fc1_split (h's TF32 operand pair) and the weight GEMM.
-    Backward: flag 0, the mma.sync sequence (fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad,
-    fc1_wgrad, colsum_db2); flag 1 (`uses_wgmma`), the wgmma one (fc1_zh, split, weight fc2_dgrad,
-    colsum_dz, fc1_dgrad, fold_dx, transposing split, wgmma fc2_wgrad, fc1_wgrad, colsum_db2)."""
+    Backward: flag 0, the mma.sync sequence (fc1_zh, fc2_dgrad, colsum_dz_db2, fc1_dgrad, fold_dx, fc2_wgrad,
+    fc1_wgrad); flag 1 (`uses_wgmma`), the wgmma one (fc1_zh, split, weight fc2_dgrad, colsum_dz_db2,
+    fc1_dgrad, fold_dx, transposing split, wgmma fc2_wgrad, fc1_wgrad)."""
     lo, hi, cfg = _bucket(num_rows)
     dev = torch.device("cuda", device)
     wgmma = uses_wgmma(dev, num_rows)
@@ -158,8 +158,7 @@ def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int,
     fns = [_gemm(dev, "fc1_zh", cfg.fc1)] + split + [
         dgrad, runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True),
         _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum")] + wgrad + [
-        _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad), runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH,
-                                                               fold_dz=False)]
+        _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)]
     return lo, hi, [fn.__chandle__() for fn in fns], [int(wgmma)]
 
 
@@ -255,9 +254,10 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool |
     else:
         _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)  # w2 read N-major in place
     dz = torch.empty((num_rows, HIDDEN), **f32)
-    db1 = torch.empty((HIDDEN,), **f32)
-    # dz = fold(dh partials) * silu'(z), and db1 = column sums of dz, in one pass
-    runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True)(dh_partials, z, dz, db1)
+    db1, db2 = torch.empty((HIDDEN,), **f32), torch.empty((TEMB_WIDTH,), **f32)
+    # dz = fold(dh partials) * silu'(z), and db1 = column sums of dz, in one pass; db2 = column sums of grad
+    # by the same launch's other CTAs
+    runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True)(dh_partials, z, dz, db1, grad, db2)
 
     dx_partials = torch.empty((SPLITS["fc1_dgrad"], num_rows, SINUSOID_WIDTH), **f32)
     _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, transposed(w1), dx_partials)
@@ -275,7 +275,4 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool |
         _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)(transposed(grad), transposed(h), dw2)
     dw1 = torch.empty((1, HIDDEN, SINUSOID_WIDTH), **f32)
     _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)(transposed(dz), transposed(x), dw1)
-
-    db2 = torch.empty((TEMB_WIDTH,), **f32)
-    runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH, fold_dz=False)(grad, grad, grad, db2)
     return dx, dw1[0], db1, dw2[0], db2
