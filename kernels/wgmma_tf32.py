@@ -45,7 +45,7 @@ from cutlass.utils import LayoutEnum
 from cutlass.utils import hopper_helpers as sm90
 
 from h3cute.kernels.adaln_gemm import produce_k_tiles
-from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, f32_bits, tf32_small
+from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, bits_f32, f32_bits, tf32_small
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
 
@@ -415,11 +415,15 @@ class MmaTF32RegAOp(MmaTF32Op):
                        OperandSource.RMEM, OperandMajorMode.K, OperandMajorMode.K)
 
 
-# role -> (K, slices, W K-major): the fc2-sized GEMMs whose weight operand is w2 itself.
+# role -> (K, slices, W K-major, epilogue): the GEMMs whose weight operand is read as it is (F = the weight's rows
+# along M: 2688 for fc2, 5376 for the others)
 WEIGHT_GEMMS = {
-    "fc2": (5376, 6, True),  # W = w2 (2688, 5376), X = h (T, 5376): P (6, T, 2688)
-    "fc2_dgrad": (2688, 3, False),  # W = w2^T (5376, 2688) read as w2 in place, X = grad (T, 2688): P (3, T, 5376)
+    "fc2": (5376, 6, True, "partial"),  # W = w2 (2688, 5376), X = h (T, 5376): P (6, T, 2688)
+    "fc2_dgrad": (2688, 3, False, "partial"),  # W = w2^T (5376, 2688), w2 read in place, X = grad: P (3, T, 5376)
+    "fc1_split": (256, 1, True, "bias_silu_split"),  # W = w1 (5376, 256), X = x: h's big, small (T, 5376)
+    "fc1_zh": (256, 1, True, "bias_silu"),  # the backward's recompute: z, h (T, 5376)
 }
+WEIGHT_FEATURES = {"fc2": 2688, "fc2_dgrad": 5376, "fc1_split": 5376, "fc1_zh": 5376}
 
 
 @dataclass(frozen=True)
@@ -471,13 +475,19 @@ class Tf32x3WeightGemm:
     _CONSUMER_REGS = 232
     _THREADS = 384
 
-    def __init__(self, tile: WeightTile, splits: int, w_k_major: bool):
+    def __init__(self, tile: WeightTile, splits: int, w_k_major: bool, epilogue: str = "partial"):
+        if epilogue != "partial" and splits != 1:
+            raise ValueError("the fc1 epilogues need the whole K in one CTA (splits=1)")
         self.tile = tile
         self.splits = splits
         self.w_k_major = w_k_major
+        self.epilogue = epilogue
 
     @cute.jit
-    def __call__(self, mW: cute.Tensor, mX_big: cute.Tensor, mX_small: cute.Tensor, mP: cute.Tensor, stream):
+    def __call__(self, mW: cute.Tensor, mX_big: cute.Tensor, mX_small: cute.Tensor, mP: cute.Tensor,
+                 mBias: cute.Tensor, mH: cute.Tensor, stream):
+        """mP: P (splits, T, F) for "partial"; for "bias_silu" z (T, F) and mH = h, for "bias_silu_split"
+        h's big and small operand arrays (mP, mH); mBias (F,) read by both (unused by "partial")."""
         from cutlass.cute.nvgpu import cpasync
 
         t = self.tile
@@ -490,13 +500,14 @@ class Tf32x3WeightGemm:
                 cpasync.CopyBulkTensorTileG2SOp(), mT, cute.slice_(layout, (None, None, 0)), (rows, t.bk)))
         tiled_mma = cute.make_tiled_mma(MmaTF32RegAOp(t.bn), cute.make_layout((GEMM_BM // WGMMA_M, 1, 1)))
         grid = (cute.ceil_div(cute.size(mX_big, mode=[0]), t.bn), cute.size(mW, mode=[0]) // GEMM_BM, self.splits)
-        self.kernel(mW, mP, tmas[0][0], tmas[0][1], tmas[1][0], tmas[1][1], tmas[2][0], tmas[2][1],
+        self.kernel(mW, mP, mBias, mH, tmas[0][0], tmas[0][1], tmas[1][0], tmas[1][1], tmas[2][0], tmas[2][1],
                     sW_layout, sX_layout, tiled_mma).launch(
             grid=grid, block=[self._THREADS, 1, 1], stream=stream, use_pdl=True,
             max_number_threads=[self._THREADS, 1, 1], min_blocks_per_mp=1)
 
     @cute.kernel
-    def kernel(self, mW: cute.Tensor, mP: cute.Tensor, tma_w: cute.CopyAtom, tma_mW: cute.Tensor,
+    def kernel(self, mW: cute.Tensor, mP: cute.Tensor, mBias: cute.Tensor, mH: cute.Tensor,
+               tma_w: cute.CopyAtom, tma_mW: cute.Tensor,
                tma_xb: cute.CopyAtom, tma_mXb: cute.Tensor, tma_xs: cute.CopyAtom, tma_mXs: cute.Tensor,
                sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma):
         from cutlass import pipeline
@@ -557,8 +568,12 @@ class Tf32x3WeightGemm:
             tCsW = thr_mma.partition_A(sW)  # this thread's W elements: ((2, 2), 1, k8 chunks, stages)
             x_frags = (tiled_mma.make_fragment_B(thr_mma.partition_B(sX_big)),
                        tiled_mma.make_fragment_B(thr_mma.partition_B(sX_small)))
-            # D^T: weight rows f along M, activation rows t along N, over P[s] (T, F) seen as (F, T)
-            mOut = mP[split, None, None]
+            # D^T: weight rows f along M, activation rows t along N, over P[s] (T, F) (or z / h) seen as (F, T)
+            if cutlass.const_expr(self.epilogue == "partial"):
+                mOut = mP[split, None, None]
+            else:
+                mOut = mP
+                mH_t = cute.make_tensor(mH.iterator, cute.select(mH.layout, mode=[1, 0]))
             mOut_t = cute.make_tensor(mOut.iterator, cute.select(mOut.layout, mode=[1, 0]))
             gC = cute.local_tile(mOut_t, (GEMM_BM, t.bn), (f_tile, t_tile))
             cC = cute.local_tile(cute.make_identity_tensor(mOut_t.shape), (GEMM_BM, t.bn), (f_tile, t_tile))
@@ -569,8 +584,21 @@ class Tf32x3WeightGemm:
             self._mainloop(tiled_mma, acc, tCsW, x_frags, ring, k_tile_count)
             cols = cute.size(mOut_t, mode=[1])
             for i in cutlass.range_constexpr(cute.size(acc)):
-                if cute.elem_less(tCcC[i][1], cols):
-                    tCgC[i] = acc[i]
+                coord = tCcC[i]
+                if cute.elem_less(coord[1], cols):
+                    if cutlass.const_expr(self.epilogue == "partial"):
+                        tCgC[i] = acc[i]
+                    else:  # gemm_tf32x3's fc1 epilogues, the same expressions
+                        z = acc[i] + mBias[coord[0]]
+                        h = z / (cutlass.Float32(1.0) + cute.math.exp(-z))
+                        if cutlass.const_expr(self.epilogue == "bias_silu"):
+                            tCgC[i] = z
+                            mH_t[coord] = h
+                        else:
+                            hb = f32_bits(h)
+                            big = hb & TF32_BIG_MASK
+                            tCgC[i] = bits_f32(big)
+                            mH_t[coord] = bits_f32(tf32_small(hb, big))
 
     @cute.jit
     def _mainloop(self, tiled_mma, acc, tCsW, x_frags, ring, k_tile_count):
@@ -777,23 +805,38 @@ def build_gemm(arch: str, *, k: Optional[int], splits: int, tile: tuple):
 
 
 def build_weight_gemm(arch: str, *, role: str, tile: tuple):
-    """P (splits, T, F) of `Tf32x3WeightGemm` for `role` in WEIGHT_GEMMS, called (W, X_big, X_small (T, K), P):
-    W is w2 (2688, 5376) for fc2, the (5376, 2688) view of w2 with strides (1, 5376) for fc2_dgrad."""
+    """`Tf32x3WeightGemm` for `role` in WEIGHT_GEMMS, called (W, X_big, X_small (T, K), outputs...): W is w2
+    (2688, 5376) for fc2, the (5376, 2688) view of w2 with strides (1, 5376) for fc2_dgrad, w1 (5376, 256) for
+    fc1; outputs P (splits, T, F) for fc2 / fc2_dgrad, (b1, h_big, h_small) for fc1_split, (b1, z, h) for fc1_zh."""
     assert arch == "sm_90a", "wgmma is sm_90a only"
-    k, splits, w_k_major = WEIGHT_GEMMS[role]
+    k, splits, w_k_major, epilogue = WEIGHT_GEMMS[role]
     wtile = WeightTile(*tile)
     if k % (splits * wtile.bk):
         raise ValueError(f"K = {k} does not split into {splits} slices of whole {wtile.bk}-deep tiles")
-    features = 5376 * 2688 // k
+    features = WEIGHT_FEATURES[role]
     rows = cute.sym_int()
     w = _compact((features, k)) if w_k_major else make_fake_compact_tensor(
         cutlass.Float32, (features, k), stride_order=(0, 1), assumed_align=16)
-    gemm = Tf32x3WeightGemm(wtile, splits, w_k_major)
-    return compile_for(arch, gemm, w, _compact((rows, k)), _compact((rows, k)), _compact((splits, rows, features)),
-                       env_stream())
+    gemm = Tf32x3WeightGemm(wtile, splits, w_k_major, epilogue)
+    x = (_compact((rows, k)), _compact((rows, k)))
+    if epilogue == "partial":
+        return compile_for(arch, _weight_partial, gemm, w, *x, _compact((splits, rows, features)), env_stream())
+    return compile_for(arch, _weight_bias_silu, gemm, w, *x, _compact((features,)), _compact((rows, features)),
+                       _compact((rows, features)), env_stream())
 
 
-WEIGHT_TILE = (128, 32, 4)  # the launcher's tile for both roles from WGMMA_MIN_ROWS
+@cute.jit
+def _weight_partial(gemm: cutlass.Constexpr, mW, mX_big, mX_small, mP, stream):
+    gemm(mW, mX_big, mX_small, mP, mP, mP, stream)  # mP stands in for the unused bias and second output
+
+
+@cute.jit
+def _weight_bias_silu(gemm: cutlass.Constexpr, mW, mX_big, mX_small, mBias, mOut, mH, stream):
+    gemm(mW, mX_big, mX_small, mOut, mBias, mH, stream)
+
+
+WEIGHT_TILE = (128, 32, 4)  # the launcher's tile for fc2 and fc2_dgrad from WGMMA_MIN_ROWS
+WEIGHT_FC1_TILE = (64, 32, 4)  # fc1 (K = 256, 8 k tiles): 64-row T tiles, twice the CTAs (168 at T = 256)
 # Small T (one T tile of 8 or 16 rows, 126 CTAs): deep rings of 18-20 KB stages, the weight streams.
 WEIGHT_SMALL_TILES = ((16, 32, 10), (8, 32, 12))
 
@@ -849,7 +892,8 @@ SPECS = [
         name="tf32x3_wgmma_weight_gemm",
         build=build_weight_gemm,
         variants=lambda arch: [dict(role=r, tile=t) for t in (WEIGHT_TILE,) + WEIGHT_SMALL_TILES
-                               for r in WEIGHT_GEMMS],
+                               for r in ("fc2", "fc2_dgrad")] + [dict(role=r, tile=WEIGHT_FC1_TILE)
+                                                                for r in ("fc1_split", "fc1_zh")],
         ptx_markers=("wgmma.mma_async.sync.aligned.m64n", ".tf32.tf32", "add.rn.f32", "cp.async.bulk.tensor",
                      "mbarrier.try_wait", "setmaxnreg", "griddepcontrol.wait"),
         ptx_forbidden=("atom.", "\tred."),

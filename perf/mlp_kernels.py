@@ -99,12 +99,19 @@ def _steps(num_rows: int, dev):
         "fwd_default": lambda: L.forward(x, w1, b1, w2, b2),  # the launcher's own choice at this T
     }
     tile = L.forward_weight_tile(dev, num_rows)
+    x_pair = (torch.empty_like(x), torch.empty_like(x))
     if tile is not None:  # the forward with fc2 on the weight GEMM (fc1 writes h's TF32 operand pair)
         weight_fc2 = runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role="fc2", tile=tile)
-        fc1_split = gemm("fc1_split", cfg.fc1)
         h_pair = (torch.empty_like(h), torch.empty_like(h))
+        if tile == L.WEIGHT_TILE:  # large T: fc1 on the weight GEMM too, x split first
+            split_x = runtime.kernel("tf32_split", dev, transpose=False)
+            weight_fc1 = runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role="fc1_split", tile=L.WEIGHT_FC1_TILE)
+            steps += [("fwd_default", "split x", lambda: split_x(x, *x_pair)),
+                      ("fwd_default", "weight fc1 (h big, small)", lambda: weight_fc1(w1, *x_pair, b1, *h_pair))]
+        else:
+            fc1_split = gemm("fc1_split", cfg.fc1)
+            steps += [("fwd_default", "fc1 (h big, small)", lambda: fc1_split(x, w1, b1, *h_pair))]
         steps += [
-            ("fwd_default", "fc1 (h big, small)", lambda: fc1_split(x, w1, b1, *h_pair)),
             ("fwd_default", f"weight fc2 {tile}", lambda: weight_fc2(w2, *h_pair, p_fc2)),
             ("fwd_default", "fold + b2", lambda: fold_fc2(p_fc2, b2, out)),
         ]
@@ -117,7 +124,8 @@ def _steps(num_rows: int, dev):
         wgmma = {role: runtime.kernel("tf32x3_wgmma_gemm", dev, k=k, splits=s, tile=L.WGMMA_TILE)
                  for role, (k, s) in L.WGMMA_ROLES.items()}
         weight = {role: runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role=role, tile=L.WEIGHT_TILE)
-                  for role in L.WEIGHT_ROLES}
+                  for role in ("fc2", "fc2_dgrad")}
+        weight_fc1_zh = runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role="fc1_zh", tile=L.WEIGHT_FC1_TILE)
         depth = -(-num_rows // L.WGMMA_K_PAD) * L.WGMMA_K_PAD
         h2, w2_2, g2 = (torch.empty_like(h), torch.empty_like(h)), (torch.empty_like(w2), torch.empty_like(w2)), \
             (torch.empty_like(grad), torch.empty_like(grad))
@@ -125,7 +133,8 @@ def _steps(num_rows: int, dev):
         gt_2, ht_2 = (tuple(torch.empty(n, depth, **f32) for _ in range(2)) for n in (D, HIDDEN))
         by_name = {name: fn for _, name, fn in steps}
         steps += [
-            ("bwd_wgmma", "fc1 (z, h)", by_name["fc1 (z, h)"]),
+            ("bwd_wgmma", "split x", lambda: split(x, *x_pair)),
+            ("bwd_wgmma", "weight fc1 (z, h)", lambda: weight_fc1_zh(w1, *x_pair, b1, z, h)),
             ("bwd_wgmma", "split grad", lambda: split(grad, *g2)),
             ("bwd_wgmma", "wgmma fc2_dgrad partials (w2 in registers)",
              lambda: weight["fc2_dgrad"](T(w2), *g2, p_dh)),

@@ -431,7 +431,7 @@ def _weight_gemm(role, w, x, tile=None):
     from h3cute import runtime
     from h3cute.launch import timestep_mlp as L
 
-    _, splits, w_k_major = L.WEIGHT_ROLES[role]
+    _, splits, w_k_major, _ = L.WEIGHT_ROLES[role]
     parts = [torch.full_like(x, float("nan")) for _ in range(2)]
     runtime.kernel("tf32_split", x.device, transpose=False)(x, *parts)
     features = w.shape[0] if w_k_major else w.shape[1]
@@ -483,6 +483,34 @@ def test_weight_gemm_fc2_dgrad_partials_equal_the_mma_sync_partials(num_rows, ti
     runtime.kernel("timestep_mlp_gemm", grad.device, role="fc2_dgrad",
                    tile=L.pick_config(num_rows).fc2_dgrad.astuple())(grad, L.transposed(w2), want)
     assert torch.equal(bits(got), bits(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (1, 100, 256, 2048))
+def test_weight_gemm_fc1_equals_the_mma_sync_fc1(num_rows):
+    """fc1 with w1 split in registers (x split first): h's operand pair (fc1_split) and z, h (fc1_zh) bitwise
+    equal to timestep_mlp_gemm's fc1_split / fc1_zh, whose h is FP64-checked by the role tests."""
+    from h3cute import runtime
+    from h3cute.launch import timestep_mlp as L
+
+    g = _gen(9700 + num_rows)
+    x = torch.randn(num_rows, 256, generator=g, device="cuda")
+    w1 = torch.randn(HIDDEN, 256, generator=g, device="cuda") * 256 ** -0.5
+    b1 = torch.randn(HIDDEN, generator=g, device="cuda") * 0.02
+    x_parts = [torch.full_like(x, float("nan")) for _ in range(2)]
+    runtime.kernel("tf32_split", x.device, transpose=False)(x, *x_parts)
+    mma_tile = L.pick_config(num_rows).fc1.astuple()
+    for role in ("fc1_split", "fc1_zh"):
+        got = [torch.full((num_rows, HIDDEN), float("nan"), device="cuda") for _ in range(2)]
+        want = [torch.full_like(got[0], float("nan")) for _ in range(2)]
+        runtime.kernel("tf32x3_wgmma_weight_gemm", x.device, role=role, tile=L.WEIGHT_FC1_TILE)(w1, *x_parts, b1,
+                                                                                               *got)
+        runtime.kernel("timestep_mlp_gemm", x.device, role=role, tile=mma_tile)(x, w1, b1, *want)
+        assert all(torch.isfinite(t).all() for t in got), role
+        for a, b in zip(got, want):
+            assert torch.equal(bits(a), bits(b)), f"{role}: {_describe_difference(a, b)}"
+    z = (x.double() @ w1.double().t() + b1.double())
+    assert ((got[0].double() - z).abs() <= 1e-5 * (x.double().abs() @ w1.double().abs().t() + 1)).all()
 
 
 @pytest.mark.gpu

@@ -71,9 +71,12 @@ def test_wgmma_roles_are_built_variants():
         assert dict(k=k, splits=splits, tile=L.WGMMA_TILE) in built, (k, splits)
     assert get_spec("tf32x3_wgmma_gemm").archs == ("sm_90a",)
     assert L.WEIGHT_ROLES == W.WEIGHT_GEMMS and L.WEIGHT_TILE == W.WEIGHT_TILE
-    assert {k: v[:2] for k, v in L.WEIGHT_ROLES.items()} == {r: L.WGMMA_ROLES[r] for r in L.WEIGHT_ROLES}
+    assert L.WEIGHT_FC1_TILE == W.WEIGHT_FC1_TILE
+    assert {r: L.WEIGHT_ROLES[r][:2] for r in ("fc2", "fc2_dgrad")} == {r: L.WGMMA_ROLES[r] for r in ("fc2", "fc2_dgrad")}
     built = get_spec("tf32x3_wgmma_weight_gemm").variants("sm_90a")
-    assert all(dict(role=r, tile=L.WEIGHT_TILE) in built for r in L.WEIGHT_ROLES)
+    assert all(dict(role=r, tile=L.WEIGHT_TILE) in built for r in ("fc2", "fc2_dgrad"))
+    assert all(dict(role=r, tile=t) in built for _, t in L.WEIGHT_SMALL_TILES for r in ("fc2", "fc2_dgrad"))
+    assert all(dict(role=r, tile=L.WEIGHT_FC1_TILE) in built for r in ("fc1_split", "fc1_zh"))
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -91,11 +94,11 @@ def test_kernel_handles_mark_the_wgmma_sequence(monkeypatch, arch):
             assert lo <= rows <= hi
             wgmma = arch == "sm_90a" and rows >= L.WGMMA_MIN_ROWS
             assert L.uses_wgmma(0, rows) == wgmma, (rows, backward)
-            assert len(handles) == (9 if wgmma else 7) if backward else len(handles) == 3
-            if not backward:  # the forward's flag: fc2 on the weight GEMM
+            assert len(handles) == (9 if wgmma else 7) if backward else len(handles) == (4 if wgmma else 3)
+            if not backward:  # the forward's flag: fc2 on the weight GEMM (1), fc1 too (2)
                 small = arch == "sm_90a" and rows <= L.WEIGHT_SMALL_ROWS
-                assert wgmma_flag == int(wgmma or small) and (L.forward_weight_tile(0, rows) is not None) == bool(
-                    wgmma_flag)
+                assert wgmma_flag == (2 if wgmma else 1 if small else 0)
+                assert (L.forward_weight_tile(0, rows) is not None) == bool(wgmma_flag)
                 assert {L.forward_weight_tile(0, r) for r in (lo, rows, min(hi, 4096))} == \
                     {L.forward_weight_tile(0, rows)}
                 continue

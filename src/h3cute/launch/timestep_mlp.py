@@ -89,8 +89,13 @@ WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a 
 WGMMA_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"]), "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"]),
                "fc2_wgrad": (None, 1)}  # wgmma_tf32.ROLE_GEMMS: (K, slices); None = T-deep
 # wgmma_tf32.WEIGHT_GEMMS: (K, slices, W K-major): fc2 and fc2_dgrad read w2 as it is and split it in registers
-WEIGHT_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"], True), "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"], False)}
+# and fc1 (w1 in registers, h's operand pair or z and h from the epilogue): (K, slices, W K-major, epilogue)
+WEIGHT_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"], True, "partial"),
+                "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"], False, "partial"),
+                "fc1_split": (SINUSOID_WIDTH, 1, True, "bias_silu_split"),
+                "fc1_zh": (SINUSOID_WIDTH, 1, True, "bias_silu")}
 WEIGHT_TILE = (128, 32, 4)  # wgmma_tf32.WEIGHT_TILE (bn, bk, stages)
+WEIGHT_FC1_TILE = (64, 32, 4)  # wgmma_tf32.WEIGHT_FC1_TILE
 # sm_90a forward at T <= WEIGHT_SMALL_ROWS: fc2 on the weight-in-registers GEMM with one T tile of 8 or 16 rows
 # (wgmma_tf32.WEIGHT_SMALL_TILES: deep rings, w2 streams); its first stages load before the PDL wait.
 WEIGHT_SMALL_ROWS = 16
@@ -127,10 +132,11 @@ def forward_weight_tile(device, num_rows: int) -> tuple | None:
 
 def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int, list[int], list[int]]:
     """For the C++ impls (h3cute.native): the T range sharing every launch choice for `num_rows`, the C
-    handles of its kernels in launch order (runtime keeps them alive), and [flag]. Forward: (fc1, fc2, fold)
-    with flag 0, or with flag 1 (`forward_weight_tile`) fc1_split (h's TF32 operand pair) and the weight GEMM.
-    Backward: flag 0, the mma.sync sequence (fc1_zh, fc2_dgrad, colsum_dz_db2, fc1_dgrad, fold_dx, fc2_wgrad,
-    fc1_wgrad); flag 1 (`uses_wgmma`), the wgmma one (fc1_zh, split, weight fc2_dgrad, colsum_dz_db2,
+    handles of its kernels in launch order (runtime keeps them alive), and [flag]. Forward: flag 0 (fc1, fc2,
+    fold); flag 1 (`forward_weight_tile` below WGMMA_MIN_ROWS): fc1_split on mma.sync, the weight fc2, fold;
+    flag 2 (`uses_wgmma`): split (of x), the weight fc1_split, the weight fc2, fold. Backward: flag 0, the
+    mma.sync sequence (fc1_zh, fc2_dgrad, colsum_dz_db2, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad); flag 1
+    (`uses_wgmma`), the wgmma one (split, of x and of grad; weight fc1_zh, weight fc2_dgrad, colsum_dz_db2,
     fc1_dgrad, fold_dx, transposing split, wgmma fc2_wgrad, fc1_wgrad)."""
     lo, hi, cfg = _bucket(num_rows)
     dev = torch.device("cuda", device)
@@ -144,22 +150,26 @@ def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int,
                 hi = min(hi, rows)
                 break
             lo = max(lo, rows + 1)
+    split = runtime.kernel("tf32_split", dev, transpose=False) if wgmma else None
     if not backward:
         tile = forward_weight_tile(dev, num_rows)
         if tile is None:
             fns = [_gemm(dev, "fc1", cfg.fc1), _gemm(dev, "fc2", cfg.fc2)]
+        elif wgmma:
+            fns = [split, _weight_gemm(dev, "fc1_split", WEIGHT_FC1_TILE), _weight_gemm(dev, "fc2", tile)]
         else:
             fns = [_gemm(dev, "fc1_split", cfg.fc1), _weight_gemm(dev, "fc2", tile)]
-        return lo, hi, [fn.__chandle__() for fn in fns + [_fold(dev, "fc2", "bias")]], [int(tile is not None)]
-    split = [runtime.kernel("tf32_split", dev, transpose=False)] if wgmma else []
-    dgrad = _weight_gemm(dev, "fc2_dgrad") if wgmma else _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)
-    wgrad = [runtime.kernel("tf32_split", dev, transpose=True), _wgmma_gemm(dev, "fc2_wgrad")] if wgmma else \
+        flag = 0 if tile is None else 2 if wgmma else 1
+        return lo, hi, [fn.__chandle__() for fn in fns + [_fold(dev, "fc2", "bias")]], [flag]
+    if wgmma:
+        fns = [split, _weight_gemm(dev, "fc1_zh", WEIGHT_FC1_TILE), _weight_gemm(dev, "fc2_dgrad")]
+    else:
+        fns = [_gemm(dev, "fc1_zh", cfg.fc1), _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)]
+    fns += [runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True),
+            _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum")]
+    fns += [runtime.kernel("tf32_split", dev, transpose=True), _wgmma_gemm(dev, "fc2_wgrad")] if wgmma else \
         [_gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)]
-    fns = [_gemm(dev, "fc1_zh", cfg.fc1)] + split + [
-        dgrad, runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True),
-        _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum")] + wgrad + [
-        _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)]
-    return lo, hi, [fn.__chandle__() for fn in fns], [int(wgmma)]
+    return lo, hi, [fn.__chandle__() for fn in fns + [_gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)]], [int(wgmma)]
 
 
 def _gemm(device, role: str, tile: GemmConfig):
@@ -194,12 +204,15 @@ def _split_transposed(xt: torch.Tensor, depth_out: int) -> tuple[torch.Tensor, t
     return big, small
 
 
-def _fc1(x, w1, b1, tile: GemmConfig):
-    """Backward's recompute: z (for silu') and h (for dW2)."""
+def _fc1(x, w1, b1, tile: GemmConfig, wgmma: bool = False):
+    """Backward's recompute: z (for silu') and h (for dW2); wgmma: on the weight GEMM (x split first)."""
     num_rows = x.shape[0]
     z = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=x.device)
     h = torch.empty_like(z)
-    _gemm(x.device, "fc1_zh", tile)(x, w1, b1, z, h)
+    if wgmma:
+        _weight_gemm(x.device, "fc1_zh", WEIGHT_FC1_TILE)(w1, *_split(x), b1, z, h)
+    else:
+        _gemm(x.device, "fc1_zh", tile)(x, w1, b1, z, h)
     return z, h
 
 
@@ -219,7 +232,10 @@ def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None, wgmma: bool | No
         tile = (forward_weight_tile(dev, num_rows) or WEIGHT_TILE) if wgmma else None
     if tile is not None:  # fc1 writes h's big / small TF32 operand arrays, fc2 splits w2 in registers
         h_big, h_small = (torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=dev) for _ in range(2))
-        _gemm(dev, "fc1_split", cfg.fc1)(x, w1, b1, h_big, h_small)
+        if tile == WEIGHT_TILE:  # large T: fc1 on wgmma too (w1 in registers, x split first)
+            _weight_gemm(dev, "fc1_split", WEIGHT_FC1_TILE)(w1, *_split(x), b1, h_big, h_small)
+        else:
+            _gemm(dev, "fc1_split", cfg.fc1)(x, w1, b1, h_big, h_small)
         _weight_gemm(dev, "fc2", tile)(w2, h_big, h_small, partials)
     else:
         h = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=dev)
@@ -246,7 +262,7 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool |
                 torch.zeros_like(w2), torch.zeros((TEMB_WIDTH,), **f32))
     cfg = config or pick_config(num_rows)
     use_wgmma = uses_wgmma(dev, num_rows) if wgmma is None else wgmma
-    z, h = _fc1(x, w1, b1, cfg.fc1)
+    z, h = _fc1(x, w1, b1, cfg.fc1, use_wgmma)
 
     dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, HIDDEN), **f32)
     if use_wgmma:  # W = w2^T (5376, 2688), read as w2 in place (M-major weight tiles)

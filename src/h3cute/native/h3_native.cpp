@@ -293,7 +293,7 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   const TVMFFIObjectHandle* fn = kernels.fns;
   at::Tensor out = at::empty({rows, kTemb}, x.options());
   const int64_t act = rows * kMlpHidden;
-  if (kernels.params[0]) {  // sm_90a (forward_weight_tile): fc1_split writes h's TF32 operand pair, fc2 on wgmma
+  if (kernels.params[0] == 1) {  // sm_90a, small T: fc1_split writes h's TF32 operand pair, fc2 on wgmma
     Carver scratch({act, act, kFc2Splits * rows * kTemb}, x.options());
     at::Tensor h_big = scratch.take({rows, kMlpHidden}), h_small = scratch.take({rows, kMlpHidden});
     at::Tensor partials = scratch.take({kFc2Splits, rows, kTemb});
@@ -301,6 +301,19 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
     call_kernel(fn[0], {x, w1, b1, h_big, h_small});
     call_kernel(fn[1], {w2, h_big, h_small, partials});
     call_kernel(fn[2], {partials, b2, out});
+    return out;
+  }
+  if (kernels.params[0] == 2) {  // sm_90a, T >= WGMMA_MIN_ROWS: split x, fc1_split and fc2 on wgmma, fold
+    const int64_t xs = rows * kFreq;
+    Carver scratch({xs, xs, act, act, kFc2Splits * rows * kTemb}, x.options());
+    at::Tensor x_big = scratch.take({rows, kFreq}), x_small = scratch.take({rows, kFreq});
+    at::Tensor h_big = scratch.take({rows, kMlpHidden}), h_small = scratch.take({rows, kMlpHidden});
+    at::Tensor partials = scratch.take({kFc2Splits, rows, kTemb});
+    StreamScope stream(d);
+    call_kernel(fn[0], {x, x_big, x_small});
+    call_kernel(fn[1], {w1, x_big, x_small, b1, h_big, h_small});
+    call_kernel(fn[2], {w2, h_big, h_small, partials});
+    call_kernel(fn[3], {partials, b2, out});
     return out;
   }
   // fc1, fc2, fold_fc2
@@ -313,18 +326,20 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   return out;
 }
 
-// The sm_90a backward from WGMMA_MIN_ROWS rows (h3cute/launch/timestep_mlp.py backward, wgmma=True): fc1_zh,
-// split grad, fc2_dgrad with w2 split in registers, colsum_dz_db2, fc1_dgrad, fold_dx, transposing split of grad
-// and of h (K = T zero-padded to a multiple of kWgmmaKPad), the wgmma fc2_wgrad, fc1_wgrad.
+// The sm_90a backward from WGMMA_MIN_ROWS rows (h3cute/launch/timestep_mlp.py backward, wgmma=True): split x,
+// fc1_zh with w1 split in registers, split grad, fc2_dgrad with w2 split in registers, colsum_dz_db2,
+// fc1_dgrad, fold_dx, transposing split of grad and of h (K = T zero-padded to a multiple of kWgmmaKPad), the
+// wgmma fc2_wgrad, fc1_wgrad.
 constexpr int64_t kWgmmaKPad = 32;  // launch/timestep_mlp.py WGMMA_K_PAD
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_wgmma(
     const TVMFFIObjectHandle* fn, const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1,
     const at::Tensor& b1, const at::Tensor& w2) {
-  const int64_t rows = x.size(0), act = rows * kMlpHidden, g = rows * kTemb;
+  const int64_t rows = x.size(0), act = rows * kMlpHidden, g = rows * kTemb, xs = rows * kFreq;
   const int64_t depth = (rows + kWgmmaKPad - 1) / kWgmmaKPad * kWgmmaKPad;
-  Carver scratch({act, act, g, g, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq, kTemb * depth,
+  Carver scratch({xs, xs, act, act, g, g, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq, kTemb * depth,
                   kTemb * depth, kMlpHidden * depth, kMlpHidden * depth},
                  x.options());
+  at::Tensor x_big = scratch.take({rows, kFreq}), x_small = scratch.take({rows, kFreq});
   at::Tensor z = scratch.take({rows, kMlpHidden}), h = scratch.take({rows, kMlpHidden});
   at::Tensor g_big = scratch.take({rows, kTemb}), g_small = scratch.take({rows, kTemb});
   at::Tensor dh_partials = scratch.take({kFc2DgradSplits, rows, kMlpHidden}), dz = scratch.take({rows, kMlpHidden});
@@ -341,8 +356,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   View dw1_b(dw1, {1, kMlpHidden, kFreq}, {kMlpHidden * kFreq, kFreq, 1});
 
   StreamScope stream(x.get_device());
-  call_kernel(fn[0], {x, w1, b1, z, h});
-  call_kernel(fn[1], {grad, g_big, g_small});
+  call_kernel(fn[0], {x, x_big, x_small});
+  call_kernel(fn[1], {w1, x_big, x_small, b1, z, h});
+  call_kernel(fn[0], {grad, g_big, g_small});
   call_kernel(fn[2], {transposed(w2), g_big, g_small, dh_partials});
   call_kernel(fn[3], {dh_partials, z, dz, db1, grad, db2});
   call_kernel(fn[4], {dz, transposed(w1), dx_partials});
