@@ -181,6 +181,17 @@ def _wgmma_fc2(num_rows: int, dev) -> dict:
     return out
 
 
+def _warm_up(dev, seconds: float = 1.0):
+    """Keep the GPU busy for a while before the first timing, so that T = 1 (timed first) does not run on
+    clocks still ramping up from idle."""
+    a = torch.randn(4096, 4096, device=dev)
+    end = time.time() + seconds
+    while time.time() < end:
+        for _ in range(20):
+            a = (a @ a).tanh_()
+        torch.cuda.synchronize(dev)
+
+
 def _safe(timer, fn):
     """A timing in us, or the error as a string (one failing step must not hide the others)."""
     try:
@@ -204,6 +215,7 @@ def main() -> int:
         print("mlp_kernels: needs a CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda", 0)
+    _warm_up(dev)
     t0 = time.time()
     report = {"gpu": torch.cuda.get_device_name(dev), "samples": SAMPLES, "warmup": WARMUP, "sizes": {}}
     for num_rows in SIZES:

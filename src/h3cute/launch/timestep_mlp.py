@@ -18,7 +18,8 @@ register operand, split per k8 chunk in registers) against the pre-split activat
 grad); fc2_wgrad splits grad^T and h^T through the transposing split (the T-deep K zero-padded to a multiple
 of 32) into `tf32x3_wgmma_gemm`. Both write the partial layout the mma.sync GEMM writes, under the same
 chunk contract (same K slices, same k8 chunks, same IEEE adds), into the same folds: the same bits at
-every T (GPU tests compare the whole op). fc1, fc1_zh, fc1_dgrad and fc1_wgrad stay on mma.sync.
+every T (GPU tests compare the whole op). fc1 and fc1_zh take the weight GEMM too (w1 in registers, x split
+first, the bias + SiLU epilogues); fc1_dgrad and fc1_wgrad stay on mma.sync.
 
 Config choice may look at T (it changes only speed): every config in CONFIGS gives the same bits,
 because the summation order is fixed by K and the slice count (kernels/timestep_mlp.py). The op
@@ -79,10 +80,10 @@ LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dg
 CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
-# sm_90a from this many rows: the fc2-sized GEMMs on TF32 wgmma (speed only: same bits). H200 at e642611
-# (perf/results/h200/mlp_kernels.json, graph us fwd + bwd): T = 256 wgmma 101.2 + 301.2 vs mma.sync 169.5 +
-# 397.8; 512 210.6 + 520.6 vs 334.6 + 734.4; 2048 751.0 + 1717.8 vs 1286.8 + 2660.0. The C++ layer runs the
-# same sequence (no Python on the way).
+# sm_90a from this many rows: the fc2-sized GEMMs and fc1 on TF32 wgmma (speed only: same bits). H200 at 47bb99d
+# (perf/results/h200/mlp_kernels.json, graph us fwd + bwd): T = 256 wgmma 98.5 + 296.0 vs mma.sync 169.5 + 395.8;
+# 512 183.1 + 483.0 vs 333.9 + 727.6; 2048 688.6 + 1695.6 vs 1306.6 + 2631.8; at T = 128 the wgmma backward
+# only ties (209.1 vs 213.4). The C++ layer runs the same sequences (no Python on the way).
 WGMMA_MIN_ROWS = 256
 WGMMA_TILE = (128, 32, 3)  # wgmma_tf32.LAUNCH_TILE (bn, bk, stages): every role's variant is built in it
 WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a multiple of it
