@@ -196,21 +196,25 @@ def _dz(mP: cute.Tensor, mZ: cute.Tensor, t, col):
     return acc * (sig * (cutlass.Float32(1.0) + z * (cutlass.Float32(1.0) - sig)))
 
 
-@cute.jit
-def _sum_columns(mA: cute.Tensor, mZ: cute.Tensor, mDz: cute.Tensor, mOut: cute.Tensor, col, rows,
-                 fold_dz: cutlass.Constexpr):
-    """One CTA's 32 columns: row group g (one warp) sums rows g, g + G, g + 2G, ... in increasing order (a warp
-    reads 128 contiguous bytes per row; unrolled so several rows' loads are in flight); then one thread adds
-    the G partials in group order. fold_dz: the rows are dz, made here from fc2_dgrad's partials and z and
-    stored on the way (db1 without a second pass over dz)."""
+@cute.kernel
+def _colsum_kernel(mA: cute.Tensor, mZ: cute.Tensor, mDz: cute.Tensor, mOut: cute.Tensor,
+                   fold_dz: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    cute.arch.griddepcontrol_wait()  # PDL: the rows may be the previous kernel's output
+    cute.arch.griddepcontrol_launch_dependents()
     lane = tidx % 32
     group = tidx // 32
+    col = bidx * 32 + lane
     smem = cutlass.utils.SmemAllocator()
     sPart = smem.allocate_tensor(cutlass.Float32, cute.make_layout((COLSUM_GROUPS, 32), stride=(32, 1)),
                                  byte_alignment=16)
+    # Row group g (one warp) sums rows g, g + G, g + 2G, ... of its 32 columns in increasing order
+    # (a warp reads 128 contiguous bytes per row; unrolled so several rows' loads are in flight);
+    # then one thread adds the G partials in group order. fold_dz: the rows are dz, made here from
+    # fc2_dgrad's partials and z and stored on the way (db1 without a second pass over dz).
     acc = cutlass.Float32(0.0)
-    for t in cutlass.range(group, rows, COLSUM_GROUPS, unroll=4):
+    for t in cutlass.range(group, mZ.shape[0], COLSUM_GROUPS, unroll=4):
         if cutlass.const_expr(fold_dz):
             v = _dz(mA, mZ, t, col)
             mDz[t, col] = v
@@ -226,53 +230,23 @@ def _sum_columns(mA: cute.Tensor, mZ: cute.Tensor, mDz: cute.Tensor, mOut: cute.
         mOut[col] = total
 
 
-@cute.kernel
-def _colsum_kernel(mA: cute.Tensor, mZ: cute.Tensor, mDz: cute.Tensor, mOut: cute.Tensor, mG: cute.Tensor,
-                   mOutG: cute.Tensor, fold_dz: cutlass.Constexpr):
-    tidx, _, _ = cute.arch.thread_idx()
-    bidx, _, _ = cute.arch.block_idx()
-    cute.arch.griddepcontrol_wait()  # PDL: the rows may be the previous kernel's output
-    cute.arch.griddepcontrol_launch_dependents()
-    lane = tidx % 32
-    if cutlass.const_expr(fold_dz):
-        # dz and db1 in the first HIDDEN / 32 CTAs; db2 = column sums of grad (mG) in the rest, in the order
-        # of the plain mode: the backward's two bias gradients in one launch
-        dz_ctas = mOut.shape[0] // 32
-        if bidx < dz_ctas:
-            _sum_columns(mA, mZ, mDz, mOut, bidx * 32 + lane, mZ.shape[0], True)
-        else:
-            _sum_columns(mG, mG, mG, mOutG, (bidx - dz_ctas) * 32 + lane, mG.shape[0], False)
-    else:
-        _sum_columns(mA, mZ, mDz, mOut, bidx * 32 + lane, mZ.shape[0], False)
-
-
 @cute.jit
-def _colsum_launch(mA: cute.Tensor, mZ: cute.Tensor, mDz: cute.Tensor, mOut: cute.Tensor, mG: cute.Tensor,
-                   mOutG: cute.Tensor, stream, fold_dz: cutlass.Constexpr):
-    ctas = mOut.shape[0] // 32 + (mOutG.shape[0] // 32 if cutlass.const_expr(fold_dz) else 0)
-    _colsum_kernel(mA, mZ, mDz, mOut, mG, mOutG, fold_dz).launch(
-        grid=(ctas, 1, 1), block=(32 * COLSUM_GROUPS, 1, 1), stream=stream, use_pdl=True,
+def _colsum_launch(mA: cute.Tensor, mZ: cute.Tensor, mDz: cute.Tensor, mOut: cute.Tensor, stream,
+                   fold_dz: cutlass.Constexpr):
+    _colsum_kernel(mA, mZ, mDz, mOut, fold_dz).launch(
+        grid=(mOut.shape[0] // 32, 1, 1), block=(32 * COLSUM_GROUPS, 1, 1), stream=stream, use_pdl=True,
     )
-
-
-@cute.jit
-def _colsum_plain(mA: cute.Tensor, mZ: cute.Tensor, mDz: cute.Tensor, mOut: cute.Tensor, stream):
-    _colsum_launch(mA, mZ, mDz, mOut, mA, mOut, stream, False)
 
 
 def build_colsum(arch: str, *, cols: int, fold_dz: bool):
     """db (cols,) = column sums of a (T, cols) tensor A, called (A, A, A, db); or with fold_dz, of
-    dz = fold(fc2_dgrad partials) * silu'(z) and, in the same launch, db2 = column sums of grad, called
-    (partials (3, T, cols), z, dz out, db1, grad (T, TEMB_WIDTH), db2)."""
+    dz = fold(fc2_dgrad partials) * silu'(z), called (partials (3, T, cols), z, dz out, db1)."""
     if cols % 32:
         raise ValueError(f"colsum needs a multiple of 32 columns, got {cols}")
     rows = cute.sym_int()
-    if not fold_dz:
-        return compile_for(arch, _colsum_plain, _compact((rows, cols)), _compact((rows, cols)),
-                           _compact((rows, cols)), _compact((cols,)), env_stream())
-    return compile_for(arch, _colsum_launch, _compact((role_splits("fc2_dgrad"), rows, cols)), _compact((rows, cols)),
-                       _compact((rows, cols)), _compact((cols,)), _compact((rows, TEMB_WIDTH)),
-                       _compact((TEMB_WIDTH,)), env_stream(), True)
+    first = _compact((role_splits("fc2_dgrad"), rows, cols)) if fold_dz else _compact((rows, cols))
+    return compile_for(arch, _colsum_launch, first, _compact((rows, cols)), _compact((rows, cols)),
+                       _compact((cols,)), env_stream(), fold_dz)
 
 
 # --- what the launcher may ask for --------------------------------------------------------------

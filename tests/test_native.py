@@ -468,7 +468,7 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     assert asked(timestep_mlp, 0, 100) == (["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"], [0])
     assert asked(timestep_mlp, 1, 3)[0] == ["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_colsum",
                                             "timestep_mlp_gemm", "timestep_mlp_fold", "timestep_mlp_gemm",
-                                            "timestep_mlp_gemm"]
+                                            "timestep_mlp_gemm", "timestep_mlp_colsum"]
     if arch == "sm_90a":  # from WGMMA_MIN_ROWS: the splits and the TF32 wgmma GEMMs
         assert asked(timestep_mlp, 0, 300) == (["tf32_split", "tf32x3_wgmma_weight_gemm", "tf32x3_wgmma_weight_gemm",
                                                 "timestep_mlp_fold"], [2])
@@ -476,7 +476,8 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
                                               "timestep_mlp_fold"], [1])  # fc1_split, the small-T weight tile
         assert asked(timestep_mlp, 1, 300) == (["tf32_split", "tf32x3_wgmma_weight_gemm", "tf32x3_wgmma_weight_gemm",
                                                 "timestep_mlp_colsum", "timestep_mlp_gemm", "timestep_mlp_fold",
-                                                "tf32_split", "tf32x3_wgmma_gemm", "timestep_mlp_gemm"], [1])
+                                                "tf32_split", "tf32x3_wgmma_gemm", "timestep_mlp_gemm",
+                                                "timestep_mlp_colsum"], [1])
     proj = "adaln_proj_fwd_wgmma" if arch == "sm_90a" and adaln_projection.SM90_FAMILY == "wgmma" else "adaln_proj_fwd"
     assert asked(final_adaln_out, 0, 3)[0] == ["adaln_silu_cast", proj, "norm_modulate_fwd"]
     names, constants = asked(final_adaln_out, 1, 3)

@@ -3,10 +3,10 @@
 Forward (3 launches): fc1 GEMM with bias + SiLU fused (h), fc2 GEMM into 6 fixed K-slice partials,
 fold (slice order, + b2). Backward (recomputes z, h with the forward's fc1 kernel: GEMM1 is 1/21 of
 the FLOPs, and the public op returns only temb): dh partials = grad w2 (3 slices), fold * silu'(z) ->
-dz (and db1 = column sums of dz, db2 = column sums of grad, same launch); dx partials = dz w1 (6
-slices), fold; dW2 = grad^T h and dW1 = dz^T x as T-deep GEMMs. No copies: the dgrad GEMMs read w2, w1
+dz (and db1 = column sums of dz, same kernel); dx partials = dz w1 (6 slices), fold; dW2 = grad^T h
+and dW1 = dz^T x as T-deep GEMMs; db2 = column sums of grad. No copies: the dgrad GEMMs read w2, w1
 and the weight-gradient GEMMs read grad, h, dz, x in place, through their `transposed` views
-(7 launches, all PDL).
+(8 launches, all PDL).
 
 Launch order is part of the kernels' PDL contract (kernels/timestep_mlp.py, PREFETCH_B_ROLES): fc2,
 fc2_dgrad and fc1_dgrad prefetch their weight before waiting on the previous kernel, so the kernel
@@ -136,9 +136,9 @@ def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int,
     handles of its kernels in launch order (runtime keeps them alive), and [flag]. Forward: flag 0 (fc1, fc2,
     fold); flag 1 (`forward_weight_tile` below WGMMA_MIN_ROWS): fc1_split on mma.sync, the weight fc2, fold;
     flag 2 (`uses_wgmma`): split (of x), the weight fc1_split, the weight fc2, fold. Backward: flag 0, the
-    mma.sync sequence (fc1_zh, fc2_dgrad, colsum_dz_db2, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad); flag 1
-    (`uses_wgmma`), the wgmma one (split, of x and of grad; weight fc1_zh, weight fc2_dgrad, colsum_dz_db2,
-    fc1_dgrad, fold_dx, transposing split, wgmma fc2_wgrad, fc1_wgrad)."""
+    mma.sync sequence (fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2);
+    flag 1 (`uses_wgmma`), the wgmma one (split, of x and of grad; weight fc1_zh, weight fc2_dgrad,
+    colsum_dz, fc1_dgrad, fold_dx, transposing split, wgmma fc2_wgrad, fc1_wgrad, colsum_db2)."""
     lo, hi, cfg = _bucket(num_rows)
     dev = torch.device("cuda", device)
     wgmma = uses_wgmma(dev, num_rows)
@@ -170,7 +170,9 @@ def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int,
             _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum")]
     fns += [runtime.kernel("tf32_split", dev, transpose=True), _wgmma_gemm(dev, "fc2_wgrad")] if wgmma else \
         [_gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)]
-    return lo, hi, [fn.__chandle__() for fn in fns + [_gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)]], [int(wgmma)]
+    fns += [_gemm(dev, "fc1_wgrad", cfg.fc1_wgrad), runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH,
+                                                                  fold_dz=False)]
+    return lo, hi, [fn.__chandle__() for fn in fns], [int(wgmma)]
 
 
 def _gemm(device, role: str, tile: GemmConfig):
@@ -271,10 +273,9 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool |
     else:
         _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)  # w2 read N-major in place
     dz = torch.empty((num_rows, HIDDEN), **f32)
-    db1, db2 = torch.empty((HIDDEN,), **f32), torch.empty((TEMB_WIDTH,), **f32)
-    # dz = fold(dh partials) * silu'(z), and db1 = column sums of dz, in one pass; db2 = column sums of grad
-    # by the same launch's other CTAs
-    runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True)(dh_partials, z, dz, db1, grad, db2)
+    db1 = torch.empty((HIDDEN,), **f32)
+    # dz = fold(dh partials) * silu'(z), and db1 = column sums of dz, in one pass
+    runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True)(dh_partials, z, dz, db1)
 
     dx_partials = torch.empty((SPLITS["fc1_dgrad"], num_rows, SINUSOID_WIDTH), **f32)
     _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, transposed(w1), dx_partials)
@@ -292,4 +293,7 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool |
         _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)(transposed(grad), transposed(h), dw2)
     dw1 = torch.empty((1, HIDDEN, SINUSOID_WIDTH), **f32)
     _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)(transposed(dz), transposed(x), dw1)
+
+    db2 = torch.empty((TEMB_WIDTH,), **f32)
+    runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH, fold_dz=False)(grad, grad, grad, db2)
     return dx, dw1[0], db1, dw2[0], db2

@@ -327,9 +327,9 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
 }
 
 // The sm_90a backward from WGMMA_MIN_ROWS rows (h3cute/launch/timestep_mlp.py backward, wgmma=True): split x,
-// fc1_zh with w1 split in registers, split grad, fc2_dgrad with w2 split in registers, colsum_dz_db2,
+// fc1_zh with w1 split in registers, split grad, fc2_dgrad with w2 split in registers, colsum_dz,
 // fc1_dgrad, fold_dx, transposing split of grad and of h (K = T zero-padded to a multiple of kWgmmaKPad), the
-// wgmma fc2_wgrad, fc1_wgrad.
+// wgmma fc2_wgrad, fc1_wgrad, colsum_db2.
 constexpr int64_t kWgmmaKPad = 32;  // launch/timestep_mlp.py WGMMA_K_PAD
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_wgmma(
     const TVMFFIObjectHandle* fn, const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1,
@@ -360,13 +360,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   call_kernel(fn[1], {w1, x_big, x_small, b1, z, h});
   call_kernel(fn[0], {grad, g_big, g_small});
   call_kernel(fn[2], {transposed(w2), g_big, g_small, dh_partials});
-  call_kernel(fn[3], {dh_partials, z, dz, db1, grad, db2});
+  call_kernel(fn[3], {dh_partials, z, dz, db1});
   call_kernel(fn[4], {dz, transposed(w1), dx_partials});
   call_kernel(fn[5], {dx_partials, unused_bias, dx});
   call_kernel(fn[6], {grad, gt_big, gt_small});
   call_kernel(fn[6], {h, ht_big, ht_small});
   call_kernel(fn[7], {gt_big, gt_small, ht_big, ht_small, dw2_b});
   call_kernel(fn[8], {dz_t, x_t, dw1_b});
+  call_kernel(fn[9], {grad, grad, grad, db2});
   return {dx, dw1, db1, dw2, db2};
 }
 
@@ -380,7 +381,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   const int64_t rows = x.size(0);
   const auto& kernels = mlp_kernels.get(d, 1, rows);
   if (kernels.params[0]) return timestep_mlp_backward_wgmma(kernels.fns, grad, x, w1, b1, w2);
-  // fc1_zh, fc2_dgrad, colsum_dz_db2, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad
+  // fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2
   const TVMFFIObjectHandle* fn = kernels.fns;
   // Two allocations (host time at small T): the intermediates, and the five gradients as views of one buffer.
   const int64_t act = rows * kMlpHidden;
@@ -402,11 +403,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   StreamScope stream(d);
   call_kernel(fn[0], {x, w1, b1, z, h});
   call_kernel(fn[1], {grad, w2_t, dh_partials});
-  call_kernel(fn[2], {dh_partials, z, dz, db1, grad, db2});
+  call_kernel(fn[2], {dh_partials, z, dz, db1});
   call_kernel(fn[3], {dz, w1_t, dx_partials});
   call_kernel(fn[4], {dx_partials, unused_bias, dx});
   call_kernel(fn[5], {grad_t, h_t, dw2_b});
   call_kernel(fn[6], {dz_t, x_t, dw1_b});
+  call_kernel(fn[7], {grad, grad, grad, db2});
   return {dx, dw1, db1, dw2, db2};
 }
 
