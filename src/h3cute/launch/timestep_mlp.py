@@ -81,7 +81,7 @@ CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_con
 
 
 # sm_90a from this many rows: the fc2-sized GEMMs and fc1 on TF32 wgmma (speed only: same bits). H200 at 47bb99d
-# (perf/results/h200/mlp_kernels.json, graph us fwd + bwd): T = 256 wgmma 98.5 + 296.0 vs mma.sync 169.5 + 395.8;
+# (perf/results/h200/mlp_kernels_47bb99d.log, graph us fwd + bwd): T = 256 wgmma 98.5 + 296.0 vs mma.sync 169.5 + 395.8;
 # 512 183.1 + 483.0 vs 333.9 + 727.6; 2048 688.6 + 1695.6 vs 1306.6 + 2631.8; at T = 128 the wgmma backward
 # only ties (209.1 vs 213.4). The C++ layer runs the same sequences (no Python on the way).
 WGMMA_MIN_ROWS = 256
