@@ -91,6 +91,24 @@ def bits_f32(x: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@cute.jit
+def fc1_outputs(v: cutlass.Float32, bias: cutlass.Float32, epilogue: cutlass.Constexpr):
+    """The two values fc1's epilogues store for an accumulator element v (z = v + b1, h = silu(z)):
+    "bias_silu" (z, h); "bias_silu_split" h's TF32 operand pair (big, small) for the wgmma fc2, with
+    tf32_split's formulas, as FP32 patterns; "bias_silu_h" (h, h). Shared by the mma.sync GEMM and the
+    weight-in-registers wgmma GEMM, whose fc1 must give the same bits."""
+    z = v + bias
+    h = z / (cutlass.Float32(1.0) + cute.math.exp(-z))
+    first, second = h, h
+    if cutlass.const_expr(epilogue == "bias_silu"):
+        first = z
+    if cutlass.const_expr(epilogue == "bias_silu_split"):
+        hb = f32_bits(h)
+        big = hb & TF32_BIG_MASK
+        first, second = bits_f32(big), bits_f32(tf32_small(hb, big))
+    return first, second
+
+
 @dsl_user_op
 def add_rn(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
     """IEEE a + b rounded to nearest; an explicit-rounding PTX add is never fused into an FMA."""
@@ -486,16 +504,7 @@ class GemmTF32x3:
                 if cutlass.const_expr(self.epilogue == "partial"):
                     tCgC[i] = v
                 else:
-                    z = v + mBias[coord[1]]
-                    h = z / (cutlass.Float32(1.0) + cute.math.exp(-z))
-                    if cutlass.const_expr(self.epilogue == "bias_silu"):
-                        tCgC[i] = z
-                        mH[coord] = h
-                    elif cutlass.const_expr(self.epilogue == "bias_silu_split"):
-                        # h's TF32 operand pair for the wgmma fc2 (tf32_split's formulas): big, small
-                        hb = f32_bits(h)
-                        big = hb & TF32_BIG_MASK
-                        tCgC[i] = bits_f32(big)
-                        mH[coord] = bits_f32(tf32_small(hb, big))
-                    else:
-                        tCgC[i] = h
+                    first, second = fc1_outputs(v, mBias[coord[1]], self.epilogue)
+                    tCgC[i] = first
+                    if cutlass.const_expr(self.epilogue != "bias_silu_h"):
+                        mH[coord] = second

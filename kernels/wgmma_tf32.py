@@ -45,7 +45,7 @@ from cutlass.utils import LayoutEnum
 from cutlass.utils import hopper_helpers as sm90
 
 from h3cute.kernels.adaln_gemm import produce_k_tiles
-from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, bits_f32, f32_bits, tf32_small
+from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, f32_bits, fc1_outputs, tf32_small
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
 
@@ -209,6 +209,35 @@ class WgmmaTF32Probe:
 # --- the 3xTF32 GEMM: TMA + mbarrier ring, warp-specialized --------------------------------------
 
 
+def _stage_ring(barriers, stages: int, stage_bytes: int, consumer_threads: int):
+    """The stage ring of the TMA GEMMs here: per stage a full mbarrier expecting `stage_bytes`, an empty one
+    taking one arrive per consumer warp."""
+    from cutlass import pipeline
+
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers.data_ptr(),
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads // 32),
+        tx_count=stage_bytes,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+    )
+
+
+def _tile_loads(bk: int, operands) -> list:
+    """`produce_k_tiles` loads: (atom, smem stages, gmem k tiles) for each (atom, TMA tensor, smem, rows, tile
+    index) in `operands`, over its (rows, bk) tiles along K."""
+    from cutlass.cute.nvgpu import cpasync
+
+    loads = []
+    for atom, tma_m, smem, rows, tile in operands:
+        g = cute.local_tile(tma_m, (rows, bk), (tile, None))
+        s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                               cute.group_modes(g, 0, 2))
+        loads.append((atom, s_part, g_part))
+    return loads
+
+
 @dataclass(frozen=True)
 class WgmmaTile:
     """CTA tile of `Tf32x3WgmmaGemm`: 128 rows (two consumer warpgroups of 64), bn columns, bk-deep k tiles
@@ -292,7 +321,6 @@ class Tf32x3WgmmaGemm:
                tma_as: cute.CopyAtom, tma_mAs: cute.Tensor, tma_bb: cute.CopyAtom, tma_mBb: cute.Tensor,
                tma_bs: cute.CopyAtom, tma_mBs: cute.Tensor, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma):
-        from cutlass import pipeline
         from cutlass.cute.nvgpu import cpasync
 
         t = self.tile
@@ -319,26 +347,11 @@ class Tf32x3WgmmaGemm:
         sB_big = storage.b_big.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sB_small = storage.b_small.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
 
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=t.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (self._THREADS - 128) // 32),
-            tx_count=t.stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
-
+        ring = _stage_ring(storage.barriers, t.stages, t.stage_bytes, self._THREADS - 128)
         k_tile_count = cute.size(mA, mode=[1]) // (t.bk * self.splits)
         k_tile_first = split * k_tile_count
-        loads = []
-        for atom, tma_m, smem, rows, tile in ((tma_ab, tma_mAb, sA_big, GEMM_BM, m_tile),
-                                              (tma_as, tma_mAs, sA_small, GEMM_BM, m_tile),
-                                              (tma_bb, tma_mBb, sB_big, t.bn, n_tile),
-                                              (tma_bs, tma_mBs, sB_small, t.bn, n_tile)):
-            g = cute.local_tile(tma_m, (rows, t.bk), (tile, None))
-            s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
-                                                   cute.group_modes(g, 0, 2))
-            loads.append((atom, s_part, g_part))
+        loads = _tile_loads(t.bk, ((tma_ab, tma_mAb, sA_big, GEMM_BM, m_tile), (tma_as, tma_mAs, sA_small, GEMM_BM, m_tile),
+                                   (tma_bb, tma_mBb, sB_big, t.bn, n_tile), (tma_bs, tma_mBs, sB_small, t.bn, n_tile)))
 
         # PDL: the operands may be the previous kernel's output (the split).
         cute.arch.griddepcontrol_wait()
@@ -510,7 +523,6 @@ class Tf32x3WeightGemm:
                tma_w: cute.CopyAtom, tma_mW: cute.Tensor,
                tma_xb: cute.CopyAtom, tma_mXb: cute.Tensor, tma_xs: cute.CopyAtom, tma_mXs: cute.Tensor,
                sW_layout: cute.ComposedLayout, sX_layout: cute.ComposedLayout, tiled_mma: cute.TiledMma):
-        from cutlass import pipeline
         from cutlass.cute.nvgpu import cpasync
 
         t = self.tile
@@ -533,24 +545,10 @@ class Tf32x3WeightGemm:
         sX_big = storage.x_big.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
         sX_small = storage.x_small.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
 
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=t.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (self._THREADS - 128) // 32),
-            tx_count=t.stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
-
+        ring = _stage_ring(storage.barriers, t.stages, t.stage_bytes, self._THREADS - 128)
         k_tile_count = cute.size(mW, mode=[1]) // (t.bk * self.splits)
-        loads = []
-        for atom, tma_m, smem, rows, tile in ((tma_w, tma_mW, sW, GEMM_BM, f_tile),
-                                              (tma_xb, tma_mXb, sX_big, t.bn, t_tile),
-                                              (tma_xs, tma_mXs, sX_small, t.bn, t_tile)):
-            g = cute.local_tile(tma_m, (rows, t.bk), (tile, None))
-            s_part, g_part = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
-                                                   cute.group_modes(g, 0, 2))
-            loads.append((atom, s_part, g_part))
+        loads = _tile_loads(t.bk, ((tma_w, tma_mW, sW, GEMM_BM, f_tile), (tma_xb, tma_mXb, sX_big, t.bn, t_tile),
+                                   (tma_xs, tma_mXs, sX_small, t.bn, t_tile)))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
@@ -588,17 +586,8 @@ class Tf32x3WeightGemm:
                 if cute.elem_less(coord[1], cols):
                     if cutlass.const_expr(self.epilogue == "partial"):
                         tCgC[i] = acc[i]
-                    else:  # gemm_tf32x3's fc1 epilogues, the same expressions
-                        z = acc[i] + mBias[coord[0]]
-                        h = z / (cutlass.Float32(1.0) + cute.math.exp(-z))
-                        if cutlass.const_expr(self.epilogue == "bias_silu"):
-                            tCgC[i] = z
-                            mH_t[coord] = h
-                        else:
-                            hb = f32_bits(h)
-                            big = hb & TF32_BIG_MASK
-                            tCgC[i] = bits_f32(big)
-                            mH_t[coord] = bits_f32(tf32_small(hb, big))
+                    else:  # gemm_tf32x3's fc1 epilogues
+                        tCgC[i], mH_t[coord] = fc1_outputs(acc[i], mBias[coord[0]], self.epilogue)
 
     @cute.jit
     def _mainloop(self, tiled_mma, acc, tCsW, x_frags, ring, k_tile_count):

@@ -191,32 +191,42 @@ def _ptxas_ok(ptx: str, tmp_path) -> str:
     return run.stderr
 
 
-@pytest.mark.slow
-def test_wgmma_gemm_compiles_to_three_tf32_wgmma_per_chunk(tmp_path):
-    pytest.importorskip("cutlass", exc_type=ImportError)
+def _tma_gemm_ptx(name: str, tmp_path, loads_per_k_tile: int):
+    """(static, PTX, bn, chunks) of every sm_90a variant of the TF32 TMA GEMM `name`, after the checks both GEMMs
+    share: a multiple of `loads_per_k_tile` TMA loads (the producer's loop may be unrolled), an IEEE add per
+    accumulator register (64 x bn over 128 threads) per chunk, no local memory, no atomics; ptxas: no spills,
+    no serialization warning."""
     from h3cute.kernels import get_spec
-    from h3cute.kernels import wgmma_tf32 as W
     from h3cute.runtime.dsl import compile_variant
 
-    spec = get_spec("tf32x3_wgmma_gemm")
+    spec = get_spec(name)
     assert spec.archs == ("sm_90a",)
     for static in spec.variants("sm_90a"):
         _, ptxs = compile_variant(spec, "sm_90a", static, keep_ptx=True)
         ptx = "\n".join(ptxs)
         bn, bk, _ = static["tile"]
         chunks = bk // 8
-        # The consumer's k-tile body is emitted once: 3 wgmma per chunk, an IEEE add per accumulator
-        # register (64 x bn over 128 threads) per chunk; four TMA loads per k tile (the producer's loop
-        # may be unrolled).
-        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{bn}k8.f32.tf32.tf32") == 3 * chunks, static
         assert ptx.count("add.rn.f32 ") == (bn // 2) * chunks, static
         n_tma = ptx.count("cp.async.bulk.tensor.2d")
-        assert n_tma and n_tma % 4 == 0, (static, n_tma)
+        assert n_tma and n_tma % loads_per_k_tile == 0, (static, n_tma)
         assert ".local" not in ptx and "atom." not in ptx
         if shutil.which("ptxas"):
             report = _ptxas_ok(ptx, tmp_path)
             assert _no_spills(report) and "warning" not in report.lower(), report
-    variants = spec.variants("sm_90a")
+        yield static, ptx, bn, chunks
+
+
+@pytest.mark.slow
+def test_wgmma_gemm_compiles_to_three_tf32_wgmma_per_chunk(tmp_path):
+    """Both operands from shared memory: 3 wgmma per chunk (the consumer's k-tile body is emitted once), four
+    TMA loads per k tile."""
+    pytest.importorskip("cutlass", exc_type=ImportError)
+    from h3cute.kernels import get_spec
+    from h3cute.kernels import wgmma_tf32 as W
+
+    for static, ptx, bn, chunks in _tma_gemm_ptx("tf32x3_wgmma_gemm", tmp_path, 4):
+        assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{bn}k8.f32.tf32.tf32") == 3 * chunks, static
+    variants = get_spec("tf32x3_wgmma_gemm").variants("sm_90a")
     assert {v["tile"] for v in variants if v["k"] == HIDDEN} == set(W.GEMM_TILES)  # fc2: every measured tile
     for k, splits in W.ROLE_GEMMS.values():
         assert dict(k=k, splits=splits, tile=W.LAUNCH_TILE) in variants
@@ -224,32 +234,16 @@ def test_wgmma_gemm_compiles_to_three_tf32_wgmma_per_chunk(tmp_path):
 
 @pytest.mark.slow
 def test_weight_gemm_compiles_to_three_register_a_tf32_wgmma_per_chunk(tmp_path):
-    """fc2 / fc2_dgrad with w2 split in registers: per k8 chunk three m64nNk8 TF32 wgmmas whose A operand is
-    four registers (no A descriptor), an IEEE add per accumulator register, four 32-bit shared loads of W;
-    three TMA loads per k tile; ptxas: no spills, no serialization warning."""
+    """The weight split in registers: per k8 chunk three m64nNk8 TF32 wgmmas whose A operand is four registers
+    (no A descriptor) and four 32-bit shared loads of W; three TMA loads per k tile."""
     pytest.importorskip("cutlass", exc_type=ImportError)
-    from h3cute.kernels import get_spec
-    from h3cute.runtime.dsl import compile_variant
 
-    spec = get_spec("tf32x3_wgmma_weight_gemm")
-    assert spec.archs == ("sm_90a",)
-    for static in spec.variants("sm_90a"):
-        _, ptxs = compile_variant(spec, "sm_90a", static, keep_ptx=True)
-        ptx = "\n".join(ptxs)
-        bn, bk, _ = static["tile"]
-        chunks = bk // 8
+    for static, ptx, bn, chunks in _tma_gemm_ptx("tf32x3_wgmma_weight_gemm", tmp_path, 3):
         wgmmas = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k8\.f32\.tf32\.tf32 \{{[^}}]*\}}, (\{{[^}}]*\}}|%rd\d+)",
                             ptx)
         assert len(wgmmas) == 3 * chunks, static
         assert all(a.startswith("{") and a.count("%r") == 4 for a in wgmmas), wgmmas  # A from registers
-        assert ptx.count("add.rn.f32 ") == (bn // 2) * chunks, static
         assert ptx.count("ld.shared.b32") == 4 * chunks, static
-        n_tma = ptx.count("cp.async.bulk.tensor.2d")
-        assert n_tma and n_tma % 3 == 0, (static, n_tma)
-        assert ".local" not in ptx and "atom." not in ptx
-        if shutil.which("ptxas"):
-            report = _ptxas_ok(ptx, tmp_path)
-            assert _no_spills(report) and "warning" not in report.lower(), report
 
 
 def test_wgmma_tiles_are_checked():
