@@ -350,8 +350,10 @@ class Tf32x3WgmmaGemm:
         ring = _stage_ring(storage.barriers, t.stages, t.stage_bytes, self._THREADS - 128)
         k_tile_count = cute.size(mA, mode=[1]) // (t.bk * self.splits)
         k_tile_first = split * k_tile_count
-        loads = _tile_loads(t.bk, ((tma_ab, tma_mAb, sA_big, GEMM_BM, m_tile), (tma_as, tma_mAs, sA_small, GEMM_BM, m_tile),
-                                   (tma_bb, tma_mBb, sB_big, t.bn, n_tile), (tma_bs, tma_mBs, sB_small, t.bn, n_tile)))
+        loads = _tile_loads(t.bk, ((tma_ab, tma_mAb, sA_big, GEMM_BM, m_tile),
+                                   (tma_as, tma_mAs, sA_small, GEMM_BM, m_tile),
+                                   (tma_bb, tma_mBb, sB_big, t.bn, n_tile),
+                                   (tma_bs, tma_mBs, sB_small, t.bn, n_tile)))
 
         # PDL: the operands may be the previous kernel's output (the split).
         cute.arch.griddepcontrol_wait()
@@ -465,13 +467,14 @@ class WeightTile:
 
 
 class Tf32x3WeightGemm:
-    """P[s, t, f] = slice s of sum_k W[f, k] X[t, k] under the MLP's 3xTF32 chunk contract: fc2 and fc2_dgrad
-    with w2 read as it is, no split arrays of the 57.8 MB weight.
+    """P[s, t, f] = slice s of sum_k W[f, k] X[t, k] under the MLP's 3xTF32 chunk contract, the weight read as
+    it is (no split arrays of it): fc2 and fc2_dgrad (w2), fc1 with its bias + SiLU epilogues (w1).
 
     The weight is the wgmma's A operand, from registers: TMA brings raw FP32 W tiles (128 x bk; K-major for
-    fc2, M-major for fc2_dgrad's w2^T) into the ring next to the activation's pre-split big / small tiles
-    (`tf32_split` of h or grad, K-major, the B operand); each consumer thread loads its four W values of a
-    k8 chunk and splits them as `tf32_split` does (big = x & mask, small = tf32_small(x, big)). Per chunk:
+    fc2 and fc1, M-major for fc2_dgrad's w2^T) into the ring next to the activation's pre-split big / small
+    tiles (h's pair from fc1_split, `tf32_split` of grad or x; K-major, the B operand); each consumer thread
+    loads its four W values of a k8 chunk and splits them as `tf32_split` does (big = x & mask, small =
+    tf32_small(x, big)). Per chunk:
     wgmma(big_w, small_x) with scale-d = 0, wgmma(small_w, big_x), wgmma(big_w, big_x): the products, k
     positions and order of `Tf32x3WgmmaGemm`'s small_x*big_w, big_x*small_w, big_x*big_w, with the
     operands' roles swapped (the output is D^T: weight rows along M); then acc = add.rn(acc, chunk) as
@@ -480,8 +483,10 @@ class Tf32x3WeightGemm:
     The A registers of chunk j are reused by chunk j + 2, after wait_group(1) has retired chunk j; chunk
     j + 1's loads and splits run while chunk j's wgmmas do.
     Grid (ceil(T / bn), F / 128, splits): CTAs launched together share one W tile and differ in their T tile.
-    The epilogue stores D^T: P[s, t, f] for t < T, straight from registers (eight consecutive f per store
-    group). Launched with PDL: X is the previous kernel's output; every thread waits before the first load.
+    The epilogue stores D^T: P[s, t, f] (or fc1's two outputs) for t < T, straight from registers (eight
+    consecutive f per store group). Launched with PDL: X is the previous kernel's output, so every thread
+    waits (griddepcontrol.wait) before X is loaded or anything is stored; the producer issues the W tiles of
+    the first `stages` k tiles before its wait (`_produce_weight_first`).
     """
 
     _PRODUCER_REGS = 40

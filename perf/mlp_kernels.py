@@ -7,10 +7,11 @@ GEMMs, folds and bias column sums) is replayed on preallocated buffers and
 timed alone with CUDA events: median of 50 samples after 10 warm-ups. The whole forward and backward
 are also timed as one CUDA-graph replay (`graph`), which shows what launch overlap (PDL) buys over
 the sum of the isolated steps (`sum`), and so is every config of `CONFIGS` (the tile ranking per T).
-On sm_90a from WGMMA_TIMED_FROM rows (the launcher's default from L.WGMMA_MIN_ROWS) also the TF32-wgmma path step by step
-(phases fwd_wgmma / bwd_wgmma: the splits and the wgmma GEMMs next to the shared mma.sync steps) and as
-graphs, next to the mma.sync path (phases fwd / bwd, forced with wgmma=False); and the fc2 GEMM per
-wgmma tile at every T.
+Phases: fwd / bwd, the mma.sync path (forced with wgmma=False); fwd_default, the launcher's own forward
+(on sm_90a the weight-in-registers fc2 at T <= 16 and from L.WGMMA_MIN_ROWS); on sm_90a from WGMMA_TIMED_FROM
+rows bwd_wgmma, the TF32-wgmma backward step by step and as a graph, and presplit, the former pre-split fc2 /
+fc2_dgrad (split w2, both operands from shared memory) for comparison; and on sm_90a the fc2 GEMMs per tile
+at every T.
 Prints a table; writes `$H3CUTE_OUT/mlp_kernels.json`.
 The step list mirrors the launcher: keep the two in step when the launcher changes.
 """
@@ -27,7 +28,8 @@ from h3cute.bench.report import write_device_json
 from h3cute.launch import timestep_mlp as L
 
 SIZES = (1, 4, 64, 128, 256, 512, 2048)
-WGMMA_TIMED_FROM = 64  # sm_90a: the wgmma path is timed from here, below and above WGMMA_MIN_ROWS (the threshold's evidence)
+# sm_90a: the wgmma path is timed from here, below and above WGMMA_MIN_ROWS (the threshold's evidence)
+WGMMA_TIMED_FROM = 64
 # Targets (issue): fwd kernel time <= 18.8 us at T <= 4 (1.25x the 15 us weight-read floor), fwd faster
 # than cuBLAS FP32 everywhere and 2x at T = 2048; fwd+bwd 1.5x faster than cuBLAS (H200 this morning).
 CUBLAS_US = {1: (58, 299), 4: (61, 341), 64: (169, 433), 256: (272, 705), 2048: (1773, 4694)}  # fwd, fwd+bwd

@@ -239,8 +239,9 @@ def test_weight_gemm_compiles_to_three_register_a_tf32_wgmma_per_chunk(tmp_path)
     pytest.importorskip("cutlass", exc_type=ImportError)
 
     for static, ptx, bn, chunks in _tma_gemm_ptx("tf32x3_wgmma_weight_gemm", tmp_path, 3):
-        wgmmas = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k8\.f32\.tf32\.tf32 \{{[^}}]*\}}, (\{{[^}}]*\}}|%rd\d+)",
-                            ptx)
+        # the A operand after the accumulator list: a register list, or a descriptor (%rd)
+        wgmmas = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k8\.f32\.tf32\.tf32 "
+                            r"\{[^}]*\}, (\{[^}]*\}|%rd\d+)", ptx)
         assert len(wgmmas) == 3 * chunks, static
         assert all(a.startswith("{") and a.count("%r") == 4 for a in wgmmas), wgmmas  # A from registers
         assert ptx.count("ld.shared.b32") == 4 * chunks, static
