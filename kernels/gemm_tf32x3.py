@@ -92,6 +92,14 @@ def bits_f32(x: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
 
 
 @cute.jit
+def tf32_pair(x: cutlass.Int32):
+    """(big, small) TF32 operand bit patterns of the FP32 bits x: big = x & TF32_BIG_MASK, small =
+    tf32_small(x, big); what every split of an operand here computes (kernels, epilogues, the split arrays)."""
+    big = x & TF32_BIG_MASK
+    return big, tf32_small(x, big)
+
+
+@cute.jit
 def fc1_outputs(v: cutlass.Float32, bias: cutlass.Float32, epilogue: cutlass.Constexpr):
     """The two values fc1's epilogues store for an accumulator element v (z = v + b1, h = silu(z)):
     "bias_silu" (z, h); "bias_silu_split" h's TF32 operand pair (big, small) for the wgmma fc2, with
@@ -103,9 +111,8 @@ def fc1_outputs(v: cutlass.Float32, bias: cutlass.Float32, epilogue: cutlass.Con
     if cutlass.const_expr(epilogue == "bias_silu"):
         first = z
     if cutlass.const_expr(epilogue == "bias_silu_split"):
-        hb = f32_bits(h)
-        big = hb & TF32_BIG_MASK
-        first, second = bits_f32(big), bits_f32(tf32_small(hb, big))
+        big, small = tf32_pair(f32_bits(h))
+        first, second = bits_f32(big), bits_f32(small)
     return first, second
 
 
@@ -248,19 +255,13 @@ class GemmTF32x3:
     def _load_split_k_block(self, s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot,
                             kb: cutlass.Constexpr, a_big, a_small, b_big, b_small):
         """k-block kb's A and B fragments from shared memory, each register split into its TF32 big and small
-        parts (`tf32_small`)."""
+        parts (`tf32_pair`)."""
         cute.copy(s2r_A, tXsA[None, None, kb, read_slot], tXrA[None, None, kb])
         cute.copy(s2r_B, tXsB[None, None, kb, read_slot], tXrB[None, None, kb])
         for i in cutlass.range_constexpr(cute.size(a_big)):
-            x = tCrA[None, None, kb][i]
-            big = x & TF32_BIG_MASK
-            a_big[i] = big
-            a_small[i] = tf32_small(x, big)
+            a_big[i], a_small[i] = tf32_pair(tCrA[None, None, kb][i])
         for i in cutlass.range_constexpr(cute.size(b_big)):
-            x = tCrB[None, None, kb][i]
-            big = x & TF32_BIG_MASK
-            b_big[i] = big
-            b_small[i] = tf32_small(x, big)
+            b_big[i], b_small[i] = tf32_pair(tCrB[None, None, kb][i])
 
     @cute.jit
     def _k_tile_interleaved(self, s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, mma_atom, acc,

@@ -45,7 +45,7 @@ from cutlass.utils import LayoutEnum
 from cutlass.utils import hopper_helpers as sm90
 
 from h3cute.kernels.adaln_gemm import produce_k_tiles
-from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, f32_bits, fc1_outputs, tf32_small
+from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, f32_bits, fc1_outputs, tf32_pair
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
 
@@ -56,13 +56,14 @@ PROBE_THREADS = 128  # one warpgroup
 
 @dataclass(frozen=True)
 class MmaTF32Op(MmaOp):
-    """wgmma m64nNk8 with TF32 A and B from shared memory (both K-major) and an FP32 accumulator."""
+    """wgmma m64nNk8 with TF32 operands and an FP32 accumulator: B from shared memory, A from shared memory
+    (`a_src` SMEM; both K-major there) or from registers (RMEM: the threads load it, from any layout)."""
 
     descriptive_name = "warpgroup TF32 MMA Operation (h3cute)"
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, a_src: OperandSource = OperandSource.SMEM) -> None:
         super().__init__(cutlass.TFloat32, cutlass.TFloat32, cutlass.Float32, (WGMMA_M, n, K_CHUNK),
-                         OperandSource.SMEM, OperandMajorMode.K, OperandMajorMode.K)
+                         a_src, OperandMajorMode.K, OperandMajorMode.K)
 
     def _make_trait(self, *, loc: Optional[ir.Location] = None, ip: Optional[ir.InsertionPoint] = None,
                     **kwargs) -> "MmaTF32Trait":
@@ -130,9 +131,7 @@ class WgmmaTF32Probe:
             e = i * PROBE_THREADS + tidx
             r = e // self.tile_k
             k = e - r * self.tile_k
-            x = mX_bits[row0 + r, k0 + k]
-            big = x & TF32_BIG_MASK
-            small = tf32_small(x, big)
+            big, small = tf32_pair(mX_bits[row0 + r, k0 + k])
             if cutlass.const_expr(self.mask_small):
                 small = small & TF32_BIG_MASK
             sBig[r, k] = big
@@ -421,15 +420,6 @@ def _add_rn_tile(acc: cute.Tensor, chunk: cute.Tensor):
 
 # --- the 3xTF32 GEMM with the weight split in registers -------------------------------------------
 
-class MmaTF32RegAOp(MmaTF32Op):
-    """wgmma m64nNk8, TF32, A from registers (any layout in shared memory: the threads load it), B from
-    shared memory (K-major), FP32 accumulator."""
-
-    def __init__(self, n: int) -> None:
-        MmaOp.__init__(self, cutlass.TFloat32, cutlass.TFloat32, cutlass.Float32, (WGMMA_M, n, K_CHUNK),
-                       OperandSource.RMEM, OperandMajorMode.K, OperandMajorMode.K)
-
-
 # role -> (K, slices, W K-major, epilogue): the GEMMs whose weight operand is read as it is (F = the weight's rows
 # along M: 2688 for fc2, 5376 for the others)
 WEIGHT_GEMMS = {
@@ -516,7 +506,8 @@ class Tf32x3WeightGemm:
         for mT, layout, rows in ((mW, sW_layout, GEMM_BM), (mX_big, sX_layout, t.bn), (mX_small, sX_layout, t.bn)):
             tmas.append(cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SOp(), mT, cute.slice_(layout, (None, None, 0)), (rows, t.bk)))
-        tiled_mma = cute.make_tiled_mma(MmaTF32RegAOp(t.bn), cute.make_layout((GEMM_BM // WGMMA_M, 1, 1)))
+        tiled_mma = cute.make_tiled_mma(MmaTF32Op(t.bn, OperandSource.RMEM),
+                                      cute.make_layout((GEMM_BM // WGMMA_M, 1, 1)))
         grid = (cute.ceil_div(cute.size(mX_big, mode=[0]), t.bn), cute.size(mW, mode=[0]) // GEMM_BM, self.splits)
         self.kernel(mW, mP, mBias, mH, tmas[0][0], tmas[0][1], tmas[1][0], tmas[1][1], tmas[2][0], tmas[2][1],
                     sW_layout, sX_layout, tiled_mma).launch(
@@ -667,9 +658,7 @@ def _split_w_chunk(w_smem: cute.Tensor, regs):
     big = cute.recast_tensor(regs[0], cutlass.Int32)
     small = cute.recast_tensor(regs[1], cutlass.Int32)
     for i in cutlass.range_constexpr(cute.size(w_smem)):
-        x = f32_bits(w_smem[i])
-        big[i] = x & TF32_BIG_MASK
-        small[i] = tf32_small(x, big[i])
+        big[i], small[i] = tf32_pair(f32_bits(w_smem[i]))
 
 
 # --- the big / small split ------------------------------------------------------------------------
@@ -685,13 +674,6 @@ def _vec4(t: cute.Tensor, offset):
     return cute.make_tensor(ptr, cute.make_layout(4))
 
 
-@cute.jit
-def _split_bits(x):
-    """(big, small) operand bit patterns of FP32 bits x, as the mma.sync kernel forms them."""
-    big = x & TF32_BIG_MASK
-    return big, tf32_small(x, big)
-
-
 @cute.kernel
 def _split_kernel(mX: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Tensor):
     """Contiguous X (R, K): thread i splits the 16-byte vector i (R * K % 4 == 0, R * K < 2^31)."""
@@ -705,7 +687,7 @@ def _split_kernel(mX: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Tensor):
         big = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
         small = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
         for i in cutlass.range_constexpr(4):
-            big[i], small[i] = _split_bits(x[i])
+            big[i], small[i] = tf32_pair(x[i])
         _vec4(mBig, v).store(big.load())
         _vec4(mSmall, v).store(small.load())
 
@@ -736,7 +718,7 @@ def _split_transpose_kernel(mXt: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Te
     for i in cutlass.range_constexpr(TRANSPOSE_TILE // 8):
         r = r0 + ty + 8 * i
         if r < rows:
-            big, small = _split_bits(tile[tx, ty + 8 * i])
+            big, small = tf32_pair(tile[tx, ty + 8 * i])
             mBig_bits[r, k0 + tx] = big
             mSmall_bits[r, k0 + tx] = small
 
