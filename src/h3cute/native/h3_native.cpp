@@ -326,6 +326,29 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   return out;
 }
 
+// The backward's five gradients as views of one allocation (host time at small T), in the op's return order,
+// and the views its kernels write them through.
+struct MlpGrads {
+  MlpGrads(int64_t rows, const at::TensorOptions& options)
+      : carver({rows * kFreq, kMlpHidden * kFreq, kMlpHidden, kTemb * kMlpHidden, kTemb}, options),
+        dx(carver.take({rows, kFreq})),
+        dw1(carver.take({kMlpHidden, kFreq})),
+        db1(carver.take({kMlpHidden})),
+        dw2(carver.take({kTemb, kMlpHidden})),
+        db2(carver.take({kTemb})) {}
+  // the weight-gradient GEMMs write a (1, N, K) batch
+  View dw2_batch() const { return View(dw2, {1, kTemb, kMlpHidden}, {kTemb * kMlpHidden, kMlpHidden, 1}); }
+  View dw1_batch() const { return View(dw1, {1, kMlpHidden, kFreq}, {kMlpHidden * kFreq, kFreq, 1}); }
+  // the "sum" fold takes a (1,) aux operand it never reads
+  View unused_aux() const { return View(dx, {1}, {1}); }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple() const {
+    return {dx, dw1, db1, dw2, db2};
+  }
+
+  Carver carver;
+  at::Tensor dx, dw1, db1, dw2, db2;
+};
+
 // The sm_90a backward from WGMMA_MIN_ROWS rows (h3cute/launch/timestep_mlp.py backward, wgmma=True): split x,
 // fc1_zh with w1 split in registers, split grad, fc2_dgrad with w2 split in registers, colsum_dz,
 // fc1_dgrad, fold_dx, transposing split of grad and of h (K = T zero-padded to a multiple of kWgmmaKPad), the
@@ -334,9 +357,9 @@ constexpr int64_t kWgmmaKPad = 32;  // launch/timestep_mlp.py WGMMA_K_PAD
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_wgmma(
     const TVMFFIObjectHandle* fn, const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1,
     const at::Tensor& b1, const at::Tensor& w2) {
-  const int64_t rows = x.size(0), act = rows * kMlpHidden, g = rows * kTemb, xs = rows * kFreq;
+  const int64_t rows = x.size(0), act = rows * kMlpHidden, gs = rows * kTemb, xs = rows * kFreq;
   const int64_t depth = (rows + kWgmmaKPad - 1) / kWgmmaKPad * kWgmmaKPad;
-  Carver scratch({xs, xs, act, act, g, g, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq, kTemb * depth,
+  Carver scratch({xs, xs, act, act, gs, gs, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq, kTemb * depth,
                   kTemb * depth, kMlpHidden * depth, kMlpHidden * depth},
                  x.options());
   at::Tensor x_big = scratch.take({rows, kFreq}), x_small = scratch.take({rows, kFreq});
@@ -346,29 +369,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   at::Tensor dx_partials = scratch.take({kFc1DgradSplits, rows, kFreq});
   at::Tensor gt_big = scratch.take({kTemb, depth}), gt_small = scratch.take({kTemb, depth});
   at::Tensor ht_big = scratch.take({kMlpHidden, depth}), ht_small = scratch.take({kMlpHidden, depth});
-  Carver grads({rows * kFreq, kMlpHidden * kFreq, kMlpHidden, kTemb * kMlpHidden, kTemb}, x.options());
-  at::Tensor dx = grads.take({rows, kFreq}), dw1 = grads.take({kMlpHidden, kFreq}), db1 = grads.take({kMlpHidden});
-  at::Tensor dw2 = grads.take({kTemb, kMlpHidden}), db2 = grads.take({kTemb});
-
-  View unused_bias(dx, {1}, {1});
-  View dz_t = transposed(dz), x_t = transposed(x);
-  View dw2_b(dw2, {1, kTemb, kMlpHidden}, {kTemb * kMlpHidden, kMlpHidden, 1});
-  View dw1_b(dw1, {1, kMlpHidden, kFreq}, {kMlpHidden * kFreq, kFreq, 1});
+  MlpGrads g(rows, x.options());
 
   StreamScope stream(x.get_device());
   call_kernel(fn[0], {x, x_big, x_small});
   call_kernel(fn[1], {w1, x_big, x_small, b1, z, h});
   call_kernel(fn[0], {grad, g_big, g_small});
   call_kernel(fn[2], {transposed(w2), g_big, g_small, dh_partials});
-  call_kernel(fn[3], {dh_partials, z, dz, db1});
+  call_kernel(fn[3], {dh_partials, z, dz, g.db1});
   call_kernel(fn[4], {dz, transposed(w1), dx_partials});
-  call_kernel(fn[5], {dx_partials, unused_bias, dx});
+  call_kernel(fn[5], {dx_partials, g.unused_aux(), g.dx});
   call_kernel(fn[6], {grad, gt_big, gt_small});
   call_kernel(fn[6], {h, ht_big, ht_small});
-  call_kernel(fn[7], {gt_big, gt_small, ht_big, ht_small, dw2_b});
-  call_kernel(fn[8], {dz_t, x_t, dw1_b});
-  call_kernel(fn[9], {grad, grad, grad, db2});
-  return {dx, dw1, db1, dw2, db2};
+  call_kernel(fn[7], {gt_big, gt_small, ht_big, ht_small, g.dw2_batch()});
+  call_kernel(fn[8], {transposed(dz), transposed(x), g.dw1_batch()});
+  call_kernel(fn[9], {grad, grad, grad, g.db2});
+  return g.tuple();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_cuda(
@@ -383,33 +399,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   if (kernels.params[0]) return timestep_mlp_backward_wgmma(kernels.fns, grad, x, w1, b1, w2);
   // fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2
   const TVMFFIObjectHandle* fn = kernels.fns;
-  // Two allocations (host time at small T): the intermediates, and the five gradients as views of one buffer.
+  // Two allocations (host time at small T): the intermediates, and the five gradients (MlpGrads).
   const int64_t act = rows * kMlpHidden;
   Carver scratch({act, act, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq}, x.options());
   at::Tensor z = scratch.take({rows, kMlpHidden}), h = scratch.take({rows, kMlpHidden});
   at::Tensor dh_partials = scratch.take({kFc2DgradSplits, rows, kMlpHidden}), dz = scratch.take({rows, kMlpHidden});
   at::Tensor dx_partials = scratch.take({kFc1DgradSplits, rows, kFreq});
-  Carver grads({rows * kFreq, kMlpHidden * kFreq, kMlpHidden, kTemb * kMlpHidden, kTemb}, x.options());
-  at::Tensor dx = grads.take({rows, kFreq}), dw1 = grads.take({kMlpHidden, kFreq}), db1 = grads.take({kMlpHidden});
-  at::Tensor dw2 = grads.take({kTemb, kMlpHidden}), db2 = grads.take({kTemb});
-
-  View unused_bias(dx, {1}, {1});  // the "sum" fold takes a (1,) aux operand it never reads
-  View w2_t = transposed(w2), w1_t = transposed(w1), grad_t = transposed(grad), h_t = transposed(h);
-  View dz_t = transposed(dz), x_t = transposed(x);
-  // the weight-gradient GEMMs write a (1, N, K) batch
-  View dw2_b(dw2, {1, kTemb, kMlpHidden}, {kTemb * kMlpHidden, kMlpHidden, 1});
-  View dw1_b(dw1, {1, kMlpHidden, kFreq}, {kMlpHidden * kFreq, kFreq, 1});
+  MlpGrads g(rows, x.options());
 
   StreamScope stream(d);
   call_kernel(fn[0], {x, w1, b1, z, h});
-  call_kernel(fn[1], {grad, w2_t, dh_partials});
-  call_kernel(fn[2], {dh_partials, z, dz, db1});
-  call_kernel(fn[3], {dz, w1_t, dx_partials});
-  call_kernel(fn[4], {dx_partials, unused_bias, dx});
-  call_kernel(fn[5], {grad_t, h_t, dw2_b});
-  call_kernel(fn[6], {dz_t, x_t, dw1_b});
-  call_kernel(fn[7], {grad, grad, grad, db2});
-  return {dx, dw1, db1, dw2, db2};
+  call_kernel(fn[1], {grad, transposed(w2), dh_partials});
+  call_kernel(fn[2], {dh_partials, z, dz, g.db1});
+  call_kernel(fn[3], {dz, transposed(w1), dx_partials});
+  call_kernel(fn[4], {dx_partials, g.unused_aux(), g.dx});
+  call_kernel(fn[5], {transposed(grad), transposed(h), g.dw2_batch()});
+  call_kernel(fn[6], {transposed(dz), transposed(x), g.dw1_batch()});
+  call_kernel(fn[7], {grad, grad, grad, g.db2});
+  return g.tuple();
 }
 
 // ---- norm_modulate / final_adaln_out forward (h3cute/launch/norm_modulate.py forward_rows) -------------
