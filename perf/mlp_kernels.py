@@ -9,9 +9,9 @@ are also timed as one CUDA-graph replay (`graph`), which shows what launch overl
 the sum of the isolated steps (`sum`), and so is every config of `CONFIGS` (the tile ranking per T).
 Phases: fwd / bwd, the mma.sync path (forced with wgmma=False); fwd_default, the launcher's own forward
 (on sm_90a the weight-in-registers fc2 at T <= 16 and from L.WGMMA_MIN_ROWS); on sm_90a from WGMMA_TIMED_FROM
-rows bwd_wgmma, the TF32-wgmma backward step by step and as a graph, and presplit, the former pre-split fc2 /
-fc2_dgrad (split w2, both operands from shared memory) for comparison; and on sm_90a the fc2 GEMMs per tile
-at every T.
+rows bwd_wgmma, the TF32-wgmma backward step by step and as a graph, and presplit, the former pre-split
+fc2_dgrad (transposing split of w2, both operands from shared memory) for comparison; and on sm_90a, at every
+T, the fc2 GEMMs per tile, pre-split (with the splits of h and w2) and with w2 split in registers.
 Prints a table; writes `$H3CUTE_OUT/mlp_kernels.json`.
 The step list mirrors the launcher: keep the two in step when the launcher changes.
 """
@@ -126,13 +126,12 @@ def _steps(num_rows: int, dev):
     if L.uses_wgmma(dev, num_rows) or (num_rows >= WGMMA_TIMED_FROM and L.uses_wgmma(dev, L.WGMMA_MIN_ROWS)):
         split, split_t = (runtime.kernel("tf32_split", dev, transpose=t) for t in (False, True))
         wgmma = {role: runtime.kernel("tf32x3_wgmma_gemm", dev, k=k, splits=s, tile=L.WGMMA_TILE)
-                 for role, (k, s) in L.WGMMA_ROLES.items()}
+                 for role, (k, s) in L.WGMMA_ROLES.items() if role != "fc2"}
         weight = {role: runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role=role, tile=L.WEIGHT_TILE)
                   for role in ("fc2", "fc2_dgrad")}
         weight_fc1_zh = runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role="fc1_zh", tile=L.WEIGHT_FC1_TILE)
         depth = -(-num_rows // L.WGMMA_K_PAD) * L.WGMMA_K_PAD
-        h2, w2_2, g2 = (torch.empty_like(h), torch.empty_like(h)), (torch.empty_like(w2), torch.empty_like(w2)), \
-            (torch.empty_like(grad), torch.empty_like(grad))
+        g2 = (torch.empty_like(grad), torch.empty_like(grad))
         w2t_2 = tuple(torch.empty(HIDDEN, D, **f32) for _ in range(2))
         gt_2, ht_2 = (tuple(torch.empty(n, depth, **f32) for _ in range(2)) for n in (D, HIDDEN))
         by_name = {name: fn for _, name, fn in steps}
@@ -143,11 +142,9 @@ def _steps(num_rows: int, dev):
             ("bwd_wgmma", "wgmma fc2_dgrad partials (w2 in registers)",
              lambda: weight["fc2_dgrad"](T(w2), *g2, p_dh)),
         ] + [("bwd_wgmma", name, by_name[name]) for name in ("dz fold + db1", "fc1_dgrad partials", "fold dx")] + [
-            # the pre-split form of fc2 / fc2_dgrad (split w2, then both operands from shared memory), timed
-            # beside the launcher's steps for comparison (phase "presplit": not in the graphs)
-            ("presplit", "split h", lambda: split(h, *h2)),
-            ("presplit", "split w2", lambda: split(w2, *w2_2)),
-            ("presplit", "wgmma fc2 partials (pre-split)", lambda: wgmma["fc2"](*h2, *w2_2, p_fc2)),
+            # the pre-split form of fc2_dgrad (transposing split of w2, then both operands from shared memory),
+            # timed beside the launcher's steps for comparison (phase "presplit": not in the graphs; fc2's
+            # pre-split form is timed per tile by _wgmma_fc2)
             ("presplit", "split w2^T", lambda: split_t(w2, *w2t_2)),
             ("presplit", "wgmma fc2_dgrad partials (pre-split)", lambda: wgmma["fc2_dgrad"](*g2, *w2t_2, p_dh)),
         ] + [

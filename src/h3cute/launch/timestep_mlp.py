@@ -89,8 +89,8 @@ WGMMA_TILE = (128, 32, 3)  # wgmma_tf32.LAUNCH_TILE (bn, bk, stages): every role
 WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a multiple of it
 WGMMA_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"]), "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"]),
                "fc2_wgrad": (None, 1)}  # wgmma_tf32.ROLE_GEMMS: (K, slices); None = T-deep
-# wgmma_tf32.WEIGHT_GEMMS: (K, slices, W K-major): fc2 and fc2_dgrad read w2 as it is and split it in registers
-# and fc1 (w1 in registers, h's operand pair or z and h from the epilogue): (K, slices, W K-major, epilogue)
+# wgmma_tf32.WEIGHT_GEMMS, (K, slices, W K-major, epilogue): the GEMMs that read their weight as it is and split
+# it in registers; fc2 and fc2_dgrad (w2) into partials, fc1 (w1) into h's operand pair or z and h
 WEIGHT_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"], True, "partial"),
                 "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"], False, "partial"),
                 "fc1_split": (SINUSOID_WIDTH, 1, True, "bias_silu_split"),
@@ -99,8 +99,8 @@ WEIGHT_TILE = (128, 32, 4)  # wgmma_tf32.WEIGHT_TILE (bn, bk, stages)
 WEIGHT_FC1_TILE = (64, 32, 4)  # wgmma_tf32.WEIGHT_FC1_TILE
 # sm_90a forward at T <= WEIGHT_SMALL_ROWS: fc2 on the weight-in-registers GEMM with one T tile of 8 or 16 rows
 # (wgmma_tf32.WEIGHT_SMALL_TILES: deep rings, w2 streams); its first stages load before the PDL wait.
-WEIGHT_SMALL_ROWS = 16
 WEIGHT_SMALL_TILES = ((8, (8, 32, 12)), (16, (16, 32, 10)))  # (up to T, tile)
+WEIGHT_SMALL_ROWS = WEIGHT_SMALL_TILES[-1][0]
 
 # pick_config's T ranges: up to each bound, its config.
 T_BOUNDS = ((16, SMALL_T), (64, WIDE_T), (256, MID_T), (runtime.MAX_ROWS, LARGE_T))
