@@ -1,0 +1,164 @@
+"""Timelines of one small-T timestep_mlp fwd+bwd, h3cute beside the cuBLAS replay, from torch.profiler.
+
+Run: `bash perf/device_run.sh python3 perf/host_trace.py [T ...]` (default T = 1). For each T and candidate:
+
+  eager   the harness's fwd+bwd (fresh leaves, backward with all-ones upstream), 20 profiled calls after 20
+          warm-up calls; per call the host time, and for the median call its host events in order (runtime /
+          driver API calls, ATen ops, annotations: offset from the call's start and duration, µs) and its
+          kernels (device start offset, duration, gap to the previous kernel)
+  graph   one captured fwd+bwd replayed 20 times; the median replay's kernels with their gaps
+
+What it answers: where the host time of a host-bound call goes (which calls, how long each launch takes),
+and where a graph's device time goes between kernels. Writes $H3CUTE_OUT/host_trace_T<T>.txt (or ./).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import h3cute  # noqa: F401  (registers torch.ops.h3)
+from h3cute import reference
+from h3cute.bench import problems
+
+DEV = torch.device("cuda")
+WARMUP, CALLS = 20, 20
+HOST_CATS = ("cuda_runtime", "cuda_driver", "cpu_op", "user_annotation")
+
+
+def _trace(fn, label: str) -> list[dict]:
+    """Chrome-trace events of CALLS calls of fn, each inside a `label#i` annotation."""
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(CALLS):
+            with record_function(f"{label}#{i}"):
+                fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.unlink(path)
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def _calls(events: list[dict], label: str) -> list[dict]:
+    marks = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(label + "#")),
+                   key=lambda e: e["ts"])
+    return marks
+
+
+def _kernels_between(events, t0, t1, by_correlation=None):
+    ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if by_correlation is not None:
+        return [k for k in ks if k.get("args", {}).get("correlation") in by_correlation]
+    return [k for k in ks if t0 <= k["ts"] < t1]
+
+
+def _kernel_lines(kernels) -> list[str]:
+    if not kernels:
+        return ["    (no kernels recorded)"]
+    t0 = kernels[0]["ts"]
+    lines, prev_end = [], None
+    for k in kernels:
+        gap = "" if prev_end is None else f"{k['ts'] - prev_end:8.2f}"
+        lines.append(f"    {k['ts'] - t0:8.2f} {k['dur']:8.2f} {gap:>8}  {k['name'][:90]}")
+        prev_end = k["ts"] + k["dur"]
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - t0
+    busy = sum(k["dur"] for k in kernels)
+    lines.append(f"    span {span:.2f} us, kernels {busy:.2f} us, gaps {span - busy:.2f} us, {len(kernels)} kernels")
+    return lines
+
+
+def eager(fn, label: str) -> list[str]:
+    events = _trace(fn, label)
+    calls = _calls(events, label)
+    durs = [c["dur"] for c in calls]
+    med = sorted(calls, key=lambda c: c["dur"])[len(calls) // 2]
+    t0, t1 = med["ts"], med["ts"] + med["dur"]
+    host = sorted((e for e in events if e.get("cat") in HOST_CATS and t0 <= e["ts"] < t1 and e is not med),
+                  key=lambda e: e["ts"])
+    corr = {e.get("args", {}).get("correlation") for e in host if e.get("cat") in ("cuda_runtime", "cuda_driver")}
+    corr.discard(None)
+    out = [f"  eager {label}: host time per call median {statistics.median(durs):.2f} us "
+           f"(min {min(durs):.2f}, max {max(durs):.2f})",
+           "    host events of the median call: offset, duration, tid, category, name"]
+    for e in host:
+        out.append(f"    {e['ts'] - t0:8.2f} {e['dur']:8.2f} {e.get('tid')!s:>8} {e['cat']:<15} {e['name'][:80]}")
+    api = {}
+    for e in host:
+        if e["cat"] in ("cuda_runtime", "cuda_driver"):
+            n, s = api.get(e["name"], (0, 0.0))
+            api[e["name"]] = (n + 1, s + e["dur"])
+    out.append("    runtime / driver calls of that call: name, count, total us")
+    for name, (n, s) in sorted(api.items(), key=lambda kv: -kv[1][1]):
+        out.append(f"      {name:<40} {n:4d} {s:9.2f}")
+    out.append("    its kernels: device offset, duration, gap")
+    out.extend(_kernel_lines(_kernels_between(events, t0, t1, corr)))
+    return out
+
+
+def graph(fn, label: str) -> list[str]:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    events = _trace(g.replay, label)
+    ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    n = len(ks) // CALLS if CALLS else 0
+    if n == 0:
+        return [f"  graph {label}: no kernels recorded"]
+    replays = [ks[i * n:(i + 1) * n] for i in range(CALLS)]
+    spans = [r[-1]["ts"] + r[-1]["dur"] - r[0]["ts"] for r in replays]
+    med = sorted(range(CALLS), key=lambda i: spans[i])[CALLS // 2]
+    return ([f"  graph {label}: first-to-last kernel span median {statistics.median(spans):.2f} us "
+             f"(min {min(spans):.2f}), {n} kernels per replay; median replay: offset, duration, gap"]
+            + _kernel_lines(replays[med]))
+
+
+def main() -> None:
+    sizes = [int(a) for a in sys.argv[1:]] or [1]
+    p = problems.PROBLEMS["timestep_mlp"]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cands = {"h3cute": torch.ops.h3.timestep_mlp, "cublas": reference.timestep_mlp_replay}
+    out_dir = os.environ.get("H3CUTE_OUT", ".")
+    for t in sizes:
+        inputs = p.draw(t, 0, DEV)
+        grads = p.row_grads + p.param_grads
+        lines = [f"timestep_mlp T = {t}, {torch.cuda.get_device_name()}, torch {torch.__version__}"]
+        for name, fn in cands.items():
+            ones = torch.ones((t, 2688), device=DEV)
+
+            def fwd_bwd(fn=fn):
+                leaves = {a: inputs[a].detach().requires_grad_(True) for a in grads}
+                torch.autograd.backward(fn(*[leaves.get(a, inputs[a]) for a in p.args]), ones)
+            static = {a: inputs[a].detach().requires_grad_(True) for a in grads}
+
+            def graphed(fn=fn):
+                torch.autograd.grad(fn(*[static.get(a, inputs[a]) for a in p.args]), list(static.values()), ones)
+            lines += eager(fwd_bwd, f"{name}_fwd_bwd") + eager(lambda fn=fn: fn(*[inputs[a] for a in p.args]),
+                                                                 f"{name}_fwd")
+            lines += graph(graphed, f"{name}_graph_fwd_bwd")
+        text = "\n".join(lines)
+        print(text)
+        path = os.path.join(out_dir, f"host_trace_T{t}.txt")
+        with open(path, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
