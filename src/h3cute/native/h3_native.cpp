@@ -21,6 +21,7 @@
 #include <atomic>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace py = pybind11;
 
@@ -104,6 +105,8 @@ class KernelArg {
  public:
   KernelArg(const at::Tensor& t) : view_(t) {}  // NOLINT: implicit, as the call sites list them
   KernelArg(View v) : view_(std::move(v)) {}    // NOLINT
+  template <typename B, typename = decltype(std::declval<const B&>().view())>
+  KernelArg(const B& block) : view_(block.view()) {}  // NOLINT: a carved scratch block (Carver::Block)
   KernelArg(double v) : scalar_(v) {}           // NOLINT
   TVMFFIAny any() const {
     if (view_) return view_->any();
@@ -254,9 +257,29 @@ bool mlp_fast(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, c
 }
 
 // One allocation carved into dense tensors, in order (each part's size a multiple of 4 elements, so every part
-// stays 16-byte aligned for the kernels' vector accesses).
+// stays 16-byte aligned for the kernels' vector accesses). `take` gives a tensor (one as_strided call: for
+// what the op returns); `block` gives a region only the kernels see (no ATen call at all: at small T each
+// ATen call is host time the kernels never needed).
 class Carver {
  public:
+  // A dense row-major region of the allocation, as the kernels' views of it.
+  class Block {
+   public:
+    Block(const at::Tensor& base, int64_t offset, int64_t rows, int64_t cols, int64_t depth = 0)
+        : base_(base), offset_(offset), rows_(rows), cols_(cols), depth_(depth) {}
+    // (rows, cols), or (depth, rows, cols) when carved with a depth
+    View view() const {
+      if (depth_ > 0) return View(base_, {depth_, rows_, cols_}, {rows_ * cols_, cols_, 1}, offset_);
+      return View(base_, {rows_, cols_}, {cols_, 1}, offset_);
+    }
+    // (cols, rows) with strides (1, cols): the MN-major operand layout of a 2-D block
+    View t() const { return View(base_, {cols_, rows_}, {1, cols_}, offset_); }
+
+   private:
+    const at::Tensor& base_;
+    int64_t offset_, rows_, cols_, depth_;
+  };
+
   Carver(std::initializer_list<int64_t> numels, const at::TensorOptions& options) {
     int64_t total = 0;
     for (int64_t n : numels) {
@@ -267,15 +290,24 @@ class Carver {
   }
   at::Tensor take(at::IntArrayRef shape) {
     const int64_t n = c10::multiply_integers(shape);
-    at::Tensor part = buffer_.narrow(0, at_, n).view(shape);
+    c10::SmallVector<int64_t, 3> strides(shape.size(), 1);
+    for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
+    at::Tensor part = buffer_.as_strided(shape, strides, at_);
     at_ += n;
     return part;
+  }
+  Block block(int64_t rows, int64_t cols) { return block3(0, rows, cols); }
+  Block block3(int64_t depth, int64_t rows, int64_t cols) {
+    Block b(buffer_, at_, rows, cols, depth);
+    at_ += (depth > 0 ? depth : 1) * rows * cols;
+    return b;
   }
 
  private:
   at::Tensor buffer_;
   int64_t at_ = 0;
 };
+using Block = Carver::Block;
 
 // The (cols, rows) view with strides (1, cols) of a dense (rows, cols) tensor: the MN-major operand layout.
 View transposed(const at::Tensor& t) { return View(t, {t.size(1), t.size(0)}, {1, t.size(1)}); }
@@ -295,8 +327,8 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   const int64_t act = rows * kMlpHidden;
   if (kernels.params[0] == 1) {  // sm_90a, small T: fc1_split writes h's TF32 operand pair, fc2 on wgmma
     Carver scratch({act, act, kFc2Splits * rows * kTemb}, x.options());
-    at::Tensor h_big = scratch.take({rows, kMlpHidden}), h_small = scratch.take({rows, kMlpHidden});
-    at::Tensor partials = scratch.take({kFc2Splits, rows, kTemb});
+    Block h_big = scratch.block(rows, kMlpHidden), h_small = scratch.block(rows, kMlpHidden);
+    Block partials = scratch.block3(kFc2Splits, rows, kTemb);
     StreamScope stream(d);
     call_kernel(fn[0], {x, w1, b1, h_big, h_small});
     call_kernel(fn[1], {w2, h_big, h_small, partials});
@@ -306,9 +338,9 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   if (kernels.params[0] == 2) {  // sm_90a, T >= WGMMA_MIN_ROWS: split x, fc1_split and fc2 on wgmma, fold
     const int64_t xs = rows * kFreq;
     Carver scratch({xs, xs, act, act, kFc2Splits * rows * kTemb}, x.options());
-    at::Tensor x_big = scratch.take({rows, kFreq}), x_small = scratch.take({rows, kFreq});
-    at::Tensor h_big = scratch.take({rows, kMlpHidden}), h_small = scratch.take({rows, kMlpHidden});
-    at::Tensor partials = scratch.take({kFc2Splits, rows, kTemb});
+    Block x_big = scratch.block(rows, kFreq), x_small = scratch.block(rows, kFreq);
+    Block h_big = scratch.block(rows, kMlpHidden), h_small = scratch.block(rows, kMlpHidden);
+    Block partials = scratch.block3(kFc2Splits, rows, kTemb);
     StreamScope stream(d);
     call_kernel(fn[0], {x, x_big, x_small});
     call_kernel(fn[1], {w1, x_big, x_small, b1, h_big, h_small});
@@ -318,7 +350,7 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   }
   // fc1, fc2, fold_fc2
   Carver scratch({act, kFc2Splits * rows * kTemb}, x.options());  // one allocation for h, partials
-  at::Tensor h = scratch.take({rows, kMlpHidden}), partials = scratch.take({kFc2Splits, rows, kTemb});
+  Block h = scratch.block(rows, kMlpHidden), partials = scratch.block3(kFc2Splits, rows, kTemb);
   StreamScope stream(d);
   call_kernel(fn[0], {x, w1, b1, h});
   call_kernel(fn[1], {h, w2, partials});
@@ -362,13 +394,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   Carver scratch({xs, xs, act, act, gs, gs, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq, kTemb * depth,
                   kTemb * depth, kMlpHidden * depth, kMlpHidden * depth},
                  x.options());
-  at::Tensor x_big = scratch.take({rows, kFreq}), x_small = scratch.take({rows, kFreq});
-  at::Tensor z = scratch.take({rows, kMlpHidden}), h = scratch.take({rows, kMlpHidden});
-  at::Tensor g_big = scratch.take({rows, kTemb}), g_small = scratch.take({rows, kTemb});
-  at::Tensor dh_partials = scratch.take({kFc2DgradSplits, rows, kMlpHidden}), dz = scratch.take({rows, kMlpHidden});
-  at::Tensor dx_partials = scratch.take({kFc1DgradSplits, rows, kFreq});
-  at::Tensor gt_big = scratch.take({kTemb, depth}), gt_small = scratch.take({kTemb, depth});
-  at::Tensor ht_big = scratch.take({kMlpHidden, depth}), ht_small = scratch.take({kMlpHidden, depth});
+  Block x_big = scratch.block(rows, kFreq), x_small = scratch.block(rows, kFreq);
+  Block z = scratch.block(rows, kMlpHidden), h = scratch.block(rows, kMlpHidden);
+  Block g_big = scratch.block(rows, kTemb), g_small = scratch.block(rows, kTemb);
+  Block dh_partials = scratch.block3(kFc2DgradSplits, rows, kMlpHidden), dz = scratch.block(rows, kMlpHidden);
+  Block dx_partials = scratch.block3(kFc1DgradSplits, rows, kFreq);
+  Block gt_big = scratch.block(kTemb, depth), gt_small = scratch.block(kTemb, depth);
+  Block ht_big = scratch.block(kMlpHidden, depth), ht_small = scratch.block(kMlpHidden, depth);
   MlpGrads g(rows, x.options());
 
   StreamScope stream(x.get_device());
@@ -382,7 +414,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   call_kernel(fn[6], {grad, gt_big, gt_small});
   call_kernel(fn[6], {h, ht_big, ht_small});
   call_kernel(fn[7], {gt_big, gt_small, ht_big, ht_small, g.dw2_batch()});
-  call_kernel(fn[8], {transposed(dz), transposed(x), g.dw1_batch()});
+  call_kernel(fn[8], {dz.t(), transposed(x), g.dw1_batch()});
   call_kernel(fn[9], {grad, grad, grad, g.db2});
   return g.tuple();
 }
@@ -402,9 +434,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   // Two allocations (host time at small T): the intermediates, and the five gradients (MlpGrads).
   const int64_t act = rows * kMlpHidden;
   Carver scratch({act, act, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq}, x.options());
-  at::Tensor z = scratch.take({rows, kMlpHidden}), h = scratch.take({rows, kMlpHidden});
-  at::Tensor dh_partials = scratch.take({kFc2DgradSplits, rows, kMlpHidden}), dz = scratch.take({rows, kMlpHidden});
-  at::Tensor dx_partials = scratch.take({kFc1DgradSplits, rows, kFreq});
+  Block z = scratch.block(rows, kMlpHidden), h = scratch.block(rows, kMlpHidden);
+  Block dh_partials = scratch.block3(kFc2DgradSplits, rows, kMlpHidden), dz = scratch.block(rows, kMlpHidden);
+  Block dx_partials = scratch.block3(kFc1DgradSplits, rows, kFreq);
   MlpGrads g(rows, x.options());
 
   StreamScope stream(d);
@@ -413,8 +445,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   call_kernel(fn[2], {dh_partials, z, dz, g.db1});
   call_kernel(fn[3], {dz, transposed(w1), dx_partials});
   call_kernel(fn[4], {dx_partials, g.unused_aux(), g.dx});
-  call_kernel(fn[5], {transposed(grad), transposed(h), g.dw2_batch()});
-  call_kernel(fn[6], {transposed(dz), transposed(x), g.dw1_batch()});
+  call_kernel(fn[5], {transposed(grad), h.t(), g.dw2_batch()});
+  call_kernel(fn[6], {dz.t(), transposed(x), g.dw1_batch()});
   call_kernel(fn[7], {grad, grad, grad, g.db2});
   return g.tuple();
 }
