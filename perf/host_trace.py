@@ -8,6 +8,9 @@ Run: `bash perf/device_run.sh python3 perf/host_trace.py [T ...]` (default T = 1
           kernels (device start offset, duration, gap to the previous kernel)
   graph   one captured fwd+bwd replayed 20 times; the median replay's kernels with their gaps
 
+  config  per small-T sweep config of launch.timestep_mlp (SMALL_T, SMALL_T_DEEP, SMALL_T_N16): the launcher's
+          forward (its default small-T path) and backward, each captured alone, kernels with their gaps
+
 What it answers: where the host time of a host-bound call goes (which calls, how long each launch takes),
 and where a graph's device time goes between kernels. Writes $H3CUTE_OUT/host_trace_T<T>.txt (or ./).
 """
@@ -25,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 from h3cute.bench import problems
+from h3cute.launch import timestep_mlp as M
 
 DEV = torch.device("cuda")
 WARMUP, CALLS = 20, 20
@@ -152,6 +156,12 @@ def main() -> None:
             lines += eager(fwd_bwd, f"{name}_fwd_bwd") + eager(lambda fn=fn: fn(*[inputs[a] for a in p.args]),
                                                                  f"{name}_fwd")
             lines += graph(graphed, f"{name}_graph_fwd_bwd")
+        grad = torch.randn((t, 2688), device=DEV)
+        x, w1, b1, w2, b2 = (inputs[a] for a in p.args)
+        for cname in ("SMALL_T", "SMALL_T_DEEP", "SMALL_T_N16"):
+            cfg = getattr(M, cname)
+            lines += graph(lambda cfg=cfg: M.forward(x, w1, b1, w2, b2, config=cfg), f"launcher_fwd_{cname}")
+            lines += graph(lambda cfg=cfg: M.backward(grad, x, w1, b1, w2, config=cfg), f"launcher_bwd_{cname}")
         text = "\n".join(lines)
         print(text)
         path = os.path.join(out_dir, f"host_trace_T{t}.txt")

@@ -74,6 +74,10 @@ SMALL_T_K64 = MlpConfig(fc1=GemmConfig(16, 32, 64, 6, 1, 4), fc2=GemmConfig(16, 
 # CTAs launched early under PDL cannot pile onto the few SMs the previous kernel leaves free).
 SMALL_T_DEEP = MlpConfig(fc1=GemmConfig(16, 32, 32, 8, 1, 4), fc2=_SMALL, fc2_dgrad=_SMALL,
                          fc1_dgrad=GemmConfig(16, 32, 32, 20, 1, 4), **_WGRAD_SHALLOW)
+# Sweep candidate for small T (not picked yet): 16-wide w1 tiles of two warps, twice the CTAs reading w1 (fc1: 336,
+# all 8 k tiles in flight; fc1_dgrad: 96).
+SMALL_T_N16 = MlpConfig(fc1=GemmConfig(16, 16, 32, 8, 1, 2), fc2=_SMALL, fc2_dgrad=_SMALL,
+                        fc1_dgrad=GemmConfig(16, 16, 32, 12, 1, 2), **_WGRAD_SHALLOW)
 WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE, **_WGRAD_SHALLOW)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID, **_WGRAD_DEEP)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, **_WGRAD_DEEP)
@@ -82,7 +86,7 @@ LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, 
 _LARGE_S5 = GemmConfig(128, 128, 32, 5, 2, 4)
 LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dgrad=_LARGE_S5,
                        fc2_wgrad=_LARGE_S5, fc1_wgrad=_MID)
-CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5, SMALL_T_DEEP)  # pick_config's choices + sweep candidates
+CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5, SMALL_T_DEEP, SMALL_T_N16)  # pick_config's choices + sweep candidates
 
 
 # sm_90a from this many rows: the fc2-sized GEMMs and fc1 on TF32 wgmma (speed only: same bits). H200 at 47bb99d
