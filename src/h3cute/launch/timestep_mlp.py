@@ -74,10 +74,10 @@ SMALL_T_K64 = MlpConfig(fc1=GemmConfig(16, 32, 64, 6, 1, 4), fc2=GemmConfig(16, 
 # CTAs launched early under PDL cannot pile onto the few SMs the previous kernel leaves free).
 SMALL_T_DEEP = MlpConfig(fc1=GemmConfig(16, 32, 32, 8, 1, 4), fc2=_SMALL, fc2_dgrad=_SMALL,
                          fc1_dgrad=GemmConfig(16, 32, 32, 20, 1, 4), **_WGRAD_SHALLOW)
-# Sweep candidate for small T (not picked yet): 16-wide w1 tiles of two warps, twice the CTAs reading w1 (fc1: 336,
-# all 8 k tiles in flight; fc1_dgrad: 96).
+# Sweep candidate for small T (not picked yet): fc1 on 16-wide w1 tiles of two warps, twice the CTAs reading w1
+# (336, all 8 k tiles in flight). fc1_dgrad stays 32 wide (its MN-major w1^T copy needs 32-row tiles).
 SMALL_T_N16 = MlpConfig(fc1=GemmConfig(16, 16, 32, 8, 1, 2), fc2=_SMALL, fc2_dgrad=_SMALL,
-                        fc1_dgrad=GemmConfig(16, 16, 32, 12, 1, 2), **_WGRAD_SHALLOW)
+                        fc1_dgrad=_SMALL_NARROW, **_WGRAD_SHALLOW)
 WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE, **_WGRAD_SHALLOW)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID, **_WGRAD_DEEP)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, **_WGRAD_DEEP)
