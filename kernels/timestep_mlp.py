@@ -254,14 +254,14 @@ def build_colsum(arch: str, *, cols: int, fold_dz: bool):
 # Per role, the tiles the launch heuristic may pick (src/h3cute/launch/timestep_mlp.py chooses among
 # exactly these; all of them give identical bits). Tuple order = GemmConfig fields.
 _SHARED_TILES = ((32, 128, 64, 3, 2, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4), (128, 128, 32, 5, 2, 4))
-_FC1_TILES = ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4), (16, 32, 32, 8, 1, 4), (16, 16, 32, 8, 1, 2)) + _SHARED_TILES
+_FC1_TILES = ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4)) + _SHARED_TILES
 GEMM_TILES = {
     "fc1": _FC1_TILES,
     "fc1_zh": _FC1_TILES,
     "fc1_split": _FC1_TILES,
     "fc2": ((16, 64, 32, 6, 1, 4), (16, 64, 64, 5, 1, 4)) + _SHARED_TILES,
     "fc2_dgrad": ((16, 64, 32, 6, 1, 4), (16, 64, 64, 5, 1, 4)) + _SHARED_TILES,
-    "fc1_dgrad": ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4), (16, 32, 32, 20, 1, 4)) + _SHARED_TILES,
+    "fc1_dgrad": ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4)) + _SHARED_TILES,
     "fc2_wgrad": ((128, 128, 32, 3, 2, 4), (128, 128, 32, 5, 2, 4), (64, 64, 32, 4, 2, 2)),
     "fc1_wgrad": ((64, 64, 32, 4, 2, 2),),
 }

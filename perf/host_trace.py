@@ -8,8 +8,11 @@ Run: `bash perf/device_run.sh python3 perf/host_trace.py [T ...]` (default T = 1
           kernels (device start offset, duration, gap to the previous kernel)
   graph   one captured fwd+bwd replayed 20 times; the median replay's kernels with their gaps
 
-  config  per small-T sweep config of launch.timestep_mlp (SMALL_T, SMALL_T_DEEP, SMALL_T_N16): the launcher's
-          forward (its default small-T path) and backward, each captured alone, kernels with their gaps
+  pairs   the op's forward then its backward op (no autograd), the same through the Python launcher, and the
+          backward op alone, each one graph: where a kernel's time changes with what ran before it
+  floor   the forward's floor as torch kernels: w1.sum() + w2.sum(), and one sum over both weights (63.3 MB)
+
+Every graph is also timed as the harness times `*_kernel_us` (median replay between CUDA events).
 
 What it answers: where the host time of a host-bound call goes (which calls, how long each launch takes),
 and where a graph's device time goes between kernels. Writes $H3CUTE_OUT/host_trace_T<T>.txt (or ./).
@@ -27,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
-from h3cute.bench import problems
+from h3cute.bench import problems, timing
 from h3cute.launch import timestep_mlp as M
 
 DEV = torch.device("cuda")
@@ -120,6 +123,7 @@ def graph(fn, label: str) -> list[str]:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    harness_us = timing.timer("cuda", WARMUP, 100)(g.replay)
     events = _trace(g.replay, label)
     ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     n = len(ks) // CALLS if CALLS else 0
@@ -128,8 +132,9 @@ def graph(fn, label: str) -> list[str]:
     replays = [ks[i * n:(i + 1) * n] for i in range(CALLS)]
     spans = [r[-1]["ts"] + r[-1]["dur"] - r[0]["ts"] for r in replays]
     med = sorted(range(CALLS), key=lambda i: spans[i])[CALLS // 2]
-    return ([f"  graph {label}: first-to-last kernel span median {statistics.median(spans):.2f} us "
-             f"(min {min(spans):.2f}), {n} kernels per replay; median replay: offset, duration, gap"]
+    return ([f"  graph {label}: replay {harness_us:.2f} us (harness timing), first-to-last kernel span median "
+             f"{statistics.median(spans):.2f} us (min {min(spans):.2f}), {n} kernels per replay; median replay: "
+             "offset, duration, gap"]
             + _kernel_lines(replays[med]))
 
 
@@ -158,10 +163,20 @@ def main() -> None:
             lines += graph(graphed, f"{name}_graph_fwd_bwd")
         grad = torch.randn((t, 2688), device=DEV)
         x, w1, b1, w2, b2 = (inputs[a] for a in p.args)
-        for cname in ("SMALL_T", "SMALL_T_DEEP", "SMALL_T_N16"):
-            cfg = getattr(M, cname)
-            lines += graph(lambda cfg=cfg: M.forward(x, w1, b1, w2, b2, config=cfg), f"launcher_fwd_{cname}")
-            lines += graph(lambda cfg=cfg: M.backward(grad, x, w1, b1, w2, config=cfg), f"launcher_bwd_{cname}")
+
+        def op_pair():  # the op's forward, then its backward op, no autograd
+            torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2)
+            torch.ops.h3.timestep_mlp_backward(grad, x, w1, b1, w2)
+
+        def launcher_pair():  # the same through the Python launcher
+            M.forward(x, w1, b1, w2, b2)
+            M.backward(grad, x, w1, b1, w2)
+        lines += graph(op_pair, "op_fwd_then_bwd") + graph(launcher_pair, "launcher_fwd_then_bwd")
+        lines += graph(lambda: torch.ops.h3.timestep_mlp_backward(grad, x, w1, b1, w2), "op_bwd")
+        # the floor the forward's device-time bar is set from: one read of both weights, as torch reductions
+        weights = torch.cat([w1.flatten(), w2.flatten()])
+        lines += graph(lambda: (w1.sum(), w2.sum()), "floor_w1_sum_w2_sum")
+        lines += graph(lambda: weights.sum(), "floor_one_sum_of_both_weights")
         text = "\n".join(lines)
         print(text)
         path = os.path.join(out_dir, f"host_trace_T{t}.txt")

@@ -69,15 +69,6 @@ SMALL_T = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_
 SMALL_T_K64 = MlpConfig(fc1=GemmConfig(16, 32, 64, 6, 1, 4), fc2=GemmConfig(16, 64, 64, 5, 1, 4),
                         fc2_dgrad=GemmConfig(16, 64, 64, 5, 1, 4), fc1_dgrad=GemmConfig(16, 32, 64, 6, 1, 4),
                         **_WGRAD_SHALLOW)
-# Sweep candidate for small T (not picked yet): w1 read with more bytes in flight. fc1's 8 k tiles all in the ring
-# at once; fc1_dgrad (48 CTAs, K = 896 per CTA) 20 stages deep (123 KB of shared memory: one CTA per SM, so the
-# CTAs launched early under PDL cannot pile onto the few SMs the previous kernel leaves free).
-SMALL_T_DEEP = MlpConfig(fc1=GemmConfig(16, 32, 32, 8, 1, 4), fc2=_SMALL, fc2_dgrad=_SMALL,
-                         fc1_dgrad=GemmConfig(16, 32, 32, 20, 1, 4), **_WGRAD_SHALLOW)
-# Sweep candidate for small T (not picked yet): fc1 on 16-wide w1 tiles of two warps, twice the CTAs reading w1
-# (336, all 8 k tiles in flight). fc1_dgrad stays 32 wide (its MN-major w1^T copy needs 32-row tiles).
-SMALL_T_N16 = MlpConfig(fc1=GemmConfig(16, 16, 32, 8, 1, 2), fc2=_SMALL, fc2_dgrad=_SMALL,
-                        fc1_dgrad=_SMALL_NARROW, **_WGRAD_SHALLOW)
 WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE, **_WGRAD_SHALLOW)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID, **_WGRAD_DEEP)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, **_WGRAD_DEEP)
@@ -86,7 +77,7 @@ LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, 
 _LARGE_S5 = GemmConfig(128, 128, 32, 5, 2, 4)
 LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dgrad=_LARGE_S5,
                        fc2_wgrad=_LARGE_S5, fc1_wgrad=_MID)
-CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5, SMALL_T_DEEP, SMALL_T_N16)  # pick_config's choices + sweep candidates
+CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
 # sm_90a from this many rows: the fc2-sized GEMMs and fc1 on TF32 wgmma (speed only: same bits). H200 at 47bb99d
