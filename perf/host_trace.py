@@ -8,7 +8,8 @@ Run: `bash perf/device_run.sh python3 perf/host_trace.py [T ...]` (default T = 1
           kernels (device start offset, duration, gap to the previous kernel)
   graph   one captured fwd+bwd replayed 20 times; the median replay's kernels with their gaps
 
-  pairs   the op's forward then its backward op (no autograd), the same through the Python launcher, and the
+  pairs   the harness's graphed fwd+bwd with a random upstream gradient, the op's forward then its backward op
+          (no autograd) with an all-ones one and with a random one, the same through the Python launcher, and the
           backward op alone, each one graph: where a kernel's time changes with what ran before it
   floor   the forward's floor as torch kernels: w1.sum() + w2.sum(), and one sum over both weights (63.3 MB)
 
@@ -171,6 +172,17 @@ def main() -> None:
         def launcher_pair():  # the same through the Python launcher
             M.forward(x, w1, b1, w2, b2)
             M.backward(grad, x, w1, b1, w2)
+        static = {a: inputs[a].detach().requires_grad_(True) for a in grads}
+
+        def autograd_randn():  # the harness's graphed fwd+bwd with a random upstream gradient instead of ones
+            out = torch.ops.h3.timestep_mlp(*[static.get(a, inputs[a]) for a in p.args])
+            torch.autograd.grad(out, list(static.values()), grad)
+        ones = torch.ones_like(grad)
+
+        def op_pair_ones():
+            torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2)
+            torch.ops.h3.timestep_mlp_backward(ones, x, w1, b1, w2)
+        lines += graph(autograd_randn, "autograd_fwd_bwd_randn_grad") + graph(op_pair_ones, "op_fwd_then_bwd_ones_grad")
         lines += graph(op_pair, "op_fwd_then_bwd") + graph(launcher_pair, "launcher_fwd_then_bwd")
         lines += graph(lambda: torch.ops.h3.timestep_mlp_backward(grad, x, w1, b1, w2), "op_bwd")
         # the floor the forward's device-time bar is set from: one read of both weights, as torch reductions
