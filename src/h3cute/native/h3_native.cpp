@@ -280,7 +280,7 @@ class Carver {
     int64_t offset_, rows_, cols_, depth_;
   };
 
-  Carver(std::initializer_list<int64_t> numels, const at::TensorOptions& options) {
+  Carver(std::initializer_list<int64_t> numels, const at::TensorOptions& options) : parts_(numels) {
     int64_t total = 0;
     for (int64_t n : numels) {
       TORCH_CHECK(n % 4 == 0, "h3cute: carved part of ", n, " elements breaks 16-byte alignment");
@@ -288,22 +288,32 @@ class Carver {
     }
     buffer_ = at::empty({total}, options);
   }
+  Carver(const Carver&) = delete;  // Blocks refer to buffer_
+  Carver& operator=(const Carver&) = delete;
+
   at::Tensor take(at::IntArrayRef shape) {
-    const int64_t n = c10::multiply_integers(shape);
     c10::SmallVector<int64_t, 3> strides(shape.size(), 1);
     for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
-    at::Tensor part = buffer_.as_strided(shape, strides, at_);
-    at_ += n;
-    return part;
+    return buffer_.as_strided(shape, strides, next(c10::multiply_integers(shape)));
   }
   Block block(int64_t rows, int64_t cols) { return block3(0, rows, cols); }
   Block block3(int64_t depth, int64_t rows, int64_t cols) {
-    Block b(buffer_, at_, rows, cols, depth);
-    at_ += (depth > 0 ? depth : 1) * rows * cols;
-    return b;
+    const int64_t offset = next((depth > 0 ? depth : 1) * rows * cols);
+    return Block(buffer_, offset, rows, cols, depth);
   }
 
  private:
+  // The offset of the next part, which must be carved with the size it was declared with.
+  int64_t next(int64_t numel) {
+    TORCH_INTERNAL_ASSERT(part_ < parts_.size() && parts_[part_] == numel, "h3cute: part ", part_,
+                          " carved with ", numel, " elements, not as declared");
+    const int64_t offset = at_;
+    at_ += parts_[part_++];
+    return offset;
+  }
+
+  c10::SmallVector<int64_t, 16> parts_;
+  size_t part_ = 0;
   at::Tensor buffer_;
   int64_t at_ = 0;
 };
