@@ -8,9 +8,10 @@ Run: `bash perf/device_run.sh python3 perf/host_trace.py [T ...]` (default T = 1
           kernels (device start offset, duration, gap to the previous kernel)
   graph   one captured fwd+bwd replayed 20 times; the median replay's kernels with their gaps
 
-  pairs   the harness's graphed fwd+bwd with a random upstream gradient, the op's forward then its backward op
-          (no autograd) with an all-ones one and with a random one, the same through the Python launcher, and the
-          backward op alone, each one graph: where a kernel's time changes with what ran before it
+Then h3cute alone, each one graph: the harness's graphed fwd+bwd with a random upstream gradient, the op's
+forward then its backward op (no autograd) with an all-ones and with a random upstream, the same through the
+Python launcher, the harness's graph captured once more (last), and the backward op alone (where a kernel's
+time changes with what ran, or was captured, before it); and
   floor   the forward's floor as torch kernels: w1.sum() + w2.sum(), and one sum over both weights (63.3 MB)
 
 Every graph is also timed as the harness times `*_kernel_us` (median replay between CUDA events).
@@ -59,12 +60,13 @@ def _trace(fn, label: str) -> list[dict]:
 
 
 def _calls(events: list[dict], label: str) -> list[dict]:
-    marks = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(label + "#")),
-                   key=lambda e: e["ts"])
-    return marks
+    """The `label#i` annotations (one per call), in time order."""
+    return sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith(label + "#")),
+                  key=lambda e: e["ts"])
 
 
 def _kernels_between(events, t0, t1, by_correlation=None):
+    """Kernels in start order: those launched by the given correlation ids, else those starting in [t0, t1)."""
     ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     if by_correlation is not None:
         return [k for k in ks if k.get("args", {}).get("correlation") in by_correlation]
@@ -139,66 +141,72 @@ def graph(fn, label: str) -> list[str]:
             + _kernel_lines(replays[med]))
 
 
-def main() -> None:
-    sizes = [int(a) for a in sys.argv[1:]] or [1]
-    p = problems.PROBLEMS["timestep_mlp"]
-    torch.backends.cuda.matmul.allow_tf32 = False
-    cands = {"h3cute": torch.ops.h3.timestep_mlp, "cublas": reference.timestep_mlp_replay}
-    out_dir = os.environ.get("H3CUTE_OUT", ".")
-    for t in sizes:
-        inputs = p.draw(t, 0, DEV)
-        grads = p.row_grads + p.param_grads
-        lines = [f"timestep_mlp T = {t}, {torch.cuda.get_device_name()}, torch {torch.__version__}"]
-        for name, fn in cands.items():
-            ones = torch.ones((t, 2688), device=DEV)
+def _upstream_ones(t: int) -> torch.Tensor:
+    return torch.ones((t, 2688), device=DEV)
 
-            def fwd_bwd(fn=fn):
-                leaves = {a: inputs[a].detach().requires_grad_(True) for a in grads}
-                torch.autograd.backward(fn(*[leaves.get(a, inputs[a]) for a in p.args]), ones)
-            static = {a: inputs[a].detach().requires_grad_(True) for a in grads}
 
-            def graphed(fn=fn):
-                torch.autograd.grad(fn(*[static.get(a, inputs[a]) for a in p.args]), list(static.values()), ones)
-            lines += eager(fwd_bwd, f"{name}_fwd_bwd") + eager(lambda fn=fn: fn(*[inputs[a] for a in p.args]),
-                                                                 f"{name}_fwd")
-            lines += graph(graphed, f"{name}_graph_fwd_bwd")
-        grad = torch.randn((t, 2688), device=DEV)
-        x, w1, b1, w2, b2 = (inputs[a] for a in p.args)
+def side_by_side(p, inputs: dict, t: int) -> list[str]:
+    """h3cute and the cuBLAS replay: eager fwd+bwd and fwd timelines, and the harness's fwd+bwd graph."""
+    grads = p.row_grads + p.param_grads
+    lines = []
+    for name, fn in {"h3cute": torch.ops.h3.timestep_mlp, "cublas": reference.timestep_mlp_replay}.items():
+        ones = _upstream_ones(t)
 
-        def op_pair():  # the op's forward, then its backward op, no autograd
-            torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2)
-            torch.ops.h3.timestep_mlp_backward(grad, x, w1, b1, w2)
-
-        def launcher_pair():  # the same through the Python launcher
-            M.forward(x, w1, b1, w2, b2)
-            M.backward(grad, x, w1, b1, w2)
+        def fwd_bwd(fn=fn):  # the harness's eager fwd+bwd: fresh leaves every call
+            leaves = {a: inputs[a].detach().requires_grad_(True) for a in grads}
+            torch.autograd.backward(fn(*[leaves.get(a, inputs[a]) for a in p.args]), ones)
         static = {a: inputs[a].detach().requires_grad_(True) for a in grads}
 
-        def autograd_randn():  # the harness's graphed fwd+bwd with a random upstream gradient instead of ones
-            out = torch.ops.h3.timestep_mlp(*[static.get(a, inputs[a]) for a in p.args])
-            torch.autograd.grad(out, list(static.values()), grad)
-        ones = torch.ones_like(grad)
+        def graphed(fn=fn):  # the harness's graphed fwd+bwd
+            torch.autograd.grad(fn(*[static.get(a, inputs[a]) for a in p.args]), list(static.values()), ones)
+        lines += eager(fwd_bwd, f"{name}_fwd_bwd") + eager(lambda fn=fn: fn(*[inputs[a] for a in p.args]),
+                                                             f"{name}_fwd")
+        lines += graph(graphed, f"{name}_graph_fwd_bwd")
+    return lines
 
-        def op_pair_ones():
-            torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2)
-            torch.ops.h3.timestep_mlp_backward(ones, x, w1, b1, w2)
-        lines += graph(autograd_randn, "autograd_fwd_bwd_randn_grad") + graph(op_pair_ones, "op_fwd_then_bwd_ones_grad")
-        lines += graph(op_pair, "op_fwd_then_bwd") + graph(launcher_pair, "launcher_fwd_then_bwd")
-        # the harness's graph once more, captured last (same function, new private memory pool)
-        ones_again = torch.ones_like(grad)
 
-        def graphed_again():
-            out = torch.ops.h3.timestep_mlp(*[static.get(a, inputs[a]) for a in p.args])
-            torch.autograd.grad(out, list(static.values()), ones_again)
-        lines += graph(graphed_again, "autograd_fwd_bwd_ones_grad_captured_last")
-        lines += graph(lambda: torch.ops.h3.timestep_mlp_backward(grad, x, w1, b1, w2), "op_bwd")
-        # the floor the forward's device-time bar is set from: one read of both weights, as torch reductions
-        weights = torch.cat([w1.flatten(), w2.flatten()])
-        lines += graph(lambda: (w1.sum(), w2.sum()), "floor_w1_sum_w2_sum")
-        lines += graph(lambda: weights.sum(), "floor_one_sum_of_both_weights")
+def h3cute_graphs(p, inputs: dict, t: int) -> list[str]:
+    """h3cute's fwd+bwd captured in other ways (what changes a kernel's time in the harness's graph), then the
+    forward's floor as torch reductions."""
+    grads = p.row_grads + p.param_grads
+    x, w1, b1, w2, b2 = (inputs[a] for a in p.args)
+    randn, ones, ones_again = torch.randn((t, 2688), device=DEV), _upstream_ones(t), _upstream_ones(t)
+    static = {a: inputs[a].detach().requires_grad_(True) for a in grads}
+
+    def autograd(upstream):  # the harness's graphed fwd+bwd with a given upstream gradient
+        out = torch.ops.h3.timestep_mlp(*[static.get(a, inputs[a]) for a in p.args])
+        torch.autograd.grad(out, list(static.values()), upstream)
+
+    def op_pair(upstream):  # the op's forward, then its backward op, no autograd
+        torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2)
+        torch.ops.h3.timestep_mlp_backward(upstream, x, w1, b1, w2)
+
+    def launcher_pair():  # the same through the Python launcher
+        M.forward(x, w1, b1, w2, b2)
+        M.backward(randn, x, w1, b1, w2)
+    weights = torch.cat([w1.flatten(), w2.flatten()])
+    return (graph(lambda: autograd(randn), "autograd_fwd_bwd_randn_grad")
+            + graph(lambda: op_pair(ones), "op_fwd_then_bwd_ones_grad")
+            + graph(lambda: op_pair(randn), "op_fwd_then_bwd")
+            + graph(launcher_pair, "launcher_fwd_then_bwd")
+            # the harness's graph once more, captured last (same function, a new private memory pool)
+            + graph(lambda: autograd(ones_again), "autograd_fwd_bwd_ones_grad_captured_last")
+            + graph(lambda: torch.ops.h3.timestep_mlp_backward(randn, x, w1, b1, w2), "op_bwd")
+            # the floor the forward's device-time bar is set from: one read of both weights
+            + graph(lambda: (w1.sum(), w2.sum()), "floor_w1_sum_w2_sum")
+            + graph(lambda: weights.sum(), "floor_one_sum_of_both_weights"))
+
+
+def main() -> None:
+    p = problems.PROBLEMS["timestep_mlp"]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for t in [int(a) for a in sys.argv[1:]] or [1]:
+        inputs = p.draw(t, 0, DEV)
+        lines = [f"timestep_mlp T = {t}, {torch.cuda.get_device_name()}, torch {torch.__version__}"]
+        lines += side_by_side(p, inputs, t) + h3cute_graphs(p, inputs, t)
         text = "\n".join(lines)
         print(text)
-        path = os.path.join(out_dir, f"host_trace_T{t}.txt")
+        path = os.path.join(os.environ.get("H3CUTE_OUT", "."), f"host_trace_T{t}.txt")
         with open(path, "w") as f:
             f.write(text + "\n")
         print(f"wrote {path}")

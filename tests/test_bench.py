@@ -383,3 +383,26 @@ def test_adaln_kernels_rounds_time_every_step_in_turn():
     assert defaults.sizes == [] and defaults.family is None and defaults.rounds == 1
     with pytest.raises(SystemExit):
         mod["_args"](["--rounds", "0"])
+
+
+def test_host_trace_kernel_timeline_counts_overlaps_and_gaps():
+    """perf/host_trace.py: a replay's kernels in start order, each with the gap to the previous kernel's end (negative
+    when PDL overlaps them), and the span / busy / gap totals; a call's kernels are the ones its launches correlate
+    with, and its calls the `label#i` annotations."""
+    import runpy
+
+    mod = runpy.run_path(str(Path(__file__).parents[1] / "perf" / "host_trace.py"), run_name="imported")
+    kernels = [{"cat": "kernel", "name": "fold", "ts": 130.0, "dur": 5.0, "args": {"correlation": 3}},
+               {"cat": "kernel", "name": "fc1", "ts": 100.0, "dur": 10.0, "args": {"correlation": 1}},
+               {"cat": "kernel", "name": "fc2", "ts": 105.0, "dur": 10.0, "args": {"correlation": 2}}]
+    lines = mod["_kernel_lines"](sorted(kernels, key=lambda k: k["ts"]))
+    gaps = [line.split()[2] for line in lines[1:3]]
+    assert gaps == ["-5.00", "15.00"] and lines[0].split()[-1] == "fc1"
+    assert lines[-1].strip() == "span 35.00 us, kernels 25.00 us, gaps 10.00 us, 3 kernels"
+    picked = mod["_kernels_between"](kernels, 0, 0, {1, 3})
+    assert [k["name"] for k in picked] == ["fc1", "fold"]
+    assert [k["name"] for k in mod["_kernels_between"](kernels, 104, 131)] == ["fc2", "fold"]
+    marks = [{"cat": "user_annotation", "name": "op#1", "ts": 50.0}, {"cat": "user_annotation", "name": "op#0", "ts": 10.0},
+             {"cat": "user_annotation", "name": "other#0", "ts": 5.0}, {"cat": "cpu_op", "name": "op#2", "ts": 1.0}]
+    assert [m["name"] for m in mod["_calls"](marks, "op")] == ["op#0", "op#1"]
+    assert mod["_kernel_lines"]([]) == ["    (no kernels recorded)"]
