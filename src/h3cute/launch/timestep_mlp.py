@@ -142,15 +142,10 @@ def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int,
     lo, hi, cfg = _bucket(num_rows)
     dev = torch.device("cuda", device)
     wgmma = uses_wgmma(dev, num_rows)
-    if wgmma:
-        lo = max(lo, WGMMA_MIN_ROWS)
-    elif runtime.arch_of(dev) == "sm_90a":
-        hi = min(hi, WGMMA_MIN_ROWS - 1)
-        for rows, _ in WEIGHT_SMALL_TILES + ((WGMMA_MIN_ROWS - 1, None),):  # the forward's fc2 tile changes here
-            if num_rows <= rows:
-                hi = min(hi, rows)
-                break
-            lo = max(lo, rows + 1)
+    if runtime.arch_of(dev) == "sm_90a":  # the forward's fc2 tile and the wgmma path change at these bounds too
+        bounds = [rows for rows, _ in WEIGHT_SMALL_TILES] + [WGMMA_MIN_ROWS - 1, runtime.MAX_ROWS]
+        sm90_lo, sm90_hi = runtime.row_range(bounds, num_rows)
+        lo, hi = max(lo, sm90_lo), min(hi, sm90_hi)
     split = runtime.kernel("tf32_split", dev, transpose=False) if wgmma else None
     if not backward:
         tile = forward_weight_tile(dev, num_rows)
