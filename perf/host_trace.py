@@ -117,15 +117,7 @@ def eager(fn, label: str) -> list[str]:
 
 
 def graph(fn, label: str) -> list[str]:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = timing.capture(fn, DEV)
     harness_us = timing.timer("cuda", WARMUP, 100)(g.replay)
     events = _trace(g.replay, label)
     ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])

@@ -3,7 +3,7 @@
 `timer(device, warmup, samples)` measures the seed reports' way: each sample is one whole call from Python
 between two CUDA events, calls back to back with no sync between samples (when the host is slower than
 the GPU this is the host time of a call), the median in µs; on a CPU-only machine, wall time.
-`graph_time` replays one captured call in a CUDA graph: device time only.
+`graph_time` replays one call captured in a CUDA graph (`capture`): device time only.
 """
 from __future__ import annotations
 
@@ -40,22 +40,27 @@ def timer(device, warmup: int, samples: int) -> Callable[[Callable[[], object]],
     return measure
 
 
+def capture(fn, device) -> torch.cuda.CUDAGraph:
+    """One call of fn captured in a CUDA graph, after three warm-up calls on a side stream."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def graph_time(fn, measure, device) -> tuple[float | None, str | None]:
     """Median replay time of one captured call, or (None, reason)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None, "CUDA graphs need a CUDA device"
     try:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return measure(graph.replay), None
+        return measure(capture(fn, device).replay), None
     except Exception as e:
         reason = f"not capturable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         try:   # a failed capture may leave an error pending on the stream; surface it here, not later
