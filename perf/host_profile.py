@@ -38,7 +38,7 @@ median_us = timing.timer("cuda", WARMUP, SAMPLES)
 
 
 def graph_us(fn) -> float | None:
-    us, why = timing.graph_time(fn, median_us, "cuda")
+    us, why = timing.graph_time(fn, "cuda", WARMUP, SAMPLES)
     if why:
         print(f"  graph capture failed: {why}", file=sys.stderr)
     return us

@@ -14,7 +14,8 @@ Python launcher, the harness's graph captured once more (last), and the backward
 time changes with what ran, or was captured, before it); and
   floor   the forward's floor as torch kernels: w1.sum() + w2.sum(), and one sum over both weights (63.3 MB)
 
-Every graph is also timed as the harness times `*_kernel_us` (median replay between CUDA events).
+Every graph is also timed as the harness times `*_kernel_us` (`timing.device_timer`: device time of a replay) and
+with its replays queued back to back between CUDA events (host-bound for a small graph).
 
 What it answers: where the host time of a host-bound call goes (which calls, how long each launch takes),
 and where a graph's device time goes between kernels. Writes $H3CUTE_OUT/host_trace_T<T>.txt (or ./).
@@ -118,7 +119,8 @@ def eager(fn, label: str) -> list[str]:
 
 def graph(fn, label: str) -> list[str]:
     g = timing.capture(fn, DEV)
-    harness_us = timing.timer("cuda", WARMUP, 100)(g.replay)
+    harness_us = timing.device_timer("cuda", WARMUP, 100)(g.replay)
+    queued_us = timing.timer("cuda", WARMUP, 100)(g.replay)  # replays queued back to back: host-bound when small
     events = _trace(g.replay, label)
     ks = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     n = len(ks) // CALLS if CALLS else 0
@@ -127,7 +129,8 @@ def graph(fn, label: str) -> list[str]:
     replays = [ks[i * n:(i + 1) * n] for i in range(CALLS)]
     spans = [r[-1]["ts"] + r[-1]["dur"] - r[0]["ts"] for r in replays]
     med = sorted(range(CALLS), key=lambda i: spans[i])[CALLS // 2]
-    return ([f"  graph {label}: replay {harness_us:.2f} us (harness timing), first-to-last kernel span median "
+    return ([f"  graph {label}: replay {harness_us:.2f} us (harness: device_timer), {queued_us:.2f} back to back, "
+             f"first-to-last kernel span median "
              f"{statistics.median(spans):.2f} us (min {min(spans):.2f}), {n} kernels per replay; median replay: "
              "offset, duration, gap"]
             + _kernel_lines(replays[med]))

@@ -47,7 +47,7 @@ _median_us = timing.timer("cuda", WARMUP, SAMPLES)
 
 def _graph_us(fn) -> float:
     fn()  # resolve every kernel before capture
-    us, why = timing.graph_time(fn, _median_us, "cuda")
+    us, why = timing.graph_time(fn, "cuda", WARMUP, SAMPLES)
     if why:
         raise RuntimeError(why)
     return us

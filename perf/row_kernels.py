@@ -4,9 +4,9 @@ prebuilt bundle (`bash perf/device_run.sh python3 perf/row_kernels.py`) and neve
 
 How: each op is called once through its launch module (h3cute.launch.*) with `h3cute.runtime.kernel`
 wrapped so that every kernel launch it makes is recorded (name, static args, the tensors it got). Each
-recorded launch is then replayed alone: a `torch.cuda._sleep` spin keeps the GPU busy while the host
-queues start event, launch, end event, so the interval is device time only (no launch latency); median
-of 50 after 10 warm-ups. Bytes a launch must move = the sum of its tensor arguments' sizes (each read or
+recorded launch is then replayed alone under `h3cute.bench.timing.device_timer` (a `torch.cuda._sleep` spin
+keeps the GPU busy while the host queues start event, launch, end event, so the interval is device time
+only); median of 50 after 10 warm-ups. Bytes a launch must move = the sum of its tensor arguments' sizes (each read or
 written once in full; tables and weights count once although every CTA reads its rows). A device-to-
 device copy of 1 GiB measured in the same run gives the copy bandwidth the GB/s compare against.
 
@@ -16,19 +16,18 @@ Options: --sizes 4097,32768,131072  --table-rows 9  --ops norm_modulate,gate_res
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import torch
 
 from h3cute import runtime
+from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
 from h3cute.launch import adaln_row_gather, gate_residual, norm_modulate
 
 H = 5376
 WARMUP, SAMPLES = 10, 50
-SPIN_CYCLES = 200_000  # ~100 us at H200 clocks: longer than any host-side queueing of one launch
 
 
 class Recorder:
@@ -65,18 +64,8 @@ def _bits(args) -> list:
 
 
 def time_launch(fn, args) -> float:
-    """Median device microseconds of one launch of fn(*args)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for i in range(WARMUP + SAMPLES):
-        torch.cuda._sleep(SPIN_CYCLES)
-        start.record()
-        fn(*args)
-        end.record()
-        end.synchronize()
-        if i >= WARMUP:
-            samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+    """Median device microseconds of one launch of fn(*args) (`timing.device_timer`)."""
+    return timing.device_timer("cuda", WARMUP, SAMPLES)(lambda: fn(*args))
 
 
 def copy_bandwidth() -> float:

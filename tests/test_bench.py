@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3cute.bench import checks, prior_art, report
+from h3cute.bench import checks, prior_art, report, timing
 from h3cute.bench.candidates import Candidate, candidates_for
 from h3cute.bench.cli import main
 from h3cute.bench.problems import PROBLEMS, Problem, randn, row_layout, take_rows
@@ -406,3 +406,53 @@ def test_host_trace_kernel_timeline_counts_overlaps_and_gaps():
              {"cat": "user_annotation", "name": "other#0", "ts": 5.0}, {"cat": "cpu_op", "name": "op#2", "ts": 1.0}]
     assert [m["name"] for m in mod["_calls"](marks, "op")] == ["op#0", "op#1"]
     assert mod["_kernel_lines"]([]) == ["    (no kernels recorded)"]
+
+
+def test_device_timer_on_cpu_is_wall_time_and_graph_time_says_why():
+    assert timing.device_timer("cpu", 1, 3)(lambda: sum(range(100))) > 0
+    assert timing.graph_time(lambda: None, "cpu", 1, 3) == (None, "CUDA graphs need a CUDA device")
+
+
+def test_device_timer_lengthens_the_spin_until_the_host_keeps_up(monkeypatch):
+    """While the host takes longer to queue a sample than the spin lasts, the spin doubles and every sample is
+    retaken; the figure is the median of the samples of the first pass the host kept up with."""
+    clock = {"now": 0.0}
+    spins, passes = [], []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            self.t = clock["now"]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3  # ms, from the fake clock in s
+
+    host_s = 150e-6  # the host queues each sample in 150 us; the call itself takes 20 us of "device time"
+
+    def call():
+        clock["now"] += 20e-6
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: spins.append(cycles))
+    monkeypatch.setattr(timing, "_spin_us", lambda cycles, device: passes.append(cycles) or cycles / 2000.0)
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks) * host_s)
+    us = timing.device_timer("cuda", 2, 5)(call)
+    # 200k cycles spin 100 us < 150 us of host time: doubled once (200 us), then kept.
+    assert passes == [timing.SPIN_CYCLES, 2 * timing.SPIN_CYCLES]
+    assert spins == [timing.SPIN_CYCLES] * 7 + [2 * timing.SPIN_CYCLES] * 7
+    assert us == pytest.approx(20.0)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_time_is_the_device_time_of_the_replay():
+    """A graph of one spin: its replay times as the spin alone does (the host's replay cost is not in it)."""
+    cycles = 2_000_000
+    spin = timing._spin_us(cycles, torch.device("cuda"))
+    us, why = timing.graph_time(lambda: torch.cuda._sleep(cycles), "cuda", 3, 10)
+    assert why is None and spin * 0.9 < us < spin * 1.1 + 10, (us, spin)

@@ -18,7 +18,9 @@ upstream gradient `randn` from a generator seeded 9, global BLAS modes off). Lat
 `samples` timed calls after `warmup` calls; each sample is one whole call from Python (fwd_bwd: fresh
 leaves, backward with all-ones upstream). On CUDA samples are CUDA-event times; on a CPU-only machine
 (CI) they are `time.perf_counter` wall times and the report's `environment.timer` says so. Kernel-only
-times replay a captured CUDA graph of one call (null with the reason where capture fails).
+times replay a captured CUDA graph of one call under `timing.device_timer` (a spin kernel holds the GPU while
+the host queues each sample, so they are device time: replay and kernels, not the host's launch cost; null
+with the reason where capture fails).
 """
 from __future__ import annotations
 
@@ -305,7 +307,8 @@ def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, refe
         entry["fwd_us"] = measure(lambda: cand.fn(*args))
         kernel_notes = {}
         if plan.graphs:
-            entry["fwd_kernel_us"], kernel_notes["fwd"] = timing.graph_time(lambda: cand.fn(*args), measure, device)
+            entry["fwd_kernel_us"], kernel_notes["fwd"] = timing.graph_time(lambda: cand.fn(*args), device, plan.warmup,
+                                                                                plan.samples)
         if backward:
             ones = [torch.ones_like(o) for o in _as_list(cand.fn(*args))]
 
@@ -319,7 +322,7 @@ def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, refe
 
                 def graphed():
                     torch.autograd.grad(_as_list(cand.fn(*static_args)), list(static.values()), ones)
-                entry["fwd_bwd_kernel_us"], kernel_notes["fwd_bwd"] = timing.graph_time(graphed, measure, device)
+                entry["fwd_bwd_kernel_us"], kernel_notes["fwd_bwd"] = timing.graph_time(graphed, device, plan.warmup, plan.samples)
         notes = {k: v for k, v in kernel_notes.items() if v}
         if notes:
             entry["kernel_us_unavailable"] = notes
