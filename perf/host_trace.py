@@ -6,13 +6,16 @@ Run: `bash perf/device_run.sh python3 perf/host_trace.py [T ...]` (default T = 1
           warm-up calls; per call the host time, and for the median call its host events in order (runtime /
           driver API calls, ATen ops, annotations: offset from the call's start and duration, µs) and its
           kernels (device start offset, duration, gap to the previous kernel)
-  graph   one captured fwd+bwd replayed 20 times; the median replay's kernels with their gaps
+  graph   one captured fwd+bwd replayed 20 times; the median replay's kernels with their gaps (h3cute's captured
+          twice in a row, each with its gradients' addresses)
 
 Then h3cute alone, each one graph: the harness's graphed fwd+bwd with a random upstream gradient, the op's
 forward then its backward op (no autograd) with an all-ones and with a random upstream, the same through the
 Python launcher, the harness's graph captured once more (last), and the backward op alone (where a kernel's
 time changes with what ran, or was captured, before it); and
-  floor   the forward's floor as torch kernels: w1.sum() + w2.sum(), and one sum over both weights (63.3 MB)
+  floor   the forward's floor as torch kernels: w1.sum() + w2.sum(), one sum over both weights (63.3 MB), one over
+          ten copies of them (633 MB: the read rate past the ramp), and a graph of one tiny kernel (what a
+          replay costs the device beyond its kernels)
 
 Every graph is also timed as the harness times `*_kernel_us` (`timing.device_timer`: device time of a replay) and
 with its replays queued back to back between CUDA events (host-bound for a small graph).
@@ -152,11 +155,22 @@ def side_by_side(p, inputs: dict, t: int) -> list[str]:
             torch.autograd.backward(fn(*[leaves.get(a, inputs[a]) for a in p.args]), ones)
         static = {a: inputs[a].detach().requires_grad_(True) for a in grads}
 
-        def graphed(fn=fn):  # the harness's graphed fwd+bwd
-            torch.autograd.grad(fn(*[static.get(a, inputs[a]) for a in p.args]), list(static.values()), ones)
+        def graphed(fn=fn, seen=None):  # the harness's graphed fwd+bwd
+            out = torch.autograd.grad(fn(*[static.get(a, inputs[a]) for a in p.args]), list(static.values()), ones)
+            if seen is not None:
+                seen[:] = out
         lines += eager(fwd_bwd, f"{name}_fwd_bwd") + eager(lambda fn=fn: fn(*[inputs[a] for a in p.args]),
                                                              f"{name}_fwd")
-        lines += graph(graphed, f"{name}_graph_fwd_bwd")
+        if name != "h3cute":
+            lines += graph(graphed, f"{name}_graph_fwd_bwd")
+            continue
+        # Captured twice in a row: the first graph of the process has run a kernel slower than later captures of
+        # the same call; the gradients' addresses (offset in a 2 MiB page) say where each capture's pool put them.
+        for label in ("h3cute_graph_fwd_bwd", "h3cute_graph_fwd_bwd_captured_again"):
+            seen = []
+            lines += graph(lambda seen=seen: graphed(seen=seen), label)
+            lines.append("    gradient addresses mod 2 MiB: " + ", ".join(
+                f"{a}={g.data_ptr() % (1 << 21):#x}" for a, g in zip(static, seen)))
     return lines
 
 
@@ -180,6 +194,8 @@ def h3cute_graphs(p, inputs: dict, t: int) -> list[str]:
         M.forward(x, w1, b1, w2, b2)
         M.backward(randn, x, w1, b1, w2)
     weights = torch.cat([w1.flatten(), w2.flatten()])
+    weights_x10 = weights.repeat(10)  # 633 MB: the read rate once the ramp is amortized
+    tiny = torch.zeros(1, device=DEV)
     return (graph(lambda: autograd(randn), "autograd_fwd_bwd_randn_grad")
             + graph(lambda: op_pair(ones), "op_fwd_then_bwd_ones_grad")
             + graph(lambda: op_pair(randn), "op_fwd_then_bwd")
@@ -189,7 +205,10 @@ def h3cute_graphs(p, inputs: dict, t: int) -> list[str]:
             + graph(lambda: torch.ops.h3.timestep_mlp_backward(randn, x, w1, b1, w2), "op_bwd")
             # the floor the forward's device-time bar is set from: one read of both weights
             + graph(lambda: (w1.sum(), w2.sum()), "floor_w1_sum_w2_sum")
-            + graph(lambda: weights.sum(), "floor_one_sum_of_both_weights"))
+            + graph(lambda: weights.sum(), "floor_one_sum_of_both_weights")
+            + graph(lambda: weights_x10.sum(), "read_rate_sum_of_10x_the_weights")
+            # what a replay costs the device beyond its kernels (launch of the graph, first kernel's start)
+            + graph(lambda: tiny.add_(1), "graph_overhead_one_tiny_kernel"))
 
 
 def main() -> None:
