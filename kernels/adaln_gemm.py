@@ -220,10 +220,6 @@ TMA_WGRAD_CONFIGS = {
     # registers per thread), one C buffer each: a warpgroup's epilogue runs while the other's wgmmas do.
     "tma_wgrad_persist_pingpong": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4,
                                    persistent_ctas=PERSISTENT_CTAS, pingpong=True),  # 128 + 64 KB
-    # 192 dW columns per tile (2688 = 14 x 192): 1/6 fewer shared-memory operand bytes per MMA than 128 x 128 (the
-    # wgmma reads both operands there at large T); 96 accumulator registers per thread.
-    "tma_wgrad_persist_n192": GemmTile(bm=128, bn=192, bk=64, warps_m=8, warps_n=1, stages=3,
-                                       persistent_ctas=PERSISTENT_CTAS),  # 120 + 96 KB
 }
 
 

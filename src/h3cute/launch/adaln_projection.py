@@ -47,7 +47,7 @@ WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg", "wg_wgrad
                        "wg_wgrad_tstore")
 # The persistent dW kernel (TMA stores from double-buffered C tiles) is in the same tuple: same bits.
 TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_mc2", "tma_wgrad_persist", "tma_wgrad_persist_n64",
-                     "tma_wgrad_persist_pingpong", "tma_wgrad_persist_n192")
+                     "tma_wgrad_persist_pingpong")
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
 # and was as fast or faster at every T measured (1, 4, 64, 256, 2048); sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
@@ -105,13 +105,12 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     TMA (wg_wgrad_n64_1wg_tstore 117.3 / 121.4 / 177.5 us at T = 1 / 4 / 64 against wg_wgrad_n64_1wg's 159.4 /
     161.5 / 201.4, a0a2b50), beyond 64 (where db is a separate launch) the persistent TMA kernel (ef9eb22 /
     5614333: tma_wgrad_persist 152.4 / 158.3 us at T = 96 / 128 against wg_wgrad 268.2 / 296.4 and the TMA-store
-    tile 212.6 / 232.9; T = 256 244.8, 2048 1613.1 against tma_wgrad 1728.4), to T = 256 with its warpgroups
-    taking whole tiles in turn (125c746: tma_wgrad_persist_pingpong 157.4 / 235.2 us at T = 128 / 256 against
-    168.4 / 260.7; at T = 2048 1713.7 against 1630.4)."""
+    tile 212.6 / 232.9; T = 256 244.8, 2048 1613.1 against tma_wgrad 1728.4). Its warpgroups taking whole tiles in
+    turn (tma_wgrad_persist_pingpong) won at T = 128 / 256 once (125c746: 157.4 / 235.2 us against 168.4 / 260.7) and
+    lost in both runs of 45d5512 / 14feb80 (3 rounds each, ranges apart): 153.8 / 164.9 / 209.8 / 247.0 us at
+    T = 96 / 128 / 192 / 256 against 152.3 / 159.7 / 196.4 / 232.6, 1656.1 against 1629.6 at 2048."""
     if wgmma:
-        if rows <= 64:
-            return "wg_wgrad_n64_1wg_tstore"
-        return "tma_wgrad_persist_pingpong" if rows <= 256 else "tma_wgrad_persist"
+        return "wg_wgrad_n64_1wg_tstore" if rows <= 64 else "tma_wgrad_persist"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
