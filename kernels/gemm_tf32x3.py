@@ -183,8 +183,8 @@ class GemmTF32x3:
             raise ValueError("fused epilogues need the whole K in one CTA (splits=1)")
         for mn_major, rows in ((a_m_major, config.tile_m), (b_n_major, config.tile_n)):
             vec_threads = rows // 4  # threads across one k row of the tile, 16 B each
-            if mn_major and (rows % 32 or config.mma_threads % vec_threads
-                             or config.tile_k % (config.mma_threads // vec_threads)):
+            if mn_major and (rows % 32 or config.threads % vec_threads
+                             or config.tile_k % (config.threads // vec_threads)):
                 raise ValueError(f"{config}: an MN-major copy needs tile rows % 32 == 0 and whole k-row passes")
         if k_tail and (splits != 1 or not (a_m_major and b_n_major)):
             raise ValueError("the K tail (zero-filled k rows) is built for one-slice MN-major GEMMs")
@@ -203,6 +203,7 @@ class GemmTF32x3:
         for "bias_silu_h", h's big TF32 operand array for "bias_silu_split"; mBias (N,) is read by the bias
         epilogues, mH (M, N) written by "bias_silu" (h) and "bias_silu_split" (h's small operand array)."""
         cfg = self.config
+        threads = cfg.threads
         g2s_atom = cute.make_copy_atom(
             cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
             cutlass.Int32,
@@ -221,16 +222,15 @@ class GemmTF32x3:
         self.kernel(mA, mB, mC, mBias, mH, sA_layout, sB_layout, swizzle_a, swizzle_b, tiled_copy_a, tiled_copy_b,
                     tiled_mma).launch(
             grid=[m_tiles, n_tiles, self.splits],
-            block=[cfg.threads, 1, 1],
+            block=[threads, 1, 1],
             stream=stream,
             use_pdl=True,
         )
 
     def _staging(self, rows: int, mn_major: bool, g2s_atom):
-        """Shared layout, byte swizzle and cp.async tiling of one operand's (rows, tile_k) tiles (over one k-group's
-        threads: with warps_k > 1 group 0 issues every copy)."""
+        """Shared layout, byte swizzle and cp.async tiling of one operand's (rows, tile_k) tiles."""
         cfg = self.config
-        threads = cfg.mma_threads
+        threads = cfg.threads
         if mn_major:
             # Stored MN-major (e.g. W^T read in place): 1 KB atoms of 8 k rows x 32 m|n (128 B per
             # k row). A warp's fragment read is 8 m|n x 4 k: XOR-ing the 32-byte group (byte bits
@@ -294,54 +294,6 @@ class GemmTF32x3:
                     acc_mn[i] = add_rn(acc_mn[i], k_chunks[kb][j][i])
 
     @cute.jit
-    def _k_tile_chunk_sums(self, s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, mma_atom, acc,
-                           k_splits, k_chunks, s_chunks, mtidx, kgroup, half):
-        """One k tile of k-group `kgroup` (warps_k > 1): its k-blocks kgroup, kgroup + warps_k, ... loaded, split and
-        multiplied as `_k_tile_interleaved` does (the same three products from zero), each chunk sum stored to
-        `s_chunks[mtidx, :, kb, half]` for `_add_chunk_sums`."""
-        warps_k = self.config.warps_k
-        m_atoms, n_atoms = cute.size(acc, mode=[1]), cute.size(acc, mode=[2])
-        atoms = [(m, n) for n in range(n_atoms) for m in range(m_atoms)]
-        own = cute.size(tCrA, mode=[2]) // warps_k
-        for j in cutlass.range_constexpr(own):
-            kb = kgroup + j * warps_k
-            cute.copy(s2r_A, tXsA[None, None, kb, read_slot], tXrA[None, None, j])
-            cute.copy(s2r_B, tXsB[None, None, kb, read_slot], tXrB[None, None, j])
-            a_big, a_small, b_big, b_small = k_splits[j]
-            for i in cutlass.range_constexpr(cute.size(a_big)):
-                a_big[i], a_small[i] = tf32_pair(tCrA[None, None, j][i])
-            for i in cutlass.range_constexpr(cute.size(b_big)):
-                b_big[i], b_small[i] = tf32_pair(tCrB[None, None, j][i])
-            for a in cutlass.range_constexpr(len(atoms)):
-                k_chunks[j][a].fill(0.0)
-        for p in cutlass.range_constexpr(len(_PASSES)):
-            a_sel, b_sel = _PASSES[p]
-            for j in cutlass.range_constexpr(own):
-                for a in cutlass.range_constexpr(len(atoms)):
-                    m, n = atoms[a]
-                    cute.gemm(mma_atom, k_chunks[j][a], cute.append_ones(k_splits[j][a_sel][None, m], 3),
-                              cute.append_ones(k_splits[j][b_sel][None, n], 3), k_chunks[j][a])
-        vals = cute.size(k_chunks[0][0])
-        for j in cutlass.range_constexpr(own):
-            kb = kgroup + j * warps_k
-            for a in cutlass.range_constexpr(len(atoms)):
-                for v in cutlass.range_constexpr(vals):
-                    s_chunks[mtidx, v + vals * a, kb, half] = k_chunks[j][a][v]
-
-    @cute.jit
-    def _add_chunk_sums(self, s_chunks, mtidx, acc, half):
-        """Group 0: a k tile's chunk sums into acc, k-block by k-block in ascending k (the contract's IEEE adds)."""
-        m_atoms, n_atoms = cute.size(acc, mode=[1]), cute.size(acc, mode=[2])
-        atoms = [(m, n) for n in range(n_atoms) for m in range(m_atoms)]
-        vals = cute.size(acc[None, 0, 0])
-        for kb in cutlass.range_constexpr(cute.size(s_chunks, mode=[2])):
-            for a in cutlass.range_constexpr(len(atoms)):
-                m, n = atoms[a]
-                acc_mn = acc[None, m, n]
-                for v in cutlass.range_constexpr(vals):
-                    acc_mn[v] = add_rn(acc_mn[v], s_chunks[mtidx, v + vals * a, kb, half])
-
-    @cute.jit
     def _load_a(self, tiled_copy: cute.TiledCopy, tAgA: cute.Tensor, tAsA: cute.Tensor, tAcA: cute.Tensor,
                 tApA: cute.Tensor, k_tile, slot, depth):
         """One A tile into ring slot `slot`: K-major rows predicated on M, or MN-major (K tail)."""
@@ -364,11 +316,6 @@ class GemmTF32x3:
         cfg = self.config
         tidx, _, _ = cute.arch.thread_idx()
         bid_m, bid_n, bid_s = cute.arch.block_idx()
-        # warps_k > 1: k-group `kgroup` of the CTA's warps; each group tiles the MMA alike (thread `mtidx` of its
-        # group), group 0 issues the copies, holds the accumulator and stores C. One group: kgroup 0, mtidx tidx.
-        kgroup = tidx // cfg.mma_threads
-        mtidx = tidx - kgroup * cfg.mma_threads
-        copier = (kgroup == 0) if cutlass.const_expr(cfg.warps_k > 1) else True
         rows_a = cute.size(mA, mode=[0])
         depth = cute.size(mA, mode=[1])
         if cutlass.const_expr(self.k_tail):
@@ -402,8 +349,8 @@ class GemmTF32x3:
         sA = storage.a.get_tensor(sA_layout, swizzle=swizzle_a)
         sB = storage.b.get_tensor(sB_layout, swizzle=swizzle_b)
 
-        thr_g2s_a = tiled_copy_a.get_slice(mtidx)
-        thr_g2s_b = tiled_copy_b.get_slice(mtidx)
+        thr_g2s_a = tiled_copy_a.get_slice(tidx)
+        thr_g2s_b = tiled_copy_b.get_slice(tidx)
         tAgA = thr_g2s_a.partition_S(gA)  # (CPY, CPY_M, CPY_K, k_tiles)
         tAsA = thr_g2s_a.partition_D(sA)  # (CPY, CPY_M, CPY_K, stages)
         tBgB = thr_g2s_b.partition_S(gB)
@@ -432,8 +379,7 @@ class GemmTF32x3:
         tBpB = cute.make_rmem_tensor(cute.make_layout((cute.size(tBgB, mode=[1]), cute.size(tBgB, mode=[2]))),
                                      cutlass.Boolean)
 
-        if copier:
-            tAsA.fill(0)
+        tAsA.fill(0)
         cute.arch.sync_threads()
 
         # Launched with programmatic dependent launch (PDL): this grid may start while the previous
@@ -443,23 +389,22 @@ class GemmTF32x3:
         # are released only after our own wait, so everything before us has completed when they
         # start their own prefetch.
         if cutlass.const_expr(self.prefetch_b):
-            if copier:
-                for stage in cutlass.range_constexpr(cfg.stages - 1):
-                    if stage < k_tiles_per_split:
-                        self._load_b(tiled_copy_b, tBgB, tBsB, tBcB, tBpB, k_tile_first + stage, stage, depth)
+            for stage in cutlass.range_constexpr(cfg.stages - 1):
+                if stage < k_tiles_per_split:
+                    self._load_b(tiled_copy_b, tBgB, tBsB, tBcB, tBpB, k_tile_first + stage, stage, depth)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
         # Prologue: fill stages - 1 slots of the ring (with prefetch_b, the first commit group also
         # holds every prefetched B tile: waiting on it waits for them all, which is only early).
         for stage in cutlass.range_constexpr(cfg.stages - 1):
-            if stage < k_tiles_per_split and copier:
+            if stage < k_tiles_per_split:
                 self._load_a(tiled_copy_a, tAgA, tAsA, tAcA, tApA, k_tile_first + stage, stage, depth)
                 if cutlass.const_expr(not self.prefetch_b):
                     self._load_b(tiled_copy_b, tBgB, tBsB, tBcB, tBpB, k_tile_first + stage, stage, depth)
             cute.arch.cp_async_commit_group()
 
-        thr_mma = tiled_mma.get_slice(mtidx)
+        thr_mma = tiled_mma.get_slice(tidx)
         tCsA = thr_mma.partition_A(sA)
         tCsB = thr_mma.partition_B(sB)
         tCgC = thr_mma.partition_C(gC)
@@ -472,8 +417,8 @@ class GemmTF32x3:
         s2r_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Int32, num_bits_per_copy=32)
         s2r_A = cute.make_tiled_copy_A(s2r_atom, tiled_mma)
         s2r_B = cute.make_tiled_copy_B(s2r_atom, tiled_mma)
-        thr_s2r_A = s2r_A.get_slice(mtidx)
-        thr_s2r_B = s2r_B.get_slice(mtidx)
+        thr_s2r_A = s2r_A.get_slice(tidx)
+        thr_s2r_B = s2r_B.get_slice(tidx)
         tXsA = thr_s2r_A.partition_S(sA)
         tXrA = thr_s2r_A.retile(tCrA)
         tXsB = thr_s2r_B.partition_S(sB)
@@ -489,25 +434,12 @@ class GemmTF32x3:
         chunks = [cute.make_fragment_like(acc[None, 0, 0]) for _ in atom_groups[0]]
         chunks_mn = [cute.append_ones(c, 3) for c in chunks]  # the (V, 1, 1) shape gemm dispatches on
         k_blocks = cute.size(tCrA, mode=[2])
-        split_k = cfg.warps_k > 1
-        interleave_k = split_k or _interleaves_k(cute.size(acc, mode=[1]), cute.size(acc, mode=[2]), k_blocks)
-        if cutlass.const_expr(split_k):
-            assert len(atom_groups) == 1 and len(atom_groups[0]) * (k_blocks // cfg.warps_k) <= MAX_INTERLEAVED, cfg
-            # Chunk sums of two k tiles (written while group 0 adds the previous tile's): per (k-block, thread of a
-            # group, accumulator element), the thread index fastest (a warp's stores fill 32 banks).
-            chunk_layout = cute.make_layout((cfg.mma_threads, cute.size(acc), k_blocks, 2))
-
-            @cute.struct
-            class ChunkStorage:
-                sums: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(chunk_layout)], 16]
-
-            s_chunks = smem.allocate(ChunkStorage).sums.get_tensor(chunk_layout)
+        interleave_k = _interleaves_k(cute.size(acc, mode=[1]), cute.size(acc, mode=[2]), k_blocks)
         # The interleaved path's registers: per k-block big/small fragments, per (k-block, atom) a chunk sum.
-        own_k_blocks = k_blocks // cfg.warps_k  # per k tile and group
         k_splits_big = [[cute.make_fragment_like(f) for f in (a_big, a_small, b_big, b_small)]
-                        for _ in range(own_k_blocks if interleave_k else 0)]
+                        for _ in range(k_blocks if interleave_k else 0)]
         k_chunks = [[cute.append_ones(cute.make_fragment_like(acc[None, 0, 0]), 3) for _ in atom_groups[0]]
-                    for _ in range(own_k_blocks if interleave_k else 0)]
+                    for _ in range(k_blocks if interleave_k else 0)]
 
         read_slot = 0
         write_slot = cfg.stages - 1
@@ -516,20 +448,12 @@ class GemmTF32x3:
             cute.arch.sync_threads()
             # Refill the slot consumed in the previous iteration (all threads are past it).
             next_tile = k_tile + cfg.stages - 1
-            if next_tile < k_tiles_per_split and copier:
+            if next_tile < k_tiles_per_split:
                 self._load_a(tiled_copy_a, tAgA, tAsA, tAcA, tApA, k_tile_first + next_tile, write_slot, depth)
                 self._load_b(tiled_copy_b, tBgB, tBsB, tBcB, tBpB, k_tile_first + next_tile, write_slot, depth)
             cute.arch.cp_async_commit_group()
 
-            if cutlass.const_expr(split_k):
-                # The barrier above published every group's chunk sums of the previous k tile: group 0 adds them
-                # first, then each group writes this tile's into the other half (last read before that barrier).
-                if k_tile > 0:
-                    if kgroup == 0:
-                        self._add_chunk_sums(s_chunks, mtidx, acc, (k_tile + 1) % 2)
-                self._k_tile_chunk_sums(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, mma_atom, acc,
-                                        k_splits_big, k_chunks, s_chunks, mtidx, kgroup, k_tile % 2)
-            elif cutlass.const_expr(interleave_k):
+            if cutlass.const_expr(interleave_k):
                 self._k_tile_interleaved(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, mma_atom,
                                          acc, k_splits_big, k_chunks)
             for kb in cutlass.range_constexpr(0 if interleave_k else k_blocks):
@@ -572,21 +496,16 @@ class GemmTF32x3:
                 read_slot = 0
 
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(split_k):
-            cute.arch.sync_threads()
-            if kgroup == 0:
-                self._add_chunk_sums(s_chunks, mtidx, acc, (k_tiles_per_split + 1) % 2)
 
         rows_c = cute.size(mOut, mode=[0])
-        if copier:  # group 0 holds the sums
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                coord = tCcC[i]
-                if cute.elem_less(coord[0], rows_c):
-                    v = acc[i]
-                    if cutlass.const_expr(self.epilogue == "partial"):
-                        tCgC[i] = v
-                    else:
-                        first, second = fc1_outputs(v, mBias[coord[1]], self.epilogue)
-                        tCgC[i] = first
-                        if cutlass.const_expr(self.epilogue != "bias_silu_h"):
-                            mH[coord] = second
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            coord = tCcC[i]
+            if cute.elem_less(coord[0], rows_c):
+                v = acc[i]
+                if cutlass.const_expr(self.epilogue == "partial"):
+                    tCgC[i] = v
+                else:
+                    first, second = fc1_outputs(v, mBias[coord[1]], self.epilogue)
+                    tCgC[i] = first
+                    if cutlass.const_expr(self.epilogue != "bias_silu_h"):
+                        mH[coord] = second

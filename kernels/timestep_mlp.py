@@ -114,7 +114,7 @@ def _compact(shape):
 
 
 def build_gemm(arch: str, *, role: str, tile: tuple):
-    """tile = the GemmConfig fields in order (tile_m, tile_n, tile_k, stages, warps_m, warps_n, warps_k)."""
+    """tile = the GemmConfig fields in order (tile_m, tile_n, tile_k, stages, warps_m, warps_n)."""
     rows, n, k, epilogue = ROLES[role]
     config = GemmConfig(*tile)
     splits = k_splits(k)
@@ -253,20 +253,17 @@ def build_colsum(arch: str, *, cols: int, fold_dz: bool):
 
 # Per role, the tiles the launch heuristic may pick (src/h3cute/launch/timestep_mlp.py chooses among
 # exactly these; all of them give identical bits). Tuple order = GemmConfig fields.
-_SHARED_TILES = ((32, 128, 64, 3, 2, 4, 1), (64, 64, 32, 4, 2, 2, 1), (128, 128, 32, 3, 2, 4, 1),
-                 (128, 128, 32, 5, 2, 4, 1))
-# 16 x 32 with 4 k-groups of warps (warps_k): fc1 and fc1_dgrad at small T, where one warp's 32 (fc1) or 112
-# (fc1_dgrad slice) serial chunk chains were the kernel's time.
-_FC1_TILES = ((16, 32, 32, 6, 1, 4, 1), (16, 32, 64, 6, 1, 4, 1), (16, 32, 32, 6, 1, 4, 4)) + _SHARED_TILES
+_SHARED_TILES = ((32, 128, 64, 3, 2, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4), (128, 128, 32, 5, 2, 4))
+_FC1_TILES = ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4)) + _SHARED_TILES
 GEMM_TILES = {
     "fc1": _FC1_TILES,
     "fc1_zh": _FC1_TILES,
     "fc1_split": _FC1_TILES,
-    "fc2": ((16, 64, 32, 6, 1, 4, 1), (16, 64, 64, 5, 1, 4, 1)) + _SHARED_TILES,
-    "fc2_dgrad": ((16, 64, 32, 6, 1, 4, 1), (16, 64, 64, 5, 1, 4, 1)) + _SHARED_TILES,
-    "fc1_dgrad": _FC1_TILES,
-    "fc2_wgrad": ((128, 128, 32, 3, 2, 4, 1), (128, 128, 32, 5, 2, 4, 1), (64, 64, 32, 4, 2, 2, 1)),
-    "fc1_wgrad": ((64, 64, 32, 4, 2, 2, 1),),
+    "fc2": ((16, 64, 32, 6, 1, 4), (16, 64, 64, 5, 1, 4)) + _SHARED_TILES,
+    "fc2_dgrad": ((16, 64, 32, 6, 1, 4), (16, 64, 64, 5, 1, 4)) + _SHARED_TILES,
+    "fc1_dgrad": ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4)) + _SHARED_TILES,
+    "fc2_wgrad": ((128, 128, 32, 3, 2, 4), (128, 128, 32, 5, 2, 4), (64, 64, 32, 4, 2, 2)),
+    "fc1_wgrad": ((64, 64, 32, 4, 2, 2),),
 }
 FOLDS = (("fc2", "bias"), ("fc1_dgrad", "sum"))  # fc2_dgrad's partials: the colsum kernel's dz mode
 

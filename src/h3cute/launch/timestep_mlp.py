@@ -69,12 +69,6 @@ SMALL_T = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_
 SMALL_T_K64 = MlpConfig(fc1=GemmConfig(16, 32, 64, 6, 1, 4), fc2=GemmConfig(16, 64, 64, 5, 1, 4),
                         fc2_dgrad=GemmConfig(16, 64, 64, 5, 1, 4), fc1_dgrad=GemmConfig(16, 32, 64, 6, 1, 4),
                         **_WGRAD_SHALLOW)
-# Sweep candidate for small T (not picked yet): fc1 and fc1_dgrad on the 16 x 32 tile with 4 k-groups of warps
-# (`GemmConfig.warps_k`), each taking one k8 chunk of every k tile, group 0 adding their sums in k order: the
-# per-warp chain of dependent chunks (fc1: 32, fc1_dgrad: 112 per K slice) falls to a quarter, the bits stay.
-_SMALL_NARROW_K4 = GemmConfig(16, 32, 32, 6, 1, 4, warps_k=4)
-SMALL_T_SPLIT_K = MlpConfig(fc1=_SMALL_NARROW_K4, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_SMALL_NARROW_K4,
-                            **_WGRAD_SHALLOW)
 WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE, **_WGRAD_SHALLOW)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID, **_WGRAD_DEEP)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, **_WGRAD_DEEP)
@@ -83,7 +77,7 @@ LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, 
 _LARGE_S5 = GemmConfig(128, 128, 32, 5, 2, 4)
 LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dgrad=_LARGE_S5,
                        fc2_wgrad=_LARGE_S5, fc1_wgrad=_MID)
-CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5, SMALL_T_SPLIT_K)  # pick_config's + candidates
+CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
 # sm_90a from this many rows: the fc2-sized GEMMs and fc1 on TF32 wgmma (speed only: same bits). H200 at 47bb99d
