@@ -256,66 +256,54 @@ bool mlp_fast(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, c
          dense(b1, at::kFloat, d, {kMlpHidden}) && dense(w2, at::kFloat, d, {kTemb, kMlpHidden});
 }
 
-// One allocation carved into dense tensors, in order (each part's size a multiple of 4 elements, so every part
-// stays 16-byte aligned for the kernels' vector accesses). `take` gives a tensor (one as_strided call: for
-// what the op returns); `block` gives a region only the kernels see (no ATen call at all: at small T each
-// ATen call is host time the kernels never needed).
+// Regions of one allocation: each declared once with its shape (`block`, `block3`), then `allocate` makes the
+// one buffer. A region is only the kernels' view of it (`view`, `t`: no ATen call at all, since at small T each
+// ATen call is host time the kernels never needed), or, for what the op returns, a tensor (`tensor`, `vector`:
+// one as_strided call). Every region's size is a multiple of 4 elements, so each stays 16-byte aligned for the
+// kernels' vector accesses.
 class Carver {
  public:
-  // A dense row-major region of the allocation, as the kernels' views of it.
+  // A dense row-major region: (rows, cols), or (depth, rows, cols) when declared with a depth.
   class Block {
    public:
-    Block(const at::Tensor& base, int64_t offset, int64_t rows, int64_t cols, int64_t depth = 0)
+    Block(const at::Tensor& base, int64_t offset, int64_t rows, int64_t cols, int64_t depth)
         : base_(base), offset_(offset), rows_(rows), cols_(cols), depth_(depth) {}
-    // (rows, cols), or (depth, rows, cols) when carved with a depth
     View view() const {
-      if (depth_ > 0) return View(base_, {depth_, rows_, cols_}, {rows_ * cols_, cols_, 1}, offset_);
-      return View(base_, {rows_, cols_}, {cols_, 1}, offset_);
+      if (depth_ > 0) return View(base(), {depth_, rows_, cols_}, {rows_ * cols_, cols_, 1}, offset_);
+      return View(base(), {rows_, cols_}, {cols_, 1}, offset_);
     }
-    // (cols, rows) with strides (1, cols): the MN-major operand layout of a 2-D block
-    View t() const { return View(base_, {cols_, rows_}, {1, cols_}, offset_); }
+    // (cols, rows) with strides (1, cols): the MN-major operand layout of a 2-D region
+    View t() const { return View(base(), {cols_, rows_}, {1, cols_}, offset_); }
+    at::Tensor tensor() const { return base().as_strided({rows_, cols_}, {cols_, 1}, offset_); }
+    at::Tensor vector() const { return base().as_strided({rows_ * cols_}, {1}, offset_); }
 
    private:
-    const at::Tensor& base_;
+    const at::Tensor& base() const {
+      TORCH_INTERNAL_ASSERT(base_.defined(), "h3cute: a carved region used before Carver::allocate");
+      return base_;
+    }
+    const at::Tensor& base_;  // the Carver's buffer, defined once it is allocated
     int64_t offset_, rows_, cols_, depth_;
   };
 
-  Carver(std::initializer_list<int64_t> numels, const at::TensorOptions& options) : parts_(numels) {
-    int64_t total = 0;
-    for (int64_t n : numels) {
-      TORCH_CHECK(n % 4 == 0, "h3cute: carved part of ", n, " elements breaks 16-byte alignment");
-      total += n;
-    }
-    buffer_ = at::empty({total}, options);
-  }
+  Carver() = default;
   Carver(const Carver&) = delete;  // Blocks refer to buffer_
   Carver& operator=(const Carver&) = delete;
 
-  at::Tensor take(at::IntArrayRef shape) {
-    c10::SmallVector<int64_t, 3> strides(shape.size(), 1);
-    for (int64_t d = static_cast<int64_t>(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * shape[d + 1];
-    return buffer_.as_strided(shape, strides, next(c10::multiply_integers(shape)));
-  }
   Block block(int64_t rows, int64_t cols) { return block3(0, rows, cols); }
   Block block3(int64_t depth, int64_t rows, int64_t cols) {
-    const int64_t offset = next((depth > 0 ? depth : 1) * rows * cols);
+    TORCH_INTERNAL_ASSERT(!buffer_.defined(), "h3cute: region declared after Carver::allocate");
+    const int64_t numel = (depth > 0 ? depth : 1) * rows * cols;
+    TORCH_CHECK(numel % 4 == 0, "h3cute: carved region of ", numel, " elements breaks 16-byte alignment");
+    const int64_t offset = total_;
+    total_ += numel;
     return Block(buffer_, offset, rows, cols, depth);
   }
+  void allocate(const at::TensorOptions& options) { buffer_ = at::empty({total_}, options); }
 
  private:
-  // The offset of the next part, which must be carved with the size it was declared with.
-  int64_t next(int64_t numel) {
-    TORCH_INTERNAL_ASSERT(part_ < parts_.size() && parts_[part_] == numel, "h3cute: part ", part_,
-                          " carved with ", numel, " elements, not as declared");
-    const int64_t offset = at_;
-    at_ += parts_[part_++];
-    return offset;
-  }
-
-  c10::SmallVector<int64_t, 16> parts_;
-  size_t part_ = 0;
   at::Tensor buffer_;
-  int64_t at_ = 0;
+  int64_t total_ = 0;
 };
 using Block = Carver::Block;
 
@@ -334,11 +322,11 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   const auto& kernels = mlp_kernels.get(d, 0, rows);
   const TVMFFIObjectHandle* fn = kernels.fns;
   at::Tensor out = at::empty({rows, kTemb}, x.options());
-  const int64_t act = rows * kMlpHidden;
   if (kernels.params[0] == 1) {  // sm_90a, small T: fc1_split writes h's TF32 operand pair, fc2 on wgmma
-    Carver scratch({act, act, kFc2Splits * rows * kTemb}, x.options());
+    Carver scratch;
     Block h_big = scratch.block(rows, kMlpHidden), h_small = scratch.block(rows, kMlpHidden);
     Block partials = scratch.block3(kFc2Splits, rows, kTemb);
+    scratch.allocate(x.options());
     StreamScope stream(d);
     call_kernel(fn[0], {x, w1, b1, h_big, h_small});
     call_kernel(fn[1], {w2, h_big, h_small, partials});
@@ -346,11 +334,11 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
     return out;
   }
   if (kernels.params[0] == 2) {  // sm_90a, T >= WGMMA_MIN_ROWS: split x, fc1_split and fc2 on wgmma, fold
-    const int64_t xs = rows * kFreq;
-    Carver scratch({xs, xs, act, act, kFc2Splits * rows * kTemb}, x.options());
+    Carver scratch;
     Block x_big = scratch.block(rows, kFreq), x_small = scratch.block(rows, kFreq);
     Block h_big = scratch.block(rows, kMlpHidden), h_small = scratch.block(rows, kMlpHidden);
     Block partials = scratch.block3(kFc2Splits, rows, kTemb);
+    scratch.allocate(x.options());
     StreamScope stream(d);
     call_kernel(fn[0], {x, x_big, x_small});
     call_kernel(fn[1], {w1, x_big, x_small, b1, h_big, h_small});
@@ -359,8 +347,9 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
     return out;
   }
   // fc1, fc2, fold_fc2
-  Carver scratch({act, kFc2Splits * rows * kTemb}, x.options());  // one allocation for h, partials
+  Carver scratch;  // one allocation for h, partials
   Block h = scratch.block(rows, kMlpHidden), partials = scratch.block3(kFc2Splits, rows, kTemb);
+  scratch.allocate(x.options());
   StreamScope stream(d);
   call_kernel(fn[0], {x, w1, b1, h});
   call_kernel(fn[1], {h, w2, partials});
@@ -371,13 +360,16 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
 // The backward's five gradients as views of one allocation (host time at small T), in the op's return order,
 // and the views its kernels write them through.
 struct MlpGrads {
-  MlpGrads(int64_t rows, const at::TensorOptions& options)
-      : carver({rows * kFreq, kMlpHidden * kFreq, kMlpHidden, kTemb * kMlpHidden, kTemb}, options),
-        dx(carver.take({rows, kFreq})),
-        dw1(carver.take({kMlpHidden, kFreq})),
-        db1(carver.take({kMlpHidden})),
-        dw2(carver.take({kTemb, kMlpHidden})),
-        db2(carver.take({kTemb})) {}
+  MlpGrads(int64_t rows, const at::TensorOptions& options) {
+    Block dx_ = carver.block(rows, kFreq), dw1_ = carver.block(kMlpHidden, kFreq), db1_ = carver.block(1, kMlpHidden),
+          dw2_ = carver.block(kTemb, kMlpHidden), db2_ = carver.block(1, kTemb);
+    carver.allocate(options);
+    dx = dx_.tensor();
+    dw1 = dw1_.tensor();
+    db1 = db1_.vector();
+    dw2 = dw2_.tensor();
+    db2 = db2_.vector();
+  }
   // the weight-gradient GEMMs write a (1, N, K) batch
   View dw2_batch() const { return View(dw2, {1, kTemb, kMlpHidden}, {kTemb * kMlpHidden, kMlpHidden, 1}); }
   View dw1_batch() const { return View(dw1, {1, kMlpHidden, kFreq}, {kMlpHidden * kFreq, kFreq, 1}); }
@@ -399,11 +391,9 @@ constexpr int64_t kWgmmaKPad = 32;  // launch/timestep_mlp.py WGMMA_K_PAD
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_wgmma(
     const TVMFFIObjectHandle* fn, const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1,
     const at::Tensor& b1, const at::Tensor& w2) {
-  const int64_t rows = x.size(0), act = rows * kMlpHidden, gs = rows * kTemb, xs = rows * kFreq;
+  const int64_t rows = x.size(0);
   const int64_t depth = (rows + kWgmmaKPad - 1) / kWgmmaKPad * kWgmmaKPad;
-  Carver scratch({xs, xs, act, act, gs, gs, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq, kTemb * depth,
-                  kTemb * depth, kMlpHidden * depth, kMlpHidden * depth},
-                 x.options());
+  Carver scratch;
   Block x_big = scratch.block(rows, kFreq), x_small = scratch.block(rows, kFreq);
   Block z = scratch.block(rows, kMlpHidden), h = scratch.block(rows, kMlpHidden);
   Block g_big = scratch.block(rows, kTemb), g_small = scratch.block(rows, kTemb);
@@ -411,6 +401,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   Block dx_partials = scratch.block3(kFc1DgradSplits, rows, kFreq);
   Block gt_big = scratch.block(kTemb, depth), gt_small = scratch.block(kTemb, depth);
   Block ht_big = scratch.block(kMlpHidden, depth), ht_small = scratch.block(kMlpHidden, depth);
+  scratch.allocate(x.options());
   MlpGrads g(rows, x.options());
 
   StreamScope stream(x.get_device());
@@ -442,11 +433,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   // fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2
   const TVMFFIObjectHandle* fn = kernels.fns;
   // Two allocations (host time at small T): the intermediates, and the five gradients (MlpGrads).
-  const int64_t act = rows * kMlpHidden;
-  Carver scratch({act, act, kFc2DgradSplits * act, act, kFc1DgradSplits * rows * kFreq}, x.options());
+  Carver scratch;
   Block z = scratch.block(rows, kMlpHidden), h = scratch.block(rows, kMlpHidden);
   Block dh_partials = scratch.block3(kFc2DgradSplits, rows, kMlpHidden), dz = scratch.block(rows, kMlpHidden);
   Block dx_partials = scratch.block3(kFc1DgradSplits, rows, kFreq);
+  scratch.allocate(x.options());
   MlpGrads g(rows, x.options());
 
   StreamScope stream(d);
