@@ -69,16 +69,6 @@ SMALL_T = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_
 SMALL_T_K64 = MlpConfig(fc1=GemmConfig(16, 32, 64, 6, 1, 4), fc2=GemmConfig(16, 64, 64, 5, 1, 4),
                         fc2_dgrad=GemmConfig(16, 64, 64, 5, 1, 4), fc1_dgrad=GemmConfig(16, 32, 64, 6, 1, 4),
                         **_WGRAD_SHALLOW)
-# Sweep candidates for small T (not picked yet): the T-deep weight-gradient GEMMs on smaller tiles. At T = 1 dW2
-# (one k tile per CTA) took 28.6 us for 57.8 MB (Nsight Compute, 38fddf7: 31 MB reached DRAM, 1.1 TB/s): each
-# CTA's load -> 12 mma -> store is latency, and 164 registers allow 3 CTAs (12 warps) per SM on _MID. 32 x 64 on 4
-# warps (2 x 2 atoms each) and 32 x 32 on 2 warps keep more CTAs resident.
-_WGRAD_32x64 = GemmConfig(32, 64, 32, 3, 1, 4)
-_WGRAD_32x32 = GemmConfig(32, 32, 32, 3, 1, 2)
-SMALL_T_WGRAD_32x64 = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_SMALL_NARROW,
-                                fc2_wgrad=_WGRAD_32x64, fc1_wgrad=_WGRAD_32x64)
-SMALL_T_WGRAD_32x32 = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_SMALL_NARROW,
-                                fc2_wgrad=_WGRAD_32x32, fc1_wgrad=_WGRAD_32x32)
 WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE, **_WGRAD_SHALLOW)
 MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID, **_WGRAD_DEEP)
 LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, **_WGRAD_DEEP)
@@ -87,8 +77,7 @@ LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, 
 _LARGE_S5 = GemmConfig(128, 128, 32, 5, 2, 4)
 LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dgrad=_LARGE_S5,
                        fc2_wgrad=_LARGE_S5, fc1_wgrad=_MID)
-# pick_config's choices + sweep candidates
-CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5, SMALL_T_WGRAD_32x64, SMALL_T_WGRAD_32x32)
+CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
 # sm_90a from this many rows: the fc2-sized GEMMs and fc1 on TF32 wgmma (speed only: same bits). H200 at 47bb99d
