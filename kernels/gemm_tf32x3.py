@@ -294,6 +294,39 @@ class GemmTF32x3:
                     acc_mn[i] = add_rn(acc_mn[i], k_chunks[kb][j][i])
 
     @cute.jit
+    def _k_block(self, s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, kb: cutlass.Constexpr, a_big,
+                 a_small, b_big, b_small, mma_atom, acc, atom_groups, chunks, chunks_mn):
+        """k-block kb of the k tile in `read_slot`: its fragments loaded and split, then per (m16, n8) atom the k8
+        chunk's three products, smallest first, into a zeroed chunk sum (the tensor core's truncating adds see
+        only this chunk), then one IEEE round-to-nearest add into the running sum. The order is the contract.
+        Issued pass by pass across a group of atoms: each chunk's three mma are a dependent chain, and
+        interleaving the group's chains hides the mma latency that the atom-by-atom order left exposed (ptxas
+        padded it with no-ops). Every value and its order of accumulation stay the same."""
+        self._load_split_k_block(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, kb,
+                                 a_big, a_small, b_big, b_small)
+        for g in cutlass.range_constexpr(len(atom_groups)):
+            group = atom_groups[g]
+            for j in cutlass.range_constexpr(len(group)):
+                chunks[j].fill(0.0)
+            for j in cutlass.range_constexpr(len(group)):
+                m, n = group[j]
+                cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_small[None, m], 3),
+                          cute.append_ones(b_big[None, n], 3), chunks_mn[j])
+            for j in cutlass.range_constexpr(len(group)):
+                m, n = group[j]
+                cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_big[None, m], 3),
+                          cute.append_ones(b_small[None, n], 3), chunks_mn[j])
+            for j in cutlass.range_constexpr(len(group)):
+                m, n = group[j]
+                cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_big[None, m], 3),
+                          cute.append_ones(b_big[None, n], 3), chunks_mn[j])
+            for j in cutlass.range_constexpr(len(group)):
+                m, n = group[j]
+                acc_mn = acc[None, m, n]
+                for i in cutlass.range_constexpr(cute.size(chunks[j])):
+                    acc_mn[i] = add_rn(acc_mn[i], chunks[j][i])
+
+    @cute.jit
     def _load_a(self, tiled_copy: cute.TiledCopy, tAgA: cute.Tensor, tAsA: cute.Tensor, tAcA: cute.Tensor,
                 tApA: cute.Tensor, k_tile, slot, depth):
         """One A tile into ring slot `slot`: K-major rows predicated on M, or MN-major (K tail)."""
@@ -459,36 +492,16 @@ class GemmTF32x3:
             for kb in cutlass.range_constexpr(0 if interleave_k else k_blocks):
                 # One k-block's fragments at a time: with the chunk sums live, whole-tile
                 # fragments push the 128 x 128 tile past 255 registers.
-                self._load_split_k_block(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, kb,
-                                         a_big, a_small, b_big, b_small)
-                # Per (m16, n8) atom: the k8 chunk's three products, smallest first, into a
-                # zeroed chunk sum (the tensor core's truncating adds see only this chunk), then
-                # one IEEE round-to-nearest add into the running sum. The order is the contract.
-                # Issued pass by pass across a group of atoms: each chunk's three mma are a
-                # dependent chain, and interleaving the group's chains hides the mma latency that
-                # the atom-by-atom order left exposed (ptxas padded it with no-ops). Every value and
-                # its order of accumulation stay the same.
-                for g in cutlass.range_constexpr(len(atom_groups)):
-                    group = atom_groups[g]
-                    for j in cutlass.range_constexpr(len(group)):
-                        chunks[j].fill(0.0)
-                    for j in cutlass.range_constexpr(len(group)):
-                        m, n = group[j]
-                        cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_small[None, m], 3),
-                                  cute.append_ones(b_big[None, n], 3), chunks_mn[j])
-                    for j in cutlass.range_constexpr(len(group)):
-                        m, n = group[j]
-                        cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_big[None, m], 3),
-                                  cute.append_ones(b_small[None, n], 3), chunks_mn[j])
-                    for j in cutlass.range_constexpr(len(group)):
-                        m, n = group[j]
-                        cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_big[None, m], 3),
-                                  cute.append_ones(b_big[None, n], 3), chunks_mn[j])
-                    for j in cutlass.range_constexpr(len(group)):
-                        m, n = group[j]
-                        acc_mn = acc[None, m, n]
-                        for i in cutlass.range_constexpr(cute.size(chunks[j])):
-                            acc_mn[i] = add_rn(acc_mn[i], chunks[j][i])
+                if cutlass.const_expr(self.k_tail):
+                    # A k-block wholly past K = T is zeros in both operands (zero-filled above): its chunk sum
+                    # is +-0, and acc + (+-0) == acc bit for bit (acc starts at +0 and an IEEE sum is -0 only
+                    # when both terms are -0), so it is skipped: at T = 1 three of a k tile's four k-blocks.
+                    if k_tile * cfg.tile_k + kb * K_CHUNK < depth:
+                        self._k_block(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, kb, a_big,
+                                      a_small, b_big, b_small, mma_atom, acc, atom_groups, chunks, chunks_mn)
+                else:
+                    self._k_block(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, kb, a_big,
+                                  a_small, b_big, b_small, mma_atom, acc, atom_groups, chunks, chunks_mn)
 
             write_slot = read_slot
             read_slot = read_slot + 1
