@@ -81,15 +81,17 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     run on one block tile with the warpgroups taking turns: one 192-row tile to T = 192 (0f2dc29: tma_wide_n192
     163.1 us at T = 192 vs tma_mid 217.5), 256-row tiles beyond (9dd67c6: tma_wide_n256 220.4 vs tma_wide
     245.1 us at T = 256, 429.4 vs 477.4 at 512, 1921.8 vs 1957.3 at 2048) except for T in (256, 384], where
-    tma_wide's 128-row tiles pad less (ef9eb22: 363.3 us at T = 384). The 2-CTA clusters sharing the W tile
-    (tma_wide_a_mc2) won and lost by turns between runs (T = 256: 226.0 vs tma_wide 234.1 at ef9eb22, 302.7 vs
-    240.7 at 1a113a8): not picked."""
+    tma_wide's 128-row tiles pad less (ef9eb22: 363.3 us at T = 384). At T = 256 tma_wide was behind once (9dd67c6,
+    above) and ahead in both runs of 45d5512 / 14feb80 (3 rounds each): 237.0 / 230.2 us against tma_wide_n256's
+    244.7 / 242.3; it takes (192, 384]. The 2-CTA clusters sharing the W tile (tma_wide_a_mc2) won and lost by
+    turns between runs (T = 256: 226.0 vs tma_wide 234.1 at ef9eb22, 302.7 vs 240.7 at 1a113a8, 233.8 / 230.4 vs
+    237.0 / 230.2 at 45d5512 / 14feb80): not picked."""
     if wgmma:
         if rows <= 16:
             return "wg_skinny"
         if rows <= 64:
             return "tma_mid"
-        if rows <= 128 or 256 < rows <= 384:
+        if rows <= 128 or 192 < rows <= 384:
             return "tma_wide"
         return "tma_wide_n192" if rows <= 192 else "tma_wide_n256"
     if rows <= 16:
