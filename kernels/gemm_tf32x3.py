@@ -304,22 +304,17 @@ class GemmTF32x3:
         padded it with no-ops). Every value and its order of accumulation stay the same."""
         self._load_split_k_block(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, kb,
                                  a_big, a_small, b_big, b_small)
+        operands = (a_big, a_small, b_big, b_small)
         for g in cutlass.range_constexpr(len(atom_groups)):
             group = atom_groups[g]
             for j in cutlass.range_constexpr(len(group)):
                 chunks[j].fill(0.0)
-            for j in cutlass.range_constexpr(len(group)):
-                m, n = group[j]
-                cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_small[None, m], 3),
-                          cute.append_ones(b_big[None, n], 3), chunks_mn[j])
-            for j in cutlass.range_constexpr(len(group)):
-                m, n = group[j]
-                cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_big[None, m], 3),
-                          cute.append_ones(b_small[None, n], 3), chunks_mn[j])
-            for j in cutlass.range_constexpr(len(group)):
-                m, n = group[j]
-                cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(a_big[None, m], 3),
-                          cute.append_ones(b_big[None, n], 3), chunks_mn[j])
+            for p in cutlass.range_constexpr(len(_PASSES)):
+                a_sel, b_sel = _PASSES[p]
+                for j in cutlass.range_constexpr(len(group)):
+                    m, n = group[j]
+                    cute.gemm(mma_atom, chunks_mn[j], cute.append_ones(operands[a_sel][None, m], 3),
+                              cute.append_ones(operands[b_sel][None, n], 3), chunks_mn[j])
             for j in cutlass.range_constexpr(len(group)):
                 m, n = group[j]
                 acc_mn = acc[None, m, n]
