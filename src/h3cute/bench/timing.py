@@ -61,8 +61,8 @@ def device_timer(device, warmup: int, samples: int) -> Callable[[Callable[[], ob
             times, host_us = [], []
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for i in range(warmup + samples):
+                t0 = time.perf_counter()  # the spin starts once queued: its own launch counts against it
                 torch.cuda._sleep(cycles)
-                t0 = time.perf_counter()
                 start.record()
                 fn()
                 end.record()
