@@ -361,14 +361,15 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
 // and the views its kernels write them through.
 struct MlpGrads {
   MlpGrads(int64_t rows, const at::TensorOptions& options) {
-    Block dx_ = carver.block(rows, kFreq), dw1_ = carver.block(kMlpHidden, kFreq), db1_ = carver.block(1, kMlpHidden),
-          dw2_ = carver.block(kTemb, kMlpHidden), db2_ = carver.block(1, kTemb);
+    // the regions of dx, dw1, db1, dw2, db2, in the op's return order
+    Block gx = carver.block(rows, kFreq), gw1 = carver.block(kMlpHidden, kFreq), gb1 = carver.block(1, kMlpHidden),
+          gw2 = carver.block(kTemb, kMlpHidden), gb2 = carver.block(1, kTemb);
     carver.allocate(options);
-    dx = dx_.tensor();
-    dw1 = dw1_.tensor();
-    db1 = db1_.vector();
-    dw2 = dw2_.tensor();
-    db2 = db2_.vector();
+    dx = gx.tensor();
+    dw1 = gw1.tensor();
+    db1 = gb1.vector();
+    dw2 = gw2.tensor();
+    db2 = gb2.vector();
   }
   // the weight-gradient GEMMs write a (1, N, K) batch
   View dw2_batch() const { return View(dw2, {1, kTemb, kMlpHidden}, {kTemb * kMlpHidden, kMlpHidden, 1}); }
