@@ -164,8 +164,9 @@ def side_by_side(p, inputs: dict, t: int) -> list[str]:
         if name != "h3cute":
             lines += graph(graphed, f"{name}_graph_fwd_bwd")
             continue
-        # Captured twice in a row: the first graph of the process has run a kernel slower than later captures of
-        # the same call; the gradients' addresses (offset in a 2 MiB page) say where each capture's pool put them.
+        # Captured twice in a row: here the harness's graph runs fc1_dgrad ~2x slower than the same call captured
+        # after the cuBLAS replay's graph below (both captures at 14feb80); the gradients' addresses (offset in a
+        # 2 MiB page) say where each capture's pool put them.
         for label in ("h3cute_graph_fwd_bwd", "h3cute_graph_fwd_bwd_captured_again"):
             seen = []
             lines += graph(lambda seen=seen: graphed(seen=seen), label)
