@@ -487,14 +487,11 @@ class GemmTF32x3:
             for kb in cutlass.range_constexpr(0 if interleave_k else k_blocks):
                 # One k-block's fragments at a time: with the chunk sums live, whole-tile
                 # fragments push the 128 x 128 tile past 255 registers.
-                if cutlass.const_expr(self.k_tail):
-                    # A k-block wholly past K = T is zeros in both operands (zero-filled above): its chunk sum
-                    # is +-0, and acc + (+-0) == acc bit for bit (acc starts at +0 and an IEEE sum is -0 only
-                    # when both terms are -0), so it is skipped: at T = 1 three of a k tile's four k-blocks.
-                    if k_tile * cfg.tile_k + kb * K_CHUNK < depth:
-                        self._k_block(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, kb, a_big,
-                                      a_small, b_big, b_small, mma_atom, acc, atom_groups, chunks, chunks_mn)
-                else:
+                # With the K tail, a k-block wholly past K = T is zeros in both operands (zero-filled above): its
+                # chunk sum is +-0, and acc + (+-0) == acc bit for bit (acc starts at +0 and an IEEE sum is -0 only
+                # when both terms are -0), so it is skipped: at T = 1 three of a k tile's four k-blocks.
+                live = (k_tile * cfg.tile_k + kb * K_CHUNK < depth) if cutlass.const_expr(self.k_tail) else True
+                if live:
                     self._k_block(s2r_A, s2r_B, tXsA, tXrA, tXsB, tXrB, tCrA, tCrB, read_slot, kb, a_big,
                                   a_small, b_big, b_small, mma_atom, acc, atom_groups, chunks, chunks_mn)
 
