@@ -284,6 +284,9 @@ def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, refe
                      sizes=None, log=None) -> dict:
     plan = plan.for_problem(problem)
     measure = timing.timer(device, plan.warmup, plan.samples)
+
+    def kernel_us(fn):  # (device time of fn's graph replay, or None and why)
+        return timing.graph_time(fn, device, plan.warmup, plan.samples)
     backward = cand.has_backward and problem.has_backward
     grad_args = problem.row_grads + problem.param_grads
     result = {}
@@ -307,8 +310,7 @@ def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, refe
         entry["fwd_us"] = measure(lambda: cand.fn(*args))
         kernel_notes = {}
         if plan.graphs:
-            entry["fwd_kernel_us"], kernel_notes["fwd"] = timing.graph_time(lambda: cand.fn(*args), device, plan.warmup,
-                                                                                plan.samples)
+            entry["fwd_kernel_us"], kernel_notes["fwd"] = kernel_us(lambda: cand.fn(*args))
         if backward:
             ones = [torch.ones_like(o) for o in _as_list(cand.fn(*args))]
 
@@ -322,7 +324,7 @@ def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, refe
 
                 def graphed():
                     torch.autograd.grad(_as_list(cand.fn(*static_args)), list(static.values()), ones)
-                entry["fwd_bwd_kernel_us"], kernel_notes["fwd_bwd"] = timing.graph_time(graphed, device, plan.warmup, plan.samples)
+                entry["fwd_bwd_kernel_us"], kernel_notes["fwd_bwd"] = kernel_us(graphed)
         notes = {k: v for k, v in kernel_notes.items() if v}
         if notes:
             entry["kernel_us_unavailable"] = notes
