@@ -62,13 +62,15 @@ DGRAD_SPLITS = 12
 # tensor core (4 chained k16 wgmmas) and added to the FP32 accumulator with IEEE adds in ascending block order.
 # A contract constant (bits depend on it), not a config field: every wgmma config's bk is a multiple of it.
 DGRAD_K_BLOCK = 64
-# db sums T rows: fixed row groups (contiguous, ceil(T / G) rows each) keep enough loads in flight
-# at T = 2048; each group's FP32 column sums are folded in group order. Deterministic for each T.
-BIAS_ROW_GROUPS = 32
-# Up to this T the dW kernel also writes db (same group order, same bits as adaln_bias_grad): the
-# separate launch costs more than its work there. Beyond it the launch runs adaln_bias_grad.
+# db = sum_t grad[t] in one order for every T and every dW config: T's rows in DBIAS_ROW_BLOCK-row blocks aligned
+# to its end (block 0 holds the T % 64 first rows, or 64), each block summed in ascending rows from +0 in FP32,
+# the block sums added in block order from +0. The blocks are the bk = 64 dW tiles' k tiles (shifted back by the
+# K tail, `_k_tiles`), so the persistent dW kernel sums each stage as it lands (`_sum_dbias`).
+DBIAS_ROW_BLOCK = 64
+# Up to this T the non-persistent dW kernels write db (one block: `_store_dbias`), the persistent ones at every T;
+# otherwise the launch runs adaln_bias_grad (the same order, so the same bits).
 FUSED_DBIAS_ROWS = 64
-assert FUSED_DBIAS_ROWS <= 2 * BIAS_ROW_GROUPS  # _store_dbias handles groups of one or two rows
+assert FUSED_DBIAS_ROWS <= DBIAS_ROW_BLOCK  # _store_dbias sums one block
 _DBIAS_BATCH = 16
 _MMA_SHAPE = (16, 8, 16)
 _COPY_BITS = 128
@@ -235,7 +237,8 @@ class _WarpMmaGemm:
     mode (`c_n_major` says which): the MMA fragment's own 2-byte stores would scatter every warp store
     over 8 rows (dW and the T = 2048 table are 520 / 396 MB).
     `dbias_rows`: the dW GEMM's bias gradient rides along: when K = T <= FUSED_DBIAS_ROWS, the CTAs of
-    the first N tile also write mBias[m] = bf16(sum_k A[m, k]) (`_store_dbias`); else mBias is untouched.
+    the first N tile also write mBias[m] = bf16(sum_k A[m, k]) (`_store_dbias`); else mBias is untouched
+    (the persistent kernel writes it at every T: `_TmaWgmmaPersistentGemm._sum_dbias`).
     """
 
     n_halves = 1  # the C tile's N halves: 2 only for d_temb on the 256-wide TMA tile (`_TmaWgmmaGemm`)
@@ -361,10 +364,10 @@ class _WarpMmaGemm:
 
     @cute.jit
     def _store_dbias(self, mA: cute.Tensor, mDbias: cute.Tensor, n_tile, m_tile, tidx):
-        """db[m] = bf16(sum_t grad^T[m, t]) by one thread per row m of the first N tile's CTAs, in
-        adaln_bias_grad's order: ascending rows within BIAS_ROW_GROUPS groups of ceil(T / G) rows (1 or
-        2 here), group sums folded in group order, so the same bits. Loads go out a batch at a time before
-        its adds (absent rows read as 0, which leaves every sum unchanged: no sum here is ever -0)."""
+        """db[m] = bf16(sum_t grad^T[m, t]) by one thread per row m of the first N tile's CTAs when T <=
+        FUSED_DBIAS_ROWS: one DBIAS_ROW_BLOCK block, rows ascending from +0 (adaln_bias_grad's bits; the block sum
+        added to +0 changes nothing, as a sum from +0 is never -0). Loads go out a batch at a time before its adds
+        (absent rows read as +0, which leaves the sum unchanged)."""
         rows = cute.size(mA, mode=[1])
         m = m_tile * self.tile.bm + tidx
         if n_tile == 0 and rows <= FUSED_DBIAS_ROWS and tidx < self.tile.bm and m < cute.size(mA, mode=[0]):
@@ -376,13 +379,8 @@ class _WarpMmaGemm:
                     vals[i] = cutlass.Float32(0.0)
                     if b * _DBIAS_BATCH + i < rows:
                         vals[i] = mA[m, b * _DBIAS_BATCH + i].to(cutlass.Float32)
-                if rows <= BIAS_ROW_GROUPS:  # one row per group: groups b * batch + i
-                    if cutlass.const_expr(b * _DBIAS_BATCH < BIAS_ROW_GROUPS):
-                        for i in cutlass.range_constexpr(_DBIAS_BATCH):
-                            acc = acc + (cutlass.Float32(0.0) + vals[i])
-                else:  # two rows per group
-                    for i in cutlass.range_constexpr(_DBIAS_BATCH // 2):
-                        acc = acc + ((cutlass.Float32(0.0) + vals[2 * i]) + vals[2 * i + 1])
+                for i in cutlass.range_constexpr(_DBIAS_BATCH):
+                    acc = acc + vals[i]
             mDbias[m] = acc.to(cutlass.BFloat16)
 
     # ---- shared by the warp-MMA and wgmma kernels: operand tiles, cp.async prologue, output tiles, epilogue
@@ -682,8 +680,8 @@ class _WgmmaGemm(_WarpMmaGemm):
             num_stages=self.tile.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             # Every consumer warp (4 per warpgroup) releases each stage, or (pingpong) those of the one warpgroup that
-            # read it.
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster_size * 4 * t.mma_warpgroups),
+            # read it, and the persistent dW's db warps.
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster_size * self._stage_readers),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, t.cluster_m, t.cluster_n, 1)),
         )
@@ -1075,6 +1073,11 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     def _cta_threads(self) -> int:
         return self.tile.threads + 128 * self._PRODUCER_WARPGROUPS
 
+    @property
+    def _stage_readers(self) -> int:
+        """Warps of one CTA that release each ring stage."""
+        return 4 * self.tile.mma_warpgroups
+
     def _epilogue_barrier(self):
         cute.arch.barrier(barrier_id=self._EPILOGUE_BARRIER_ID, number_of_threads=self.tile.threads)
 
@@ -1329,15 +1332,23 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
     (tile count % 2; stmatrix into the swizzled layout TMA reads) -> one TMA store (`cp.async.bulk.tensor`
     shared -> global) issued by one thread, which waits only before a buffer is reused
     (`cp.async.bulk.wait_group.read 1`: the store of two tiles ago has read it). So the stores of tile i
-    overlap the loads and MMAs of tile i + 1. db (`dbias_rows`): the tiles of the first N tile write it, with
-    `_store_dbias` (the same order and bits)."""
+    overlap the loads and MMAs of tile i + 1. db (`dbias_rows`), at every T: two producer warps read each stage
+    of the first N tile's tiles as it lands and sum its rows (`_sum_dbias`); they release every stage, so the
+    ring waits for them too."""
 
     _C_BUFFERS = 2
+    _DBIAS_WARPS = 2  # producer warps 1 and 2: two rows per thread
 
     def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
         assert tile.persistent_ctas > 0 and tile.cluster_size == 1 and self.c_n_major and self.epilogue == "bf16", (tile, kw)
         assert self.k_splits == 1 and not self.ieee_steps, kw
+        # A stage is one DBIAS_ROW_BLOCK block of T (the K tail's partial block first) and holds 64 rows per db warp.
+        assert not self.dbias_rows or (tile.bk == DBIAS_ROW_BLOCK and tile.bm == 64 * self._DBIAS_WARPS), tile
+
+    @property
+    def _stage_readers(self) -> int:
+        return super()._stage_readers + (self._DBIAS_WARPS if self.dbias_rows else 0)
 
     def _c_layout(self):
         from cutlass.utils import LayoutEnum
@@ -1442,6 +1453,9 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                         ring.producer_commit(produce)
                         produce.advance()
                 ring.producer_tail(produce)
+            elif cutlass.const_expr(self.dbias_rows):
+                if warp_idx <= self._DBIAS_WARPS:
+                    self._sum_dbias(ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx)
         elif cutlass.const_expr(t.pingpong):
             cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
             self._consume_pingpong(tidx - 128 * self._PRODUCER_WARPGROUPS, cta, num_tiles, tiles_n, k_tile_count,
@@ -1496,12 +1510,52 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                 if ctidx == 0:
                     cute.copy(tma_c, tCsC[None, buffer], tCgC[None, m_tile, n_tile])
                     cute.arch.cp_async_bulk_commit_group()
-                if cutlass.const_expr(self.dbias_rows):
-                    self._store_dbias(mA, mBias, n_tile, m_tile, ctidx)
                 buffer = (buffer + 1) % self._C_BUFFERS
             if ctidx == 0:  # shared memory must outlive the last stores' reads
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+
+    @cute.jit
+    def _sum_dbias(self, ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx):
+        """db by producer warps 1 and 2, in the DBIAS_ROW_BLOCK order: they walk the producer's tiles and wait for
+        every stage; in the first N tile's tiles thread j of the 64 sums rows 2j and 2j + 1 of each A stage (grad^T:
+        128 rows x 64 of T, the K tail's zero fill first, which leaves a sum from +0 unchanged) from +0 and adds the
+        block sum to its row's total, then releases the stage; after the tile's last stage it stores db for its two
+        rows. The stage layout (M-major, 128B swizzle) puts the two rows next to each other and splits each
+        (row, k) offset into a per-row part that depends on (k >> 1) % 4, a static part of k % 16 and a stride per
+        16 k (checked here at compile time), so each pair is one 32-bit ld.shared at a per-row base plus a
+        constant."""
+        from cutlass import pipeline
+
+        t = self.tile
+        _check_dbias_offsets(sA_layout, t.bm, t.bk)
+        row = ((warp_idx - 1) * 32 + cute.arch.lane_idx()) * 2
+        row_part = [sA_layout((row, 2 * v, 0)) - sA_layout((0, 2 * v, 0)) for v in range(4)]
+        stage_size = sA_layout((0, 0, 1))
+        base = storage.a.data_ptr()
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        for tile in range(cta, num_tiles, t.persistent_ctas):
+            m_tile = tile // tiles_n
+            n_tile = tile - m_tile * tiles_n
+            total0, total1 = cutlass.Float32(0.0), cutlass.Float32(0.0)
+            for _ in range(k_tile_count):
+                ring.consumer_wait(read)
+                if n_tile == 0:
+                    sum0, sum1 = cutlass.Float32(0.0), cutlass.Float32(0.0)
+                    # 16 k per step (a loop, not unrolled: a whole stage's loads in flight spill the producers' registers).
+                    for k16 in cutlass.range(t.bk // 16, unroll=1):
+                        at16 = read.index * stage_size + k16 * _DBIAS_K16_STRIDE
+                        for k in cutlass.range_constexpr(16):
+                            at = at16 + row_part[(k >> 1) % 4] + sA_layout((0, k, 0))
+                            pair = cute.make_tensor((base + at).align(4), cute.make_layout(2)).load().to(cutlass.Float32)
+                            sum0, sum1 = sum0 + pair[0], sum1 + pair[1]
+                    total0, total1 = total0 + sum0, total1 + sum1
+                ring.consumer_release(read)
+                read.advance()
+            if n_tile == 0:
+                m = m_tile * t.bm + row
+                mBias[m] = total0.to(cutlass.BFloat16)
+                mBias[m + 1] = total1.to(cutlass.BFloat16)
 
     @cute.jit
     def _consume_pingpong(self, ctidx, cta, num_tiles, tiles_n, k_tile_count, ring, tiled_mma, sA, sB, sC, tma_c,
@@ -1570,10 +1624,24 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             if wtidx == 0:
                 cute.copy(tma_c, tCsC[None, wg], tCgC[None, m_tile, n_tile])
                 cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.dbias_rows):
-                self._store_dbias(mA, mBias, n_tile, m_tile, wtidx)
         if wtidx == 0:  # shared memory must outlive the last stores' reads
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+_DBIAS_K16_STRIDE = 1024  # elements between k and k + 16 in the dW A stage (M-major, 128B swizzle)
+
+
+def _check_dbias_offsets(sA_layout, bm: int, bk: int) -> None:
+    """`_sum_dbias`' address split, asserted on the A stage layout at compile time: rows 2j and 2j + 1 adjacent, and
+    offset(r, k) = offset(r, 2 v) - offset(0, 2 v) + offset(0, k % 16) + (k // 16) _DBIAS_K16_STRIDE with
+    v = (k >> 1) % 4."""
+    def at(r, k):
+        return sA_layout((r, k, 0))
+
+    bad = [(r, k) for r in range(bm) for k in range(bk)
+           if at(r, k) != at(r, 2 * ((k >> 1) % 4)) - at(0, 2 * ((k >> 1) % 4)) + at(0, k % 16) + k // 16 * _DBIAS_K16_STRIDE
+           or (r % 2 == 0 and at(r + 1, k) != at(r, k) + 1)]
+    assert not bad, ("the A stage layout breaks _sum_dbias' address split at (row, k)", bad[:4])
+
 
 # ------------------------------------------------------------------------------ the projection
 def _fake(dtype, shape, stride_order=None):
@@ -1772,18 +1840,18 @@ _BIAS_COLS_PER_THREAD = 8  # one 16-byte BF16 vector per row: enough bytes in fl
 @cute.kernel
 def _bias_grad_partial_kernel(grad: cute.Tensor, partial: cute.Tensor):
     tidx, _, _ = cute.arch.thread_idx()
-    bidx, group, _ = cute.arch.block_idx()
+    bidx, block, _ = cute.arch.block_idx()
     col0 = (bidx * _EW_THREADS + tidx) * _BIAS_COLS_PER_THREAD
     if col0 < cute.size(partial, mode=[1]):
+        # Block b of nb holds rows [T - 64 (nb - b), T - 64 (nb - 1 - b)), block 0 cut at row 0.
         rows = cute.size(grad, mode=[0])
-        chunk = (rows + BIAS_ROW_GROUPS - 1) // BIAS_ROW_GROUPS
-        first = group * chunk
-        last = cutlass.min(first + chunk, rows)
+        last = rows - DBIAS_ROW_BLOCK * (cute.size(partial, mode=[0]) - 1 - block)
+        first = cutlass.max(last - DBIAS_ROW_BLOCK, 0)
         acc = cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
         acc.fill(0.0)
         for r in cutlass.range(first, last, 1, unroll=4):  # ascending rows, one FP32 sum per column
             acc.store(acc.load() + vec_view(grad, cutlass.Int64(r) * grad.stride[0] + col0).load().to(cutlass.Float32))
-        vec_view(partial, cutlass.Int64(group) * partial.stride[0] + col0).store(acc.load())
+        vec_view(partial, cutlass.Int64(block) * partial.stride[0] + col0).store(acc.load())
 
 
 @cute.kernel
@@ -1793,9 +1861,14 @@ def _bias_grad_fold_kernel(partial: cute.Tensor, dbias: cute.Tensor):
     col = bidx * _EW_THREADS + tidx
     if col < cute.size(dbias):
         acc = cutlass.Float32(0.0)
-        for g in cutlass.range_constexpr(BIAS_ROW_GROUPS):  # group order
-            acc = acc + partial[g, col]
+        for b in range(cute.size(partial, mode=[0])):  # block order
+            acc = acc + partial[b, col]
         dbias[col] = acc.to(cutlass.BFloat16)
+
+
+def dbias_blocks(rows: int) -> int:
+    """adaln_bias_grad's partial rows for T rows: one per DBIAS_ROW_BLOCK block."""
+    return -(-rows // DBIAS_ROW_BLOCK)
 
 
 def _build_bias_grad(arch: str, *, out_features: int):
@@ -1803,18 +1876,19 @@ def _build_bias_grad(arch: str, *, out_features: int):
 
     @cute.jit
     def adaln_bias_grad(grad: cute.Tensor, partial: cute.Tensor, dbias: cute.Tensor, stream):
-        """dbias = bf16(sum_t grad[t]): FP32 row-group sums (partial), folded in group order."""
-        grid = (cute.ceil_div(out_features, _EW_THREADS * _BIAS_COLS_PER_THREAD), BIAS_ROW_GROUPS, 1)
+        """dbias = bf16(sum_t grad[t]) in the DBIAS_ROW_BLOCK order: FP32 block sums (partial, `dbias_blocks(T)`
+        rows), folded in block order."""
+        grid = (cute.ceil_div(out_features, _EW_THREADS * _BIAS_COLS_PER_THREAD), cute.size(partial, mode=[0]), 1)
         _bias_grad_partial_kernel(grad, partial).launch(grid=grid, block=[_EW_THREADS, 1, 1], stream=stream)
         fold_grid = (cute.ceil_div(out_features, _EW_THREADS), 1, 1)
         _bias_grad_fold_kernel(partial, dbias).launch(grid=fold_grid, block=[_EW_THREADS, 1, 1], stream=stream)
 
-    rows = cute.sym_int()
+    rows, blocks = cute.sym_int(), cute.sym_int()
     return compile_for(
         arch,
         adaln_bias_grad,
         _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
-        _fake(cutlass.Float32, (BIAS_ROW_GROUPS, out_features), (1, 0)),
+        _fake(cutlass.Float32, (blocks, out_features), (1, 0)),
         _fake(cutlass.BFloat16, (out_features,)),
         env_stream(),
     )

@@ -77,9 +77,9 @@ def _steps(rows: int, family: str, buf: dict, dev):
         steps.append(("bwd", "proj_wgrad", c, "step" if c == chosen_wgrad else "alt", rows * (N + D) * BF16 + w_bytes,
                       gemm_flops, _kernel("adaln_proj_wgrad" + sfx, dev, out_features=N, config=c, **wgrad_static),
                       (grad, act, dw, db)))
-    # Up to FUSED_DBIAS_ROWS the dW kernel writes db: the standalone kernel is then only for comparison.
-    bias_kind = "step" if rows > L.FUSED_DBIAS_ROWS else "alt"
-    steps.append(("bwd", "bias_grad", "", bias_kind, rows * N * BF16 + 2 * L.BIAS_ROW_GROUPS * N * F32 + N * BF16, 0,
+    # Where the chosen dW kernel writes db the standalone kernel is only for comparison.
+    bias_kind = "alt" if L.wgrad_writes_dbias(chosen_wgrad, rows) else "step"
+    steps.append(("bwd", "bias_grad", "", bias_kind, rows * N * BF16 + 2 * L.dbias_blocks(rows) * N * F32 + N * BF16, 0,
                   _kernel("adaln_bias_grad", dev, out_features=N), (grad, bias_partial, db)))
     return steps
 
@@ -130,7 +130,7 @@ def _buffers(rows: int, dev):
         "partial": torch.empty(L.DGRAD_SPLITS, rows, D, device=dev),
         "dtemb": torch.empty(rows, D, device=dev),
         "dw": torch.empty(N, D, dtype=torch.bfloat16, device=dev),
-        "bias_partial": torch.empty(L.BIAS_ROW_GROUPS, N, device=dev),
+        "bias_partial": torch.empty(L.dbias_blocks(rows), N, device=dev),
         "db": torch.empty(N, dtype=torch.bfloat16, device=dev),
     }
 

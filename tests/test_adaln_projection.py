@@ -136,8 +136,9 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert len(set(family)) == len(family) and not set(family) & set(launch.CONFIGS + launch.WGRAD_CONFIGS)
     assert launch.SM90_FAMILY in ("warp", "wgmma")
     assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS
-    assert k.BIAS_ROW_GROUPS == launch.BIAS_ROW_GROUPS
-    assert k.FUSED_DBIAS_ROWS == launch.FUSED_DBIAS_ROWS
+    assert k.DBIAS_ROW_BLOCK == launch.DBIAS_ROW_BLOCK and k.FUSED_DBIAS_ROWS == launch.FUSED_DBIAS_ROWS
+    assert launch.PERSISTENT_WGRAD_CONFIGS == tuple(c for c, tile in k.TMA_WGRAD_CONFIGS.items() if tile.persistent_ctas)
+    assert all(launch.dbias_blocks(t) == k.dbias_blocks(t) == -(-t // 64) for t in (1, 63, 64, 65, 2048, 2049))
     assert k.TEMB_WIDTH == launch.TEMB_WIDTH == D
     assert launch.BLOCK_PROJECTION == validate.PROJECTION == N_BLOCK and N_BLOCK in k.OUT_FEATURES
     for n in k.OUT_FEATURES:
@@ -351,6 +352,8 @@ class _KernelEmulator:
 
     def __call__(self, name, device, **static):
         self.calls.append((name, static))
+        if name.startswith("adaln_proj_wgrad"):
+            self.last_config = static["config"]  # whether the dW kernel writes db depends on it
         return getattr(self, name[len("adaln_"):].removesuffix("_wgmma"))
 
     @staticmethod
@@ -391,11 +394,11 @@ class _KernelEmulator:
         self._check(dweight, torch.bfloat16, (grad.shape[1], D))
         self._check(dbias, torch.bfloat16, (grad.shape[1],))
         dweight.copy_((grad.double().t() @ act.double()).to(torch.bfloat16))
-        if grad.shape[0] <= launch.FUSED_DBIAS_ROWS:  # else dbias is left to adaln_bias_grad
+        if launch.wgrad_writes_dbias(self.last_config, grad.shape[0]):  # else dbias is left to adaln_bias_grad
             dbias.copy_(grad.double().sum(0).to(torch.bfloat16))
 
     def bias_grad(self, grad, partial, dbias):
-        self._check(partial, torch.float32, (launch.BIAS_ROW_GROUPS, grad.shape[1]))
+        self._check(partial, torch.float32, (launch.dbias_blocks(grad.shape[0]), grad.shape[1]))
         self._check(dbias, torch.bfloat16, (grad.shape[1],))
         dbias.copy_(grad.double().sum(0).to(torch.bfloat16))
 
@@ -429,9 +432,11 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     wgrad_call = dict(out_features=n, **wgrad_static, config=launch.wgrad_config_for_rows(rows, wgmma))
     assert ("adaln_proj_wgrad" + sfx, wgrad_call) in emu.calls
     assert ("adaln_proj_dgrad" + sfx, dict(out_features=n, config=launch.dgrad_config_for_rows(rows, wgmma))) in emu.calls
-    # The backward's act comes from dtemb_fold (no silu_cast); db from the dW kernel up to FUSED_DBIAS_ROWS.
+    # The backward's act comes from dtemb_fold (no silu_cast); db from the dW kernel where it writes it: the
+    # persistent dW of the wgmma family at every T, the warp family's dW up to FUSED_DBIAS_ROWS.
     assert not any(name == "adaln_silu_cast" for name, _ in emu.calls)
-    assert any(name == "adaln_bias_grad" for name, _ in emu.calls) == (rows > launch.FUSED_DBIAS_ROWS)
+    assert launch.wgrad_writes_dbias(wgrad_call["config"], rows) == (wgmma or rows <= launch.FUSED_DBIAS_ROWS)
+    assert any(name == "adaln_bias_grad" for name, _ in emu.calls) == (not wgmma and rows > launch.FUSED_DBIAS_ROWS)
     want = _fp64_grads_cpu(grad, temb, w)
     for a, ref, tol in zip(got, want, (1e-6, 4e-3, 4e-3)):
         assert _close(a, ref.to(a.dtype), tol)
@@ -597,23 +602,40 @@ def _wgrad_kernels(family):
 
 
 def _bias_grad_kernel(grad):
-    """db from the standalone adaln_bias_grad kernel (the order the fused db must reproduce)."""
+    """db from the standalone adaln_bias_grad kernel (the order the dW kernels' db must reproduce), checked bit for
+    bit against that order written out in torch FP32 adds (`_dbias_in_block_order`) and against FP64."""
     from h3cute import runtime
 
     rows, n = grad.shape
     db = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=grad.device)
-    partial = torch.full((launch.BIAS_ROW_GROUPS, n), float("nan"), device=grad.device)
+    partial = torch.full((launch.dbias_blocks(rows), n), float("nan"), device=grad.device)
     runtime.kernel("adaln_bias_grad", grad.device, out_features=n)(grad, partial, db)
+    assert_same_bits(db, _dbias_in_block_order(grad), f"adaln_bias_grad vs the block order, T={rows}")
+    assert _rel_err(db, grad.double().sum(0)) <= BF16_ERR_CEILING
     return db
+
+
+def _dbias_in_block_order(grad):
+    """db's contract in plain FP32 adds (IEEE, round to nearest, one per element): T's rows in DBIAS_ROW_BLOCK blocks
+    aligned to its end (block 0 partial), each summed in ascending rows from +0, the block sums added in order."""
+    rows = grad.shape[0]
+    total = torch.zeros(grad.shape[1], device=grad.device)
+    for b in range(launch.dbias_blocks(rows)):
+        last = rows - launch.DBIAS_ROW_BLOCK * (launch.dbias_blocks(rows) - 1 - b)
+        block = torch.zeros_like(total)
+        for r in range(max(last - launch.DBIAS_ROW_BLOCK, 0), last):
+            block = block + grad[r].float()
+        total = total + block
+    return total.to(torch.bfloat16)
 
 
 @gpu
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("rows", [1, 5, 31, 32, 33, 63, 64, 65, 100, 256, 300, 2048])
 def test_wgrad_tiles_give_identical_bits(family, rows):
-    """A family's dW tiles run the same k16 sequence: identical bits, every element written. Up to
-    FUSED_DBIAS_ROWS they also write db with adaln_bias_grad's bits (odd T: a half-filled last row
-    group); beyond it they leave db alone."""
+    """A family's dW tiles run the same k16 sequence: identical bits, every element written. Where they write db
+    (`wgrad_writes_dbias`: the persistent kernels at every T, the others up to FUSED_DBIAS_ROWS) it has
+    adaln_bias_grad's bits (T % 64 != 0: a partial first block); elsewhere they leave db alone."""
     kernels = _wgrad_kernels(family)
     w, _ = _params(N_FINAL, seed=rows)
     act = launch.silu_bf16(_temb(rows, 3 * rows))
@@ -630,7 +652,7 @@ def test_wgrad_tiles_give_identical_bits(family, rows):
     standalone = _bias_grad_kernel(grad)
     for c, dw in dws.items():
         assert_same_bits(dw, dws[first], f"dW tile {c} vs {first}, T={rows}")
-        if rows <= launch.FUSED_DBIAS_ROWS:
+        if launch.wgrad_writes_dbias(c, rows):
             assert torch.equal(dbs[c].view(torch.int16), standalone.view(torch.int16)), f"fused db {c}, T={rows}"
         else:
             assert dbs[c].isnan().all(), f"dW tile {c} wrote db at T={rows}"
@@ -638,8 +660,9 @@ def test_wgrad_tiles_give_identical_bits(family, rows):
 
 def _assert_wgrad_tiles_match_wg_wgrad_on_block_table(rows, seed, configs):
     """dW (and db) of each wgmma dW config on N = 96768: NaN-poisoned outputs with NaN guards behind them, every
-    element written, nothing past the end, db written exactly up to FUSED_DBIAS_ROWS (an all -0.0 grad column
-    included), the bits of wg_wgrad, each config run twice; fresh inputs per T and seed."""
+    element written, nothing past the end, db written exactly where `wgrad_writes_dbias` says, with
+    adaln_bias_grad's bits (an all -0.0 grad column included), dW with the bits of wg_wgrad, each config run twice;
+    fresh inputs per T and seed."""
     from h3cute import runtime
 
     _family_configs("wgmma")
@@ -654,27 +677,29 @@ def _assert_wgrad_tiles_match_wg_wgrad_on_block_table(rows, seed, configs):
         db = torch.full((N_BLOCK + pad,), nan, dtype=torch.bfloat16, device=dev)
         fn(grad, act, dw[:-pad].view(N_BLOCK, D), db[:-pad])
         assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), (config, rows)
-        fused = rows <= launch.FUSED_DBIAS_ROWS
+        fused = launch.wgrad_writes_dbias(config, rows)
         assert (not db[:-pad].isnan().any() if fused else db[:-pad].isnan().all()) and db[-pad:].isnan().all()
         return dw[:-pad].view(N_BLOCK, D), db[:-pad]
 
-    ref_dw, ref_db = run("wg_wgrad")
+    ref_dw, _ = run("wg_wgrad")
+    ref_db = _bias_grad_kernel(grad)
     assert _rel_err(ref_dw, grad.double().t() @ act.double()) <= BF16_ERR_CEILING
     assert configs
     for config in configs:
         for _ in range(2):
             dw, db = run(config)
             assert_same_bits(dw, ref_dw, f"dW {config} vs wg_wgrad, T={rows}")
-            if rows <= launch.FUSED_DBIAS_ROWS:
-                assert_same_bits(db, ref_db, f"db {config} vs wg_wgrad, T={rows}")
+            if launch.wgrad_writes_dbias(config, rows):
+                assert_same_bits(db, ref_db, f"db {config} vs adaln_bias_grad, T={rows}")
 
 
 @gpu
-@pytest.mark.parametrize("rows", [1, 33, 64, 65, 256])
+@pytest.mark.parametrize("rows", [1, 33, 64, 65, 256, 300])
 def test_persistent_wgrad_on_the_block_table(rows):
     """The persistent dW kernels on N = 96768 (15876 / 31752 output tiles over the fixed 132-CTA grid, the last
     round partial): NaN-poisoned dW and db with NaN guards behind them, every element written, nothing past
-    the end, the bits of the cp.async wgmma kernel (wg_wgrad), db fused up to FUSED_DBIAS_ROWS; run twice."""
+    the end, dW with the bits of the cp.async wgmma kernel (wg_wgrad), db (summed by the producer's db warps at
+    every T) with adaln_bias_grad's; run twice."""
     _assert_wgrad_tiles_match_wg_wgrad_on_block_table(
         rows, 60, [c for c in launch.TMA_WGRAD_CONFIGS if "persist" in c])
 
@@ -849,7 +874,7 @@ def test_poisoned_outputs_are_fully_written(family, rows):
     for c, dw in dws.items():
         assert_same_bits(dw, dws[first], f"dW {c} vs {first}, T={rows}")
     db = torch.full((N_FINAL + pad,), nan16, dtype=torch.bfloat16, device=dev)
-    bias_partial = torch.full((launch.BIAS_ROW_GROUPS, N_FINAL), nan16, device=dev)
+    bias_partial = torch.full((launch.dbias_blocks(rows), N_FINAL), nan16, device=dev)
     runtime.kernel("adaln_bias_grad", dev, out_features=N_FINAL)(grad, bias_partial, db[:-pad])
     assert not db[:-pad].isnan().any() and db[-pad:].isnan().all()
 
@@ -859,7 +884,7 @@ def test_poisoned_outputs_are_fully_written(family, rows):
 def test_tma_poisoned_outputs_are_fully_written(rows):
     """The TMA mainloop's kernels on NaN-filled outputs with NaN guards behind them: every element written
     (TMA's zero fill stands in for the predicates), nothing past the end, and the bits of the cp.async
-    wgmma kernels (wg_mid; dW: wg_wgrad, db fused up to FUSED_DBIAS_ROWS)."""
+    wgmma kernels (wg_mid; dW: wg_wgrad; db where `wgrad_writes_dbias`: adaln_bias_grad's)."""
     from h3cute import runtime
 
     _family_configs("wgmma")
@@ -891,13 +916,14 @@ def test_tma_poisoned_outputs_are_fully_written(rows):
         db = torch.full((N_FINAL + pad,), nan, dtype=torch.bfloat16, device=dev)
         kernels[c](grad, act, dw[:-pad].view(N_FINAL, D), db[:-pad])
         assert not dw[:-pad].isnan().any() and dw[-pad:].isnan().all(), (c, rows)
-        fused = rows <= launch.FUSED_DBIAS_ROWS
+        fused = launch.wgrad_writes_dbias(c, rows)
         assert (not db[:-pad].isnan().any() if fused else db[:-pad].isnan().all()) and db[-pad:].isnan().all(), c
         results[c] = dw, db
+    ref_db = _bias_grad_kernel(grad)
     for c, (dw, db) in results.items():
         assert_same_bits(dw, results["wg_wgrad"][0], f"dW {c} vs wg_wgrad, T={rows}")
-        if rows <= launch.FUSED_DBIAS_ROWS:
-            assert_same_bits(db, results["wg_wgrad"][1], f"db {c} vs wg_wgrad, T={rows}")
+        if launch.wgrad_writes_dbias(c, rows):
+            assert_same_bits(db, ref_db, f"db {c} vs adaln_bias_grad, T={rows}")
 
 
 @gpu

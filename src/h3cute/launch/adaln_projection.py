@@ -5,10 +5,10 @@ Kernels (kernels/adaln_gemm.py): `adaln_silu_cast` makes the GEMM operand a = bf
 The backward: `adaln_proj_dgrad` (grad @ W as `DGRAD_SPLITS` fixed-chunk FP32 partials) +
 `adaln_dtemb_fold` (sum in split order, times silu'(temb), FP32: the BF16 cast passes the gradient
 through unrounded; it also recomputes a, with silu_cast's bits, for the next kernel);
-`adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out; for T <= `FUSED_DBIAS_ROWS` also db);
-`adaln_bias_grad` for larger T (db = sum_t grad: FP32 sums over fixed row groups, folded in group
-order, BF16 out; the fused db uses the same order, so the same bits). No atomics: every result is
-bitwise repeatable.
+`adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out; also db where `wgrad_writes_dbias`: the persistent
+dW kernels at every T, the others for T <= `FUSED_DBIAS_ROWS`); `adaln_bias_grad` otherwise (db = sum_t
+grad: FP32 sums of `DBIAS_ROW_BLOCK`-row blocks, folded in block order, BF16 out; the dW kernels use the
+same order, so the same bits). No atomics: every result is bitwise repeatable.
 
 The tile config is picked from T (`config_for_rows`) purely for speed: every config runs the same
 k16 MMA sequence per output element, so the bits do not depend on it (tests check this). Used with
@@ -28,8 +28,8 @@ from h3cute import runtime
 TEMB_WIDTH = 2688
 BLOCK_PROJECTION = 96768  # this op's out_features, h3cute.ops.validate.PROJECTION (a CPU test checks)
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
-BIAS_ROW_GROUPS = 32  # kernels/adaln_gemm.BIAS_ROW_GROUPS
-FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T the dW kernel writes db
+DBIAS_ROW_BLOCK = 64  # kernels/adaln_gemm.DBIAS_ROW_BLOCK: db sums T in blocks of this many rows
+FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T every dW kernel writes db
 # Names of kernels/adaln_gemm.CONFIGS and .WGMMA_CONFIGS (a CPU test checks they agree).
 CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")
 WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
@@ -48,6 +48,8 @@ WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg", "wg_wgrad
 # The persistent dW kernel (TMA stores from double-buffered C tiles) is in the same tuple: same bits.
 TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_mc2", "tma_wgrad_persist", "tma_wgrad_persist_n64",
                      "tma_wgrad_persist_pingpong")
+# The persistent ones (kernels/adaln_gemm: `persistent_ctas` > 0) write db at every T (a CPU test checks).
+PERSISTENT_WGRAD_CONFIGS = ("tma_wgrad_persist", "tma_wgrad_persist_n64", "tma_wgrad_persist_pingpong")
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
 # and was as fast or faster at every T measured (1, 4, 64, 256, 2048); sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
@@ -116,6 +118,18 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
+def wgrad_writes_dbias(config: str, rows: int) -> bool:
+    """Whether the dW GEMM of `config` writes db at T rows (else `adaln_bias_grad` runs after it; the same bits):
+    the persistent kernels sum each stage of db's tiles as it lands, at every T; the others re-read grad for it
+    after their main loop, worth it only while T is small."""
+    return config in PERSISTENT_WGRAD_CONFIGS or rows <= FUSED_DBIAS_ROWS
+
+
+def dbias_blocks(rows: int) -> int:
+    """`adaln_bias_grad`'s partial rows for T rows: one per DBIAS_ROW_BLOCK block (kernels/adaln_gemm)."""
+    return -(-rows // DBIAS_ROW_BLOCK)
+
+
 def _uses_wgmma(device, config: str | None) -> bool:
     if config is not None:
         return config in WGMMA_CONFIGS or config in TMA_CONFIGS
@@ -123,7 +137,7 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 
 # Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 192,
-# 256, 384), the d_temb config (the same), the dW tile and the fused db (64).
+# 256, 384), the d_temb config (the same), the dW tile and whether it writes db (64).
 T_BOUNDS = (16, 64, 128, 192, 256, 384, runtime.MAX_ROWS)
 
 
@@ -131,14 +145,15 @@ def _choices(device, rows: int, backward: bool) -> tuple:
     wgmma = _uses_wgmma(device, None)
     if not backward:
         return wgmma, config_for_rows(rows, wgmma)
-    return wgmma, dgrad_config_for_rows(rows, wgmma), wgrad_config_for_rows(rows, wgmma), rows > FUSED_DBIAS_ROWS
+    wgrad = wgrad_config_for_rows(rows, wgmma)
+    return wgmma, dgrad_config_for_rows(rows, wgmma), wgrad, not wgrad_writes_dbias(wgrad, rows)
 
 
 def kernel_handles(device: int, backward: int, num_rows: int):
     """For the C++ impls (h3cute.native), N = 96768: the T range sharing every launch choice and the C handles
     of `forward`'s kernels (`adaln_silu_cast`, the projection GEMM) or `backward`'s (the d_temb GEMM,
-    `adaln_dtemb_fold`, the dW GEMM, then `adaln_bias_grad` where db is not fused into the dW GEMM) with
-    one launch constant: db's row-group count, 0 when the dW GEMM writes db."""
+    `adaln_dtemb_fold`, the dW GEMM, then `adaln_bias_grad` where the dW GEMM does not write db) with
+    one launch constant: db's row block (DBIAS_ROW_BLOCK) where adaln_bias_grad runs, 0 where the dW GEMM writes db."""
     dev = torch.device("cuda", device)
     lo, hi = runtime.row_range(T_BOUNDS, num_rows)
     choices = _choices(dev, num_rows, bool(backward))
@@ -157,7 +172,7 @@ def kernel_handles(device: int, backward: int, num_rows: int):
            else runtime.kernel("adaln_proj_wgrad", dev, out_features=n, config=wgrad)]
     if unfused_dbias:
         fns.append(runtime.kernel("adaln_bias_grad", dev, out_features=n))
-    return lo, hi, [fn.__chandle__() for fn in fns], [BIAS_ROW_GROUPS if unfused_dbias else 0]
+    return lo, hi, [fn.__chandle__() for fn in fns], [DBIAS_ROW_BLOCK if unfused_dbias else 0]
 
 
 def dense16(t: torch.Tensor) -> torch.Tensor:
@@ -216,7 +231,7 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
         wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features, config=wgrad_config)
     dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
     wgrad(grad, act, dweight, dbias)
-    if rows > FUSED_DBIAS_ROWS:
-        bias_partial = torch.empty((BIAS_ROW_GROUPS, out_features), dtype=torch.float32, device=device)
+    if not wgrad_writes_dbias(wgrad_config, rows):
+        bias_partial = torch.empty((dbias_blocks(rows), out_features), dtype=torch.float32, device=device)
         runtime.kernel("adaln_bias_grad", device, out_features=out_features)(grad, bias_partial, dbias)
     return dtemb, dweight, dbias

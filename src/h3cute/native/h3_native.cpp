@@ -473,10 +473,10 @@ void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, co
 }
 
 // d_temb through kDgradSplits FP32 partials and their in-order fold (which also recomputes bf16(silu(temb))),
-// then dW = grad^T act; the dW GEMM writes db for T <= FUSED_DBIAS_ROWS (bias_groups = 0), beyond it
-// adaln_bias_grad does over bias_groups row groups (Python decides: kernel_handles' launch constant).
-// fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM, adaln_bias_grad (read only when bias_groups > 0)].
-std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, int64_t bias_groups,
+// then dW = grad^T act; the dW GEMM writes db (bias_block = 0) or adaln_bias_grad does, from one FP32 partial per
+// bias_block rows of T (Python decides: kernel_handles' launch constant).
+// fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM, adaln_bias_grad (read only when bias_block > 0)].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, int64_t bias_block,
                                                                    const at::Tensor& grad, const at::Tensor& temb,
                                                                    const at::Tensor& weight) {
   const int64_t timesteps = temb.size(0), n = weight.size(0);
@@ -487,8 +487,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIO
   call_kernel(fn[0], {grad, weight, partial});
   call_kernel(fn[1], {partial, temb, dtemb, act});
   call_kernel(fn[2], {grad, act, dweight, dbias});
-  if (bias_groups > 0) {
-    at::Tensor bias_partial = at::empty({bias_groups, n}, f32);
+  if (bias_block > 0) {
+    at::Tensor bias_partial = at::empty({(timesteps + bias_block - 1) / bias_block, n}, f32);
     call_kernel(fn[3], {grad, bias_partial, dbias});
   }
   return {dtemb, dweight, dbias};
@@ -729,7 +729,7 @@ at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor
 // ---- adaln_projection (h3cute/launch/adaln_projection.py, N = 96768) ------------------------------------
 
 constexpr int64_t kBlockProjection = 3 * kBlockTable;  // h3cute.ops.validate.PROJECTION: 3 modalities x 6 chunks
-// variant 0: [silu_cast, proj_fwd]; 1: [proj_dgrad, dtemb_fold, proj_wgrad(, bias_grad)], [db row groups, 0: fused]
+// variant 0: [silu_cast, proj_fwd]; 1: [proj_dgrad, dtemb_fold, proj_wgrad(, bias_grad)], [db row block, 0: fused]
 KernelTable projection_kernels("h3cute.launch.adaln_projection");
 
 bool projection_fast(const at::Tensor& temb, const at::Tensor& weight, int d) {
