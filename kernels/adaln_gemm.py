@@ -1522,16 +1522,15 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         128 rows x 64 of T, the K tail's zero fill first, which leaves a sum from +0 unchanged) from +0 and adds the
         block sum to its row's total, then releases the stage; after the tile's last stage it stores db for its two
         rows. The stage layout (M-major, 128B swizzle) puts the two rows next to each other and splits each
-        (row, k) offset into a per-row part that depends on (k >> 1) % 4, a static part of k % 16 and a stride per
-        16 k (checked here at compile time), so each pair is one 32-bit ld.shared at a per-row base plus a
-        constant."""
+        (row, k) offset into a per-row part that depends on k % 8, a static part of k % 16 and a stride per 16 k
+        (checked here at compile time), so each pair is one 32-bit ld.shared at a per-row base plus a constant."""
         from cutlass import pipeline
 
         t = self.tile
         _check_dbias_offsets(sA_layout, t.bm, t.bk)
         row = ((warp_idx - 1) * 32 + cute.arch.lane_idx()) * 2
-        row_part = [sA_layout((row, 2 * v, 0)) - sA_layout((0, 2 * v, 0)) for v in range(4)]
-        stage_size = sA_layout((0, 0, 1))
+        row_part = [_smem_offset(sA_layout, (row, k, 0)) - _smem_offset(sA_layout, (0, k, 0)) for k in range(8)]
+        stage_size = cute.cosize(sA_layout.outer) // t.stages
         base = storage.a.data_ptr()
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         for tile in range(cta, num_tiles, t.persistent_ctas):
@@ -1544,10 +1543,11 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                     sum0, sum1 = cutlass.Float32(0.0), cutlass.Float32(0.0)
                     # 16 k per step (a loop, not unrolled: a whole stage's loads in flight spill the producers' registers).
                     for k16 in cutlass.range(t.bk // 16, unroll=1):
-                        at16 = read.index * stage_size + k16 * _DBIAS_K16_STRIDE
+                        at16 = base + (read.index * stage_size + k16 * _DBIAS_K16_STRIDE)
+                        rows_at = [(at16 + part).align(4) for part in row_part]  # pairs: 4-byte aligned
                         for k in cutlass.range_constexpr(16):
-                            at = at16 + row_part[(k >> 1) % 4] + sA_layout((0, k, 0))
-                            pair = cute.make_tensor((base + at).align(4), cute.make_layout(2)).load().to(cutlass.Float32)
+                            at = rows_at[k % 8] + _smem_offset(sA_layout, (0, k, 0))
+                            pair = cute.make_tensor(at, cute.make_layout(2)).load().to(cutlass.Float32)
                             sum0, sum1 = sum0 + pair[0], sum1 + pair[1]
                     total0, total1 = total0 + sum0, total1 + sum1
                 ring.consumer_release(read)
@@ -1630,15 +1630,25 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
 _DBIAS_K16_STRIDE = 1024  # elements between k and k + 16 in the dW A stage (M-major, 128B swizzle)
 
 
+def _smem_offset(layout, coord, elem_bytes: int = 2):
+    """The element offset of `coord` in a swizzled shared-memory layout (`ComposedLayout`: swizzle o outer) as the
+    swizzled pointer places it: CuTe applies the swizzle to the byte address (the stage ring starts 1024-aligned,
+    so to the byte offset), not to the element offset."""
+    assert elem_bytes == 2
+    sw = layout.inner
+    b = layout.outer(coord) * elem_bytes
+    yy = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
+    return (b ^ ((b & yy) >> sw.num_shift)) >> 1
+
+
 def _check_dbias_offsets(sA_layout, bm: int, bk: int) -> None:
     """`_sum_dbias`' address split, asserted on the A stage layout at compile time: rows 2j and 2j + 1 adjacent, and
-    offset(r, k) = offset(r, 2 v) - offset(0, 2 v) + offset(0, k % 16) + (k // 16) _DBIAS_K16_STRIDE with
-    v = (k >> 1) % 4."""
+    offset(r, k) = offset(r, k % 8) - offset(0, k % 8) + offset(0, k % 16) + (k // 16) _DBIAS_K16_STRIDE."""
     def at(r, k):
-        return sA_layout((r, k, 0))
+        return _smem_offset(sA_layout, (r, k, 0))
 
     bad = [(r, k) for r in range(bm) for k in range(bk)
-           if at(r, k) != at(r, 2 * ((k >> 1) % 4)) - at(0, 2 * ((k >> 1) % 4)) + at(0, k % 16) + k // 16 * _DBIAS_K16_STRIDE
+           if at(r, k) != at(r, k % 8) - at(0, k % 8) + at(0, k % 16) + k // 16 * _DBIAS_K16_STRIDE
            or (r % 2 == 0 and at(r + 1, k) != at(r, k) + 1)]
     assert not bad, ("the A stage layout breaks _sum_dbias' address split at (row, k)", bad[:4])
 

@@ -923,7 +923,7 @@ def test_tma_poisoned_outputs_are_fully_written(rows):
     for c, (dw, db) in results.items():
         assert_same_bits(dw, results["wg_wgrad"][0], f"dW {c} vs wg_wgrad, T={rows}")
         if launch.wgrad_writes_dbias(c, rows):
-            assert_same_bits(db, ref_db, f"db {c} vs adaln_bias_grad, T={rows}")
+            assert_same_bits(db[:-pad], ref_db, f"db {c} vs adaln_bias_grad, T={rows}")
 
 
 @gpu
