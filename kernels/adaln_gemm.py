@@ -63,15 +63,17 @@ DGRAD_SPLITS = 12
 # A contract constant (bits depend on it), not a config field: every wgmma config's bk is a multiple of it.
 DGRAD_K_BLOCK = 64
 # db = sum_t grad[t] in one order for every T and every dW config: T's rows in DBIAS_ROW_BLOCK-row blocks aligned
-# to its end (block 0 holds the T % 64 first rows, or 64), each block summed in ascending rows from +0 in FP32,
-# the block sums added in block order from +0. The blocks are the bk = 64 dW tiles' k tiles (shifted back by the
-# K tail, `_k_tiles`), so the persistent dW kernel sums each stage as it lands (`_sum_dbias`).
+# to its end (block 0 holds the first T % 64 rows, or 64); in a block, four chains of DBIAS_CHAIN_ROWS rows (chain c:
+# the block's rows 16c .. 16c + 15, cut at row 0), each summed in ascending rows from +0 in FP32, added
+# ((c0 + c1) + c2) + c3; the block sums added in block order from +0. The blocks are the bk = 64 dW tiles' k tiles
+# (shifted back by the K tail, `_k_tiles`), so the persistent dW kernel sums each stage as it lands (`_sum_dbias`);
+# four short chains keep its adds from waiting on each other.
 DBIAS_ROW_BLOCK = 64
+DBIAS_CHAIN_ROWS = 16
 # Up to this T the non-persistent dW kernels write db (one block: `_store_dbias`), the persistent ones at every T;
 # otherwise the launch runs adaln_bias_grad (the same order, so the same bits).
 FUSED_DBIAS_ROWS = 64
 assert FUSED_DBIAS_ROWS <= DBIAS_ROW_BLOCK  # _store_dbias sums one block
-_DBIAS_BATCH = 16
 _MMA_SHAPE = (16, 8, 16)
 _COPY_BITS = 128
 
@@ -365,23 +367,25 @@ class _WarpMmaGemm:
     @cute.jit
     def _store_dbias(self, mA: cute.Tensor, mDbias: cute.Tensor, n_tile, m_tile, tidx):
         """db[m] = bf16(sum_t grad^T[m, t]) by one thread per row m of the first N tile's CTAs when T <=
-        FUSED_DBIAS_ROWS: one DBIAS_ROW_BLOCK block, rows ascending from +0 (adaln_bias_grad's bits; the block sum
-        added to +0 changes nothing, as a sum from +0 is never -0). Loads go out a batch at a time before its adds
-        (absent rows read as +0, which leaves the sum unchanged)."""
+        FUSED_DBIAS_ROWS: one DBIAS_ROW_BLOCK block in the db order (four chains of 16 rows aligned to T's end, each
+        from +0, added in order; the block sum added to +0 changes nothing, as a sum from +0 is never -0).
+        Each chain's loads go out before its adds (rows before 0 read as +0, which leaves the sum unchanged)."""
         rows = cute.size(mA, mode=[1])
         m = m_tile * self.tile.bm + tidx
         if n_tile == 0 and rows <= FUSED_DBIAS_ROWS and tidx < self.tile.bm and m < cute.size(mA, mode=[0]):
-            # Loads in batches of _DBIAS_BATCH rows (few registers next to the dW kernel's own).
-            vals = cute.make_rmem_tensor(cute.make_layout(_DBIAS_BATCH), cutlass.Float32)
-            acc = cutlass.Float32(0.0)
-            for b in cutlass.range_constexpr(FUSED_DBIAS_ROWS // _DBIAS_BATCH):
-                for i in cutlass.range_constexpr(_DBIAS_BATCH):
+            vals = cute.make_rmem_tensor(cute.make_layout(DBIAS_CHAIN_ROWS), cutlass.Float32)
+            block = cutlass.Float32(0.0)
+            for c in cutlass.range_constexpr(DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS):
+                first = rows - DBIAS_ROW_BLOCK + c * DBIAS_CHAIN_ROWS
+                for i in cutlass.range_constexpr(DBIAS_CHAIN_ROWS):
                     vals[i] = cutlass.Float32(0.0)
-                    if b * _DBIAS_BATCH + i < rows:
-                        vals[i] = mA[m, b * _DBIAS_BATCH + i].to(cutlass.Float32)
-                for i in cutlass.range_constexpr(_DBIAS_BATCH):
-                    acc = acc + vals[i]
-            mDbias[m] = acc.to(cutlass.BFloat16)
+                    if first + i >= 0:
+                        vals[i] = mA[m, first + i].to(cutlass.Float32)
+                chain = cutlass.Float32(0.0)
+                for i in cutlass.range_constexpr(DBIAS_CHAIN_ROWS):
+                    chain = chain + vals[i]
+                block = chain if c == 0 else block + chain
+            mDbias[m] = block.to(cutlass.BFloat16)
 
     # ---- shared by the warp-MMA and wgmma kernels: operand tiles, cp.async prologue, output tiles, epilogue
 
@@ -1337,7 +1341,11 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
     ring waits for them too."""
 
     _C_BUFFERS = 2
-    _DBIAS_WARPS = 2  # producer warps 1 and 2: two rows per thread
+    _DBIAS_WARPS = 2  # producer warps 1 and 2: 64 rows each
+    # The db warps' eight chains, totals and loads in flight spill below 72 registers (ptxas -v); the consumers keep
+    # within 208 (the pingpong tile's 128 accumulators per thread included).
+    _PRODUCER_REGS = 72
+    _CONSUMER_REGS = 208  # 128 x 72 + 256 x 208 = 62464
 
     def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
@@ -1517,45 +1525,54 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
 
     @cute.jit
     def _sum_dbias(self, ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx):
-        """db by producer warps 1 and 2, in the DBIAS_ROW_BLOCK order: they walk the producer's tiles and wait for
-        every stage; in the first N tile's tiles thread j of the 64 sums rows 2j and 2j + 1 of each A stage (grad^T:
-        128 rows x 64 of T, the K tail's zero fill first, which leaves a sum from +0 unchanged) from +0 and adds the
-        block sum to its row's total, then releases the stage; after the tile's last stage it stores db for its two
-        rows. The stage layout (M-major, 128B swizzle) puts the two rows next to each other and splits each
-        (row, k) offset into a per-row part that depends on k % 8, a static part of k % 16 and a stride per 16 k
-        (checked here at compile time), so each pair is one 32-bit ld.shared at a per-row base plus a constant."""
+        """db by producer warps 1 and 2, in the db order (DBIAS_ROW_BLOCK): they walk the producer's tiles and wait
+        for every stage (grad^T: 128 rows x one 64-row block of T, the K tail's zero fill first, which leaves a sum
+        from +0 unchanged), and release it after reading. In the first N tile's tiles warp w takes rows
+        64w .. 64w + 63: lane l sums rows 8 (l % 8) + 64w .. + 7 (one 16-byte load per k) over the block's chain
+        l // 8 (its 16 k), eight independent chains from +0; lanes l + 8, l + 16, l + 24 pass their chain sums down
+        to lane l, which adds them in chain order and the block sum to its totals, and stores its 8 db values after
+        the tile's last stage. The stage layout (M-major, 128B swizzle on byte addresses) keeps 8 rows in one
+        16-byte chunk and splits each (row, k) offset into a per-row part that depends on k % 8, a static part of
+        k % 16 and a stride per 16 k (checked here at compile time)."""
         from cutlass import pipeline
 
         t = self.tile
         _check_dbias_offsets(sA_layout, t.bm, t.bk)
-        row = ((warp_idx - 1) * 32 + cute.arch.lane_idx()) * 2
+        lane = cute.arch.lane_idx()
+        chain = lane // 8
+        row = (warp_idx - 1) * 64 + (lane % 8) * 8
         row_part = [_smem_offset(sA_layout, (row, k, 0)) - _smem_offset(sA_layout, (0, k, 0)) for k in range(8)]
         stage_size = cute.cosize(sA_layout.outer) // t.stages
         base = storage.a.data_ptr()
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        rows = DBIAS_CHAIN_ROWS // 2  # 8 rows per lane
+        totals = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
+        sums = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
         for tile in range(cta, num_tiles, t.persistent_ctas):
             m_tile = tile // tiles_n
             n_tile = tile - m_tile * tiles_n
-            total0, total1 = cutlass.Float32(0.0), cutlass.Float32(0.0)
+            totals.fill(0.0)
             for _ in range(k_tile_count):
                 ring.consumer_wait(read)
                 if n_tile == 0:
-                    sum0, sum1 = cutlass.Float32(0.0), cutlass.Float32(0.0)
-                    # 16 k per step (a loop, not unrolled: a whole stage's loads in flight spill the producers' registers).
-                    for k16 in cutlass.range(t.bk // 16, unroll=1):
-                        at16 = base + (read.index * stage_size + k16 * _DBIAS_K16_STRIDE)
-                        rows_at = [(at16 + part).align(4) for part in row_part]  # pairs: 4-byte aligned
-                        for k in cutlass.range_constexpr(16):
-                            at = rows_at[k % 8] + _smem_offset(sA_layout, (0, k, 0))
-                            pair = cute.make_tensor(at, cute.make_layout(2)).load().to(cutlass.Float32)
-                            sum0, sum1 = sum0 + pair[0], sum1 + pair[1]
-                    total0, total1 = total0 + sum0, total1 + sum1
+                    chain_at = read.index * stage_size + chain * _DBIAS_K16_STRIDE
+                    sums.fill(0.0)
+                    for k in cutlass.range_constexpr(DBIAS_CHAIN_ROWS):
+                        at = chain_at + row_part[k % 8] + _smem_offset(sA_layout, (0, k, 0))
+                        ptr = cute.make_ptr(cutlass.BFloat16, (base + at).toint(), cute.AddressSpace.smem,
+                                            assumed_align=16)
+                        sums.store(sums.load() + cute.make_tensor(ptr, cute.make_layout(rows)).load().to(cutlass.Float32))
+                    block = sums.load()
+                    for c in cutlass.range_constexpr(1, DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS):
+                        later = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
+                        for j in cutlass.range_constexpr(rows):
+                            later[j] = cute.arch.shuffle_sync_down(sums[j], 8 * c)
+                        block = block + later.load()
+                    totals.store(totals.load() + block)
                 ring.consumer_release(read)
                 read.advance()
-            if n_tile == 0:
-                m = m_tile * t.bm + row
-                mBias[m] = total0.to(cutlass.BFloat16)
-                mBias[m + 1] = total1.to(cutlass.BFloat16)
+            if n_tile == 0 and chain == 0:
+                vec_view(mBias, m_tile * t.bm + row).store(totals.load().to(cutlass.BFloat16))
 
     @cute.jit
     def _consume_pingpong(self, ctidx, cta, num_tiles, tiles_n, k_tile_count, ring, tiled_mma, sA, sB, sC, tma_c,
@@ -1642,14 +1659,14 @@ def _smem_offset(layout, coord, elem_bytes: int = 2):
 
 
 def _check_dbias_offsets(sA_layout, bm: int, bk: int) -> None:
-    """`_sum_dbias`' address split, asserted on the A stage layout at compile time: rows 2j and 2j + 1 adjacent, and
+    """`_sum_dbias`' address split, asserted on the A stage layout at compile time: rows 8j .. 8j + 7 contiguous, and
     offset(r, k) = offset(r, k % 8) - offset(0, k % 8) + offset(0, k % 16) + (k // 16) _DBIAS_K16_STRIDE."""
     def at(r, k):
         return _smem_offset(sA_layout, (r, k, 0))
 
     bad = [(r, k) for r in range(bm) for k in range(bk)
            if at(r, k) != at(r, k % 8) - at(0, k % 8) + at(0, k % 16) + k // 16 * _DBIAS_K16_STRIDE
-           or (r % 2 == 0 and at(r + 1, k) != at(r, k) + 1)]
+           or at(r, k) != at(r - r % 8, k) + r % 8]
     assert not bad, ("the A stage layout breaks _sum_dbias' address split at (row, k)", bad[:4])
 
 
@@ -1853,15 +1870,23 @@ def _bias_grad_partial_kernel(grad: cute.Tensor, partial: cute.Tensor):
     bidx, block, _ = cute.arch.block_idx()
     col0 = (bidx * _EW_THREADS + tidx) * _BIAS_COLS_PER_THREAD
     if col0 < cute.size(partial, mode=[1]):
-        # Block b of nb holds rows [T - 64 (nb - b), T - 64 (nb - 1 - b)), block 0 cut at row 0.
+        # Block b of nb holds rows [T - 64 (nb - b), T - 64 (nb - 1 - b)), block 0 cut at row 0; its chains are
+        # summed side by side (four independent chains of loads and adds), then added in order.
         rows = cute.size(grad, mode=[0])
-        last = rows - DBIAS_ROW_BLOCK * (cute.size(partial, mode=[0]) - 1 - block)
-        first = cutlass.max(last - DBIAS_ROW_BLOCK, 0)
-        acc = cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
-        acc.fill(0.0)
-        for r in cutlass.range(first, last, 1, unroll=4):  # ascending rows, one FP32 sum per column
-            acc.store(acc.load() + vec_view(grad, cutlass.Int64(r) * grad.stride[0] + col0).load().to(cutlass.Float32))
-        vec_view(partial, cutlass.Int64(block) * partial.stride[0] + col0).store(acc.load())
+        first = rows - DBIAS_ROW_BLOCK * (cute.size(partial, mode=[0]) - block)
+        chains = [cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
+                  for _ in range(DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS)]
+        for acc in chains:
+            acc.fill(0.0)
+        for i in cutlass.range(DBIAS_CHAIN_ROWS, unroll=2):  # ascending rows in every chain
+            for c, acc in enumerate(chains):
+                r = first + c * DBIAS_CHAIN_ROWS + i
+                if r >= 0:
+                    acc.store(acc.load() + vec_view(grad, cutlass.Int64(r) * grad.stride[0] + col0).load().to(cutlass.Float32))
+        total = chains[0].load()
+        for acc in chains[1:]:
+            total = total + acc.load()
+        vec_view(partial, cutlass.Int64(block) * partial.stride[0] + col0).store(total)
 
 
 @cute.kernel
@@ -1886,7 +1911,7 @@ def _build_bias_grad(arch: str, *, out_features: int):
 
     @cute.jit
     def adaln_bias_grad(grad: cute.Tensor, partial: cute.Tensor, dbias: cute.Tensor, stream):
-        """dbias = bf16(sum_t grad[t]) in the DBIAS_ROW_BLOCK order: FP32 block sums (partial, `dbias_blocks(T)`
+        """dbias = bf16(sum_t grad[t]) in the db order (DBIAS_ROW_BLOCK): FP32 block sums (partial, `dbias_blocks(T)`
         rows), folded in block order."""
         grid = (cute.ceil_div(out_features, _EW_THREADS * _BIAS_COLS_PER_THREAD), cute.size(partial, mode=[0]), 1)
         _bias_grad_partial_kernel(grad, partial).launch(grid=grid, block=[_EW_THREADS, 1, 1], stream=stream)

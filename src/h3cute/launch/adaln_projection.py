@@ -7,8 +7,8 @@ The backward: `adaln_proj_dgrad` (grad @ W as `DGRAD_SPLITS` fixed-chunk FP32 pa
 through unrounded; it also recomputes a, with silu_cast's bits, for the next kernel);
 `adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out; also db where `wgrad_writes_dbias`: the persistent
 dW kernels at every T, the others for T <= `FUSED_DBIAS_ROWS`); `adaln_bias_grad` otherwise (db = sum_t
-grad: FP32 sums of `DBIAS_ROW_BLOCK`-row blocks, folded in block order, BF16 out; the dW kernels use the
-same order, so the same bits). No atomics: every result is bitwise repeatable.
+grad: FP32 sums of `DBIAS_ROW_BLOCK`-row blocks, each of four row chains, folded in block order, BF16 out;
+the dW kernels use the same order, so the same bits). No atomics: every result is bitwise repeatable.
 
 The tile config is picked from T (`config_for_rows`) purely for speed: every config runs the same
 k16 MMA sequence per output element, so the bits do not depend on it (tests check this). Used with
@@ -28,7 +28,8 @@ from h3cute import runtime
 TEMB_WIDTH = 2688
 BLOCK_PROJECTION = 96768  # this op's out_features, h3cute.ops.validate.PROJECTION (a CPU test checks)
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
-DBIAS_ROW_BLOCK = 64  # kernels/adaln_gemm.DBIAS_ROW_BLOCK: db sums T in blocks of this many rows
+DBIAS_ROW_BLOCK = 64  # kernels/adaln_gemm.DBIAS_ROW_BLOCK: db sums T in blocks of this many rows,
+DBIAS_CHAIN_ROWS = 16  # each of four chains of this many rows (kernels/adaln_gemm.DBIAS_CHAIN_ROWS)
 FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T every dW kernel writes db
 # Names of kernels/adaln_gemm.CONFIGS and .WGMMA_CONFIGS (a CPU test checks they agree).
 CONFIGS = ("skinny", "skinny_m32", "skinny_m128", "mid", "wide", "wide_k32", "wide_8warps")
