@@ -623,7 +623,8 @@ def _dbias_in_block_order(grad):
     """db's contract in plain FP32 adds (IEEE, round to nearest, one per element): T's rows in DBIAS_ROW_BLOCK blocks
     aligned to its end (block 0 partial); in each block four DBIAS_CHAIN_ROWS-row chains (cut at row 0) summed in
     ascending rows from +0, added in chain order; the block sums added in order from +0."""
-    rows, blocks = grad.shape[0], launch.dbias_blocks(rows)
+    rows = grad.shape[0]
+    blocks = launch.dbias_blocks(rows)
     total = torch.zeros(grad.shape[1], device=grad.device)
     for b in range(blocks):
         first = rows - launch.DBIAS_ROW_BLOCK * (blocks - b)
@@ -636,6 +637,24 @@ def _dbias_in_block_order(grad):
             block = chain if block is None else block + chain
         total = total + block
     return total.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 64, 65, 200])
+def test_dbias_order_on_cpu(rows):
+    """The db order written out (`_dbias_in_block_order`, which the GPU tests hold adaln_bias_grad to, bit for bit):
+    within the BF16 ceiling of FP64; up to 16 rows one chain, i.e. the plain ascending FP32 sum from +0; an all -0.0
+    column sums to +0."""
+    grad = torch.randn((rows, 256), generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    grad[:, 3] = -0.0
+    db = _dbias_in_block_order(grad)
+    assert db.shape == (256,) and db.dtype == torch.bfloat16
+    assert _rel_err(db, grad.double().sum(0)) <= BF16_ERR_CEILING
+    assert db[3].item() == 0.0 and not torch.signbit(db[3])
+    if rows <= launch.DBIAS_CHAIN_ROWS:
+        plain = torch.zeros(256)
+        for r in range(rows):
+            plain = plain + grad[r].float()
+        assert_same_bits(db, plain.to(torch.bfloat16), f"one chain, T={rows}")
 
 
 @gpu
