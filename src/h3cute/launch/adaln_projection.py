@@ -108,14 +108,15 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     """A family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs. wgmma, from the
     H200 per-launch timings (perf/adaln_kernels.py): at T <= 64 one warpgroup over 128 x 64 with C stored by
     TMA (wg_wgrad_n64_1wg_tstore 117.3 / 121.4 / 177.5 us at T = 1 / 4 / 64 against wg_wgrad_n64_1wg's 159.4 /
-    161.5 / 201.4, a0a2b50), beyond 64 (where db is a separate launch) the persistent TMA kernel (ef9eb22 /
-    5614333: tma_wgrad_persist 152.4 / 158.3 us at T = 96 / 128 against wg_wgrad 268.2 / 296.4 and the TMA-store
-    tile 212.6 / 232.9; T = 256 244.8, 2048 1613.1 against tma_wgrad 1728.4). Its warpgroups taking whole tiles in
-    turn (tma_wgrad_persist_pingpong) won at T = 128 / 256 once (125c746: 157.4 / 235.2 us against 168.4 / 260.7) and
-    lost in both runs of 45d5512 / 14feb80 (3 rounds each, ranges apart): 153.8 / 164.9 / 209.8 / 247.0 us at
-    T = 96 / 128 / 192 / 256 against 152.3 / 159.7 / 196.4 / 232.6, 1656.1 against 1629.6 at 2048."""
+    161.5 / 201.4, a0a2b50). Beyond 64 the persistent TMA kernels, which also write db (their producer warps sum
+    it; the other tiles would need adaln_bias_grad after them): the one whose warpgroups take whole tiles in turn
+    (tma_wgrad_persist_pingpong), 3 rounds at 439f961: 151.6 / 157.6 / 200.6 / 236.0 / 324.7 / 1787.2 us at T = 96 /
+    128 / 192 / 256 / 384 / 2048 against the cooperative tma_wgrad_persist's 154.6 / 169.7 / 206.8 / 263.4 / 365.8 /
+    1935.1; before db rode along, the cooperative kernel led (45d5512 / 14feb80: 152.3 / 159.7 / 196.4 / 232.6 /
+    1629.6 against 153.8 / 164.9 / 209.8 / 247.0 / 1656.1) but added adaln_bias_grad (17-36 us at T = 96-256,
+    103-131 at 2048)."""
     if wgmma:
-        return "wg_wgrad_n64_1wg_tstore" if rows <= 64 else "tma_wgrad_persist"
+        return "wg_wgrad_n64_1wg_tstore" if rows <= 64 else "tma_wgrad_persist_pingpong"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
