@@ -70,7 +70,7 @@ DGRAD_K_BLOCK = 64
 # four short chains keep its adds from waiting on each other.
 DBIAS_ROW_BLOCK = 64
 DBIAS_CHAIN_ROWS = 16
-# Up to this T the non-persistent dW kernels write db (one block: `_store_dbias`), the persistent ones at every T;
+# Up to this T the dW kernels write db (one block: `_store_dbias`), those with db warps (`WGRAD_DB_WARPS`) at every T;
 # otherwise the launch runs adaln_bias_grad (the same order, so the same bits).
 FUSED_DBIAS_ROWS = 64
 assert FUSED_DBIAS_ROWS <= DBIAS_ROW_BLOCK  # _store_dbias sums one block
@@ -225,6 +225,10 @@ TMA_WGRAD_CONFIGS = {
     "tma_wgrad_persist_pingpong": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4,
                                    persistent_ctas=PERSISTENT_CTAS, pingpong=True),  # 128 + 64 KB
 }
+# Persistent dW kernels whose producer warps also sum db at every T (`_TmaWgmmaPersistentDbGemm`): the same tiles.
+TMA_WGRAD_CONFIGS.update({name + "_db": TMA_WGRAD_CONFIGS[name]
+                          for name in ("tma_wgrad_persist", "tma_wgrad_persist_pingpong")})
+WGRAD_DB_WARPS = frozenset(name for name in TMA_WGRAD_CONFIGS if name.endswith("_db"))
 
 
 class _WarpMmaGemm:
@@ -240,7 +244,7 @@ class _WarpMmaGemm:
     over 8 rows (dW and the T = 2048 table are 520 / 396 MB).
     `dbias_rows`: the dW GEMM's bias gradient rides along: when K = T <= FUSED_DBIAS_ROWS, the CTAs of
     the first N tile also write mBias[m] = bf16(sum_k A[m, k]) (`_store_dbias`); else mBias is untouched
-    (the persistent kernel writes it at every T: `_TmaWgmmaPersistentGemm._sum_dbias`).
+    (the persistent kernel with db warps writes it at every T: `_TmaWgmmaPersistentDbGemm._sum_dbias`).
     """
 
     n_halves = 1  # the C tile's N halves: 2 only for d_temb on the 256-wide TMA tile (`_TmaWgmmaGemm`)
@@ -1336,27 +1340,21 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
     (tile count % 2; stmatrix into the swizzled layout TMA reads) -> one TMA store (`cp.async.bulk.tensor`
     shared -> global) issued by one thread, which waits only before a buffer is reused
     (`cp.async.bulk.wait_group.read 1`: the store of two tiles ago has read it). So the stores of tile i
-    overlap the loads and MMAs of tile i + 1. db (`dbias_rows`), at every T: two producer warps read each stage
-    of the first N tile's tiles as it lands and sum its rows (`_sum_dbias`); they release every stage, so the
-    ring waits for them too."""
+    overlap the loads and MMAs of tile i + 1. db (`dbias_rows`): the tiles of the first N tile write it with
+    `_store_dbias` for T <= FUSED_DBIAS_ROWS (the same order and bits); `_TmaWgmmaPersistentDbGemm` sums it at
+    every T in producer warps."""
 
     _C_BUFFERS = 2
-    _DBIAS_WARPS = 2  # producer warps 1 and 2: 64 rows each
-    # The db warps' eight chains, totals and loads in flight spill below 72 registers (ptxas -v); the consumers keep
-    # within 208 (the pingpong tile's 128 accumulators per thread included).
-    _PRODUCER_REGS = 72
-    _CONSUMER_REGS = 208  # 128 x 72 + 256 x 208 = 62464
+    _DBIAS_WARPS = 0  # producer warps that sum db (`_TmaWgmmaPersistentDbGemm`)
 
     def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
         assert tile.persistent_ctas > 0 and tile.cluster_size == 1 and self.c_n_major and self.epilogue == "bf16", (tile, kw)
         assert self.k_splits == 1 and not self.ieee_steps, kw
-        # A stage is one DBIAS_ROW_BLOCK block of T (the K tail's partial block first) and holds 64 rows per db warp.
-        assert not self.dbias_rows or (tile.bk == DBIAS_ROW_BLOCK and tile.bm == 64 * self._DBIAS_WARPS), tile
 
     @property
     def _stage_readers(self) -> int:
-        return super()._stage_readers + (self._DBIAS_WARPS if self.dbias_rows else 0)
+        return super()._stage_readers + self._DBIAS_WARPS
 
     def _c_layout(self):
         from cutlass.utils import LayoutEnum
@@ -1461,7 +1459,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                         ring.producer_commit(produce)
                         produce.advance()
                 ring.producer_tail(produce)
-            elif cutlass.const_expr(self.dbias_rows):
+            elif cutlass.const_expr(self._DBIAS_WARPS > 0):
                 if warp_idx <= self._DBIAS_WARPS:
                     self._sum_dbias(ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx)
         elif cutlass.const_expr(t.pingpong):
@@ -1518,61 +1516,12 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                 if ctidx == 0:
                     cute.copy(tma_c, tCsC[None, buffer], tCgC[None, m_tile, n_tile])
                     cute.arch.cp_async_bulk_commit_group()
+                if cutlass.const_expr(self.dbias_rows and self._DBIAS_WARPS == 0):
+                    self._store_dbias(mA, mBias, n_tile, m_tile, ctidx)
                 buffer = (buffer + 1) % self._C_BUFFERS
             if ctidx == 0:  # shared memory must outlive the last stores' reads
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-
-    @cute.jit
-    def _sum_dbias(self, ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx):
-        """db by producer warps 1 and 2, in the db order (DBIAS_ROW_BLOCK): they walk the producer's tiles and wait
-        for every stage (grad^T: 128 rows x one 64-row block of T, the K tail's zero fill first, which leaves a sum
-        from +0 unchanged), and release it after reading. In the first N tile's tiles warp w takes rows
-        64w .. 64w + 63: lane l sums rows 8 (l % 8) + 64w .. + 7 (one 16-byte load per k) over the block's chain
-        l // 8 (its 16 k), eight independent chains from +0; lanes l + 8, l + 16, l + 24 pass their chain sums down
-        to lane l, which adds them in chain order and the block sum to its totals, and stores its 8 db values after
-        the tile's last stage. The stage layout (M-major, 128B swizzle on byte addresses) keeps 8 rows in one
-        16-byte chunk and splits each (row, k) offset into a per-row part that depends on k % 8, a static part of
-        k % 16 and a stride per 16 k (checked here at compile time)."""
-        from cutlass import pipeline
-
-        t = self.tile
-        _check_dbias_offsets(sA_layout, t.bm, t.bk)
-        lane = cute.arch.lane_idx()
-        chain = lane // 8
-        row = (warp_idx - 1) * 64 + (lane % 8) * 8
-        row_part = [_smem_offset(sA_layout, (row, k, 0)) - _smem_offset(sA_layout, (0, k, 0)) for k in range(8)]
-        stage_size = cute.cosize(sA_layout.outer) // t.stages
-        base = storage.a.data_ptr()
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        rows = DBIAS_CHAIN_ROWS // 2  # 8 rows per lane
-        totals = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
-        sums = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
-        for tile in range(cta, num_tiles, t.persistent_ctas):
-            m_tile = tile // tiles_n
-            n_tile = tile - m_tile * tiles_n
-            totals.fill(0.0)
-            for _ in range(k_tile_count):
-                ring.consumer_wait(read)
-                if n_tile == 0:
-                    chain_at = read.index * stage_size + chain * _DBIAS_K16_STRIDE
-                    sums.fill(0.0)
-                    for k in cutlass.range_constexpr(DBIAS_CHAIN_ROWS):
-                        at = chain_at + row_part[k % 8] + _smem_offset(sA_layout, (0, k, 0))
-                        ptr = cute.make_ptr(cutlass.BFloat16, (base + at).toint(), cute.AddressSpace.smem,
-                                            assumed_align=16)
-                        sums.store(sums.load() + cute.make_tensor(ptr, cute.make_layout(rows)).load().to(cutlass.Float32))
-                    block = sums.load()
-                    for c in cutlass.range_constexpr(1, DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS):
-                        later = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
-                        for j in cutlass.range_constexpr(rows):
-                            later[j] = cute.arch.shuffle_sync_down(sums[j], 8 * c)
-                        block = block + later.load()
-                    totals.store(totals.load() + block)
-                ring.consumer_release(read)
-                read.advance()
-            if n_tile == 0 and chain == 0:
-                vec_view(mBias, m_tile * t.bm + row).store(totals.load().to(cutlass.BFloat16))
 
     @cute.jit
     def _consume_pingpong(self, ctidx, cta, num_tiles, tiles_n, k_tile_count, ring, tiled_mma, sA, sB, sC, tma_c,
@@ -1641,8 +1590,81 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             if wtidx == 0:
                 cute.copy(tma_c, tCsC[None, wg], tCgC[None, m_tile, n_tile])
                 cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.dbias_rows and self._DBIAS_WARPS == 0):
+                self._store_dbias(mA, mBias, n_tile, m_tile, wtidx)
         if wtidx == 0:  # shared memory must outlive the last stores' reads
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+class _TmaWgmmaPersistentDbGemm(_TmaWgmmaPersistentGemm):
+    """`_TmaWgmmaPersistentGemm` whose producer warpgroup also sums db, at every T: warps 1 and 2 walk the producer's
+    tiles, wait for every stage and release it after reading (the ring's empty barriers count them), and in the
+    first N tile's tiles sum each A stage as it lands (`_sum_dbias`); nothing re-reads grad. The ring cannot run
+    ahead of them, so they must keep pace with the tensor core: eight independent FP32 chains per lane and 16-byte
+    loads. Against the separate adaln_bias_grad: ahead at T <= 384, behind at 2048
+    (`launch.adaln_projection.wgrad_config_for_rows`)."""
+
+    _DBIAS_WARPS = 2  # producer warps 1 and 2: 64 rows each
+    # The db warps' eight chains, totals and loads in flight spill below 72 registers (ptxas -v); the consumers keep
+    # within 208 (the pingpong tile's 128 accumulators per thread included).
+    _PRODUCER_REGS = 72
+    _CONSUMER_REGS = 208  # 128 x 72 + 256 x 208 = 62464
+
+    def __init__(self, tile: GemmTile, **kw):
+        super().__init__(tile, **kw)
+        # A stage is one DBIAS_ROW_BLOCK block of T (the K tail's partial block first) and holds 64 rows per db warp.
+        assert self.dbias_rows and tile.bk == DBIAS_ROW_BLOCK and tile.bm == 64 * self._DBIAS_WARPS, tile
+
+    @cute.jit
+    def _sum_dbias(self, ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx):
+        """db by producer warps 1 and 2, in the db order (DBIAS_ROW_BLOCK): they walk the producer's tiles and wait
+        for every stage (grad^T: 128 rows x one 64-row block of T, the K tail's zero fill first, which leaves a sum
+        from +0 unchanged), and release it after reading. In the first N tile's tiles warp w takes rows
+        64w .. 64w + 63: lane l sums rows 8 (l % 8) + 64w .. + 7 (one 16-byte load per k) over the block's chain
+        l // 8 (its 16 k), eight independent chains from +0; lanes l + 8, l + 16, l + 24 pass their chain sums down
+        to lane l, which adds them in chain order and the block sum to its totals, and stores its 8 db values after
+        the tile's last stage. The stage layout (M-major, 128B swizzle on byte addresses) keeps 8 rows in one
+        16-byte chunk and splits each (row, k) offset into a per-row part that depends on k % 8, a static part of
+        k % 16 and a stride per 16 k (checked here at compile time)."""
+        from cutlass import pipeline
+
+        t = self.tile
+        _check_dbias_offsets(sA_layout, t.bm, t.bk)
+        lane = cute.arch.lane_idx()
+        chain = lane // 8
+        row = (warp_idx - 1) * 64 + (lane % 8) * 8
+        row_part = [_smem_offset(sA_layout, (row, k, 0)) - _smem_offset(sA_layout, (0, k, 0)) for k in range(8)]
+        stage_size = cute.cosize(sA_layout.outer) // t.stages
+        base = storage.a.data_ptr()
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        rows = DBIAS_CHAIN_ROWS // 2  # 8 rows per lane
+        totals = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
+        sums = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
+        for tile in range(cta, num_tiles, t.persistent_ctas):
+            m_tile = tile // tiles_n
+            n_tile = tile - m_tile * tiles_n
+            totals.fill(0.0)
+            for _ in range(k_tile_count):
+                ring.consumer_wait(read)
+                if n_tile == 0:
+                    chain_at = read.index * stage_size + chain * _DBIAS_K16_STRIDE
+                    sums.fill(0.0)
+                    for k in cutlass.range_constexpr(DBIAS_CHAIN_ROWS):
+                        at = chain_at + row_part[k % 8] + _smem_offset(sA_layout, (0, k, 0))
+                        ptr = cute.make_ptr(cutlass.BFloat16, (base + at).toint(), cute.AddressSpace.smem,
+                                            assumed_align=16)
+                        sums.store(sums.load() + cute.make_tensor(ptr, cute.make_layout(rows)).load().to(cutlass.Float32))
+                    block = sums.load()
+                    for c in cutlass.range_constexpr(1, DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS):
+                        later = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
+                        for j in cutlass.range_constexpr(rows):
+                            later[j] = cute.arch.shuffle_sync_down(sums[j], 8 * c)
+                        block = block + later.load()
+                    totals.store(totals.load() + block)
+                ring.consumer_release(read)
+                read.advance()
+            if n_tile == 0 and chain == 0:
+                vec_view(mBias, m_tile * t.bm + row).store(totals.load().to(cutlass.BFloat16))
+
 
 _DBIAS_K16_STRIDE = 1024  # elements between k and k + 16 in the dW A stage (M-major, 128B swizzle)
 
@@ -1742,6 +1764,7 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
         assert arch == "sm_90a"
         tile = {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}[config]
         cls = _WgmmaTmaStoreGemm if config in WGRAD_TMA_STORE else _WgmmaGemm if config in WGRAD_WGMMA_CONFIGS \
+            else _TmaWgmmaPersistentDbGemm if config in WGRAD_DB_WARPS \
             else _TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm
         # The TMA-stored C tile has no bounds checks of its own (TMA clips, but the tiles must be whole); a cluster
         # of M tiles needs whole clusters along grid y.

@@ -138,7 +138,8 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS
     assert k.DBIAS_ROW_BLOCK == launch.DBIAS_ROW_BLOCK and k.FUSED_DBIAS_ROWS == launch.FUSED_DBIAS_ROWS
     assert k.DBIAS_CHAIN_ROWS == launch.DBIAS_CHAIN_ROWS
-    assert launch.PERSISTENT_WGRAD_CONFIGS == tuple(c for c, tile in k.TMA_WGRAD_CONFIGS.items() if tile.persistent_ctas)
+    assert launch.DB_WARP_WGRAD_CONFIGS == tuple(c for c in k.TMA_WGRAD_CONFIGS if c in k.WGRAD_DB_WARPS)
+    assert all(k.TMA_WGRAD_CONFIGS[c].persistent_ctas for c in k.WGRAD_DB_WARPS)
     assert all(launch.dbias_blocks(t) == k.dbias_blocks(t) == -(-t // 64) for t in (1, 63, 64, 65, 2048, 2049))
     assert k.TEMB_WIDTH == launch.TEMB_WIDTH == D
     assert launch.BLOCK_PROJECTION == validate.PROJECTION == N_BLOCK and N_BLOCK in k.OUT_FEATURES
@@ -238,8 +239,8 @@ def test_tma_mainloop_instructions():
             assert marker in text, (name, config, marker)
         for forbidden in ("cp.async.cg", "atom.", "\tred.", "mma.sync"):
             assert forbidden not in text, (name, config, forbidden)
-        # The persistent dW's producer warpgroup also sums db: its own register split.
-        cls = k._TmaWgmmaPersistentGemm if tile.persistent_ctas else k._TmaWgmmaGemm
+        # The persistent dW with db warps: its own register split.
+        cls = k._TmaWgmmaPersistentDbGemm if config in k.WGRAD_DB_WARPS else k._TmaWgmmaGemm
         assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{cls._PRODUCER_REGS};", text)
         assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{cls._CONSUMER_REGS};", text)
         # One wgmma batch in flight while the next is issued; the one-block-tile d_temb drains each block first.
@@ -264,8 +265,8 @@ def test_tma_mainloop_instructions():
             # Two C buffers: shared by both warpgroups (the store of two tiles ago), or one per warpgroup (pingpong).
             reuse = "0" if tile.pingpong else str(k._TmaWgmmaPersistentGemm._C_BUFFERS - 1)
             assert waits == [reuse, "0"], (config, waits)
-            # No 16-byte register stores of C left: the one st.global.v4 is db's (8 values per db lane).
-            assert text.count("st.global.v4") == 1, config
+            # No 16-byte register stores of C left; with db warps one st.global.v4 is db's (8 values per lane).
+            assert text.count("st.global.v4") == (config in k.WGRAD_DB_WARPS), config
         if shutil.which("ptxas"):
             _ptxas_report(ptx[0], (name, config))
 
@@ -413,7 +414,7 @@ def _close(a, b, tol):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("rows", [1, 5, 64, 65, 70])
+@pytest.mark.parametrize("rows", [1, 5, 64, 65, 70, 400])
 def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     """forward/backward call the kernels with the right arguments and assemble the op's results; the
     device's arch picks the family (SM90_FAMILY on sm_90a, warp elsewhere)."""
@@ -436,11 +437,12 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     wgrad_call = dict(out_features=n, **wgrad_static, config=launch.wgrad_config_for_rows(rows, wgmma))
     assert ("adaln_proj_wgrad" + sfx, wgrad_call) in emu.calls
     assert ("adaln_proj_dgrad" + sfx, dict(out_features=n, config=launch.dgrad_config_for_rows(rows, wgmma))) in emu.calls
-    # The backward's act comes from dtemb_fold (no silu_cast); db from the dW kernel where it writes it: the
-    # persistent dW of the wgmma family at every T, the warp family's dW up to FUSED_DBIAS_ROWS.
+    # The backward's act comes from dtemb_fold (no silu_cast); db from the dW kernel where it writes it (the dW
+    # kernels with db warps at every T, the others up to FUSED_DBIAS_ROWS), else from adaln_bias_grad.
     assert not any(name == "adaln_silu_cast" for name, _ in emu.calls)
-    assert launch.wgrad_writes_dbias(wgrad_call["config"], rows) == (wgmma or rows <= launch.FUSED_DBIAS_ROWS)
-    assert any(name == "adaln_bias_grad" for name, _ in emu.calls) == (not wgmma and rows > launch.FUSED_DBIAS_ROWS)
+    writes = launch.wgrad_writes_dbias(wgrad_call["config"], rows)
+    assert writes == (rows <= launch.FUSED_DBIAS_ROWS or wgrad_call["config"] in launch.DB_WARP_WGRAD_CONFIGS)
+    assert any(name == "adaln_bias_grad" for name, _ in emu.calls) == (not writes)
     want = _fp64_grads_cpu(grad, temb, w)
     for a, ref, tol in zip(got, want, (1e-6, 4e-3, 4e-3)):
         assert _close(a, ref.to(a.dtype), tol)
@@ -726,8 +728,8 @@ def _assert_wgrad_tiles_match_wg_wgrad_on_block_table(rows, seed, configs):
 def test_persistent_wgrad_on_the_block_table(rows):
     """The persistent dW kernels on N = 96768 (15876 / 31752 output tiles over the fixed 132-CTA grid, the last
     round partial): NaN-poisoned dW and db with NaN guards behind them, every element written, nothing past
-    the end, dW with the bits of the cp.async wgmma kernel (wg_wgrad), db (summed by the producer's db warps at
-    every T) with adaln_bias_grad's; run twice."""
+    the end, dW with the bits of the cp.async wgmma kernel (wg_wgrad), db where `wgrad_writes_dbias` says (the
+    `*_db` kernels' producer warps at every T) with adaln_bias_grad's; run twice."""
     _assert_wgrad_tiles_match_wg_wgrad_on_block_table(
         rows, 60, [c for c in launch.TMA_WGRAD_CONFIGS if "persist" in c])
 

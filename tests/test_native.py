@@ -354,7 +354,8 @@ def test_adaln_projection_cpp_equals_python_impl(block_projection, timesteps):
 
 
 @gpu
-@pytest.mark.parametrize("timesteps", [5, 65])  # the dW tiles below and beyond 64 (on sm_90a both write db)
+# dW tiles writing db below and beyond 64, and (on sm_90a beyond 384; the warp family beyond 64) adaln_bias_grad
+@pytest.mark.parametrize("timesteps", [5, 65, 400])
 def test_adaln_projection_cpp_autograd_gives_the_python_grads(block_projection, timesteps):
     weight, bias = block_projection
     temb = _seeded((timesteps, 2688), 60 + timesteps)
@@ -490,9 +491,11 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     assert asked(adaln_projection, 0, 3) == (["adaln_silu_cast", proj], ())
     bwd = [proj.replace("fwd", "dgrad"), "adaln_dtemb_fold", proj.replace("fwd", "wgrad")]
     assert asked(adaln_projection, 1, 64) == (bwd, [0])  # db fused into the dW GEMM
-    # Beyond 64 the wgmma family's persistent dW still writes db; the warp family's leaves it to adaln_bias_grad.
+    # Beyond 64 the wgmma family's dW (with db warps) still writes db, to T = 384; the warp family's leaves it to
+    # adaln_bias_grad.
     unfused = ([], [0]) if "wgmma" in proj else (["adaln_bias_grad"], [adaln_projection.DBIAS_ROW_BLOCK])
     assert asked(adaln_projection, 1, 65) == (bwd + unfused[0], unfused[1])
+    assert asked(adaln_projection, 1, 385) == (bwd + ["adaln_bias_grad"], [adaln_projection.DBIAS_ROW_BLOCK])
 
 
 class _LaunchRecorder:

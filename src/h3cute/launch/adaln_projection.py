@@ -48,9 +48,10 @@ WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg", "wg_wgrad
                        "wg_wgrad_tstore")
 # The persistent dW kernel (TMA stores from double-buffered C tiles) is in the same tuple: same bits.
 TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_mc2", "tma_wgrad_persist", "tma_wgrad_persist_n64",
-                     "tma_wgrad_persist_pingpong")
-# The persistent ones (kernels/adaln_gemm: `persistent_ctas` > 0) write db at every T (a CPU test checks).
-PERSISTENT_WGRAD_CONFIGS = ("tma_wgrad_persist", "tma_wgrad_persist_n64", "tma_wgrad_persist_pingpong")
+                     "tma_wgrad_persist_pingpong", "tma_wgrad_persist_db", "tma_wgrad_persist_pingpong_db")
+# Persistent dW kernels whose producer warps also sum db, at every T (kernels/adaln_gemm.WGRAD_DB_WARPS; a CPU test
+# checks).
+DB_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_db", "tma_wgrad_persist_pingpong_db")
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
 # and was as fast or faster at every T measured (1, 4, 64, 256, 2048); sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
@@ -108,23 +109,27 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     """A family's dW tile for T rows: at T <= 64 writing dW is the cost, beyond it the MMAs. wgmma, from the
     H200 per-launch timings (perf/adaln_kernels.py): at T <= 64 one warpgroup over 128 x 64 with C stored by
     TMA (wg_wgrad_n64_1wg_tstore 117.3 / 121.4 / 177.5 us at T = 1 / 4 / 64 against wg_wgrad_n64_1wg's 159.4 /
-    161.5 / 201.4, a0a2b50). Beyond 64 the persistent TMA kernels, which also write db (their producer warps sum
-    it; the other tiles would need adaln_bias_grad after them): the one whose warpgroups take whole tiles in turn
-    (tma_wgrad_persist_pingpong), 3 rounds at 439f961: 151.6 / 157.6 / 200.6 / 236.0 / 324.7 / 1787.2 us at T = 96 /
-    128 / 192 / 256 / 384 / 2048 against the cooperative tma_wgrad_persist's 154.6 / 169.7 / 206.8 / 263.4 / 365.8 /
-    1935.1; before db rode along, the cooperative kernel led (45d5512 / 14feb80: 152.3 / 159.7 / 196.4 / 232.6 /
-    1629.6 against 153.8 / 164.9 / 209.8 / 247.0 / 1656.1) but added adaln_bias_grad (17-36 us at T = 96-256,
-    103-131 at 2048)."""
+    161.5 / 201.4, a0a2b50). Beyond 64 the persistent TMA kernels. To T = 384 the one whose warpgroups take whole
+    tiles in turn, with db summed by its producer warps (tma_wgrad_persist_pingpong_db; 3 rounds at 439f961: 151.6 /
+    157.6 / 200.6 / 236.0 / 324.7 us at T = 96 / 128 / 192 / 256 / 384 against 154.6 / 169.7 / 206.8 / 263.4 /
+    365.8 for the cooperative kernel with db warps; at 4d31524 245.1 against 237.1 at T = 256): the kernels without
+    them ran 152.3 / 159.7 / 196.4 / 232.6 us at T = 96 / 128 / 192 / 256 (45d5512 / 14feb80), 353.3 at 384
+    (ef9eb22), plus adaln_bias_grad's 17-41 us. Beyond 384 the cooperative kernel without db warps, then
+    adaln_bias_grad (1629.6 + 103-131 us at T = 2048, 45d5512 and later runs), as the db warps cost more there than
+    the launch they save (1787.2 / 1950.4 us for tma_wgrad_persist_pingpong_db at 439f961 / 4d31524, 1935.1 / 1815.5
+    for tma_wgrad_persist_db)."""
     if wgmma:
-        return "wg_wgrad_n64_1wg_tstore" if rows <= 64 else "tma_wgrad_persist_pingpong"
+        if rows <= 64:
+            return "wg_wgrad_n64_1wg_tstore"
+        return "tma_wgrad_persist_pingpong_db" if rows <= 384 else "tma_wgrad_persist"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
 def wgrad_writes_dbias(config: str, rows: int) -> bool:
     """Whether the dW GEMM of `config` writes db at T rows (else `adaln_bias_grad` runs after it; the same bits):
-    the persistent kernels sum each stage of db's tiles as it lands, at every T; the others re-read grad for it
+    the kernels with db warps sum each stage of db's tiles as it lands, at every T; the others re-read grad for it
     after their main loop, worth it only while T is small."""
-    return config in PERSISTENT_WGRAD_CONFIGS or rows <= FUSED_DBIAS_ROWS
+    return config in DB_WARP_WGRAD_CONFIGS or rows <= FUSED_DBIAS_ROWS
 
 
 def dbias_blocks(rows: int) -> int:
