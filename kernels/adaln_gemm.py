@@ -1611,8 +1611,10 @@ class _TmaWgmmaPersistentDbGemm(_TmaWgmmaPersistentGemm):
 
     def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
-        # A stage is one DBIAS_ROW_BLOCK block of T (the K tail's partial block first) and holds 64 rows per db warp.
+        # A stage is one DBIAS_ROW_BLOCK block of T (the K tail's partial block first) and holds 64 rows per db warp:
+        # a warp's 32 lanes are 8 groups of 8 rows (one 16-byte load) x the block's 4 chains of 16 k.
         assert self.dbias_rows and tile.bk == DBIAS_ROW_BLOCK and tile.bm == 64 * self._DBIAS_WARPS, tile
+        assert DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS == 4 and DBIAS_CHAIN_ROWS == 16  # _DBIAS_K16_STRIDE per chain
 
     @cute.jit
     def _sum_dbias(self, ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx):
@@ -1636,7 +1638,7 @@ class _TmaWgmmaPersistentDbGemm(_TmaWgmmaPersistentGemm):
         stage_size = cute.cosize(sA_layout.outer) // t.stages
         base = storage.a.data_ptr()
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        rows = DBIAS_CHAIN_ROWS // 2  # 8 rows per lane
+        rows = 8  # per lane: one 16-byte load of BF16 per k
         totals = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
         sums = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
         for tile in range(cta, num_tiles, t.persistent_ctas):
