@@ -5,8 +5,8 @@ Kernels (kernels/adaln_gemm.py): `adaln_silu_cast` makes the GEMM operand a = bf
 The backward: `adaln_proj_dgrad` (grad @ W as `DGRAD_SPLITS` fixed-chunk FP32 partials) +
 `adaln_dtemb_fold` (sum in split order, times silu'(temb), FP32: the BF16 cast passes the gradient
 through unrounded; it also recomputes a, with silu_cast's bits, for the next kernel);
-`adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out; also db where `wgrad_writes_dbias`: the persistent
-dW kernels at every T, the others for T <= `FUSED_DBIAS_ROWS`); `adaln_bias_grad` otherwise (db = sum_t
+`adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out; also db where `wgrad_writes_dbias`: the dW kernels
+with db warps (`DB_WARP_WGRAD_CONFIGS`) at every T, the others for T <= `FUSED_DBIAS_ROWS`); `adaln_bias_grad` otherwise (db = sum_t
 grad: FP32 sums of `DBIAS_ROW_BLOCK`-row blocks, each of four row chains, folded in block order, BF16 out;
 the dW kernels use the same order, so the same bits). No atomics: every result is bitwise repeatable.
 
@@ -144,7 +144,7 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 
 # Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 192,
-# 256, 384), the d_temb config (the same), the dW tile and whether it writes db (64).
+# 256, 384), the d_temb config (the same), the dW tile and whether it writes db (64, 384).
 T_BOUNDS = (16, 64, 128, 192, 256, 384, runtime.MAX_ROWS)
 
 
