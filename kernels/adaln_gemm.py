@@ -1595,6 +1595,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         if wtidx == 0:  # shared memory must outlive the last stores' reads
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+
 class _TmaWgmmaPersistentDbGemm(_TmaWgmmaPersistentGemm):
     """`_TmaWgmmaPersistentGemm` whose producer warpgroup also sums db, at every T: warps 1 and 2 walk the producer's
     tiles, wait for every stage and release it after reading (the ring's empty barriers count them), and in the
@@ -1671,13 +1672,12 @@ class _TmaWgmmaPersistentDbGemm(_TmaWgmmaPersistentGemm):
 _DBIAS_K16_STRIDE = 1024  # elements between k and k + 16 in the dW A stage (M-major, 128B swizzle)
 
 
-def _smem_offset(layout, coord, elem_bytes: int = 2):
-    """The element offset of `coord` in a swizzled shared-memory layout (`ComposedLayout`: swizzle o outer) as the
-    swizzled pointer places it: CuTe applies the swizzle to the byte address (the stage ring starts 1024-aligned,
-    so to the byte offset), not to the element offset."""
-    assert elem_bytes == 2
+def _smem_offset(layout, coord):
+    """The element offset of `coord` in a swizzled shared-memory layout of BF16 (`ComposedLayout`: swizzle o outer)
+    as the swizzled pointer places it: CuTe applies the swizzle to the byte address (the stage ring starts
+    1024-aligned, so to the byte offset), not to the element offset."""
     sw = layout.inner
-    b = layout.outer(coord) * elem_bytes
+    b = layout.outer(coord) * 2
     yy = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
     return (b ^ ((b & yy) >> sw.num_shift)) >> 1
 
@@ -1926,18 +1926,13 @@ def _bias_grad_fold_kernel(partial: cute.Tensor, dbias: cute.Tensor):
         dbias[col] = acc.to(cutlass.BFloat16)
 
 
-def dbias_blocks(rows: int) -> int:
-    """adaln_bias_grad's partial rows for T rows: one per DBIAS_ROW_BLOCK block."""
-    return -(-rows // DBIAS_ROW_BLOCK)
-
-
 def _build_bias_grad(arch: str, *, out_features: int):
     assert out_features % _BIAS_COLS_PER_THREAD == 0
 
     @cute.jit
     def adaln_bias_grad(grad: cute.Tensor, partial: cute.Tensor, dbias: cute.Tensor, stream):
-        """dbias = bf16(sum_t grad[t]) in the db order (DBIAS_ROW_BLOCK): FP32 block sums (partial, `dbias_blocks(T)`
-        rows), folded in block order."""
+        """dbias = bf16(sum_t grad[t]) in the db order (DBIAS_ROW_BLOCK): FP32 block sums (partial, one row per
+        block: launch.adaln_projection.dbias_blocks(T)), folded in block order."""
         grid = (cute.ceil_div(out_features, _EW_THREADS * _BIAS_COLS_PER_THREAD), cute.size(partial, mode=[0]), 1)
         _bias_grad_partial_kernel(grad, partial).launch(grid=grid, block=[_EW_THREADS, 1, 1], stream=stream)
         fold_grid = (cute.ceil_div(out_features, _EW_THREADS), 1, 1)

@@ -133,7 +133,8 @@ def wgrad_writes_dbias(config: str, rows: int) -> bool:
 
 
 def dbias_blocks(rows: int) -> int:
-    """`adaln_bias_grad`'s partial rows for T rows: one per DBIAS_ROW_BLOCK block (kernels/adaln_gemm)."""
+    """`adaln_bias_grad`'s partial rows for T rows: one per DBIAS_ROW_BLOCK block (the kernel reads the count off
+    its partial tensor; the C++ layer computes it the same way)."""
     return -(-rows // DBIAS_ROW_BLOCK)
 
 
