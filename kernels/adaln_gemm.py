@@ -203,6 +203,12 @@ _IEEE_MAX_BN = 256
 TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items() if tile.bn <= _IEEE_MAX_BN and tile.cluster_m == 1}
 
 
+def c_buffers(tile: GemmTile) -> int:
+    """The persistent dW's C buffers: two at 128 rows (a store reads one while the next tile's go to the other),
+    one at 256 (two would not fit beside the stages)."""
+    return 2 if tile.bm == 128 else 1
+
+
 def dgrad_n_halves(tile: GemmTile) -> int:
     """How many N halves d_temb's TMA kernel runs a tile as: 2 for the 256-wide tile (wgmma N = 128), else 1."""
     return 2 if tile.bn > 192 else 1
@@ -224,6 +230,11 @@ TMA_WGRAD_CONFIGS = {
     # registers per thread), one C buffer each: a warpgroup's epilogue runs while the other's wgmmas do.
     "tma_wgrad_persist_pingpong": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4,
                                    persistent_ctas=PERSISTENT_CTAS, pingpong=True),  # 128 + 64 KB
+    # Large T, where the MMAs are the cost: 256 dW rows per tile (each warpgroup two 64-row slabs, 128 accumulator
+    # registers per thread), 25% fewer operand bytes per MMA than 128 x 128 and half the epilogues per flop; one C
+    # buffer (a tile's MMAs take far longer than its store's read of the buffer).
+    "tma_wgrad_persist_m256": GemmTile(bm=256, bn=128, bk=64, warps_m=8, warps_n=1, stages=3,
+                                       persistent_ctas=PERSISTENT_CTAS),  # 144 + 64 KB
 }
 # Persistent dW kernels whose producer warps also sum db at every T (`_TmaWgmmaPersistentDbGemm`): the same tiles.
 TMA_WGRAD_CONFIGS.update({name + "_db": TMA_WGRAD_CONFIGS[name]
@@ -1061,7 +1072,9 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         # TMA has no thread-copy layouts to check (GemmTile.check is the cp.async tiling); the epilogue's
         # C copy asserts its own tiling. Two consumer warpgroups: the register split above.
         assert tile.warps_m == 8 and tile.warps_n == 1 and tile.bk % 32 == 0 and not tile.ctas_per_sm, tile
-        assert tile.bn % 16 == 0 and tile.bn <= 256 and tile.bm == 128, tile
+        assert tile.bn % 16 == 0 and tile.bn <= 256 and tile.bm in (128, 256), tile
+        # 256 rows: two 64-row slabs per warpgroup, written only into the persistent cooperative dW's epilogue.
+        assert tile.bm == 128 or (tile.persistent_ctas and not tile.pingpong and not kw.get("ieee_steps")), tile
         assert not kw.get("ieee_steps") or tile.bn <= _IEEE_MAX_BN, tile
         self.dbias_rows = kw.pop("dbias_rows", False)
         self.ieee_steps = kw.pop("ieee_steps", False)
@@ -1344,7 +1357,6 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
     `_store_dbias` for T <= FUSED_DBIAS_ROWS (the same order and bits); `_TmaWgmmaPersistentDbGemm` sums it at
     every T in producer warps."""
 
-    _C_BUFFERS = 2
     _DBIAS_WARPS = 0  # producer warps that sum db (`_TmaWgmmaPersistentDbGemm`)
 
     def __init__(self, tile: GemmTile, **kw):
@@ -1356,12 +1368,16 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
     def _stage_readers(self) -> int:
         return super()._stage_readers + self._DBIAS_WARPS
 
+    @property
+    def _c_buffers(self) -> int:
+        return c_buffers(self.tile)
+
     def _c_layout(self):
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as sm90
 
         t = self.tile
-        return sm90.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (t.bm, t.bn), self._C_BUFFERS)
+        return sm90.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (t.bm, t.bn), self._c_buffers)
 
     def _allocate_smem(self, sA_layout, sB_layout, align: int):
         """The mbarrier pair per stage, the A and B stages, and the C buffers (their own: TMA reads them while
@@ -1474,12 +1490,11 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             acc = cute.make_rmem_tensor(thr_mma.partition_C(sC[None, None, 0]).shape, cutlass.Float32)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            # Fragments -> swizzled C buffer with stmatrix (the layout the TMA store reads).
+            # Fragments -> swizzled C buffer with stmatrix (the layout the TMA store reads), each register from the
+            # accumulator element of its own (m, n) (the identity for 128 rows; 256 rows repeat each warpgroup's
+            # wgmma along M).
             r2s, tRS_sC, tRS_rC, order = bf16_c_stmatrix(tiled_mma, (t.bm, t.bn), sC, ctidx)  # sC: (.., buffer)
-            # Two 64-row warpgroups: the stmatrix registers are the accumulator's own order (checked here at
-            # compile time), so the retiled view feeds them directly.
-            assert order == list(range(len(order))), (t, "stmatrix order differs from the accumulator's")
-            tRS_acc = r2s.retile(acc)
+            tRS_acc = r2s.retile(acc) if order == list(range(len(order))) else None
 
             # The tile walk is written out here and in `_consume_pingpong`, not called: a PipelineState advanced inside
             # a dynamic loop of a called @cute.jit function does not come back to the caller (tried: the PTX then
@@ -1505,11 +1520,15 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                 ring.consumer_release(release)
                 release.advance()
 
-                if ctidx == 0:  # the store that last read this buffer (two tiles ago) is done reading it
-                    cute.arch.cp_async_bulk_wait_group(self._C_BUFFERS - 1, read=True)
+                if ctidx == 0:  # the store that last read this buffer (`_c_buffers` tiles ago) is done reading it
+                    cute.arch.cp_async_bulk_wait_group(self._c_buffers - 1, read=True)
                 self._epilogue_barrier()
-                for i in cutlass.range(cute.size(tRS_rC), unroll_full=True):
-                    tRS_rC[i] = tRS_acc[i].to(cutlass.BFloat16)
+                if cutlass.const_expr(tRS_acc is not None):
+                    for i in cutlass.range(cute.size(tRS_rC), unroll_full=True):
+                        tRS_rC[i] = tRS_acc[i].to(cutlass.BFloat16)
+                else:
+                    for i in cutlass.range_constexpr(cute.size(tRS_rC)):
+                        tRS_rC[i] = acc[order[i]].to(cutlass.BFloat16)
                 cute.copy(r2s, tRS_rC, tRS_sC[None, None, None, buffer])
                 cute.arch.fence_proxy("async.shared", space="cta")  # the writes are visible to the TMA unit
                 self._epilogue_barrier()
@@ -1518,7 +1537,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                     cute.arch.cp_async_bulk_commit_group()
                 if cutlass.const_expr(self.dbias_rows and self._DBIAS_WARPS == 0):
                     self._store_dbias(mA, mBias, n_tile, m_tile, ctidx)
-                buffer = (buffer + 1) % self._C_BUFFERS
+                buffer = (buffer + 1) % self._c_buffers
             if ctidx == 0:  # shared memory must outlive the last stores' reads
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 

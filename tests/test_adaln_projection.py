@@ -192,10 +192,12 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
     for name, tile in {**k.TMA_CONFIGS, **k.TMA_WGRAD_CONFIGS}.items():
         ab = tile.stages * (tile.bm + tile.bn) * tile.bk * 2
         # The persistent dW kernel has its own C buffers (TMA stores read them while the next tile loads).
-        c_buffers = k._TmaWgmmaPersistentGemm._C_BUFFERS * tile.bm * tile.bn * 2 if tile.persistent_ctas else 0
+        c_buffers = k.c_buffers(tile) * tile.bm * tile.bn * 2 if tile.persistent_ctas else 0
         smem = ab + c_buffers + 2 * 8 * tile.stages + 3 * 1024  # barriers, alignment of each range
         assert smem_max // 2 < smem <= smem_max, (name, smem)
-        assert tile.warps_m == 8 and tile.bk % 32 == 0 and tile.bm == 128, name
+        # 256 rows (two 64-row slabs per warpgroup) only in the persistent cooperative dW.
+        assert tile.warps_m == 8 and tile.bk % 32 == 0, name
+        assert tile.bm == 128 or (tile.bm == 256 and tile.persistent_ctas and not tile.pingpong), name
         c_major = name in k.TMA_WGRAD_CONFIGS  # dW's C is N-major, the table's M-major (padded by 8)
         c_lines, c_line = (tile.bm, tile.bn + 8) if c_major else (tile.bn, tile.bm + 8)
         assert tile.persistent_ctas or c_lines * c_line * 2 <= ab, name
@@ -262,8 +264,9 @@ def test_tma_mainloop_instructions():
                            "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group"):
                 assert marker in text, (config, marker)
             waits = re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", text)
-            # Two C buffers: shared by both warpgroups (the store of two tiles ago), or one per warpgroup (pingpong).
-            reuse = "0" if tile.pingpong else str(k._TmaWgmmaPersistentGemm._C_BUFFERS - 1)
+            # C buffers shared by both warpgroups (two at 128 rows: the store of two tiles ago; one at 256), or one
+            # per warpgroup (pingpong).
+            reuse = "0" if tile.pingpong else str(k.c_buffers(tile) - 1)
             assert waits == [reuse, "0"], (config, waits)
             # No 16-byte register stores of C left; with db warps one st.global.v4 is db's (8 values per lane).
             assert text.count("st.global.v4") == (config in k.WGRAD_DB_WARPS), config
@@ -1075,13 +1078,13 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
 
     k = _tma_kernels()
     seen = {}
-    # The TMA-store tiles and the pingpong persistent tile (one warpgroup of 128 threads over 128 rows) index the
-    # accumulator through the order; the other persistent tiles hand `r2s.retile(acc)` to stmatrix: valid only
-    # while the two orders agree.
+    # The TMA-store tiles, the pingpong persistent tile (one warpgroup of 128 threads over 128 rows) and the 256-row
+    # persistent tile (each warpgroup's wgmma repeated along M) index the accumulator through the order; the
+    # 128-row cooperative persistent tiles hand `r2s.retile(acc)` to stmatrix: valid only while the orders agree.
     gemms = {name: (k._WgmmaTmaStoreGemm, k.WGRAD_WGMMA_CONFIGS[name], k.WGRAD_WGMMA_CONFIGS[name].threads)
              for name in sorted(k.WGRAD_TMA_STORE)}
-    gemms.update({name: (k._TmaWgmmaPersistentGemm, tile, 128) for name, tile in k.TMA_WGRAD_CONFIGS.items()
-                  if tile.pingpong})
+    gemms.update({name: (k._TmaWgmmaPersistentGemm, tile, 128 if tile.pingpong else tile.threads)
+                  for name, tile in k.TMA_WGRAD_CONFIGS.items() if tile.pingpong or tile.bm == 256})
     for name, (cls, tile, threads) in gemms.items():
         gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
 
@@ -1099,7 +1102,7 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
 
         cute.compile(probe, options="--gpu-arch sm_90a")
     for name, tile in k.TMA_WGRAD_CONFIGS.items():
-        if tile.persistent_ctas and not tile.pingpong:
+        if tile.persistent_ctas and not tile.pingpong and tile.bm == 128:
             gemm = k._TmaWgmmaPersistentGemm(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
 
             @cute.jit
@@ -1113,6 +1116,7 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
             order = seen.pop((name, "order"))
             assert order == list(range(len(order))), name
     assert len(seen) == sum(threads for _, _, threads in gemms.values()) and any(t.pingpong for _, t, _ in gemms.values())
+    assert any(t.bm == 256 for _, t, _ in gemms.values())
     bad = [(key, pair) for key, pairs in seen.items() for pair in pairs if pair[0] != pair[1]]
     assert not bad, bad[:4]
     for (name, _), pairs in seen.items():  # each thread's values are distinct cells of the tile

@@ -48,7 +48,8 @@ WGRAD_WGMMA_CONFIGS = ("wg_wgrad", "wg_wgrad_n64", "wg_wgrad_n64_1wg", "wg_wgrad
                        "wg_wgrad_tstore")
 # The persistent dW kernel (TMA stores from double-buffered C tiles) is in the same tuple: same bits.
 TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_mc2", "tma_wgrad_persist", "tma_wgrad_persist_n64",
-                     "tma_wgrad_persist_pingpong", "tma_wgrad_persist_db", "tma_wgrad_persist_pingpong_db")
+                     "tma_wgrad_persist_pingpong", "tma_wgrad_persist_m256", "tma_wgrad_persist_db",
+                     "tma_wgrad_persist_pingpong_db")
 # Persistent dW kernels whose producer warps also sum db, at every T (kernels/adaln_gemm.WGRAD_DB_WARPS; a CPU test
 # checks).
 DB_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_db", "tma_wgrad_persist_pingpong_db")
