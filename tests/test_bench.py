@@ -408,6 +408,19 @@ def test_host_trace_kernel_timeline_counts_overlaps_and_gaps():
     assert mod["_kernel_lines"]([]) == ["    (no kernels recorded)"]
 
 
+def test_clock_probe_parses_nvidia_smi_samples():
+    """perf/clock_probe.py: each `--format=csv,noheader,nounits` line is (MHz, W, C, reasons); "[N/A]" fields and a
+    line cut off when the sampler is stopped are dropped, not read as zeros."""
+    import runpy
+
+    mod = runpy.run_path(str(Path(__file__).parents[1] / "perf" / "clock_probe.py"), run_name="imported")
+    text = "1980, 450.12, 41, 0x0000000000000000\n1755, 699.80, 55, 0x0000000000000004\n" \
+           "[N/A], 690.1, 55, 0x4\n1740, 70"
+    assert mod["parse_samples"](text) == [(1980.0, 450.12, 41.0, "0x0000000000000000"),
+                                          (1755.0, 699.8, 55.0, "0x0000000000000004")]
+    assert mod["parse_samples"]("") == []
+
+
 def test_device_timer_on_cpu_is_wall_time_and_graph_time_says_why():
     assert timing.device_timer("cpu", 1, 3)(lambda: sum(range(100))) > 0
     assert timing.graph_time(lambda: None, "cpu", 1, 3) == (None, "CUDA graphs need a CUDA device")
