@@ -115,14 +115,17 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     157.6 / 200.6 / 236.0 / 324.7 us at T = 96 / 128 / 192 / 256 / 384 against 154.6 / 169.7 / 206.8 / 263.4 /
     365.8 for the cooperative kernel with db warps; at 4d31524 245.1 against 237.1 at T = 256): the kernels without
     them ran 152.3 / 159.7 / 196.4 / 232.6 us at T = 96 / 128 / 192 / 256 (45d5512 / 14feb80), 353.3 at 384
-    (ef9eb22), plus adaln_bias_grad's 17-41 us. Beyond 384 the cooperative kernel without db warps, then
-    adaln_bias_grad (1629.6 + 103-131 us at T = 2048, 45d5512 and later runs), as the db warps cost more there than
-    the launch they save (1787.2 / 1950.4 us for tma_wgrad_persist_pingpong_db at 439f961 / 4d31524, 1935.1 / 1815.5
-    for tma_wgrad_persist_db)."""
+    (ef9eb22), plus adaln_bias_grad's 17-41 us. Beyond 384 no db warps (they cost more there than the launch they
+    save: 1787.2 / 1950.4 us for tma_wgrad_persist_pingpong_db at 439f961 / 4d31524, 1935.1 / 1815.5 for
+    tma_wgrad_persist_db, against 1629.6 + 103-131 for tma_wgrad_persist + adaln_bias_grad at T = 2048), and the
+    256-row cooperative tile: at the H200's power limit, where a GEMM this size runs (perf/clock_probe.py, aa21e99,
+    each launch sustained 2 s) 1598.0 us at T = 2048 against tma_wgrad_persist's 1657.4, the pingpong's 1692.9 and
+    cuBLAS's 1630.4; in short bursts (perf/adaln_kernels.py, 31e16e7) 831.1 / 1640.1 us at T = 1024 / 2048 against
+    844.6 / 1635.8 (the pingpong 782.2 / 1616.7)."""
     if wgmma:
         if rows <= 64:
             return "wg_wgrad_n64_1wg_tstore"
-        return "tma_wgrad_persist_pingpong_db" if rows <= 384 else "tma_wgrad_persist"
+        return "tma_wgrad_persist_pingpong_db" if rows <= 384 else "tma_wgrad_persist_m256"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
