@@ -335,7 +335,7 @@ def _finite(tensors) -> bool:
 
 
 @gpu
-@pytest.mark.parametrize("timesteps", [1, 3, 4, 17, 64, 65, 129, 193, 256, 300, 385])  # every range of its T_BOUNDS
+@pytest.mark.parametrize("timesteps", [1, 3, 4, 17, 64, 65, 129, 193, 256, 300, 385, 769])  # every T_BOUNDS range
 def test_adaln_projection_cpp_equals_python_impl(block_projection, timesteps):
     weight, bias = block_projection
     temb = _seeded((timesteps, 2688), 52 + timesteps)
@@ -541,7 +541,7 @@ def test_adaln_projection_row_ranges_ask_for_the_launchers_kernels(monkeypatch, 
     top = 5000
     assert L.T_BOUNDS[-1] == runtime.MAX_ROWS and list(L.T_BOUNDS) == sorted(L.T_BOUNDS)
     for backward in (0, 1):
-        for rows in [*range(1, 520), 1000, 2048, 4096]:
+        for rows in [*range(1, 520), 768, 769, 1000, 2048, 4096]:
             answer = L.kernel_handles(0, backward, rows)
             cached = recorder.take()
             lo, hi = answer[:2]

@@ -120,12 +120,16 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     tma_wgrad_persist_db, against 1629.6 + 103-131 for tma_wgrad_persist + adaln_bias_grad at T = 2048), and the
     256-row cooperative tile: at the H200's power limit, where a GEMM this size runs (perf/clock_probe.py, aa21e99,
     each launch sustained 2 s) 1598.0 us at T = 2048 against tma_wgrad_persist's 1657.4, the pingpong's 1692.9 and
-    cuBLAS's 1630.4; in short bursts (perf/adaln_kernels.py, 31e16e7) 831.1 / 1640.1 us at T = 1024 / 2048 against
-    844.6 / 1635.8 (the pingpong 782.2 / 1616.7)."""
+    cuBLAS's 1630.4, and 826.6 against 856.9 at T = 1024 (f9f7194); in short bursts (perf/adaln_kernels.py, 31e16e7)
+    831.1 / 1640.1 us at T = 1024 / 2048 against 844.6 / 1635.8 (the pingpong 782.2 / 1616.7). Its one C buffer
+    and 256-row epilogue weigh more at shorter K: 447.4 / 682.1 us at T = 512 / 768 against tma_wgrad_persist's
+    410.2 / 576.1 (f9f7194, bursts), so to T = 768 the 128-row cooperative kernel."""
     if wgmma:
         if rows <= 64:
             return "wg_wgrad_n64_1wg_tstore"
-        return "tma_wgrad_persist_pingpong_db" if rows <= 384 else "tma_wgrad_persist_m256"
+        if rows <= 384:
+            return "tma_wgrad_persist_pingpong_db"
+        return "tma_wgrad_persist" if rows <= 768 else "tma_wgrad_persist_m256"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
@@ -149,8 +153,8 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 
 # Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 192,
-# 256, 384), the d_temb config (the same), the dW tile and whether it writes db (64, 384).
-T_BOUNDS = (16, 64, 128, 192, 256, 384, runtime.MAX_ROWS)
+# 256, 384), the d_temb config (the same), the dW tile (64, 384, 768) and whether it writes db (64, 384).
+T_BOUNDS = (16, 64, 128, 192, 256, 384, 768, runtime.MAX_ROWS)
 
 
 def _choices(device, rows: int, backward: bool) -> tuple:
