@@ -177,6 +177,9 @@ WGRAD_WGMMA_CONFIGS = {
     "wg_wgrad_tstore": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=4),
 }
 WGRAD_TMA_STORE = frozenset(name for name in WGRAD_WGMMA_CONFIGS if name.endswith("_tstore"))
+# The persistent kernels' grid: one CTA per H200 SM (132; a constant, never a device query). On a GPU with more
+# SMs the kernel stays correct and leaves some idle; the tile order, hence the bits, never depends on it.
+PERSISTENT_CTAS = 132
 # The TMA + mbarrier warp-specialized mainloop of the wgmma family (`_TmaWgmmaGemm`): same k16 walk, so
 # the same bits as WGMMA_CONFIGS (tests check). Two consumer warpgroups of 64 rows (warps_m = 8) and
 # enough stages to fill shared memory: one CTA per SM, which the register split below assumes.
@@ -193,6 +196,10 @@ TMA_CONFIGS = {
     "tma_wide_a_mc2": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5, cluster_n=2),  # 160 KB
     # 192 T rows per tile: 20% fewer operand bytes per MMA than 128 x 128; d_temb runs it with one block tile.
     "tma_wide_n192": GemmTile(bm=128, bn=192, bk=64, warps_m=8, warps_n=1, stages=5),  # 200 KB
+    # Forward only, large T: the persistent 256-row kernel of the dW (`_TmaWgmmaPersistentGemm`), 256 W rows x 128 T
+    # rows per tile, C (the table, M-major) stored by TMA from one buffer while the next tile's stages land.
+    "tma_persist_m256": GemmTile(bm=256, bn=128, bk=64, warps_m=8, warps_n=1, stages=3,
+                                 persistent_ctas=PERSISTENT_CTAS),  # 144 + 64 KB
 }
 # ieee_steps keeps acc and two block tiles (3 x bn / 2 FP32 registers per consumer thread) up to bn = 128, acc and
 # one block tile (2 x bn / 2) up to 192, and at 256 two accumulators of 128-wide halves and one block tile of a half
@@ -200,7 +207,8 @@ TMA_CONFIGS = {
 # M = 2688 (21 tiles of 128).
 _IEEE_PIPELINED_MAX_BN = 128
 _IEEE_MAX_BN = 256
-TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items() if tile.bn <= _IEEE_MAX_BN and tile.cluster_m == 1}
+TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items()
+                     if tile.bn <= _IEEE_MAX_BN and tile.cluster_m == 1 and not tile.persistent_ctas}
 
 
 def c_buffers(tile: GemmTile) -> int:
@@ -212,9 +220,6 @@ def c_buffers(tile: GemmTile) -> int:
 def dgrad_n_halves(tile: GemmTile) -> int:
     """How many N halves d_temb's TMA kernel runs a tile as: 2 for the 256-wide tile (wgmma N = 128), else 1."""
     return 2 if tile.bn > 192 else 1
-# The persistent dW grid: one CTA per H200 SM (132; a constant, never a device query). On a GPU with more
-# SMs the kernel stays correct and leaves some idle; the tile order, hence the bits, never depends on it.
-PERSISTENT_CTAS = 132
 TMA_WGRAD_CONFIGS = {
     "tma_wgrad": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5),  # 160 KB
     # bk 32: half the zero-padded K tail at mid T (T = 256: 8 k tiles).
@@ -853,15 +858,16 @@ def r2s_source_order(tiled_mma, r2s, tile_mn) -> list:
     return [where[tuple(src[i])] for i in range(cute.size(src))]
 
 
-def bf16_c_stmatrix(tiled_mma, tile_mn, sC: cute.Tensor, tidx):
-    """The stmatrix copy of `tiled_mma`'s FP32 accumulator, as BF16, into the row-major swizzled C buffers `sC`
-    (bm, bn, buffers) that a TMA store reads: (copy, this thread's sC partition, its BF16 source registers, and
-    `r2s_source_order`: the accumulator index each register takes). Shared by the TMA-store and persistent
-    dW kernels."""
+def bf16_c_stmatrix(tiled_mma, tile_mn, sC: cute.Tensor, tidx, n_major: bool = True):
+    """The stmatrix copy of `tiled_mma`'s FP32 accumulator, as BF16, into the swizzled C buffers `sC` (bm, bn,
+    buffers; N-major, or M-major with the transposing stmatrix) that a TMA store reads: (copy, this thread's sC
+    partition, its BF16 source registers, and `r2s_source_order`: the accumulator index each register takes).
+    Shared by the TMA-store dW and the persistent kernels."""
     from cutlass.utils import LayoutEnum
     from cutlass.utils import hopper_helpers as sm90
 
-    st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
+    layout = LayoutEnum.ROW_MAJOR if n_major else LayoutEnum.COL_MAJOR
+    st_atom = sm90.get_smem_store_op(layout, cutlass.BFloat16, cutlass.Float32)
     r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
     thr_r2s = r2s.get_slice(tidx)
     rC = cute.make_rmem_tensor(cute.shape(thr_r2s.partition_S(sC))[:3], cutlass.BFloat16)
@@ -1344,7 +1350,8 @@ class _TmaWgmmaGemm(_WgmmaGemm):
 
 
 class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
-    """The dW GEMM (C = A B^T, BF16 C N-major) as a persistent `_TmaWgmmaGemm`: `tile.persistent_ctas` CTAs,
+    """The dW GEMM (C = A B^T, BF16 C N-major) or the forward (`bias_bf16`: C = out^T M-major, + bias per M row in
+    FP32 and one rounding, as `_store_c_bf16`) as a persistent `_TmaWgmmaGemm`: `tile.persistent_ctas` CTAs,
     CTA c computes output tiles i = c, c + G, c + 2G, ... (N fastest: i -> (i // tiles_n, i % tiles_n)), a fixed
     static schedule. The producer warp streams every tile's A (grad^T) and B (a^T) k tiles through one ring,
     running ahead into the next tile while the consumers finish the current one. Per tile the consumers run the
@@ -1361,7 +1368,10 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
 
     def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
-        assert tile.persistent_ctas > 0 and tile.cluster_size == 1 and self.c_n_major and self.epilogue == "bf16", (tile, kw)
+        assert tile.persistent_ctas > 0 and tile.cluster_size == 1, tile
+        # dW: N-major C, no bias; the forward: M-major C (out^T), bias per row, the cooperative consumers only.
+        assert (self.c_n_major and self.epilogue == "bf16") or \
+            (not self.c_n_major and self.epilogue == "bias_bf16" and not tile.pingpong), (tile, kw)
         assert self.k_splits == 1 and not self.ieee_steps, kw
 
     @property
@@ -1377,7 +1387,8 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         from cutlass.utils import hopper_helpers as sm90
 
         t = self.tile
-        return sm90.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (t.bm, t.bn), self._c_buffers)
+        layout = LayoutEnum.ROW_MAJOR if self.c_n_major else LayoutEnum.COL_MAJOR
+        return sm90.make_smem_layout_epi(cutlass.BFloat16, layout, (t.bm, t.bn), self._c_buffers)
 
     def _allocate_smem(self, sA_layout, sB_layout, align: int):
         """The mbarrier pair per stage, the A and B stages, and the C buffers (their own: TMA reads them while
@@ -1493,8 +1504,18 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             # Fragments -> swizzled C buffer with stmatrix (the layout the TMA store reads), each register from the
             # accumulator element of its own (m, n) (the identity for 128 rows; 256 rows repeat each warpgroup's
             # wgmma along M).
-            r2s, tRS_sC, tRS_rC, order = bf16_c_stmatrix(tiled_mma, (t.bm, t.bn), sC, ctidx)  # sC: (.., buffer)
-            tRS_acc = r2s.retile(acc) if order == list(range(len(order))) else None
+            r2s, tRS_sC, tRS_rC, order = bf16_c_stmatrix(tiled_mma, (t.bm, t.bn), sC, ctidx, self.c_n_major)
+            bias = self.epilogue == "bias_bf16"
+            tRS_acc = r2s.retile(acc) if order == list(range(len(order))) and not bias else None
+            if cutlass.const_expr(bias):
+                # The bias of each accumulator element's row: a thread's rows are its first element's plus offsets
+                # that are the same for every thread (read off thread 0), so one load per distinct row.
+                coords0 = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((t.bm, t.bn)))
+                rows0 = [coords0[j][0] for j in range(cute.size(coords0))]
+                firsts = sorted({r: j for j, r in reversed(list(enumerate(rows0)))}.items())
+                group = [[r for r, _ in firsts].index(r) for r in rows0]
+                tCcC = thr_mma.partition_C(cute.make_identity_tensor((t.bm, t.bn)))
+                bias_rows = cute.make_rmem_tensor(cute.make_layout(len(firsts)), cutlass.Float32)
 
             # The tile walk is written out here and in `_consume_pingpong`, not called: a PipelineState advanced inside
             # a dynamic loop of a called @cute.jit function does not come back to the caller (tried: the PTX then
@@ -1520,12 +1541,18 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                 ring.consumer_release(release)
                 release.advance()
 
+                if cutlass.const_expr(bias):
+                    for g in cutlass.range_constexpr(len(firsts)):
+                        bias_rows[g] = mBias[m_tile * t.bm + tCcC[firsts[g][1]][0]].to(cutlass.Float32)
                 if ctidx == 0:  # the store that last read this buffer (`_c_buffers` tiles ago) is done reading it
                     cute.arch.cp_async_bulk_wait_group(self._c_buffers - 1, read=True)
                 self._epilogue_barrier()
                 if cutlass.const_expr(tRS_acc is not None):
                     for i in cutlass.range(cute.size(tRS_rC), unroll_full=True):
                         tRS_rC[i] = tRS_acc[i].to(cutlass.BFloat16)
+                elif cutlass.const_expr(bias):
+                    for i in cutlass.range_constexpr(cute.size(tRS_rC)):
+                        tRS_rC[i] = (acc[order[i]] + bias_rows[group[order[i]]]).to(cutlass.BFloat16)
                 else:
                     for i in cutlass.range_constexpr(cute.size(tRS_rC)):
                         tRS_rC[i] = acc[order[i]].to(cutlass.BFloat16)
@@ -1721,7 +1748,8 @@ def _fake(dtype, shape, stride_order=None):
 def _gemm(arch: str, config: str, **kw):
     if config in TMA_CONFIGS:
         assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
-        return _TmaWgmmaGemm(TMA_CONFIGS[config], **kw)
+        tile = TMA_CONFIGS[config]
+        return (_TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm)(tile, **kw)
     if config in WGMMA_CONFIGS:
         assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
         return _WgmmaGemm(WGMMA_CONFIGS[config], **kw)

@@ -209,7 +209,8 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
         halves = k.dgrad_n_halves(t)
         tiles = 3 if t.bn <= k._IEEE_PIPELINED_MAX_BN else 2 if halves == 1 else 3
         assert tiles * t.bn // halves // 2 <= 192 and halves in (1, 2) and t.bn % (64 * halves) == 0, name
-    assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items() if t.bn <= 256 and t.cluster_m == 1}
+    assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items()
+                                        if t.bn <= 256 and t.cluster_m == 1 and not t.persistent_ctas}
 
 
 @pytest.mark.slow
@@ -260,7 +261,9 @@ def test_tma_mainloop_instructions():
         else:  # BF16 epilogues stage C in shared memory behind the consumers' named barrier
             assert re.search(r"bar\.sync\s+1, 256;", text), (name, config)
         if tile.persistent_ctas:  # C: stmatrix -> C buffer -> TMA store, a buffer reused after its store read it
-            for marker in ("stmatrix.sync.aligned.m8n8.x4.shared.b16", "fence.proxy.async.shared::cta",
+            # dW's C is N-major; the forward's (the table seen as out^T) M-major: the transposing stmatrix.
+            trans = "" if config in k.TMA_WGRAD_CONFIGS else ".trans"
+            for marker in (f"stmatrix.sync.aligned.m8n8.x4{trans}.shared.b16", "fence.proxy.async.shared::cta",
                            "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group"):
                 assert marker in text, (config, marker)
             waits = re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", text)
@@ -1079,19 +1082,26 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
     k = _tma_kernels()
     seen = {}
     # The TMA-store tiles, the pingpong persistent tile (one warpgroup of 128 threads over 128 rows) and the 256-row
-    # persistent tile (each warpgroup's wgmma repeated along M) index the accumulator through the order; the
-    # 128-row cooperative persistent tiles hand `r2s.retile(acc)` to stmatrix: valid only while the orders agree.
-    gemms = {name: (k._WgmmaTmaStoreGemm, k.WGRAD_WGMMA_CONFIGS[name], k.WGRAD_WGMMA_CONFIGS[name].threads)
+    # persistent tiles (each warpgroup's wgmma repeated along M; the forward's with its M-major C through the
+    # transposing stmatrix) index the accumulator through the order; the 128-row cooperative persistent tiles hand
+    # `r2s.retile(acc)` to stmatrix: valid only while the orders agree.
+    dw = dict(a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
+    gemms = {name: (k._WgmmaTmaStoreGemm, k.WGRAD_WGMMA_CONFIGS[name], k.WGRAD_WGMMA_CONFIGS[name].threads, dw)
              for name in sorted(k.WGRAD_TMA_STORE)}
-    gemms.update({name: (k._TmaWgmmaPersistentGemm, tile, 128 if tile.pingpong else tile.threads)
+    gemms.update({name: (k._TmaWgmmaPersistentGemm, tile, 128 if tile.pingpong else tile.threads, dw)
                   for name, tile in k.TMA_WGRAD_CONFIGS.items() if tile.pingpong or tile.bm == 256})
-    for name, (cls, tile, threads) in gemms.items():
-        gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
+    fwd = dict(a_k_major=True, b_k_major=True, epilogue="bias_bf16", c_n_major=False)
+    gemms.update({name: (k._TmaWgmmaPersistentGemm, tile, tile.threads, fwd)
+                  for name, tile in k.TMA_CONFIGS.items() if tile.persistent_ctas})
+    row_offsets = {}
+    for name, (cls, tile, threads, kw) in gemms.items():
+        gemm = cls(tile, **kw)
 
         @cute.jit
         def probe():
             tiled_mma = gemm._wgmma_tiled_mma()
-            st_atom = sm90.get_smem_store_op(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cutlass.Float32)
+            layout = LayoutEnum.ROW_MAJOR if kw["c_n_major"] else LayoutEnum.COL_MAJOR
+            st_atom = sm90.get_smem_store_op(layout, cutlass.BFloat16, cutlass.Float32)
             r2s = cute.make_tiled_copy_S(st_atom, cute.make_tiled_copy_C_atom(st_atom, tiled_mma))
             order = k.r2s_source_order(tiled_mma, r2s, (tile.bm, tile.bn))
             full = cute.make_identity_tensor((tile.bm, tile.bn))
@@ -1099,8 +1109,11 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
                 acc = tiled_mma.get_slice(t).partition_C(full)
                 src = r2s.get_slice(t).partition_S(full)
                 seen[(name, t)] = [(tuple(src[i]), tuple(acc[order[i]])) for i in range(len(order))]
+                # The forward's bias: a thread's accumulator rows are its first one's plus offsets common to all.
+                row_offsets[(name, t)] = [acc[j][0] - acc[0][0] for j in range(cute.size(acc))]
 
         cute.compile(probe, options="--gpu-arch sm_90a")
+        assert all(row_offsets[(name, t)] == row_offsets[(name, 0)] for t in range(threads)), name
     for name, tile in k.TMA_WGRAD_CONFIGS.items():
         if tile.persistent_ctas and not tile.pingpong and tile.bm == 128:
             gemm = k._TmaWgmmaPersistentGemm(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
@@ -1115,12 +1128,12 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
             cute.compile(persistent_probe, options="--gpu-arch sm_90a")
             order = seen.pop((name, "order"))
             assert order == list(range(len(order))), name
-    assert len(seen) == sum(threads for _, _, threads in gemms.values()) and any(t.pingpong for _, t, _ in gemms.values())
-    assert any(t.bm == 256 for _, t, _ in gemms.values())
+    assert len(seen) == sum(threads for _, _, threads, _ in gemms.values())
+    assert any(t.pingpong for _, t, _, _ in gemms.values()) and any(kw is fwd for *_, kw in gemms.values())
     bad = [(key, pair) for key, pairs in seen.items() for pair in pairs if pair[0] != pair[1]]
     assert not bad, bad[:4]
     for (name, _), pairs in seen.items():  # each thread's values are distinct cells of the tile
-        _, tile, threads = gemms[name]
+        _, tile, threads, _ = gemms[name]
         assert len({p[0] for p in pairs}) == len(pairs) == tile.bm * tile.bn // threads
 
 
