@@ -112,11 +112,11 @@ def _assert_dgrad_k_blocks(text, atoms, acc_per_thread, k_block, config):
     assert text.count("add.f32") == acc_per_thread * len(scale_d) // group, config
 
 
-def test_backward_refuses_a_config_without_a_dtemb_gemm():
+@pytest.mark.parametrize("config", ["tma_wide_n256_mc2", "tma_persist_m256"])
+def test_backward_refuses_a_config_without_a_dtemb_gemm(config):
     t = torch.zeros((2, 2688))
-    with pytest.raises(ValueError, match="tma_wide_n256_mc2.*no d_temb GEMM"):
-        launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), t, torch.zeros((8, 2688)),
-                        config="tma_wide_n256_mc2")
+    with pytest.raises(ValueError, match=f"{config}.*no d_temb GEMM"):
+        launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), t, torch.zeros((8, 2688)), config=config)
 
 
 def test_launch_and_kernel_agree_on_configs_and_splits():

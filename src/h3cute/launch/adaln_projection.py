@@ -67,12 +67,18 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
     T = 128, one 192-row tile to 192 (1a113a8: tma_wide_n192 166.6 us at T = 192 vs tma_wide_n256_mc2 205.2;
     ef9eb22: tma_wide 278.2), then the 256-wide tile in 2-CTA clusters sharing the activation tile by TMA
     multicast (ef9eb22: 399.3 vs tma_wide 451.6 us at T = 512, 1512.9 vs 1725.8 at 2048) except where its T
-    padding costs more than it gains: T in (256, 384] (tma_wide 347.1 vs 396.4 at T = 384)."""
+    padding costs more than it gains: T in (256, 384] (tma_wide 347.1 vs 396.4 at T = 384). Beyond T = 768 the
+    persistent 256-row kernel (tma_persist_m256: its stores overlap the next tile's loads and MMAs): 813.3 / 1583.0
+    us at T = 1024 / 2048 against tma_wide_n256_mc2's 895.7 / 1711.5 (31d6ae1, 3 rounds), and at the H200's power
+    limit (perf/clock_probe.py, each launch sustained) 1604.0 against 1693.9 and cuBLAS's F.linear 1612.3 at
+    T = 2048; at T = 512 it trails (447.3 against tma_wide's 430.8)."""
     if wgmma:
         if rows <= 64:
             return "wg_skinny" if rows <= 16 else "wg_mid"
         if rows <= 128 or 256 < rows <= 384:
             return "tma_wide"
+        if rows > 768:
+            return "tma_persist_m256"
         return "tma_wide_n192" if rows <= 192 else "tma_wide_n256_mc2"
     if rows <= 16:
         return "skinny"
@@ -155,7 +161,8 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 
 # Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 192,
-# 256, 384), the d_temb config (the same), the dW tile (64, 384, 768) and whether it writes db (64, 384).
+# 256, 384, 768), the d_temb config (16, 64, 128, 192, 384), the dW tile (64, 384, 768) and whether it writes db
+# (64, 384).
 T_BOUNDS = (16, 64, 128, 192, 256, 384, 768, runtime.MAX_ROWS)
 
 
