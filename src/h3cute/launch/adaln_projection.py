@@ -67,17 +67,18 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
     T = 128, one 192-row tile to 192 (1a113a8: tma_wide_n192 166.6 us at T = 192 vs tma_wide_n256_mc2 205.2;
     ef9eb22: tma_wide 278.2), then the 256-wide tile in 2-CTA clusters sharing the activation tile by TMA
     multicast (ef9eb22: 399.3 vs tma_wide 451.6 us at T = 512, 1512.9 vs 1725.8 at 2048) except where its T
-    padding costs more than it gains: T in (256, 384] (tma_wide 347.1 vs 396.4 at T = 384). Beyond T = 768 the
-    persistent 256-row kernel (tma_persist_m256: its stores overlap the next tile's loads and MMAs): 813.3 / 1583.0
-    us at T = 1024 / 2048 against tma_wide_n256_mc2's 895.7 / 1711.5 (31d6ae1, 3 rounds), and at the H200's power
-    limit (perf/clock_probe.py, each launch sustained) 1604.0 against 1693.9 and cuBLAS's F.linear 1612.3 at
-    T = 2048; at T = 512 it trails (447.3 against tma_wide's 430.8)."""
+    padding costs more than it gains: T in (256, 384] (tma_wide 347.1 vs 396.4 at T = 384). Beyond T = 384 the
+    persistent 256-row kernel (tma_persist_m256: its stores overlap the next tile's loads and MMAs): 447.3 / 813.3
+    / 1583.0 us at T = 512 / 1024 / 2048 against tma_wide_n256_mc2's 455.3 / 895.7 / 1711.5 (31d6ae1, 3 rounds),
+    513.7 / 647.3 against 659.6 / 708.1 at T = 640 / 768 (93d851f), and at the H200's power limit
+    (perf/clock_probe.py, each launch sustained) 1604.0 against 1693.9 and cuBLAS's F.linear 1612.3 at T = 2048.
+    At T = 512 tma_wide ran 430.8 (not picked: one run)."""
     if wgmma:
         if rows <= 64:
             return "wg_skinny" if rows <= 16 else "wg_mid"
         if rows <= 128 or 256 < rows <= 384:
             return "tma_wide"
-        if rows > 768:
+        if rows > 384:
             return "tma_persist_m256"
         return "tma_wide_n192" if rows <= 192 else "tma_wide_n256_mc2"
     if rows <= 16:
@@ -131,13 +132,17 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     cuBLAS's 1630.4, and 826.6 against 856.9 at T = 1024 (f9f7194); in short bursts (perf/adaln_kernels.py, 31e16e7)
     831.1 / 1640.1 us at T = 1024 / 2048 against 844.6 / 1635.8 (the pingpong 782.2 / 1616.7). Its one C buffer
     and 256-row epilogue weigh more at shorter K: 447.4 / 682.1 us at T = 512 / 768 against tma_wgrad_persist's
-    410.2 / 576.1 (f9f7194, bursts), so to T = 768 the 128-row cooperative kernel."""
+    410.2 / 576.1 (f9f7194, bursts). To T = 768 the pingpong kernel (no db warps), ahead of both in bursts: 412.9 /
+    492.3 / 571.8 us at T = 512 / 640 / 768 against tma_wgrad_persist's 467.6 / 553.5 / 656.3 (31d6ae1, 93d851f).
+    At T = 2048 the three swap places between bursts and sustained runs (31d6ae1: bursts 1616.4 / 1561.8 / 1650.8
+    for the pingpong / cooperative / 256-row kernels, sustained 1682.8 / 1637.8 / 1589.8): the 256-row kernel, the
+    leader under sustained load."""
     if wgmma:
         if rows <= 64:
             return "wg_wgrad_n64_1wg_tstore"
         if rows <= 384:
             return "tma_wgrad_persist_pingpong_db"
-        return "tma_wgrad_persist" if rows <= 768 else "tma_wgrad_persist_m256"
+        return "tma_wgrad_persist_pingpong" if rows <= 768 else "tma_wgrad_persist_m256"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
@@ -161,8 +166,7 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 
 # Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 192,
-# 256, 384, 768), the d_temb config (16, 64, 128, 192, 384), the dW tile (64, 384, 768) and whether it writes db
-# (64, 384).
+# 256, 384), the d_temb config (16, 64, 128, 192, 384), the dW tile (64, 384, 768) and whether it writes db (64, 384).
 T_BOUNDS = (16, 64, 128, 192, 256, 384, 768, runtime.MAX_ROWS)
 
 
