@@ -1987,9 +1987,7 @@ def _bias_grad_fold_kernel(partial: cute.Tensor, dbias: cute.Tensor):
     col = bidx * _EW_THREADS + tidx
     if col < cute.size(dbias):
         acc = cutlass.Float32(0.0)
-        # Block order; unrolled so that the loads of 8 blocks go out before their adds (at T = 2048 the 32 blocks'
-        # dependent load-add pairs, one L2 round trip each, were most of this launch).
-        for b in cutlass.range(cute.size(partial, mode=[0]), unroll=8):
+        for b in range(cute.size(partial, mode=[0])):  # block order
             acc = acc + partial[b, col]
         dbias[col] = acc.to(cutlass.BFloat16)
 

@@ -99,14 +99,16 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     above) and ahead in both runs of 45d5512 / 14feb80 (3 rounds each): 237.0 / 230.2 us against tma_wide_n256's
     244.7 / 242.3; it takes (192, 384]. The 2-CTA clusters sharing the W tile (tma_wide_a_mc2) won and lost by
     turns between runs (T = 256: 226.0 vs tma_wide 234.1 at ef9eb22, 302.7 vs 240.7 at 1a113a8, 233.8 / 230.4 vs
-    237.0 / 230.2 at 45d5512 / 14feb80): not picked."""
+    237.0 / 230.2 at 45d5512 / 14feb80): not picked. Where tma_wide was picked, its staggered twin (tma_wide_st:
+    warpgroup 1 drains its IEEE units half a unit later, the same tile and bits): 219.1 against 238.9 us at T = 256,
+    1908.9 against 1986.0 at 2048 (7ffc916, 3 rounds), 1940.5 against 1959.6 sustained at 2048 (clock_probe)."""
     if wgmma:
         if rows <= 16:
             return "wg_skinny"
         if rows <= 64:
             return "tma_mid"
         if rows <= 128 or 192 < rows <= 384:
-            return "tma_wide"
+            return "tma_wide_st"
         return "tma_wide_n192" if rows <= 192 else "tma_wide_n256"
     if rows <= 16:
         return "skinny"
