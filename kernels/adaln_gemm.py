@@ -98,7 +98,6 @@ class GemmTile:
     cluster_m: int = 1
     cluster_n: int = 1
     pingpong: bool = False  # persistent dW: each consumer warpgroup takes whole tiles, in turn
-    stagger: bool = False  # d_temb's pipelined IEEE units: warpgroup 1's drained units start half a unit later
 
     @property
     def mma_warpgroups(self) -> int:
@@ -195,8 +194,6 @@ TMA_CONFIGS = {
     # tma_wide in clusters of 2 T tiles of one A tile (d_temb: a W^T tile of one K split; forward: a W tile), each CTA
     # loading half of it into both: a stage's L2 reads drop from 32 to 24 KB per CTA.
     "tma_wide_a_mc2": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5, cluster_n=2),  # 160 KB
-    # tma_wide whose two warpgroups drain their d_temb units at different k tiles (`_ieee_mainloop`).
-    "tma_wide_st": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5, stagger=True),  # 160 KB
     # 192 T rows per tile: 20% fewer operand bytes per MMA than 128 x 128; d_temb runs it with one block tile.
     "tma_wide_n192": GemmTile(bm=128, bn=192, bk=64, warps_m=8, warps_n=1, stages=5),  # 200 KB
     # Forward only, large T: the persistent 256-row kernel of the dW (`_TmaWgmmaPersistentGemm`), 256 W rows x 128 T
@@ -1016,8 +1013,6 @@ def _ieee_unit(tile: GemmTile, split_k_tiles: int) -> int:
     ptxas 13.0 serializes the wgmmas (C7511) at 6 and 7."""
     if tile.bk != DGRAD_K_BLOCK:
         return 1
-    if tile.stagger:  # warpgroup 1's units of 1, 2, ..., 2, 1 k tiles: with units of 3 (1, 3, ..., 3, 2) ptxas spills
-        return 2
     return 3 if split_k_tiles % 3 == 0 else 2
 
 
@@ -1286,46 +1281,32 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         stage is released once its last block is added; the unit's last block is added after wait_group(0).
         A unit must end drained: a wgmma still in flight across the k-tile loop's back edge makes ptxas
         serialize every wgmma of the kernel (C7514: it no longer proves the added block tile retired), while
-        the mbarrier wait inside a unit is fine (ptxas -v, CUDA 13.0). Units of 7 k tiles: C7511.
-        `tile.stagger`: warpgroup 1 runs a first unit of half a unit, whole units, and the rest, so the two
-        warpgroups drain at different k tiles and the tensor core runs one's blocks while the other drains (the
-        same blocks, added in the same order: the same bits)."""
+        the mbarrier wait inside a unit is fine (ptxas -v, CUDA 13.0). Units of 7 k tiles: C7511."""
         from cutlass import pipeline
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.tile.stages)
         blocks = (cute.make_rmem_tensor(acc.shape, cutlass.Float32), cute.make_rmem_tensor(acc.shape, cutlass.Float32))
+        mmas = _block_mmas(tiled_mma)
         per_tile = self.tile.bk // DGRAD_K_BLOCK
         unit = self.ieee_unit
-        mmas = _block_mmas(tiled_mma)
-        lead = unit // 2 if self.tile.stagger else 0
-        if cutlass.const_expr(lead > 0):
-            # Warpgroup 1: a unit of `lead` k tiles, whole units, a unit of the rest; warpgroup 0 whole units. The
-            # same code for both (loop counts of 0 or 1, no branch: ptxas spilled across one).
-            tidx, _, _ = cute.arch.thread_idx()
-            late = cute.arch.make_warp_uniform(tidx // 128 - self._PRODUCER_WARPGROUPS)  # 0 or 1
-            sizes = (lead, unit, unit - lead)
-            counts = (late, k_tile_count // unit - late, late)
-        else:
-            sizes, counts = (unit,), (k_tile_count // unit,)
-        for segment in cutlass.range_constexpr(len(sizes)):
-            for _ in range(counts[segment]):
-                for kt in cutlass.range_constexpr(sizes[segment]):
-                    ring.consumer_wait(read)
-                    for g in cutlass.range_constexpr(per_tile):
-                        b = kt * per_tile + g
-                        _wgmma_k_block(mmas, blocks[b % 2], tCrA, tCrB, read.index, g)
-                        if cutlass.const_expr(b > 0):
-                            cute.nvgpu.warpgroup.wait_group(1)
-                            self._add(acc, blocks[(b + 1) % 2])
-                            if cutlass.const_expr(g == 0):
-                                ring.consumer_release(release)
-                                release.advance()
-                    read.advance()
-                cute.nvgpu.warpgroup.wait_group(0)
-                self._add(acc, blocks[(sizes[segment] * per_tile - 1) % 2])
-                ring.consumer_release(release)
-                release.advance()
+        for _ in range(k_tile_count // unit):
+            for kt in cutlass.range_constexpr(unit):
+                ring.consumer_wait(read)
+                for g in cutlass.range_constexpr(per_tile):
+                    b = kt * per_tile + g
+                    _wgmma_k_block(mmas, blocks[b % 2], tCrA, tCrB, read.index, g)
+                    if cutlass.const_expr(b > 0):
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        self._add(acc, blocks[(b + 1) % 2])
+                        if cutlass.const_expr(g == 0):
+                            ring.consumer_release(release)
+                            release.advance()
+                read.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            self._add(acc, blocks[(unit * per_tile - 1) % 2])
+            ring.consumer_release(release)
+            release.advance()
 
     @cute.jit
     def _ieee_serial_mainloop(self, tiled_mma, accs, tCrA, tCrBs, ring, k_tile_count):

@@ -39,9 +39,9 @@ WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # and dW tiles. tma_wide_n256_mc2: tma_wide_n256 in 2-CTA clusters sharing the activation tile (TMA multicast);
 # tma_wide_a_mc2: tma_wide in 2-CTA clusters sharing the weight tile; tma_wgrad_mc2: tma_wgrad sharing a^T;
 # tma_persist_m256: the forward on the persistent 256-row kernel of the dW.
-TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_n256_mc2", "tma_wide_a_mc2", "tma_wide_st",
-               "tma_wide_n192", "tma_persist_m256")
-TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_a_mc2", "tma_wide_st", "tma_wide_n192")
+TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_n256_mc2", "tma_wide_a_mc2", "tma_wide_n192",
+               "tma_persist_m256")
+TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_a_mc2", "tma_wide_n192")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
@@ -99,16 +99,14 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     above) and ahead in both runs of 45d5512 / 14feb80 (3 rounds each): 237.0 / 230.2 us against tma_wide_n256's
     244.7 / 242.3; it takes (192, 384]. The 2-CTA clusters sharing the W tile (tma_wide_a_mc2) won and lost by
     turns between runs (T = 256: 226.0 vs tma_wide 234.1 at ef9eb22, 302.7 vs 240.7 at 1a113a8, 233.8 / 230.4 vs
-    237.0 / 230.2 at 45d5512 / 14feb80): not picked. Where tma_wide was picked, its staggered twin (tma_wide_st:
-    warpgroup 1 drains its IEEE units half a unit later, the same tile and bits): 219.1 against 238.9 us at T = 256,
-    1908.9 against 1986.0 at 2048 (7ffc916, 3 rounds), 1940.5 against 1959.6 sustained at 2048 (clock_probe)."""
+    237.0 / 230.2 at 45d5512 / 14feb80): not picked."""
     if wgmma:
         if rows <= 16:
             return "wg_skinny"
         if rows <= 64:
             return "tma_mid"
         if rows <= 128 or 192 < rows <= 384:
-            return "tma_wide_st"
+            return "tma_wide"
         return "tma_wide_n192" if rows <= 192 else "tma_wide_n256"
     if rows <= 16:
         return "skinny"
