@@ -212,8 +212,8 @@ TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items()
 
 
 def c_buffers(tile: GemmTile) -> int:
-    """The persistent dW's C buffers: two at 128 rows (a store reads one while the next tile's go to the other),
-    one at 256 (two would not fit beside the stages)."""
+    """The persistent cooperative kernels' C buffers: two at 128 rows (a store reads one while the next tile's go to
+    the other), one at 256 (two would not fit beside the stages). The pingpong kernel has one per warpgroup."""
     return 2 if tile.bm == 128 else 1
 
 
@@ -1079,7 +1079,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         # C copy asserts its own tiling. Two consumer warpgroups: the register split above.
         assert tile.warps_m == 8 and tile.warps_n == 1 and tile.bk % 32 == 0 and not tile.ctas_per_sm, tile
         assert tile.bn % 16 == 0 and tile.bn <= 256 and tile.bm in (128, 256), tile
-        # 256 rows: two 64-row slabs per warpgroup, written only into the persistent cooperative dW's epilogue.
+        # 256 rows: two 64-row slabs per warpgroup, stored only by the persistent cooperative kernel's epilogue.
         assert tile.bm == 128 or (tile.persistent_ctas and not tile.pingpong and not kw.get("ieee_steps")), tile
         assert not kw.get("ieee_steps") or tile.bn <= _IEEE_MAX_BN, tile
         self.dbias_rows = kw.pop("dbias_rows", False)
@@ -1352,15 +1352,17 @@ class _TmaWgmmaGemm(_WgmmaGemm):
 class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
     """The dW GEMM (C = A B^T, BF16 C N-major) or the forward (`bias_bf16`: C = out^T M-major, + bias per M row in
     FP32 and one rounding, as `_store_c_bf16`) as a persistent `_TmaWgmmaGemm`: `tile.persistent_ctas` CTAs,
-    CTA c computes output tiles i = c, c + G, c + 2G, ... (N fastest: i -> (i // tiles_n, i % tiles_n)), a fixed
-    static schedule. The producer warp streams every tile's A (grad^T) and B (a^T) k tiles through one ring,
-    running ahead into the next tile while the consumers finish the current one. Per tile the consumers run the
-    chained k16 walk from a zero accumulator (`_chained_mainloop`'s, the K tail placed as in `_k_tiles`: the
-    same bits as every wgmma dW config), then store C through shared memory: BF16 fragments -> C buffer
-    (tile count % 2; stmatrix into the swizzled layout TMA reads) -> one TMA store (`cp.async.bulk.tensor`
-    shared -> global) issued by one thread, which waits only before a buffer is reused
-    (`cp.async.bulk.wait_group.read 1`: the store of two tiles ago has read it). So the stores of tile i
-    overlap the loads and MMAs of tile i + 1. db (`dbias_rows`): the tiles of the first N tile write it with
+    CTA c computes output tiles i = c, c + G, c + 2G, ... (N fastest: i -> (i // tiles_n, i % tiles_n); the CTAs
+    resident together share an A tile: a block of grad^T, or of W), a fixed static schedule. The producer warp
+    streams every tile's A (grad^T, or W) and B (a^T, or a) k tiles through one ring, running ahead into the next
+    tile while the consumers finish the current one. Per tile the consumers run the chained k16 walk from a zero
+    accumulator (`_chained_mainloop`'s, the K tail placed as in `_k_tiles`: the same bits as every wgmma config of
+    the GEMM), then store C through shared memory: BF16 fragments -> C buffer (tile count % `c_buffers`; stmatrix
+    into the swizzled layout TMA reads) -> one TMA store (`cp.async.bulk.tensor` shared -> global) issued by one
+    thread, which waits only before a buffer is reused (`cp.async.bulk.wait_group.read c_buffers - 1`: the store
+    that last read it is done reading). So the stores of tile i overlap the loads and MMAs of tile i + 1. 256-row
+    tiles: each warpgroup's wgmma repeats along M (two 64-row slabs), one C buffer. db (`dbias_rows`): the tiles of
+    the first N tile write it with
     `_store_dbias` for T <= FUSED_DBIAS_ROWS (the same order and bits); `_TmaWgmmaPersistentDbGemm` sums it at
     every T in producer warps."""
 

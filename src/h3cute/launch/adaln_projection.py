@@ -72,7 +72,8 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
     / 1583.0 us at T = 512 / 1024 / 2048 against tma_wide_n256_mc2's 455.3 / 895.7 / 1711.5 (31d6ae1, 3 rounds),
     513.7 / 647.3 against 659.6 / 708.1 at T = 640 / 768 (93d851f), and at the H200's power limit
     (perf/clock_probe.py, each launch sustained) 1604.0 against 1693.9 and cuBLAS's F.linear 1612.3 at T = 2048.
-    At T = 512 tma_wide ran 430.8 (not picked: one run)."""
+    At T = 512 it is a tie with the former pick (455.9 against 448.3 at 6799442) and tma_wide ran faster in both runs
+    (430.8 / 438.4); not picked: T in (384, 512] would need a bound of its own, not measured beyond these two runs."""
     if wgmma:
         if rows <= 64:
             return "wg_skinny" if rows <= 16 else "wg_mid"
