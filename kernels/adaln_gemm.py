@@ -688,57 +688,6 @@ class _WgmmaGemm(_WarpMmaGemm):
             tiler_mn=(64, self._mma_n),
         )
 
-    def _tma_ring(self, storage, sA_layout, sB_layout):
-        """The stage ring of the TMA mainloops: a full mbarrier per stage expecting one A and one B tile of
-        bytes, an empty one taking one arrive per consumer warp (lane 0 signals). In a cluster (`cluster_m` or
-        `cluster_n` > 1) every CTA's B (or A) stage is filled by all of the cluster's CTAs, so each consumer warp
-        releases a stage to every CTA of the cluster (lane r signals CTA r) and an empty barrier takes one arrive
-        per warp of each CTA; `create` then syncs the cluster after the barrier init (no remote arrive before it)."""
-        from cutlass import pipeline
-
-        t = self.tile
-        stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
-            cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0)))
-        return pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(),
-            num_stages=self.tile.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # Every consumer warp (4 per warpgroup) releases each stage, or (pingpong) those of the one warpgroup that
-            # read it, and the persistent dW's db warps.
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster_size * self._stage_readers),
-            tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, t.cluster_m, t.cluster_n, 1)),
-        )
-
-    @staticmethod
-    def _tma_partitions(tma_a, tma_b, sA, sB, gA, gB, b_rank=0, b_ctas=1, a_rank=0, a_ctas=1):
-        """(smem, gmem) TMA partitions of the A and B stage rings and their k-tiled global views; with B (A)
-        multicast over `b_ctas` (`a_ctas`) CTAs, CTA `b_rank`'s (`a_rank`'s) slice: the rows it loads into all."""
-        from cutlass.cute.nvgpu import cpasync
-
-        tAsA, tAgA = cpasync.tma_partition(tma_a, a_rank, cute.make_layout(a_ctas), cute.group_modes(sA, 0, 2),
-                                           cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, b_rank, cute.make_layout(b_ctas), cute.group_modes(sB, 0, 2),
-                                           cute.group_modes(gB, 0, 2))
-        return tAsA, tAgA, tBsB, tBgB
-
-    def _tma_loads(self, mA: cute.Tensor, mB: cute.Tensor, sA_layout, sB_layout):
-        """TMA load atoms (and their coordinate tensors) for one (bm, bk) A tile and one (bn, bk) B tile; in a
-        cluster B's atom (`cluster_m` > 1) or A's (`cluster_n` > 1) multicasts a 1 / cluster-size slice of its tile."""
-        from cutlass.cute.nvgpu import cpasync
-
-        t = self.tile
-
-        def atom(m, layout, tile, ctas):
-            if ctas == 1:
-                return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m, layout, tile)
-            return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), m, layout, tile,
-                                               num_multicast=ctas)
-
-        tma_a, tma_mA = atom(mA, cute.slice_(sA_layout, (None, None, 0)), (t.bm, t.bk), t.cluster_n)
-        tma_b, tma_mB = atom(mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk), t.cluster_m)
-        return tma_a, tma_mA, tma_b, tma_mB
-
     def _wgmma_smem_layout(self, k_major: bool, mn: int, is_a: bool):
         from cutlass.utils import LayoutEnum
         from cutlass.utils import hopper_helpers as sm90
@@ -1104,6 +1053,57 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     def _stage_readers(self) -> int:
         """Warps of one CTA that release each ring stage."""
         return 4 * self.tile.mma_warpgroups
+
+    def _tma_ring(self, storage, sA_layout, sB_layout):
+        """The stage ring of the TMA mainloops: a full mbarrier per stage expecting one A and one B tile of
+        bytes, an empty one taking one arrive per consumer warp (lane 0 signals). In a cluster (`cluster_m` or
+        `cluster_n` > 1) every CTA's B (or A) stage is filled by all of the cluster's CTAs, so each consumer warp
+        releases a stage to every CTA of the cluster (lane r signals CTA r) and an empty barrier takes one arrive
+        per warp of each CTA; `create` then syncs the cluster after the barrier init (no remote arrive before it)."""
+        from cutlass import pipeline
+
+        t = self.tile
+        stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
+            cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0)))
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.tile.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # Every consumer warp (4 per warpgroup) releases each stage, or (pingpong) those of the one warpgroup that
+            # read it, and the persistent dW's db warps.
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster_size * self._stage_readers),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, t.cluster_m, t.cluster_n, 1)),
+        )
+
+    @staticmethod
+    def _tma_partitions(tma_a, tma_b, sA, sB, gA, gB, b_rank=0, b_ctas=1, a_rank=0, a_ctas=1):
+        """(smem, gmem) TMA partitions of the A and B stage rings and their k-tiled global views; with B (A)
+        multicast over `b_ctas` (`a_ctas`) CTAs, CTA `b_rank`'s (`a_rank`'s) slice: the rows it loads into all."""
+        from cutlass.cute.nvgpu import cpasync
+
+        tAsA, tAgA = cpasync.tma_partition(tma_a, a_rank, cute.make_layout(a_ctas), cute.group_modes(sA, 0, 2),
+                                           cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, b_rank, cute.make_layout(b_ctas), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+        return tAsA, tAgA, tBsB, tBgB
+
+    def _tma_loads(self, mA: cute.Tensor, mB: cute.Tensor, sA_layout, sB_layout):
+        """TMA load atoms (and their coordinate tensors) for one (bm, bk) A tile and one (bn, bk) B tile; in a
+        cluster B's atom (`cluster_m` > 1) or A's (`cluster_n` > 1) multicasts a 1 / cluster-size slice of its tile."""
+        from cutlass.cute.nvgpu import cpasync
+
+        t = self.tile
+
+        def atom(m, layout, tile, ctas):
+            if ctas == 1:
+                return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), m, layout, tile)
+            return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SMulticastOp(), m, layout, tile,
+                                               num_multicast=ctas)
+
+        tma_a, tma_mA = atom(mA, cute.slice_(sA_layout, (None, None, 0)), (t.bm, t.bk), t.cluster_n)
+        tma_b, tma_mB = atom(mB, cute.slice_(sB_layout, (None, None, 0)), (t.bn, t.bk), t.cluster_m)
+        return tma_a, tma_mA, tma_b, tma_mB
 
     def _epilogue_barrier(self):
         cute.arch.barrier(barrier_id=self._EPILOGUE_BARRIER_ID, number_of_threads=self.tile.threads)
