@@ -1514,10 +1514,11 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                 # that are the same for every thread (read off thread 0), so one load per distinct row.
                 coords0 = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((t.bm, t.bn)))
                 rows0 = [coords0[j][0] for j in range(cute.size(coords0))]
-                firsts = sorted({r: j for j, r in reversed(list(enumerate(rows0)))}.items())
-                group = [[r for r, _ in firsts].index(r) for r in rows0]
+                distinct = sorted(set(rows0))
+                first_of = [rows0.index(r) for r in distinct]  # an accumulator element of each distinct row
+                group = [distinct.index(r) for r in rows0]  # element j's row among them
                 tCcC = thr_mma.partition_C(cute.make_identity_tensor((t.bm, t.bn)))
-                bias_rows = cute.make_rmem_tensor(cute.make_layout(len(firsts)), cutlass.Float32)
+                bias_rows = cute.make_rmem_tensor(cute.make_layout(len(distinct)), cutlass.Float32)
 
             # The tile walk is written out here and in `_consume_pingpong`, not called: a PipelineState advanced inside
             # a dynamic loop of a called @cute.jit function does not come back to the caller (tried: the PTX then
@@ -1544,20 +1545,20 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                 release.advance()
 
                 if cutlass.const_expr(bias):
-                    for g in cutlass.range_constexpr(len(firsts)):
-                        bias_rows[g] = mBias[m_tile * t.bm + tCcC[firsts[g][1]][0]].to(cutlass.Float32)
+                    for g in cutlass.range_constexpr(len(distinct)):
+                        bias_rows[g] = mBias[m_tile * t.bm + tCcC[first_of[g]][0]].to(cutlass.Float32)
                 if ctidx == 0:  # the store that last read this buffer (`_c_buffers` tiles ago) is done reading it
                     cute.arch.cp_async_bulk_wait_group(self._c_buffers - 1, read=True)
                 self._epilogue_barrier()
                 if cutlass.const_expr(tRS_acc is not None):
                     for i in cutlass.range(cute.size(tRS_rC), unroll_full=True):
                         tRS_rC[i] = tRS_acc[i].to(cutlass.BFloat16)
-                elif cutlass.const_expr(bias):
-                    for i in cutlass.range_constexpr(cute.size(tRS_rC)):
-                        tRS_rC[i] = (acc[order[i]] + bias_rows[group[order[i]]]).to(cutlass.BFloat16)
                 else:
                     for i in cutlass.range_constexpr(cute.size(tRS_rC)):
-                        tRS_rC[i] = acc[order[i]].to(cutlass.BFloat16)
+                        value = acc[order[i]]
+                        if cutlass.const_expr(bias):
+                            value = value + bias_rows[group[order[i]]]
+                        tRS_rC[i] = value.to(cutlass.BFloat16)
                 cute.copy(r2s, tRS_rC, tRS_sC[None, None, None, buffer])
                 cute.arch.fence_proxy("async.shared", space="cta")  # the writes are visible to the TMA unit
                 self._epilogue_barrier()
