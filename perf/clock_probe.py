@@ -32,7 +32,6 @@ import adaln_kernels as K  # noqa: E402  (the per-launch script's buffers and ke
 
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 SETTLE = 0.2  # fraction of each stretch dropped before the samples count
-_QUERY = QUERY
 
 
 def _query() -> str:
@@ -41,8 +40,8 @@ def _query() -> str:
     return QUERY if ok == 0 else QUERY.replace("clocks_event_reasons", "clocks_throttle_reasons")
 
 
-def _sampler():
-    return subprocess.Popen(["nvidia-smi", f"--query-gpu={_QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
+def _sampler(query: str):
+    return subprocess.Popen(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits", "-lms", "50"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -69,7 +68,7 @@ def _samples(proc) -> list:
     return rows
 
 
-def _sustain(fn, seconds: float) -> dict:
+def _sustain(fn, seconds: float, query: str) -> dict:
     """fn back to back for `seconds`: launches per second by CUDA events after the settling part, and the
     nvidia-smi samples of that part."""
     fn()
@@ -78,7 +77,7 @@ def _sustain(fn, seconds: float) -> dict:
     fn()
     torch.cuda.synchronize()
     batch = max(1, int(0.05 / max(time.perf_counter() - t0, 1e-6)))  # ~50 ms of launches between host checks
-    proc = _sampler()
+    proc = _sampler(query)
     start = time.perf_counter()
     while time.perf_counter() - start < SETTLE * seconds:
         for _ in range(batch):
@@ -113,8 +112,7 @@ def main(argv) -> int:
     if not torch.cuda.is_available():
         print("clock_probe: needs a CUDA device", file=sys.stderr)
         return 2
-    global _QUERY
-    _QUERY = _query()
+    query = _query()
     dev = torch.device("cuda", 0)
     rows = args.rows
     buf = K._buffers(rows, dev)
@@ -131,13 +129,13 @@ def main(argv) -> int:
         ("cuBLAS bwd grad^T @ act (dW)", lambda: torch.matmul(grad.t(), act)),
     ]
     report = {"gpu": torch.cuda.get_device_name(dev), "arch": runtime.arch_of(dev), "rows": rows,
-              "seconds": args.seconds, "query": _QUERY, "launches": {}}
-    idle = _sampler()
+              "seconds": args.seconds, "query": query, "launches": {}}
+    idle = _sampler(query)
     time.sleep(0.5)
     report["idle"] = [list(r) for r in _samples(idle)]
     print(f"T = {rows}: {'launch':<58} {'us':>8} {'MHz':>6} {'W':>6} {'Mcycles':>8}  reasons")
     for name, fn in launches:
-        r = _sustain(fn, args.seconds)
+        r = _sustain(fn, args.seconds, query)
         report["launches"][name] = r
         print(f"  {name:<58} {r['us']:8.1f} {r['sm_mhz'] or 0:6.0f} {r['power_w'] or 0:6.0f} "
               f"{r['mcycles'] or 0:8.3f}  {' '.join(r['event_reasons'])}")
