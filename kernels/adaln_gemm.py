@@ -245,6 +245,9 @@ TMA_WGRAD_CONFIGS = {
 TMA_WGRAD_CONFIGS.update({name + "_db": TMA_WGRAD_CONFIGS[name]
                           for name in ("tma_wgrad_persist", "tma_wgrad_persist_pingpong")})
 WGRAD_DB_WARPS = frozenset(name for name in TMA_WGRAD_CONFIGS if name.endswith("_db"))
+# Persistent dW tiles that also run as `adaln_proj_wgrad_fold` (`_TmaWgmmaPersistentFoldGemm`: the d_temb fold and db
+# in the producer warpgroup's idle warps, from global memory).
+FOLD_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_pingpong", "tma_wgrad_persist_m256")
 
 
 class _WarpMmaGemm:
@@ -1406,7 +1409,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         return cutlass.memory.SmemAllocator().allocate(shared)
 
     @cute.jit
-    def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream):
+    def launch(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor, stream, side=()):
         from cutlass.cute.nvgpu import cpasync
 
         t = self.tile
@@ -1418,7 +1421,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (t.bm, t.bn))
         tiled_mma = self._wgmma_tiled_mma()
         self.persistent_kernel(mA, mBias, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout,
-                               sC_layout, tiled_mma).launch(
+                               sC_layout, tiled_mma, side).launch(
             grid=(t.persistent_ctas, 1, 1), block=[self._cta_threads, 1, 1], stream=stream,
             max_number_threads=[self._cta_threads, 1, 1], min_blocks_per_mp=1,
         )
@@ -1438,6 +1441,7 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
         sB_layout: cute.ComposedLayout,
         sC_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
+        side,
     ):
         from cutlass import pipeline
         from cutlass.cute.nvgpu import cpasync
@@ -1491,6 +1495,8 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
             elif cutlass.const_expr(self._DBIAS_WARPS > 0):
                 if warp_idx <= self._DBIAS_WARPS:
                     self._sum_dbias(ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx)
+            elif cutlass.const_expr(len(side) > 0):
+                self._fold_warps(side, mBias, cta, warp_idx)
         elif cutlass.const_expr(t.pingpong):
             cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
             self._consume_pingpong(tidx - 128 * self._PRODUCER_WARPGROUPS, cta, num_tiles, tiles_n, k_tile_count,
@@ -1718,6 +1724,84 @@ class _TmaWgmmaPersistentDbGemm(_TmaWgmmaPersistentGemm):
                 vec_view(mBias, m_tile * t.bm + row).store(totals.load().to(cutlass.BFloat16))
 
 
+class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
+    """`_TmaWgmmaPersistentGemm` (dW) whose idle producer warps (1 .. 3) run the rest of the backward while the
+    consumers run the MMAs: the d_temb fold (`adaln_dtemb_fold`'s sums and expression, from the FP32 partials) and db
+    (`adaln_bias_grad`'s order), both from global memory. Neither touches the stage ring, so neither can hold the
+    tensor core back; both are memory-bound and dW (at T > 384) is not, so two launches and their ramps go away.
+    The side operands arrive as `side` = (grad (T, N), partial (splits, T, D), temb (T, D), dtemb (T, D)); the dW
+    operand a = bf16(silu(temb)) must already exist (adaln_silu_cast, launched first: the fold no longer writes it).
+    Work is split over every fold thread of the grid (`persistent_ctas` x 96): d_temb by 4-column vectors, db by
+    8-column vectors, each in a grid-stride walk; which thread computes an element never changes its sums."""
+
+    _FOLD_WARPS = 3  # producer warps 1 .. 3 (warp 0 issues the TMA loads)
+    # The fold warps' loads in flight (12 partial vectors; db's 4 chains x 2 rows of 8 columns) and sums want ~80
+    # registers; the consumers keep within 208 (the 256-row tile's 128 accumulators per thread included; ptxas -v).
+    _PRODUCER_REGS = 88
+    _CONSUMER_REGS = 208  # 128 x 88 + 256 x 208 = 64512
+
+    def __init__(self, tile: GemmTile, **kw):
+        super().__init__(tile, **kw)
+        assert not self.dbias_rows and self.c_n_major, kw  # db comes from the fold warps at every T
+
+    @cute.jit
+    def _fold_warps(self, side, mBias, cta, warp_idx):
+        """d_temb[t, d] = (partial[0, t, d] + ... + partial[11, t, d], from +0 in split order) * silu'(temb[t, d])
+        (`_dtemb_scale`, the fold kernel's expression: the same bits), then db[n] = bf16(sum_t grad[t, n]) in the
+        db order (DBIAS_ROW_BLOCK blocks aligned to T's end, four 16-row chains each from +0, the block sums added in
+        order from +0: adaln_bias_grad's two kernels in one thread, the same bits)."""
+        grad, partial, temb, dtemb = side
+        rows = cute.size(temb, mode=[0])
+        n_out = cute.size(grad, mode=[1])
+        lanes = self.tile.persistent_ctas * 32 * self._FOLD_WARPS
+        me = cta * (32 * self._FOLD_WARPS) + (warp_idx - 1) * 32 + cute.arch.lane_idx()
+        plane = cutlass.Int64(rows) * TEMB_WIDTH
+        d_act = cute.make_rmem_tensor(cute.make_layout(_FOLD_COLS), cutlass.Float32)
+        x = cute.make_rmem_tensor(cute.make_layout(_FOLD_COLS), cutlass.Float32)
+        for v in range(me, rows * (TEMB_WIDTH // _FOLD_COLS), lanes):
+            at = cutlass.Int64(v) * _FOLD_COLS
+            d_act.fill(0.0)
+            for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
+                d_act.store(d_act.load() + _gvec(partial, s * plane + at, _FOLD_COLS).load())
+            x.store(_gvec(temb, at, _FOLD_COLS).load())
+            for j in cutlass.range_constexpr(_FOLD_COLS):
+                d_act[j] = _dtemb_scale(d_act[j], x[j])
+            _gvec(dtemb, at, _FOLD_COLS).store(d_act.load())
+
+        blocks = cute.ceil_div(rows, DBIAS_ROW_BLOCK)
+        total = cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
+        chains = [cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
+                  for _ in range(DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS)]
+        for u in range(me, n_out // _BIAS_COLS_PER_THREAD, lanes):
+            col0 = u * _BIAS_COLS_PER_THREAD
+            total.fill(0.0)
+            for block in range(blocks):
+                first = rows - DBIAS_ROW_BLOCK * (blocks - block)
+                for acc in chains:
+                    acc.fill(0.0)
+                for i in cutlass.range(DBIAS_CHAIN_ROWS, unroll=2):  # ascending rows in every chain
+                    for c, acc in enumerate(chains):
+                        r = first + c * DBIAS_CHAIN_ROWS + i
+                        if r >= 0:
+                            acc.store(acc.load() + vec_view(grad, cutlass.Int64(r) * n_out + col0).load()
+                                      .to(cutlass.Float32))
+                block_sum = chains[0].load()
+                for acc in chains[1:]:
+                    block_sum = block_sum + acc.load()
+                total.store(total.load() + block_sum)
+            vec_view(mBias, col0).store(total.load().to(cutlass.BFloat16))
+
+
+_FOLD_COLS = 4  # d_temb columns per fold-warp vector: one 16-byte FP32 load per partial
+
+
+@cute.jit
+def _gvec(t: cute.Tensor, offset, width: int):
+    """`width` consecutive elements of `t` at flat element offset `offset` (16-byte aligned) as a tensor."""
+    ptr = cute.make_ptr(t.element_type, (t.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=16)
+    return cute.make_tensor(ptr, cute.make_layout(width))
+
+
 _DBIAS_K16_STRIDE = 1024  # elements between k and k + 16 in the dW A stage (M-major, 128B swizzle)
 
 
@@ -1847,6 +1931,36 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
     )
 
 
+def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
+    assert arch == "sm_90a" and config in FOLD_WARP_WGRAD_CONFIGS, (arch, config)
+    gemm = _TmaWgmmaPersistentFoldGemm(TMA_WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16",
+                                       c_n_major=True, dbias_rows=False)
+    assert out_features % gemm.tile.bm == 0 and out_features % _BIAS_COLS_PER_THREAD == 0, (out_features, config)
+
+    @cute.jit
+    def adaln_proj_wgrad_fold(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, dbias: cute.Tensor,
+                              partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, stream):
+        """adaln_proj_wgrad's dW (A = grad^T, B = act^T) while the producer warpgroup's idle warps fold d_temb from
+        the d_temb GEMM's partials (adaln_dtemb_fold's bits) and sum db (adaln_bias_grad's bits)."""
+        grad_t = cute.make_tensor(grad.iterator, cute.select(grad.layout, mode=[1, 0]))
+        act_t = cute.make_tensor(act.iterator, cute.select(act.layout, mode=[1, 0]))
+        gemm.launch(grad_t, act_t, dweight, dbias, stream, side=(grad, partial, temb, dtemb))
+
+    rows = cute.sym_int()
+    return compile_for(
+        arch,
+        adaln_proj_wgrad_fold,
+        _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
+        _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.BFloat16, (out_features,)),
+        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB_WIDTH), (2, 1, 0)),
+        _fake(cutlass.Float32, (rows, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.Float32, (rows, TEMB_WIDTH), (1, 0)),
+        env_stream(),
+    )
+
+
 # ---------------------------------------------------------------------------- elementwise helpers
 _EW_THREADS = 128
 
@@ -1861,6 +1975,13 @@ def _sigmoid(x):
 def _silu(x):
     # torch's form, x / (1 + exp(-x)), one IEEE division.
     return x / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=False))
+
+
+@cute.jit
+def _dtemb_scale(d_act, x):
+    """d_temb from d_act = d(loss)/d(silu(temb)) (FP32, the BF16 cast passes it through): d_act * silu'(x)."""
+    sig = _sigmoid(x)
+    return d_act * (sig + x * sig * (cutlass.Float32(1.0) - sig))
 
 
 _SILU_COLS = 8  # columns per thread: two 16-byte FP32 loads, one 16-byte BF16 store
@@ -1909,8 +2030,7 @@ def _dtemb_fold_kernel(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tens
         for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
             d_act = d_act + partial[s, row, col]
         x = temb[row, col]
-        sig = _sigmoid(x)
-        dtemb[row, col] = d_act * (sig + x * sig * (cutlass.Float32(1.0) - sig))
+        dtemb[row, col] = _dtemb_scale(d_act, x)
         act[row, col] = _silu(x).to(cutlass.BFloat16)  # adaln_silu_cast's expression: the same bits
 
 
@@ -2025,6 +2145,14 @@ SPECS = [
     _gemm_spec("adaln_proj_dgrad", _build_dgrad, {**WGMMA_CONFIGS, **TMA_DGRAD_CONFIGS}, wgmma_family=True),
     _gemm_spec("adaln_proj_wgrad", _build_wgrad, {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}, wgmma_family=True,
                wgmma=True),
+    KernelSpec(
+        name="adaln_proj_wgrad_fold",
+        build=_build_wgrad_fold,
+        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in FOLD_WARP_WGRAD_CONFIGS],
+        ptx_markers=_WGMMA_MARKERS + ("cp.async.bulk.tensor",),
+        ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
+        archs=("sm_90a",),
+    ),
     KernelSpec(
         name="adaln_silu_cast",
         build=_build_silu_cast,

@@ -68,17 +68,29 @@ def _steps(rows: int, family: str, buf: dict, dev):
         kind = "step" if c == chosen_dgrad else "alt"
         steps.append(("bwd", "proj_dgrad", c, kind, w_bytes + rows * N * BF16 + L.DGRAD_SPLITS * rows * D * F32,
                       gemm_flops, _kernel("adaln_proj_dgrad" + sfx, dev, out_features=N, config=c), (grad, w, partial)))
-    # The fold also writes the dW GEMM's act (the backward has no silu_cast launch).
-    steps.append(("bwd", "dtemb_fold", "", "step", (L.DGRAD_SPLITS + 2) * rows * D * F32 + rows * D * BF16, 0,
-                  _kernel("adaln_dtemb_fold", dev, width=D), (partial, temb, dtemb, act)))
     chosen_wgrad = L.wgrad_config_for_rows(rows, wgmma)
+    folds = L.wgrad_folds(chosen_wgrad, wgmma)  # the dW kernel's fold warps write d_temb and db
+    fold_bytes = (L.DGRAD_SPLITS + 2) * rows * D * F32
+    if folds:  # the backward makes the dW operand first
+        steps.append(("bwd", "silu_cast", "", "step", rows * D * (F32 + BF16), 0,
+                      _kernel("adaln_silu_cast", dev, width=D), (temb, act)))
+    # Otherwise the fold also writes the dW GEMM's act (no silu_cast launch).
+    steps.append(("bwd", "dtemb_fold", "", "alt" if folds else "step", fold_bytes + rows * D * BF16, 0,
+                  _kernel("adaln_dtemb_fold", dev, width=D), (partial, temb, dtemb, act)))
     wgrad_static = dict(wgmma=True) if wgmma else {}
+    wgrad_bytes = rows * (N + D) * BF16 + w_bytes
     for c in (chosen_wgrad, *[c for c in wgrad_configs if c != chosen_wgrad]):
-        steps.append(("bwd", "proj_wgrad", c, "step" if c == chosen_wgrad else "alt", rows * (N + D) * BF16 + w_bytes,
+        steps.append(("bwd", "proj_wgrad", c, "step" if c == chosen_wgrad and not folds else "alt", wgrad_bytes,
                       gemm_flops, _kernel("adaln_proj_wgrad" + sfx, dev, out_features=N, config=c, **wgrad_static),
                       (grad, act, dw, db)))
+    if wgmma:  # dW with the d_temb fold and db in its producer warps: d_temb's and db's bytes too
+        for c in L.FOLD_WARP_WGRAD_CONFIGS:
+            steps.append(("bwd", "proj_wgrad_fold", c, "step" if folds and c == chosen_wgrad else "alt",
+                          wgrad_bytes + fold_bytes + rows * N * BF16, gemm_flops,
+                          _kernel("adaln_proj_wgrad_fold", dev, out_features=N, config=c),
+                          (grad, act, dw, db, partial, temb, dtemb)))
     # Where the chosen dW kernel writes db the standalone kernel is only for comparison.
-    bias_kind = "alt" if L.wgrad_writes_dbias(chosen_wgrad, rows) else "step"
+    bias_kind = "alt" if folds or L.wgrad_writes_dbias(chosen_wgrad, rows) else "step"
     steps.append(("bwd", "bias_grad", "", bias_kind, rows * N * BF16 + 2 * L.dbias_blocks(rows) * N * F32 + N * BF16, 0,
                   _kernel("adaln_bias_grad", dev, out_features=N), (grad, bias_partial, db)))
     return steps
@@ -161,6 +173,10 @@ def main(argv) -> int:
             try:
                 ops["fwd"] = _median_us(lambda: L.forward(buf["temb"], buf["w"], buf["b"], config=op_config))
                 ops["bwd"] = _median_us(lambda: L.backward(buf["grad"], buf["temb"], buf["w"], config=op_config))
+                if op_config is None and L.wgrad_folds(L.wgrad_config_for_rows(rows, family == "wgmma"),
+                                                       family == "wgmma"):
+                    ops["bwd_without_fold_warps"] = _median_us(
+                        lambda: L.backward(buf["grad"], buf["temb"], buf["w"], fold_warps=False))
             except Exception as exc:  # a missing kernel: the steps above say which
                 ops["error"] = f"{type(exc).__name__}: {exc}"[:200]
             for phase in ("fwd", "bwd"):

@@ -116,13 +116,24 @@ def main(argv) -> int:
     dev = torch.device("cuda", 0)
     rows = args.rows
     buf = K._buffers(rows, dev)
-    steps = [s for s in K._steps(rows, "wgmma", buf, dev) if s[1] in ("proj_fwd", "proj_dgrad", "proj_wgrad")]
+    every = K._steps(rows, "wgmma", buf, dev)
+    steps = [s for s in every if s[1] in ("proj_fwd", "proj_dgrad", "proj_wgrad", "proj_wgrad_fold")]
     # Every GEMM config at large T would take minutes: the TMA ones (the picks among them).
     steps = [s for s in steps if s[2].startswith("tma_") and not isinstance(s[6], Exception)]
     grad, w, b, act = buf["grad"], buf["w"], buf["b"], buf["act"]
     act.copy_(buf["temb"].bfloat16())
     launches = [(f"h3cute {phase} {step} [{config}]" + (" (pick)" if kind == "step" else ""),
                  (lambda fn=fn, a=a: fn(*a))) for phase, step, config, kind, _, _, fn, a in steps]
+    # What follows the d_temb GEMM in the backward, both ways, for each fold-warp tile: the d_temb fold, dW and
+    # adaln_bias_grad as three launches, or adaln_silu_cast and the dW kernel with fold warps.
+    one = {(s[1], s[2]): s for s in every if not isinstance(s[6], Exception)}
+    for c in K.L.FOLD_WARP_WGRAD_CONFIGS:
+        parts = {"separate": [one.get(k) for k in (("dtemb_fold", ""), ("proj_wgrad", c), ("bias_grad", ""))],
+                 "fold warps": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c))]}
+        if all(all(parts[k]) for k in parts):
+            for how, seq in parts.items():
+                launches.append((f"h3cute bwd after d_temb, {how} [{c}]",
+                                 lambda seq=seq: [fn(*a) for *_, fn, a in seq]))
     launches += [
         ("cuBLAS fwd F.linear(act, W, b)", lambda: F.linear(act, w, b)),
         ("cuBLAS bwd grad @ W (d_a)", lambda: torch.matmul(grad, w)),

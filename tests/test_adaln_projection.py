@@ -139,6 +139,8 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert k.DBIAS_ROW_BLOCK == launch.DBIAS_ROW_BLOCK and k.FUSED_DBIAS_ROWS == launch.FUSED_DBIAS_ROWS
     assert k.DBIAS_CHAIN_ROWS == launch.DBIAS_CHAIN_ROWS
     assert launch.DB_WARP_WGRAD_CONFIGS == tuple(c for c in k.TMA_WGRAD_CONFIGS if c in k.WGRAD_DB_WARPS)
+    assert launch.FOLD_WARP_WGRAD_CONFIGS == k.FOLD_WARP_WGRAD_CONFIGS
+    assert all(k.TMA_WGRAD_CONFIGS[c].persistent_ctas for c in k.FOLD_WARP_WGRAD_CONFIGS)
     assert all(k.TMA_WGRAD_CONFIGS[c].persistent_ctas for c in k.WGRAD_DB_WARPS)
     assert all(launch.dbias_blocks(t) == -(-t // k.DBIAS_ROW_BLOCK) for t in (1, 63, 64, 65, 2048, 2049))
     assert k.TEMB_WIDTH == launch.TEMB_WIDTH == D
@@ -230,6 +232,7 @@ def test_tma_mainloop_instructions():
     cases = [("adaln_proj_fwd_wgmma", c, {}) for c in launch.TMA_CONFIGS]
     cases += [("adaln_proj_dgrad_wgmma", c, {}) for c in launch.TMA_DGRAD_CONFIGS]
     cases += [("adaln_proj_wgrad_wgmma", c, dict(wgmma=True)) for c in launch.TMA_WGRAD_CONFIGS]
+    cases += [("adaln_proj_wgrad_fold", c, {}) for c in launch.FOLD_WARP_WGRAD_CONFIGS]
     for name, config, extra in cases:
         tile = {**k.TMA_CONFIGS, **k.TMA_WGRAD_CONFIGS}[config]
         _, ptx = compile_variant(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra),
@@ -242,8 +245,11 @@ def test_tma_mainloop_instructions():
             assert marker in text, (name, config, marker)
         for forbidden in ("cp.async.cg", "atom.", "\tred.", "mma.sync"):
             assert forbidden not in text, (name, config, forbidden)
-        # The persistent dW with db warps: its own register split.
-        cls = k._TmaWgmmaPersistentDbGemm if config in k.WGRAD_DB_WARPS else k._TmaWgmmaGemm
+        # The persistent dW with db warps or fold warps: their own register splits.
+        fold = name == "adaln_proj_wgrad_fold"
+        cls = k._TmaWgmmaPersistentFoldGemm if fold else k._TmaWgmmaPersistentDbGemm if config in k.WGRAD_DB_WARPS \
+            else k._TmaWgmmaGemm
+        assert 128 * cls._PRODUCER_REGS + 256 * cls._CONSUMER_REGS <= 65536, cls
         assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{cls._PRODUCER_REGS};", text)
         assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{cls._CONSUMER_REGS};", text)
         # One wgmma batch in flight while the next is issued; the one-block-tile d_temb drains each block first.
@@ -271,8 +277,13 @@ def test_tma_mainloop_instructions():
             # per warpgroup (pingpong).
             reuse = "0" if tile.pingpong else str(k.c_buffers(tile) - 1)
             assert waits == [reuse, "0"], (config, waits)
-            # No 16-byte register stores of C left; with db warps one st.global.v4 is db's (8 values per lane).
-            assert text.count("st.global.v4") == (config in k.WGRAD_DB_WARPS), config
+            # No 16-byte register stores of C left; with db warps one st.global.v4 is db's (8 values per lane). The
+            # fold warps load the partials, temb and grad and store d_temb and db in 16-byte vectors (ptxas versions
+            # their loops, so the count varies).
+            if fold:
+                assert "ld.global.v4.b32" in text and "st.global.v4.b32" in text, config
+            else:
+                assert text.count("st.global.v4") == (config in k.WGRAD_DB_WARPS) and "ld.global.v4" not in text, config
         if shutil.which("ptxas"):
             _ptxas_report(ptx[0], (name, config))
 
@@ -408,6 +419,18 @@ class _KernelEmulator:
         if launch.wgrad_writes_dbias(self.last_config, grad.shape[0]):  # else dbias is left to adaln_bias_grad
             dbias.copy_(grad.double().sum(0).to(torch.bfloat16))
 
+    def proj_wgrad_fold(self, grad, act, dweight, dbias, partial, temb, dtemb):
+        assert self.last_config in launch.FOLD_WARP_WGRAD_CONFIGS
+        self._check(partial, torch.float32, (launch.DGRAD_SPLITS, grad.shape[0], D))
+        self._check(temb, torch.float32, (grad.shape[0], D))
+        self._check(dtemb, torch.float32, temb.shape)
+        self._check(act, torch.bfloat16, temb.shape)  # made by silu_cast before: the fold warps do not write it
+        assert torch.equal(act, torch.nn.functional.silu(temb).to(torch.bfloat16))
+        self.proj_wgrad(grad, act, dweight, dbias)
+        sig = torch.sigmoid(temb)
+        dtemb.copy_(partial.sum(0) * (sig + temb * sig * (1 - sig)))
+        dbias.copy_(grad.double().sum(0).to(torch.bfloat16))
+
     def bias_grad(self, grad, partial, dbias):
         self._check(partial, torch.float32, (launch.dbias_blocks(grad.shape[0]), grad.shape[1]))
         self._check(dbias, torch.bfloat16, (grad.shape[1],))
@@ -420,7 +443,7 @@ def _close(a, b, tol):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("rows", [1, 5, 64, 65, 70, 400])
+@pytest.mark.parametrize("rows", [1, 5, 64, 65, 70, 400, 800])
 def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     """forward/backward call the kernels with the right arguments and assemble the op's results; the
     device's arch picks the family (SM90_FAMILY on sm_90a, warp elsewhere)."""
@@ -440,15 +463,23 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     grad = torch.randn((rows, n), generator=g).to(torch.bfloat16)
     emu.calls.clear()
     got = launch.backward(grad, temb, w)
-    wgrad_call = dict(out_features=n, **wgrad_static, config=launch.wgrad_config_for_rows(rows, wgmma))
-    assert ("adaln_proj_wgrad" + sfx, wgrad_call) in emu.calls
+    wgrad_config = launch.wgrad_config_for_rows(rows, wgmma)
+    folds = launch.wgrad_folds(wgrad_config, wgmma)
+    assert folds == (wgmma and rows > 384)  # the picks beyond 384 are the fold-warp tiles
     assert ("adaln_proj_dgrad" + sfx, dict(out_features=n, config=launch.dgrad_config_for_rows(rows, wgmma))) in emu.calls
-    # The backward's act comes from dtemb_fold (no silu_cast); db from the dW kernel where it writes it (the dW
-    # kernels with db warps at every T, the others up to FUSED_DBIAS_ROWS), else from adaln_bias_grad.
-    assert not any(name == "adaln_silu_cast" for name, _ in emu.calls)
-    writes = launch.wgrad_writes_dbias(wgrad_call["config"], rows)
-    assert writes == (rows <= launch.FUSED_DBIAS_ROWS or wgrad_call["config"] in launch.DB_WARP_WGRAD_CONFIGS)
-    assert any(name == "adaln_bias_grad" for name, _ in emu.calls) == (not writes)
+    names = [name for name, _ in emu.calls]
+    if folds:
+        # The dW kernel's fold warps write d_temb and db; its operand comes from silu_cast, launched first.
+        assert names == ["adaln_silu_cast", "adaln_proj_dgrad_wgmma", "adaln_proj_wgrad_fold"]
+        assert emu.calls[-1] == ("adaln_proj_wgrad_fold", dict(out_features=n, config=wgrad_config))
+    else:
+        # The backward's act comes from dtemb_fold (no silu_cast); db from the dW kernel where it writes it (the dW
+        # kernels with db warps at every T, the others up to FUSED_DBIAS_ROWS), else from adaln_bias_grad.
+        assert ("adaln_proj_wgrad" + sfx, dict(out_features=n, **wgrad_static, config=wgrad_config)) in emu.calls
+        assert "adaln_silu_cast" not in names and "adaln_dtemb_fold" in names
+        writes = launch.wgrad_writes_dbias(wgrad_config, rows)
+        assert writes == (rows <= launch.FUSED_DBIAS_ROWS or wgrad_config in launch.DB_WARP_WGRAD_CONFIGS)
+        assert ("adaln_bias_grad" in names) == (not writes)
     want = _fp64_grads_cpu(grad, temb, w)
     for a, ref, tol in zip(got, want, (1e-6, 4e-3, 4e-3)):
         assert _close(a, ref.to(a.dtype), tol)
@@ -738,6 +769,63 @@ def test_persistent_wgrad_on_the_block_table(rows):
     `*_db` kernels' producer warps at every T) with adaln_bias_grad's; run twice."""
     _assert_wgrad_tiles_match_wg_wgrad_on_block_table(
         rows, 60, [c for c in launch.TMA_WGRAD_CONFIGS if "persist" in c])
+
+
+@gpu
+@pytest.mark.parametrize("n", [N_BLOCK, N_FINAL])
+@pytest.mark.parametrize("rows", [1, 65, 385, 777, 1000, 2048])
+def test_fold_warps_give_the_bits_of_the_fold_and_bias_grad_kernels(n, rows):
+    """adaln_proj_wgrad_fold (dW with the d_temb fold and db in its producer warps), each fold-warp tile, on
+    NaN-poisoned outputs with NaN guards behind them: every element written, nothing past the end; d_temb with
+    adaln_dtemb_fold's bits (special temb values included), db with adaln_bias_grad's (a partial first row block
+    where T % 64 != 0, an all -0.0 grad column), dW with the dW kernels'; the backward with and without them
+    (`fold_warps`) the same bits, d_temb within DTEMB_TOL of FP64."""
+    from h3cute import runtime
+
+    _family_configs("wgmma")
+    w, _ = _params(n, seed=rows + 5)
+    temb = _temb(rows, 90 + rows)
+    temb[0, :6] = torch.tensor([0.0, -0.0, 88.0, -90.0, 1e-30, -17.0])
+    grad = torch.randn((rows, n), generator=_gen(91 + rows), device="cuda").to(torch.bfloat16)
+    grad[:, 3] = -0.0
+    dev, nan, pad = temb.device, float("nan"), 4096
+    act = launch.silu_bf16(temb)
+    partial = torch.full((launch.DGRAD_SPLITS, rows, D), nan, device=dev)
+    runtime.kernel("adaln_proj_dgrad_wgmma", dev, out_features=n, config=launch.dgrad_config_for_rows(rows, True))(
+        grad, w, partial)
+    want_dtemb = torch.full((rows, D), nan, device=dev)
+    want_act = torch.empty_like(act)
+    runtime.kernel("adaln_dtemb_fold", dev, width=D)(partial, temb, want_dtemb, want_act)
+    assert torch.equal(want_act.view(torch.int16), act.view(torch.int16)) and torch.isfinite(want_dtemb).all()
+    want_db = _bias_grad_kernel(grad)
+    want_dw = torch.full_like(w, nan)
+    runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=n, wgmma=True, config="tma_wgrad_persist")(
+        grad, act, want_dw, torch.empty_like(want_db))
+    for config in launch.FOLD_WARP_WGRAD_CONFIGS:
+        fn = runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n, config=config)
+        dw = torch.full((n * D + pad,), nan, dtype=torch.bfloat16, device=dev)
+        db = torch.full((n + pad,), nan, dtype=torch.bfloat16, device=dev)
+        dtemb = torch.full((rows * D + pad,), nan, device=dev)
+        fn(grad, act, dw[:-pad].view(n, D), db[:-pad], partial, temb, dtemb[:-pad].view(rows, D))
+        assert dw[-pad:].isnan().all() and db[-pad:].isnan().all() and dtemb[-pad:].isnan().all(), config
+        assert_same_bits(dw[:-pad].view(n, D), want_dw, f"dW {config}, T={rows}")
+        assert_same_bits(db[:-pad], want_db, f"db {config}, T={rows}")
+        assert_same_bits(dtemb[:-pad].view(rows, D), want_dtemb, f"d_temb {config}, T={rows}")
+    if launch.wgrad_folds(launch.wgrad_config_for_rows(rows, True), True):
+        folded = launch.backward(grad, temb, w)
+        unfolded = launch.backward(grad, temb, w, fold_warps=False)
+        for a, b, what in zip(folded, unfolded, ("d_temb", "dW", "db")):
+            assert_same_bits(a, b, f"backward {what} with and without fold warps, T={rows}")
+        ref = (grad.double() @ w.double()) * _silu_grad64(temb.double())
+        assert _rel_err(folded[0], ref) <= DTEMB_TOL
+    else:
+        with pytest.raises(ValueError, match="no fold warps"):
+            launch.backward(grad, temb, w, fold_warps=True)
+
+
+def _silu_grad64(t):
+    s = torch.sigmoid(t)
+    return s * (1 + t * (1 - s))
 
 
 @gpu

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -495,7 +496,14 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     # adaln_bias_grad.
     unfused = ([], [0]) if "wgmma" in proj else (["adaln_bias_grad"], [adaln_projection.DBIAS_ROW_BLOCK])
     assert asked(adaln_projection, 1, 65) == (bwd + unfused[0], unfused[1])
-    assert asked(adaln_projection, 1, 385) == (bwd + ["adaln_bias_grad"], [adaln_projection.DBIAS_ROW_BLOCK])
+    # The C++ backward branches on the launch constant: the same value on both sides.
+    cpp = (Path(__file__).parents[1] / "src" / "h3cute" / "native" / "h3_native.cpp").read_text()
+    assert f"constexpr int64_t kFoldWarps = {adaln_projection.FOLD_WARPS_LAUNCH};" in cpp
+    if "wgmma" in proj:  # beyond 384 the dW kernel's fold warps write d_temb and db; silu_cast makes its operand
+        fold = (["adaln_silu_cast", bwd[0], "adaln_proj_wgrad_fold"], [adaln_projection.FOLD_WARPS_LAUNCH])
+        assert asked(adaln_projection, 1, 385) == fold and asked(adaln_projection, 1, 4096) == fold
+    else:
+        assert asked(adaln_projection, 1, 385) == (bwd + ["adaln_bias_grad"], [adaln_projection.DBIAS_ROW_BLOCK])
 
 
 class _LaunchRecorder:
@@ -548,10 +556,12 @@ def test_adaln_projection_row_ranges_ask_for_the_launchers_kernels(monkeypatch, 
             assert lo <= rows <= hi and answer[2] == list(range(1, len(cached) + 1))
             for t in (rows, max(lo, 1), min(hi, top)):
                 assert launched(t, backward) == cached, (backward, rows, t)
-            if backward:  # db's row block where adaln_bias_grad runs, else 0
-                unfused = cached[-1][0] == "adaln_bias_grad"
-                assert answer[3] == [L.DBIAS_ROW_BLOCK if unfused else 0]
+            if backward:  # db's row block where adaln_bias_grad runs, 0 where dW writes db, -1 with fold warps
                 wgmma = arch == "sm_90a" and L.SM90_FAMILY == "wgmma"
-                assert unfused == (not L.wgrad_writes_dbias(L.wgrad_config_for_rows(rows, wgmma), rows))
+                folds = cached[-1][0] == "adaln_proj_wgrad_fold"
+                assert folds == L.wgrad_folds(L.wgrad_config_for_rows(rows, wgmma), wgmma)
+                unfused = cached[-1][0] == "adaln_bias_grad"
+                assert answer[3] == [L.FOLD_WARPS_LAUNCH if folds else L.DBIAS_ROW_BLOCK if unfused else 0]
+                assert unfused == (not folds and not L.wgrad_writes_dbias(L.wgrad_config_for_rows(rows, wgmma), rows))
             else:
                 assert len(answer) == 3

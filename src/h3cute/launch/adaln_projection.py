@@ -55,6 +55,9 @@ TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_mc2", "tma_wgrad_p
 # Persistent dW kernels whose producer warps also sum db, at every T (kernels/adaln_gemm.WGRAD_DB_WARPS; a CPU test
 # checks).
 DB_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_db", "tma_wgrad_persist_pingpong_db")
+# Persistent dW tiles that also run as `adaln_proj_wgrad_fold`, the kernel whose idle producer warps fold d_temb from
+# the partials and sum db while the consumers run dW (kernels/adaln_gemm.FOLD_WARP_WGRAD_CONFIGS; a CPU test checks).
+FOLD_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_pingpong", "tma_wgrad_persist_m256")
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
 # and was as fast or faster at every T measured (1, 4, 64, 256, 2048); sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
@@ -147,6 +150,14 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
+def wgrad_folds(config: str, wgmma: bool) -> bool:
+    """Whether the backward runs the dW GEMM of `config` as `adaln_proj_wgrad_fold`: its fold warps then write d_temb
+    and db (the bits of adaln_dtemb_fold and adaln_bias_grad), so neither launches, and adaln_silu_cast makes the
+    dW operand first. The wgmma family's dW picks beyond T = 384, where dW is MMA-bound and the two memory-bound
+    launches cost ~200 us at T = 2048."""
+    return wgmma and config in FOLD_WARP_WGRAD_CONFIGS
+
+
 def wgrad_writes_dbias(config: str, rows: int) -> bool:
     """Whether the dW GEMM of `config` writes db at T rows (else `adaln_bias_grad` runs after it; the same bits):
     the kernels with db warps sum each stage of db's tiles as it lands, at every T; the others re-read grad for it
@@ -179,11 +190,16 @@ def _choices(device, rows: int, backward: bool) -> tuple:
     return wgmma, dgrad_config_for_rows(rows, wgmma), wgrad, not wgrad_writes_dbias(wgrad, rows)
 
 
+FOLD_WARPS_LAUNCH = -1  # kernel_handles' launch constant for the fold-warp backward (h3_native.cpp kFoldWarps)
+
+
 def kernel_handles(device: int, backward: int, num_rows: int):
     """For the C++ impls (h3cute.native), N = 96768: the T range sharing every launch choice and the C handles
     of `forward`'s kernels (`adaln_silu_cast`, the projection GEMM) or `backward`'s (the d_temb GEMM,
-    `adaln_dtemb_fold`, the dW GEMM, then `adaln_bias_grad` where the dW GEMM does not write db) with
-    one launch constant: db's row block (DBIAS_ROW_BLOCK) where adaln_bias_grad runs, 0 where the dW GEMM writes db."""
+    `adaln_dtemb_fold`, the dW GEMM, then `adaln_bias_grad` where the dW GEMM does not write db; where the dW GEMM's
+    fold warps fold d_temb and sum db (`wgrad_folds`): `adaln_silu_cast`, the d_temb GEMM, `adaln_proj_wgrad_fold`)
+    with one launch constant: db's row block (DBIAS_ROW_BLOCK) where adaln_bias_grad runs, 0 where the dW GEMM writes
+    db, FOLD_WARPS_LAUNCH where its fold warps do both."""
     dev = torch.device("cuda", device)
     lo, hi = runtime.row_range(T_BOUNDS, num_rows)
     choices = _choices(dev, num_rows, bool(backward))
@@ -196,6 +212,11 @@ def kernel_handles(device: int, backward: int, num_rows: int):
                runtime.kernel(proj, dev, out_features=n, config=config)]
         return lo, hi, [fn.__chandle__() for fn in fns]
     wgmma, dgrad, wgrad, unfused_dbias = choices
+    if wgrad_folds(wgrad, wgmma):
+        fns = [runtime.kernel("adaln_silu_cast", dev, width=TEMB_WIDTH),
+               runtime.kernel("adaln_proj_dgrad_wgmma", dev, out_features=n, config=dgrad),
+               runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n, config=wgrad)]
+        return lo, hi, [fn.__chandle__() for fn in fns], [FOLD_WARPS_LAUNCH]
     fns = [runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=n, config=dgrad),
            runtime.kernel("adaln_dtemb_fold", dev, width=TEMB_WIDTH),
            runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=n, wgmma=True, config=wgrad) if wgmma
@@ -234,9 +255,11 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config
     return out
 
 
-def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, config: str | None = None):
+def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, config: str | None = None,
+             fold_warps: bool | None = None):
     """(T, N) BF16 grad -> (dtemb (T, 2688) FP32, dweight (N, 2688) BF16, dbias (N,) BF16). `config`, if
-    given, is the d_temb GEMM's (dW's tile is picked from T)."""
+    given, is the d_temb GEMM's (dW's tile is picked from T). `fold_warps` (default `wgrad_folds`) runs the dW
+    tile as `adaln_proj_wgrad_fold` or not (the same bits either way; tests and timing)."""
     if config is not None and config not in CONFIGS + WGMMA_CONFIGS + TMA_DGRAD_CONFIGS:
         raise ValueError(f"adaln_projection backward: config {config!r} has no d_temb GEMM; one of "
                          f"{CONFIGS + WGMMA_CONFIGS + TMA_DGRAD_CONFIGS}")
@@ -244,22 +267,29 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
     device = temb.device
     if rows == 0:
         return temb.new_empty((0, TEMB_WIDTH)), torch.zeros_like(weight), weight.new_zeros((out_features,))
-    grad, temb, weight = dense16(grad), temb.contiguous(), dense16(weight)
-    partial = torch.empty((DGRAD_SPLITS, rows, TEMB_WIDTH), dtype=torch.float32, device=device)
+    grad, temb, weight = dense16(grad), dense16(temb), dense16(weight)
     wgmma = _uses_wgmma(device, config)
+    wgrad_config = wgrad_config_for_rows(rows, wgmma)
+    folds = wgrad_folds(wgrad_config, wgmma) if fold_warps is None else fold_warps
+    if folds and not wgrad_folds(wgrad_config, wgmma):
+        raise ValueError(f"adaln_projection backward: the dW tile {wgrad_config!r} at T = {rows} has no fold warps")
+    act = silu_bf16(temb) if folds else torch.empty((rows, TEMB_WIDTH), dtype=torch.bfloat16, device=device)
+    partial = torch.empty((DGRAD_SPLITS, rows, TEMB_WIDTH), dtype=torch.float32, device=device)
     runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", device, out_features=out_features,
                    config=config or dgrad_config_for_rows(rows, wgmma))(grad, weight, partial)
     dtemb = torch.empty((rows, TEMB_WIDTH), dtype=torch.float32, device=device)
-    act = torch.empty((rows, TEMB_WIDTH), dtype=torch.bfloat16, device=device)  # bf16(silu(temb))
-    runtime.kernel("adaln_dtemb_fold", device, width=TEMB_WIDTH)(partial, temb, dtemb, act)
     dweight = torch.empty_like(weight)
-    wgrad_config = wgrad_config_for_rows(rows, wgmma)
+    dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
+    if folds:
+        runtime.kernel("adaln_proj_wgrad_fold", device, out_features=out_features, config=wgrad_config)(
+            grad, act, dweight, dbias, partial, temb, dtemb)
+        return dtemb, dweight, dbias
+    runtime.kernel("adaln_dtemb_fold", device, width=TEMB_WIDTH)(partial, temb, dtemb, act)  # act = bf16(silu(temb))
     if wgmma:
         wgrad = runtime.kernel("adaln_proj_wgrad_wgmma", device, out_features=out_features, wgmma=True,
                                config=wgrad_config)
     else:
         wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features, config=wgrad_config)
-    dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
     wgrad(grad, act, dweight, dbias)
     if not wgrad_writes_dbias(wgrad_config, rows):
         bias_partial = torch.empty((dbias_blocks(rows), out_features), dtype=torch.float32, device=device)

@@ -474,8 +474,11 @@ void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, co
 
 // d_temb through kDgradSplits FP32 partials and their in-order fold (which also recomputes bf16(silu(temb))),
 // then dW = grad^T act; the dW GEMM writes db (bias_block = 0) or adaln_bias_grad does, from one FP32 partial per
-// bias_block rows of T (Python decides: kernel_handles' launch constant).
-// fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM, adaln_bias_grad (read only when bias_block > 0)].
+// bias_block rows of T (Python decides: kernel_handles' launch constant). bias_block = kFoldWarps: the dW GEMM's
+// fold warps fold d_temb and write db while it runs (adaln_proj_wgrad_fold), its operand made first.
+// fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM, adaln_bias_grad (read only when bias_block > 0)], or with
+// kFoldWarps [adaln_silu_cast, the d_temb GEMM, adaln_proj_wgrad_fold].
+constexpr int64_t kFoldWarps = -1;  // launch/adaln_projection.py FOLD_WARPS_LAUNCH
 std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, int64_t bias_block,
                                                                    const at::Tensor& grad, const at::Tensor& temb,
                                                                    const at::Tensor& weight) {
@@ -484,6 +487,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIO
   at::Tensor partial = at::empty({kDgradSplits, timesteps, kTemb}, f32);
   at::Tensor dtemb = at::empty({timesteps, kTemb}, f32), act = at::empty({timesteps, kTemb}, bf16);
   at::Tensor dweight = at::empty_like(weight), dbias = at::empty({n}, bf16);
+  if (bias_block == kFoldWarps) {
+    call_kernel(fn[0], {temb, act});
+    call_kernel(fn[1], {grad, weight, partial});
+    call_kernel(fn[2], {grad, act, dweight, dbias, partial, temb, dtemb});
+    return {dtemb, dweight, dbias};
+  }
   call_kernel(fn[0], {grad, weight, partial});
   call_kernel(fn[1], {partial, temb, dtemb, act});
   call_kernel(fn[2], {grad, act, dweight, dbias});
