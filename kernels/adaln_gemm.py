@@ -1740,9 +1740,11 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
     _PRODUCER_REGS = 88
     _CONSUMER_REGS = 208  # 128 x 88 + 256 x 208 = 64512
 
-    def __init__(self, tile: GemmTile, **kw):
+    def __init__(self, tile: GemmTile, pace: str = "burst", **kw):
         super().__init__(tile, **kw)
         assert not self.dbias_rows and self.c_n_major, kw  # db comes from the fold warps at every T
+        assert pace in FOLD_PACES, pace
+        self.pace = pace
 
     @cute.jit
     def _fold_warps(self, side, mBias, cta, warp_idx):
@@ -1758,12 +1760,17 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
         plane = cutlass.Int64(rows) * TEMB_WIDTH
         d_act = cute.make_rmem_tensor(cute.make_layout(_FOLD_COLS), cutlass.Float32)
         x = cute.make_rmem_tensor(cute.make_layout(_FOLD_COLS), cutlass.Float32)
+        stream = self.pace != "burst"
         for v in range(me, rows * (TEMB_WIDTH // _FOLD_COLS), lanes):
             at = cutlass.Int64(v) * _FOLD_COLS
             d_act.fill(0.0)
-            for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
-                d_act.store(d_act.load() + _gvec(partial, s * plane + at, _FOLD_COLS).load())
-            x.store(_gvec(temb, at, _FOLD_COLS).load())
+            if cutlass.const_expr(self.pace == "paced"):
+                for s in cutlass.range(DGRAD_SPLITS, unroll=4):  # fixed split order, 4 loads in flight
+                    d_act.store(d_act.load() + _ld(partial, s * plane + at, _FOLD_COLS, stream))
+            else:
+                for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
+                    d_act.store(d_act.load() + _ld(partial, s * plane + at, _FOLD_COLS, stream))
+            x.store(_ld(temb, at, _FOLD_COLS, stream))
             for j in cutlass.range_constexpr(_FOLD_COLS):
                 d_act[j] = _dtemb_scale(d_act[j], x[j])
             _gvec(dtemb, at, _FOLD_COLS).store(d_act.load())
@@ -1779,12 +1786,12 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
                 first = rows - DBIAS_ROW_BLOCK * (blocks - block)
                 for acc in chains:
                     acc.fill(0.0)
-                for i in cutlass.range(DBIAS_CHAIN_ROWS, unroll=2):  # ascending rows in every chain
+                for i in cutlass.range(DBIAS_CHAIN_ROWS, unroll=1 if self.pace == "paced" else 2):  # ascending rows
                     for c, acc in enumerate(chains):
                         r = first + c * DBIAS_CHAIN_ROWS + i
                         if r >= 0:
-                            acc.store(acc.load() + vec_view(grad, cutlass.Int64(r) * n_out + col0).load()
-                                      .to(cutlass.Float32))
+                            acc.store(acc.load() + _ld(grad, cutlass.Int64(r) * n_out + col0, _BIAS_COLS_PER_THREAD,
+                                                       stream).to(cutlass.Float32))
                 block_sum = chains[0].load()
                 for acc in chains[1:]:
                     block_sum = block_sum + acc.load()
@@ -1793,6 +1800,23 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
 
 
 _FOLD_COLS = 4  # d_temb columns per fold-warp vector: one 16-byte FP32 load per partial
+# How the fold warps load (an experiment): "burst" (plain loads, every partial in flight at once), "stream"
+# (ld.global.cs: evict-first in L1 and L2, so the stream does not push the GEMM's operands out), "paced" (cs, and
+# 4 loads in flight per thread: the side stream's DRAM bandwidth spread over the kernel).
+FOLD_PACES = ("burst", "stream", "paced")
+
+
+@cute.jit
+def _ld(t: cute.Tensor, offset, width: int, stream: bool):
+    """`width` consecutive elements of `t` at element offset `offset` (16-byte aligned) as a TensorSSA; `stream`:
+    ld.global.cs (evict-first)."""
+    if cutlass.const_expr(not stream):
+        return _gvec(t, offset, width).load()
+    from cutlass._mlir import ir
+
+    ptr = cute.make_ptr(t.element_type, (t.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=16)
+    vec = cute.arch.load(ptr, ir.VectorType.get([width], t.element_type.mlir_type), cop="cs")
+    return cute.TensorSSA(vec, (width,), t.element_type)
 
 
 @cute.jit
@@ -1931,10 +1955,10 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
     )
 
 
-def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
+def _build_wgrad_fold(arch: str, *, out_features: int, config: str, pace: str = "burst"):
     assert arch == "sm_90a" and config in FOLD_WARP_WGRAD_CONFIGS, (arch, config)
     gemm = _TmaWgmmaPersistentFoldGemm(TMA_WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16",
-                                       c_n_major=True, dbias_rows=False)
+                                       c_n_major=True, dbias_rows=False, pace=pace)
     assert out_features % gemm.tile.bm == 0 and out_features % _BIAS_COLS_PER_THREAD == 0, (out_features, config)
 
     @cute.jit
@@ -2148,7 +2172,8 @@ SPECS = [
     KernelSpec(
         name="adaln_proj_wgrad_fold",
         build=_build_wgrad_fold,
-        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in FOLD_WARP_WGRAD_CONFIGS],
+        variants=lambda arch: [dict(out_features=n, config=c, **({} if p == "burst" else dict(pace=p)))
+                               for n in OUT_FEATURES for c in FOLD_WARP_WGRAD_CONFIGS for p in FOLD_PACES],
         ptx_markers=_WGMMA_MARKERS + ("cp.async.bulk.tensor",),
         ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
         archs=("sm_90a",),

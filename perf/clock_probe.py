@@ -108,6 +108,8 @@ def main(argv) -> int:
     parser = argparse.ArgumentParser(prog="clock_probe", description=__doc__.split("\n")[0])
     parser.add_argument("rows", nargs="?", type=int, default=2048)
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--match", action="append", metavar="TEXT",
+                        help="only the launches whose name contains TEXT (repeatable; default every launch)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("clock_probe: needs a CUDA device", file=sys.stderr)
@@ -129,9 +131,11 @@ def main(argv) -> int:
     one = {(s[1], s[2]): s for s in every if not isinstance(s[6], Exception)}
     for c in K.L.FOLD_WARP_WGRAD_CONFIGS:
         parts = {"separate": [one.get(k) for k in (("dtemb_fold", ""), ("proj_wgrad", c), ("bias_grad", ""))],
-                 "fold warps": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c))]}
-        if all(all(parts[k]) for k in parts):
-            for how, seq in parts.items():
+                 "fold warps": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c))],
+                 "fold warps, stream": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c + "+stream"))],
+                 "fold warps, paced": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c + "+paced"))]}
+        for how, seq in parts.items():
+            if all(seq):
                 launches.append((f"h3cute bwd after d_temb, {how} [{c}]",
                                  lambda seq=seq: [fn(*a) for *_, fn, a in seq]))
     launches += [
@@ -139,6 +143,8 @@ def main(argv) -> int:
         ("cuBLAS bwd grad @ W (d_a)", lambda: torch.matmul(grad, w)),
         ("cuBLAS bwd grad^T @ act (dW)", lambda: torch.matmul(grad.t(), act)),
     ]
+    if args.match:
+        launches = [(name, fn) for name, fn in launches if any(m in name for m in args.match)]
     report = {"gpu": torch.cuda.get_device_name(dev), "arch": runtime.arch_of(dev), "rows": rows,
               "seconds": args.seconds, "query": query, "launches": {}}
     idle = _sampler(query)
