@@ -194,6 +194,9 @@ TMA_CONFIGS = {
     # tma_wide in clusters of 2 T tiles of one A tile (d_temb: a W^T tile of one K split; forward: a W tile), each CTA
     # loading half of it into both: a stage's L2 reads drop from 32 to 24 KB per CTA.
     "tma_wide_a_mc2": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5, cluster_n=2),  # 160 KB
+    # tma_wide_n256 in clusters of 2 T tiles of one A tile (d_temb: the W^T tile of a K split, 16 of a stage's 48 KB;
+    # forward: the W tile), each CTA loading half of it into both.
+    "tma_wide_n256_a_mc2": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4, cluster_n=2),  # 192 KB
     # 192 T rows per tile: 20% fewer operand bytes per MMA than 128 x 128; d_temb runs it with one block tile.
     "tma_wide_n192": GemmTile(bm=128, bn=192, bk=64, warps_m=8, warps_n=1, stages=5),  # 200 KB
     # Forward only, large T: the persistent 256-row kernel of the dW (`_TmaWgmmaPersistentGemm`), 256 W rows x 128 T
@@ -1740,11 +1743,9 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
     _PRODUCER_REGS = 88
     _CONSUMER_REGS = 208  # 128 x 88 + 256 x 208 = 64512
 
-    def __init__(self, tile: GemmTile, pace: str = "burst", **kw):
+    def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
         assert not self.dbias_rows and self.c_n_major, kw  # db comes from the fold warps at every T
-        assert pace in FOLD_PACES, pace
-        self.pace = pace
 
     @cute.jit
     def _fold_warps(self, side, mBias, cta, warp_idx):
@@ -1760,17 +1761,12 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
         plane = cutlass.Int64(rows) * TEMB_WIDTH
         d_act = cute.make_rmem_tensor(cute.make_layout(_FOLD_COLS), cutlass.Float32)
         x = cute.make_rmem_tensor(cute.make_layout(_FOLD_COLS), cutlass.Float32)
-        stream = self.pace != "burst"
         for v in range(me, rows * (TEMB_WIDTH // _FOLD_COLS), lanes):
             at = cutlass.Int64(v) * _FOLD_COLS
             d_act.fill(0.0)
-            if cutlass.const_expr(self.pace == "paced"):
-                for s in cutlass.range(DGRAD_SPLITS, unroll=4):  # fixed split order, 4 loads in flight
-                    d_act.store(d_act.load() + _ld(partial, s * plane + at, _FOLD_COLS, stream))
-            else:
-                for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
-                    d_act.store(d_act.load() + _ld(partial, s * plane + at, _FOLD_COLS, stream))
-            x.store(_ld(temb, at, _FOLD_COLS, stream))
+            for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
+                d_act.store(d_act.load() + _ld_stream(partial, s * plane + at, _FOLD_COLS))
+            x.store(_ld_stream(temb, at, _FOLD_COLS))
             for j in cutlass.range_constexpr(_FOLD_COLS):
                 d_act[j] = _dtemb_scale(d_act[j], x[j])
             _gvec(dtemb, at, _FOLD_COLS).store(d_act.load())
@@ -1786,12 +1782,12 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
                 first = rows - DBIAS_ROW_BLOCK * (blocks - block)
                 for acc in chains:
                     acc.fill(0.0)
-                for i in cutlass.range(DBIAS_CHAIN_ROWS, unroll=1 if self.pace == "paced" else 2):  # ascending rows
+                for i in cutlass.range(DBIAS_CHAIN_ROWS, unroll=2):  # ascending rows in every chain
                     for c, acc in enumerate(chains):
                         r = first + c * DBIAS_CHAIN_ROWS + i
                         if r >= 0:
-                            acc.store(acc.load() + _ld(grad, cutlass.Int64(r) * n_out + col0, _BIAS_COLS_PER_THREAD,
-                                                       stream).to(cutlass.Float32))
+                            acc.store(acc.load() + _ld_stream(grad, cutlass.Int64(r) * n_out + col0,
+                                                              _BIAS_COLS_PER_THREAD).to(cutlass.Float32))
                 block_sum = chains[0].load()
                 for acc in chains[1:]:
                     block_sum = block_sum + acc.load()
@@ -1800,18 +1796,12 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
 
 
 _FOLD_COLS = 4  # d_temb columns per fold-warp vector: one 16-byte FP32 load per partial
-# How the fold warps load (an experiment): "burst" (plain loads, every partial in flight at once), "stream"
-# (ld.global.cs: evict-first in L1 and L2, so the stream does not push the GEMM's operands out), "paced" (cs, and
-# 4 loads in flight per thread: the side stream's DRAM bandwidth spread over the kernel).
-FOLD_PACES = ("burst", "stream", "paced")
-
-
 @cute.jit
-def _ld(t: cute.Tensor, offset, width: int, stream: bool):
-    """`width` consecutive elements of `t` at element offset `offset` (16-byte aligned) as a TensorSSA; `stream`:
-    ld.global.cs (evict-first)."""
-    if cutlass.const_expr(not stream):
-        return _gvec(t, offset, width).load()
+def _ld_stream(t: cute.Tensor, offset, width: int):
+    """`width` consecutive elements of `t` at element offset `offset` (16-byte aligned) as a TensorSSA, loaded with
+    ld.global.cs (evict-first in L1 and L2: a stream read once, which should not push the GEMM's operands out).
+    Measured at a2c0780 (perf/clock_probe.py, sustained, T = 2048): 1722.3 us for silu_cast + the 256-row dW with
+    fold warps against 1762.3 with plain loads and 1777.2 with cs loads 4 in flight per thread."""
     from cutlass._mlir import ir
 
     ptr = cute.make_ptr(t.element_type, (t.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=16)
@@ -1955,10 +1945,10 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
     )
 
 
-def _build_wgrad_fold(arch: str, *, out_features: int, config: str, pace: str = "burst"):
+def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
     assert arch == "sm_90a" and config in FOLD_WARP_WGRAD_CONFIGS, (arch, config)
     gemm = _TmaWgmmaPersistentFoldGemm(TMA_WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16",
-                                       c_n_major=True, dbias_rows=False, pace=pace)
+                                       c_n_major=True, dbias_rows=False)
     assert out_features % gemm.tile.bm == 0 and out_features % _BIAS_COLS_PER_THREAD == 0, (out_features, config)
 
     @cute.jit
@@ -2172,9 +2162,8 @@ SPECS = [
     KernelSpec(
         name="adaln_proj_wgrad_fold",
         build=_build_wgrad_fold,
-        variants=lambda arch: [dict(out_features=n, config=c, **({} if p == "burst" else dict(pace=p)))
-                               for n in OUT_FEATURES for c in FOLD_WARP_WGRAD_CONFIGS for p in FOLD_PACES],
-        ptx_markers=_WGMMA_MARKERS + ("cp.async.bulk.tensor",),
+        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in FOLD_WARP_WGRAD_CONFIGS],
+        ptx_markers=_WGMMA_MARKERS + ("cp.async.bulk.tensor", "ld.global.cs.v4"),
         ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
         archs=("sm_90a",),
     ),

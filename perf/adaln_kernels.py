@@ -85,13 +85,10 @@ def _steps(rows: int, family: str, buf: dict, dev):
                       (grad, act, dw, db)))
     if wgmma:  # dW with the d_temb fold and db in its producer warps: d_temb's and db's bytes too
         for c in L.FOLD_WARP_WGRAD_CONFIGS:
-            for pace in ("burst", "stream", "paced"):  # an experiment: how the fold warps load
-                extra = {} if pace == "burst" else dict(pace=pace)
-                steps.append(("bwd", "proj_wgrad_fold", c + ("" if pace == "burst" else "+" + pace),
-                              "step" if folds and c == chosen_wgrad and pace == "burst" else "alt",
-                              wgrad_bytes + fold_bytes + rows * N * BF16, gemm_flops,
-                              _kernel("adaln_proj_wgrad_fold", dev, out_features=N, config=c, **extra),
-                              (grad, act, dw, db, partial, temb, dtemb)))
+            steps.append(("bwd", "proj_wgrad_fold", c, "step" if folds and c == chosen_wgrad else "alt",
+                          wgrad_bytes + fold_bytes + rows * N * BF16, gemm_flops,
+                          _kernel("adaln_proj_wgrad_fold", dev, out_features=N, config=c),
+                          (grad, act, dw, db, partial, temb, dtemb)))
     # Where the chosen dW kernel writes db the standalone kernel is only for comparison.
     bias_kind = "alt" if folds or L.wgrad_writes_dbias(chosen_wgrad, rows) else "step"
     steps.append(("bwd", "bias_grad", "", bias_kind, rows * N * BF16 + 2 * L.dbias_blocks(rows) * N * F32 + N * BF16, 0,

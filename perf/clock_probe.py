@@ -131,9 +131,7 @@ def main(argv) -> int:
     one = {(s[1], s[2]): s for s in every if not isinstance(s[6], Exception)}
     for c in K.L.FOLD_WARP_WGRAD_CONFIGS:
         parts = {"separate": [one.get(k) for k in (("dtemb_fold", ""), ("proj_wgrad", c), ("bias_grad", ""))],
-                 "fold warps": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c))],
-                 "fold warps, stream": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c + "+stream"))],
-                 "fold warps, paced": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c + "+paced"))]}
+                 "fold warps": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c))]}
         for how, seq in parts.items():
             if all(seq):
                 launches.append((f"h3cute bwd after d_temb, {how} [{c}]",

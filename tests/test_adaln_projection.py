@@ -281,7 +281,7 @@ def test_tma_mainloop_instructions():
             # fold warps load the partials, temb and grad and store d_temb and db in 16-byte vectors (ptxas versions
             # their loops, so the count varies).
             if fold:
-                assert "ld.global.v4.b32" in text and "st.global.v4.b32" in text, config
+                assert "ld.global.cs.v4" in text and "st.global.v4.b32" in text, config
             else:
                 assert text.count("st.global.v4") == (config in k.WGRAD_DB_WARPS) and "ld.global.v4" not in text, config
         if shutil.which("ptxas"):
@@ -293,6 +293,8 @@ _CLUSTERED = (
     ("adaln_proj_fwd_wgmma", "tma_wide_n256_mc2", "tma_wide_n256", {}, "B"),
     ("adaln_proj_fwd_wgmma", "tma_wide_a_mc2", "tma_wide", {}, "A"),
     ("adaln_proj_dgrad_wgmma", "tma_wide_a_mc2", "tma_wide", {}, "A"),
+    ("adaln_proj_fwd_wgmma", "tma_wide_n256_a_mc2", "tma_wide_n256", {}, "A"),
+    ("adaln_proj_dgrad_wgmma", "tma_wide_n256_a_mc2", "tma_wide_n256", {}, "A"),
     ("adaln_proj_wgrad_wgmma", "tma_wgrad_mc2", "tma_wgrad", dict(wgmma=True), "B"),
 )
 

@@ -37,11 +37,12 @@ WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # The wgmma family's TMA + mbarrier warp-specialized mainloop (kernels/adaln_gemm.TMA_CONFIGS, same kernels,
 # same bits): forward and d_temb configs (the d_temb GEMM has no 256-wide tile: its block tiles' registers),
 # and dW tiles. tma_wide_n256_mc2: tma_wide_n256 in 2-CTA clusters sharing the activation tile (TMA multicast);
-# tma_wide_a_mc2: tma_wide in 2-CTA clusters sharing the weight tile; tma_wgrad_mc2: tma_wgrad sharing a^T;
+# tma_wide_a_mc2 / tma_wide_n256_a_mc2: tma_wide / tma_wide_n256 in 2-CTA clusters sharing the weight tile;
+# tma_wgrad_mc2: tma_wgrad sharing a^T;
 # tma_persist_m256: the forward on the persistent 256-row kernel of the dW.
-TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_n256_mc2", "tma_wide_a_mc2", "tma_wide_n192",
-               "tma_persist_m256")
-TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_a_mc2", "tma_wide_n192")
+TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_n256_mc2", "tma_wide_a_mc2", "tma_wide_n256_a_mc2",
+               "tma_wide_n192", "tma_persist_m256")
+TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_a_mc2", "tma_wide_n256_a_mc2", "tma_wide_n192")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
