@@ -249,8 +249,9 @@ TMA_WGRAD_CONFIGS.update({name + "_db": TMA_WGRAD_CONFIGS[name]
                           for name in ("tma_wgrad_persist", "tma_wgrad_persist_pingpong")})
 WGRAD_DB_WARPS = frozenset(name for name in TMA_WGRAD_CONFIGS if name.endswith("_db"))
 # Persistent dW tiles that also run as `adaln_proj_wgrad_fold` (`_TmaWgmmaPersistentFoldGemm`: the d_temb fold and db
-# in the producer warpgroup's idle warps, from global memory).
-FOLD_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_pingpong", "tma_wgrad_persist_m256")
+# in the producer warpgroup's idle warps, from global memory). The pingpong tile with fold warps was measured too
+# (T = 448 .. 2048, 525afe0) and was never ahead of the 256-row one by more than 2 us.
+FOLD_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_m256",)
 
 
 class _WarpMmaGemm:

@@ -58,7 +58,7 @@ TMA_WGRAD_CONFIGS = ("tma_wgrad", "tma_wgrad_k32", "tma_wgrad_mc2", "tma_wgrad_p
 DB_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_db", "tma_wgrad_persist_pingpong_db")
 # Persistent dW tiles that also run as `adaln_proj_wgrad_fold`, the kernel whose idle producer warps fold d_temb from
 # the partials and sum db while the consumers run dW (kernels/adaln_gemm.FOLD_WARP_WGRAD_CONFIGS; a CPU test checks).
-FOLD_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_pingpong", "tma_wgrad_persist_m256")
+FOLD_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_m256",)
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
 # and was as fast or faster at every T measured (1, 4, 64, 256, 2048); sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
@@ -137,25 +137,31 @@ def wgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     cuBLAS's 1630.4, and 826.6 against 856.9 at T = 1024 (f9f7194); in short bursts (perf/adaln_kernels.py, 31e16e7)
     831.1 / 1640.1 us at T = 1024 / 2048 against 844.6 / 1635.8 (the pingpong 782.2 / 1616.7). Its one C buffer
     and 256-row epilogue weigh more at shorter K: 447.4 / 682.1 us at T = 512 / 768 against tma_wgrad_persist's
-    410.2 / 576.1 (f9f7194, bursts). To T = 768 the pingpong kernel (no db warps), ahead of both in bursts: 412.9 /
+    410.2 / 576.1 (f9f7194, bursts). Until 525afe0 the pingpong kernel (no db warps) ran T in (384, 768]: 412.9 /
     492.3 / 571.8 us at T = 512 / 640 / 768 against tma_wgrad_persist's 467.6 / 553.5 / 656.3 (31d6ae1, 93d851f).
     At T = 2048 the three swap places between bursts and sustained runs (31d6ae1: bursts 1616.4 / 1561.8 / 1650.8
     for the pingpong / cooperative / 256-row kernels, sustained 1682.8 / 1637.8 / 1589.8): the 256-row kernel, the
-    leader under sustained load."""
+    leader under sustained load. Since 525afe0 that tile runs from T = 385 with the d_temb fold and db in its
+    producer warps (`wgrad_folds`): with them it was ahead of the pingpong tile with them at T = 448 / 512 / 768
+    (422.4 / 497.8 / 679.8 us against 434.2 / 512.4 / 722.3; 606.6 against 604.9 at 640; bursts, cdefae7 and
+    525afe0), and with silu_cast ahead of the pingpong tile + adaln_dtemb_fold + adaln_bias_grad at 448 / 512 / 768
+    (437 / 512 / 691 against 454 / 539 / 703 us), behind at 640 (618 against 590)."""
     if wgmma:
         if rows <= 64:
             return "wg_wgrad_n64_1wg_tstore"
         if rows <= 384:
             return "tma_wgrad_persist_pingpong_db"
-        return "tma_wgrad_persist_pingpong" if rows <= 768 else "tma_wgrad_persist_m256"
+        return "tma_wgrad_persist_m256"
     return "wgrad_n64" if rows <= 64 else "wgrad"
 
 
 def wgrad_folds(config: str, wgmma: bool) -> bool:
     """Whether the backward runs the dW GEMM of `config` as `adaln_proj_wgrad_fold`: its fold warps then write d_temb
     and db (the bits of adaln_dtemb_fold and adaln_bias_grad), so neither launches, and adaln_silu_cast makes the
-    dW operand first. The wgmma family's dW picks beyond T = 384, where dW is MMA-bound and the two memory-bound
-    launches cost ~200 us at T = 2048."""
+    dW operand first. The wgmma family's dW pick beyond T = 384, where dW is MMA-bound and the two memory-bound
+    launches cost ~210 us at T = 2048. Sustained (perf/clock_probe.py), silu_cast + dW with fold warps against
+    adaln_dtemb_fold + dW + adaln_bias_grad: 1707.4 / 1722.3 against 1754.7 / 1775.5 us at T = 2048 (525afe0 /
+    a2c0780), 891.8 against 939.1 at 1024 (a2c0780)."""
     return wgmma and config in FOLD_WARP_WGRAD_CONFIGS
 
 
@@ -179,8 +185,9 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 
 # Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 192,
-# 256, 384), the d_temb config (16, 64, 128, 192, 384), the dW tile (64, 384, 768) and whether it writes db (64, 384).
-T_BOUNDS = (16, 64, 128, 192, 256, 384, 768, runtime.MAX_ROWS)
+# 256, 384), the d_temb config (16, 64, 128, 192, 384), the dW tile (64, 384), whether it writes db (64, 384) and
+# whether its fold warps run (384).
+T_BOUNDS = (16, 64, 128, 192, 256, 384, runtime.MAX_ROWS)
 
 
 def _choices(device, rows: int, backward: bool) -> tuple:
