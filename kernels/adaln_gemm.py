@@ -30,7 +30,8 @@ On sm_90a the wgmma family has two mainloops with the same k16 order and epilogu
 ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGRAD_CONFIGS`), plus, for dW,
 `_TmaWgmmaPersistentGemm` (the TMA mainloop in a fixed grid of `PERSISTENT_CTAS` CTAs that walk the output
 tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`, and `*_pingpong`, whose consumer
-warpgroups take whole tiles in turn). The forward's `tma_wide_n256_mc2` runs `_TmaWgmmaGemm` in 2-CTA clusters
+warpgroups take whole tiles in turn; `_TmaWgmmaPersistentFoldGemm`, `adaln_proj_wgrad_fold`, whose idle producer
+warps fold d_temb and sum db from global memory meanwhile). The forward's `tma_wide_n256_mc2` runs `_TmaWgmmaGemm` in 2-CTA clusters
 that share the activation tile by TMA multicast (`GemmTile.cluster_m`; `cluster_n` shares A along grid x); d_temb
 runs its 192- and 256-wide tiles on one block tile, the warpgroups taking turns (`_ieee_serial_mainloop`). All the
 same bits.

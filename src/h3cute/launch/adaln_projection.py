@@ -8,7 +8,9 @@ through unrounded; it also recomputes a, with silu_cast's bits, for the next ker
 `adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out; also db where `wgrad_writes_dbias`: the dW kernels
 with db warps (`DB_WARP_WGRAD_CONFIGS`) at every T, the others for T <= `FUSED_DBIAS_ROWS`); `adaln_bias_grad` otherwise (db = sum_t
 grad: FP32 sums of `DBIAS_ROW_BLOCK`-row blocks, each of four row chains, folded in block order, BF16 out;
-the dW kernels use the same order, so the same bits). No atomics: every result is bitwise repeatable.
+the dW kernels use the same order, so the same bits). Beyond T = 384 on the wgmma family (`wgrad_folds`) the dW kernel
+`adaln_proj_wgrad_fold` also does the d_temb fold and db in its idle producer warps (the same sums, the same bits),
+after `adaln_silu_cast` makes its operand: three launches. No atomics: every result is bitwise repeatable.
 
 The tile config is picked from T (`config_for_rows`) purely for speed: every config runs the same
 k16 MMA sequence per output element, so the bits do not depend on it (tests check this). Used with
