@@ -1775,25 +1775,12 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
 
         blocks = cute.ceil_div(rows, DBIAS_ROW_BLOCK)
         total = cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
-        chains = [cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
-                  for _ in range(DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS)]
         for u in range(me, n_out // _BIAS_COLS_PER_THREAD, lanes):
             col0 = u * _BIAS_COLS_PER_THREAD
             total.fill(0.0)
             for block in range(blocks):
-                first = rows - DBIAS_ROW_BLOCK * (blocks - block)
-                for acc in chains:
-                    acc.fill(0.0)
-                for i in cutlass.range(DBIAS_CHAIN_ROWS, unroll=2):  # ascending rows in every chain
-                    for c, acc in enumerate(chains):
-                        r = first + c * DBIAS_CHAIN_ROWS + i
-                        if r >= 0:
-                            acc.store(acc.load() + _ld_stream(grad, cutlass.Int64(r) * n_out + col0,
-                                                              _BIAS_COLS_PER_THREAD).to(cutlass.Float32))
-                block_sum = chains[0].load()
-                for acc in chains[1:]:
-                    block_sum = block_sum + acc.load()
-                total.store(total.load() + block_sum)
+                total.store(total.load() + _dbias_block_sum(grad, rows - DBIAS_ROW_BLOCK * (blocks - block), col0,
+                                                            True))
             vec_view(mBias, col0).store(total.load().to(cutlass.BFloat16))
 
 
@@ -1931,20 +1918,22 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
     def adaln_proj_wgrad(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, dbias: cute.Tensor, stream):
         """dW[n, d] = sum_t grad[t, n] act[t, d]: A = grad^T (N_out, T), B = act^T (D, T), both MN-major;
         for T <= FUSED_DBIAS_ROWS also dbias (adaln_bias_grad's bits), else dbias is not touched."""
-        grad_t = cute.make_tensor(grad.iterator, cute.select(grad.layout, mode=[1, 0]))
-        act_t = cute.make_tensor(act.iterator, cute.select(act.layout, mode=[1, 0]))
-        gemm.launch(grad_t, act_t, dweight, dbias, stream)
+        gemm.launch(*_transposed(grad, act), dweight, dbias, stream)
 
     rows = cute.sym_int()
-    return compile_for(
-        arch,
-        adaln_proj_wgrad,
-        _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
-        _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
-        _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
-        _fake(cutlass.BFloat16, (out_features,)),
-        env_stream(),
-    )
+    return compile_for(arch, adaln_proj_wgrad, *_wgrad_fakes(rows, out_features), env_stream())
+
+
+def _transposed(grad: cute.Tensor, act: cute.Tensor):
+    """The dW GEMM's operands as views: A = grad^T (N_out, T), B = act^T (D, T), both MN-major."""
+    return (cute.make_tensor(grad.iterator, cute.select(grad.layout, mode=[1, 0])),
+            cute.make_tensor(act.iterator, cute.select(act.layout, mode=[1, 0])))
+
+
+def _wgrad_fakes(rows, out_features: int) -> tuple:
+    """grad (T, N_out), act (T, D), dweight (N_out, D), dbias (N_out,): the dW kernels' first four arguments."""
+    return (_fake(cutlass.BFloat16, (rows, out_features), (1, 0)), _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
+            _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)), _fake(cutlass.BFloat16, (out_features,)))
 
 
 def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
@@ -1958,18 +1947,13 @@ def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
                               partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, stream):
         """adaln_proj_wgrad's dW (A = grad^T, B = act^T) while the producer warpgroup's idle warps fold d_temb from
         the d_temb GEMM's partials (adaln_dtemb_fold's bits) and sum db (adaln_bias_grad's bits)."""
-        grad_t = cute.make_tensor(grad.iterator, cute.select(grad.layout, mode=[1, 0]))
-        act_t = cute.make_tensor(act.iterator, cute.select(act.layout, mode=[1, 0]))
-        gemm.launch(grad_t, act_t, dweight, dbias, stream, side=(grad, partial, temb, dtemb))
+        gemm.launch(*_transposed(grad, act), dweight, dbias, stream, side=(grad, partial, temb, dtemb))
 
     rows = cute.sym_int()
     return compile_for(
         arch,
         adaln_proj_wgrad_fold,
-        _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
-        _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
-        _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
-        _fake(cutlass.BFloat16, (out_features,)),
+        *_wgrad_fakes(rows, out_features),
         _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB_WIDTH), (2, 1, 0)),
         _fake(cutlass.Float32, (rows, TEMB_WIDTH), (1, 0)),
         _fake(cutlass.Float32, (rows, TEMB_WIDTH), (1, 0)),
@@ -2083,21 +2067,33 @@ def _bias_grad_partial_kernel(grad: cute.Tensor, partial: cute.Tensor):
     if col0 < cute.size(partial, mode=[1]):
         # Block b of nb holds rows [T - 64 (nb - b), T - 64 (nb - 1 - b)), block 0 cut at row 0; its chains are
         # summed side by side (four independent chains of loads and adds), then added in order.
-        rows = cute.size(grad, mode=[0])
-        first = rows - DBIAS_ROW_BLOCK * (cute.size(partial, mode=[0]) - block)
-        chains = [cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
-                  for _ in range(DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS)]
-        for acc in chains:
-            acc.fill(0.0)
-        for i in cutlass.range(DBIAS_CHAIN_ROWS, unroll=2):  # ascending rows in every chain
-            for c, acc in enumerate(chains):
-                r = first + c * DBIAS_CHAIN_ROWS + i
-                if r >= 0:
-                    acc.store(acc.load() + vec_view(grad, cutlass.Int64(r) * grad.stride[0] + col0).load().to(cutlass.Float32))
-        total = chains[0].load()
-        for acc in chains[1:]:
-            total = total + acc.load()
-        vec_view(partial, cutlass.Int64(block) * partial.stride[0] + col0).store(total)
+        first = cute.size(grad, mode=[0]) - DBIAS_ROW_BLOCK * (cute.size(partial, mode=[0]) - block)
+        vec_view(partial, cutlass.Int64(block) * partial.stride[0] + col0).store(
+            _dbias_block_sum(grad, first, col0, False))
+
+
+@cute.jit
+def _dbias_block_sum(grad: cute.Tensor, first, col0, stream: cutlass.Constexpr):
+    """db's sum of the DBIAS_ROW_BLOCK rows of grad from `first` (rows before 0 skipped), 8 columns from col0: four
+    chains of DBIAS_CHAIN_ROWS rows, each from +0 in ascending rows, summed side by side (independent loads and
+    adds), added in chain order. `stream`: ld.global.cs loads (the fold warps)."""
+    chains = [cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
+              for _ in range(DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS)]
+    for acc in chains:
+        acc.fill(0.0)
+    for i in cutlass.range(DBIAS_CHAIN_ROWS, unroll=2):  # ascending rows in every chain
+        for c, acc in enumerate(chains):
+            r = first + c * DBIAS_CHAIN_ROWS + i
+            if r >= 0:
+                at = cutlass.Int64(r) * grad.stride[0] + col0
+                if cutlass.const_expr(stream):
+                    acc.store(acc.load() + _ld_stream(grad, at, _BIAS_COLS_PER_THREAD).to(cutlass.Float32))
+                else:
+                    acc.store(acc.load() + vec_view(grad, at).load().to(cutlass.Float32))
+    total = chains[0].load()
+    for acc in chains[1:]:
+        total = total + acc.load()
+    return total
 
 
 @cute.kernel
