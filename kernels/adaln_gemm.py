@@ -1785,6 +1785,8 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
 
 
 _FOLD_COLS = 4  # d_temb columns per fold-warp vector: one 16-byte FP32 load per partial
+
+
 @cute.jit
 def _ld_stream(t: cute.Tensor, offset, width: int):
     """`width` consecutive elements of `t` at element offset `offset` (16-byte aligned) as a TensorSSA, loaded with
