@@ -1771,7 +1771,7 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
             x.store(_ld_stream(temb, at, _FOLD_COLS))
             for j in cutlass.range_constexpr(_FOLD_COLS):
                 d_act[j] = _dtemb_scale(d_act[j], x[j])
-            _gvec(dtemb, at, _FOLD_COLS).store(d_act.load())
+            vec_view(dtemb, at, _FOLD_COLS).store(d_act.load())
 
         blocks = cute.ceil_div(rows, DBIAS_ROW_BLOCK)
         total = cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
@@ -1795,16 +1795,9 @@ def _ld_stream(t: cute.Tensor, offset, width: int):
     fold warps against 1762.3 with plain loads and 1777.2 with cs loads 4 in flight per thread."""
     from cutlass._mlir import ir
 
-    ptr = cute.make_ptr(t.element_type, (t.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=16)
+    ptr = vec_view(t, offset, width).iterator
     vec = cute.arch.load(ptr, ir.VectorType.get([width], t.element_type.mlir_type), cop="cs")
     return cute.TensorSSA(vec, (width,), t.element_type)
-
-
-@cute.jit
-def _gvec(t: cute.Tensor, offset, width: int):
-    """`width` consecutive elements of `t` at flat element offset `offset` (16-byte aligned) as a tensor."""
-    ptr = cute.make_ptr(t.element_type, (t.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=16)
-    return cute.make_tensor(ptr, cute.make_layout(width))
 
 
 _DBIAS_K16_STRIDE = 1024  # elements between k and k + 16 in the dW A stage (M-major, 128B swizzle)

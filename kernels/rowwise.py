@@ -67,10 +67,10 @@ def row_slots(width: int, threads: int) -> int:
 # ---- device helpers ------------------------------------------------------------------------------------
 
 @cute.jit
-def vec_view(t: cute.Tensor, offset):
-    """The 8 elements of `t` at flat element offset `offset` (a multiple of 8) as a 16-byte aligned tensor."""
+def vec_view(t: cute.Tensor, offset, width: int = VEC):
+    """The `width` (default 8) elements of `t` at flat element offset `offset` as a 16-byte aligned tensor."""
     ptr = cute.make_ptr(t.element_type, (t.iterator + offset).toint(), cute.AddressSpace.gmem, assumed_align=16)
-    return cute.make_tensor(ptr, cute.make_layout(VEC))
+    return cute.make_tensor(ptr, cute.make_layout(width))
 
 
 @cute.jit
