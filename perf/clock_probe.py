@@ -1,6 +1,6 @@
 """Device script: the SM clock and board power each projection GEMM runs at, ours beside cuBLAS's.
 
-    bash perf/device_run.sh python3 perf/clock_probe.py [T] [--seconds S]
+    bash perf/device_run.sh python3 perf/clock_probe.py [T] [--seconds S] [--match TEXT ...]
 
 Why: under Nsight Compute (clocks left as they are) our T = 2048 GEMMs took about as many cycles as cuBLAS's
 but ran at a lower SM clock (d_temb 2.57 M cycles at 1.54 GHz against cuBLAS's dgrad 2.54 M at 1.64). A GEMM
@@ -10,7 +10,9 @@ clock, power and active clock-event reasons every 50 ms, and reports per launch:
 events over the sustained stretch), the median clock and power of the samples taken in it (the first 20% of
 the stretch dropped: the clock settles), and cycles per launch (time x clock). Launches: our forward, d_temb
 and dW GEMMs (each family config timed at this T by perf/adaln_kernels.py that is in the bundle, the pick
-first) and cuBLAS's three GEMMs of the replay (F.linear with bias; grad @ W; grad^T @ act), same shapes, BF16.
+first), what follows d_temb in the backward both ways (adaln_dtemb_fold + dW + adaln_bias_grad, or adaln_silu_cast +
+the dW kernel with fold warps, each sequence as one launch) and cuBLAS's three GEMMs of the replay (F.linear with
+bias; grad @ W; grad^T @ act), same shapes, BF16. `--match` keeps the launches whose name contains TEXT.
 Writes `$H3CUTE_OUT/clock_probe.json`.
 """
 from __future__ import annotations
