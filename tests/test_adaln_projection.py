@@ -406,11 +406,19 @@ class _KernelEmulator:
             cols = slice(s * chunk, (s + 1) * chunk)
             partial[s] = (grad[:, cols].double() @ weight[cols].double()).float()
 
+    @staticmethod
+    def _dtemb(partial, temb):
+        sig = torch.sigmoid(temb)
+        return partial.sum(0) * (sig + temb * sig * (1 - sig))
+
+    @staticmethod
+    def _dbias(grad):
+        return grad.double().sum(0).to(torch.bfloat16)
+
     def dtemb_fold(self, partial, temb, dtemb, act):
         self._check(dtemb, torch.float32, temb.shape)
         self._check(act, torch.bfloat16, temb.shape)
-        sig = torch.sigmoid(temb)
-        dtemb.copy_(partial.sum(0) * (sig + temb * sig * (1 - sig)))
+        dtemb.copy_(self._dtemb(partial, temb))
         act.copy_(torch.nn.functional.silu(temb).to(torch.bfloat16))
 
     def proj_wgrad(self, grad, act, dweight, dbias):
@@ -419,7 +427,7 @@ class _KernelEmulator:
         self._check(dbias, torch.bfloat16, (grad.shape[1],))
         dweight.copy_((grad.double().t() @ act.double()).to(torch.bfloat16))
         if launch.wgrad_writes_dbias(self.last_config, grad.shape[0]):  # else dbias is left to adaln_bias_grad
-            dbias.copy_(grad.double().sum(0).to(torch.bfloat16))
+            dbias.copy_(self._dbias(grad))
 
     def proj_wgrad_fold(self, grad, act, dweight, dbias, partial, temb, dtemb):
         assert self.last_config in launch.FOLD_WARP_WGRAD_CONFIGS
@@ -429,14 +437,13 @@ class _KernelEmulator:
         self._check(act, torch.bfloat16, temb.shape)  # made by silu_cast before: the fold warps do not write it
         assert torch.equal(act, torch.nn.functional.silu(temb).to(torch.bfloat16))
         self.proj_wgrad(grad, act, dweight, dbias)
-        sig = torch.sigmoid(temb)
-        dtemb.copy_(partial.sum(0) * (sig + temb * sig * (1 - sig)))
-        dbias.copy_(grad.double().sum(0).to(torch.bfloat16))
+        dtemb.copy_(self._dtemb(partial, temb))
+        dbias.copy_(self._dbias(grad))
 
     def bias_grad(self, grad, partial, dbias):
         self._check(partial, torch.float32, (launch.dbias_blocks(grad.shape[0]), grad.shape[1]))
         self._check(dbias, torch.bfloat16, (grad.shape[1],))
-        dbias.copy_(grad.double().sum(0).to(torch.bfloat16))
+        dbias.copy_(self._dbias(grad))
 
 
 def _close(a, b, tol):
