@@ -99,6 +99,7 @@ class GemmTile:
     cluster_m: int = 1
     cluster_n: int = 1
     pingpong: bool = False  # persistent dW: each consumer warpgroup takes whole tiles, in turn
+    tail_halves: bool = False  # d_temb's 256-wide tile: a thin last round runs as 128-wide halves (`tail_units`)
 
     @property
     def mma_warpgroups(self) -> int:
@@ -213,12 +214,25 @@ _IEEE_PIPELINED_MAX_BN = 128
 _IEEE_MAX_BN = 256
 TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items()
                      if tile.bn <= _IEEE_MAX_BN and tile.cluster_m == 1 and not tile.persistent_ctas}
+# d_temb only: tma_wide_n256 whose grid's last round, where at most half full, runs as twice as many 128-wide halves
+# (`tail_units`). At T = 2048 its 8 x 21 x 12 = 2016 units are 15 rounds of PERSISTENT_CTAS and 36 more: those run
+# as 72 halves, half a round instead of a whole one.
+TMA_DGRAD_CONFIGS["tma_wide_n256_tail"] = GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4,
+                                                   tail_halves=True)  # 192 KB
 
 
 def c_buffers(tile: GemmTile) -> int:
     """The persistent cooperative kernels' C buffers: two at 128 rows (a store reads one while the next tile's go to
     the other), one at 256 (two would not fit beside the stages). The pingpong kernel has one per warpgroup."""
     return 2 if tile.bm == 128 else 1
+
+
+def tail_units(units: int, ctas: int = PERSISTENT_CTAS) -> int:
+    """How many of a `tail_halves` grid's `units` (one CTA per SM each) run whole: all but the last round's where
+    that round is at most half full (its units then run as two 128-wide halves each, after the whole ones). The
+    kernel's launch computes the same on device from T; the bits never depend on it."""
+    rest = units % ctas
+    return units - rest if 2 * rest <= ctas else units
 
 
 def dgrad_n_halves(tile: GemmTile) -> int:
@@ -939,17 +953,22 @@ class _WgmmaTmaStoreGemm(_WgmmaGemm):
 
 
 @cute.jit
-def produce_k_tiles(ring, stages: cutlass.Constexpr, loads, k_tile_first, k_tile_count):
+def produce_k_tiles(ring, stages: cutlass.Constexpr, loads, k_tile_first, k_tile_count, stage_bytes: cutlass.Constexpr = 0):
     """A TMA mainloop's producer thread: k tiles k_tile_first.. of every (atom, smem partition, gmem partition
     [, multicast mask]) in `loads` into the `ring` (PipelineTmaAsync) stage by stage, each stage completing on
     its full mbarrier (a multicast load on the same-placed mbarrier of every CTA in its mask); then the tail that
     waits for the consumers' last releases (in a cluster also the peers' releases, so no CTA exits while a peer
-    may still signal its barriers). Shared with kernels/wgmma_tf32.py."""
+    may still signal its barriers). `stage_bytes` > 0: the stages carry that many bytes, not the ring's full
+    count (d_temb's half units). Shared with kernels/wgmma_tf32.py."""
     from cutlass import pipeline
 
     produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     for k_tile in range(k_tile_count):
-        ring.producer_acquire(produce)
+        if cutlass.const_expr(stage_bytes):
+            ring.sync_object_empty.wait(produce.index, produce.phase)
+            ring.sync_object_full.arrive_and_expect_tx(produce.index, stage_bytes)
+        else:
+            ring.producer_acquire(produce)
         full = ring.producer_get_barrier(produce)
         for load in loads:
             cute.copy(load[0], load[2][None, k_tile_first + k_tile], load[1][None, produce.index], tma_bar_ptr=full,
@@ -973,12 +992,17 @@ def _ieee_unit(tile: GemmTile, split_k_tiles: int) -> int:
     return 3 if split_k_tiles % 3 == 0 else 2
 
 
+def _mma_copy(tiled_mma):
+    """A copy of a tiled MMA whose fields can be set without touching the original's."""
+    from cutlass.base_dsl.utils.mlir_value_tree import extract_mlir_values, new_from_mlir_values
+
+    return new_from_mlir_values(tiled_mma, extract_mlir_values(tiled_mma))
+
+
 def _block_mmas(tiled_mma):
     """(first, chained): two copies of the wgmma with ACCUMULATE fixed once, off (scale-d = 0) and on. Setting one
     MMA's field per k16 inside the main loop instead would rebind its value inside the loop body."""
-    from cutlass.base_dsl.utils.mlir_value_tree import extract_mlir_values, new_from_mlir_values
-
-    first = new_from_mlir_values(tiled_mma, extract_mlir_values(tiled_mma))
+    first = _mma_copy(tiled_mma)
     first.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     return first, tiled_mma
@@ -1146,11 +1170,42 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         cluster = {} if t.cluster_size == 1 else dict(cluster=[t.cluster_n, t.cluster_m, 1])
         if cutlass.const_expr(t.cluster_n > 1):
             grid = (cute.ceil_div(grid[0], t.cluster_n) * t.cluster_n, grid[1], grid[2])
-        self.tma_kernel(mA, mC, mBias, tma_a, tma_mA, tma_b, tma_mB, sA_layout, sB_layout, tiled_mma).launch(
+        tail = ()
+        if cutlass.const_expr(t.tail_halves):
+            grid, tail = self._tail_grid(mB, grid)
+        self.tma_kernel(mA, mC, mBias, tma_a, tma_mA, tma_b, tma_mB, sA_layout, sB_layout, tiled_mma, tail).launch(
             grid=grid, block=[self._cta_threads, 1, 1], stream=stream,
             # setmaxnreg redistributes the registers ptxas gives the CTA: ask for one CTA's full share.
             max_number_threads=[self._cta_threads, 1, 1], min_blocks_per_mp=1, **cluster,
         )
+
+    def _tail_grid(self, mB: cute.Tensor, grid):
+        """`tail_halves`: the grid as one line of units (N tiles fastest, then M tiles, then K splits), the whole
+        units first (`tail_units`' count, here from T on device), then two CTAs per unit of a thin last round; and
+        the kernel's `tail` argument: (whole units, the TMA atom and tensor of a 128-row B half)."""
+        from cutlass.cute.nvgpu import cpasync
+
+        t = self.tile
+        assert self.n_halves == 2 and t.cluster_size == 1, t
+        units = grid[0] * grid[1] * grid[2]
+        rest = units % PERSISTENT_CTAS
+        whole = cutlass.select_(rest * 2 <= PERSISTENT_CTAS, units - rest, units)
+        sB_half = self._wgmma_smem_layout(self.b_k_major, t.bn // 2, False)
+        tma_b_half, tma_mB_half = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_half, (None, None, 0)), (t.bn // 2, t.bk))
+        return (2 * units - whole, 1, 1), (whole, tma_b_half, tma_mB_half)
+
+    def _tail_unit(self, mC: cute.Tensor, whole, block):
+        """(N tile, M tile, K split, half) of CTA `block` of a `tail_halves` grid (`_tail_grid`); half -1 for a
+        whole unit, else the 128-wide half of unit whole + (block - whole) // 2 that it computes."""
+        t = self.tile
+        past = block - whole
+        in_tail = block >= whole
+        unit = cutlass.select_(in_tail, whole + past // 2, block)
+        half = cutlass.select_(in_tail, past % 2, -1)
+        tiles_n = cute.ceil_div(cute.size(mC, mode=[1]), t.bn)
+        tiles_m = cute.ceil_div(cute.size(mC, mode=[0]), t.bm)
+        return unit % tiles_n, (unit // tiles_n) % tiles_m, unit // (tiles_n * tiles_m), half
 
     @cute.kernel
     def tma_kernel(
@@ -1165,6 +1220,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         sA_layout: cute.ComposedLayout,
         sB_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
+        tail,
     ):
         from cutlass.cute.nvgpu import cpasync
 
@@ -1172,9 +1228,14 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_tile, m_tile, split = cute.arch.block_idx()
+        half = -1
+        if cutlass.const_expr(t.tail_halves):
+            n_tile, m_tile, split, half = self._tail_unit(mC, tail[0], n_tile)
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(t.tail_halves):
+                cpasync.prefetch_descriptor(tail[1])
 
         storage = self._allocate_smem(sA_layout, sB_layout, 1024)
         a_size = cute.cosize(sA_layout)
@@ -1215,29 +1276,49 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         if warp_idx < 4 * self._PRODUCER_WARPGROUPS:
             cute.arch.setmaxregister_decrease(self._PRODUCER_REGS)
             if warp_idx == 0:
-                produce_k_tiles(ring, t.stages, loads, k_tile_first, k_tile_count)
+                if cutlass.const_expr(t.tail_halves):
+                    if half < 0:
+                        produce_k_tiles(ring, t.stages, loads, k_tile_first, k_tile_count)
+                    else:
+                        # A half unit: the A tile and the 128 B rows of its half, at the head of each B stage.
+                        sB_half = cute.local_tile(sB, (t.bn // 2, t.bk, t.stages), (0, 0, 0))
+                        gB_half = cute.domain_offset((0, residual_k, 0), cute.local_tile(
+                            tail[2], (t.bn // 2, t.bk), (2 * n_tile + half, None)))
+                        _, _, tBsB_half, tBgB_half = self._tma_partitions(tma_a, tail[1], sA, sB_half, gA, gB_half)
+                        produce_k_tiles(ring, t.stages, ((tma_a, tAsA, tAgA), (tail[1], tBsB_half, tBgB_half)),
+                                        k_tile_first, k_tile_count, self._half_stage_bytes(sA_layout, sB_layout))
+                else:
+                    produce_k_tiles(ring, t.stages, loads, k_tile_first, k_tile_count)
         else:
             cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
             ctidx = tidx - 128 * self._PRODUCER_WARPGROUPS
             thr_mma = tiled_mma.get_slice(ctidx)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            gC_full, gC, cC, tCgC, tCcC = self._c_tiles(mC, thr_mma, m_tile, n_tile, split)
+            # A half unit's C is its half (the first half of a whole unit's otherwise).
+            gC_full, gC, cC, tCgC, tCcC = self._c_tiles(mC, thr_mma, m_tile, n_tile, split,
+                                                        cutlass.max(half, 0) if t.tail_halves else 0)
             acc = cute.make_rmem_tensor(tCgC.shape, cutlass.Float32)
             acc.fill(0.0)
             if cutlass.const_expr(self.n_halves == 2):
                 # d_temb on a 256-wide tile: two 128-wide halves of B, each with its own accumulator and C tile.
-                half = t.bn // 2
-                tCrB1 = tiled_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sB, (half, t.bk, t.stages),
+                tCrB1 = tiled_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sB, (t.bn // 2, t.bk, t.stages),
                                                                                       (1, 0, 0))))
-                tCrB0 = tiled_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sB, (half, t.bk, t.stages),
+                tCrB0 = tiled_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sB, (t.bn // 2, t.bk, t.stages),
                                                                                       (0, 0, 0))))
-                _, gC1, cC1, tCgC1, tCcC1 = self._c_tiles(mC, thr_mma, m_tile, n_tile, split, 1)
-                acc1 = cute.make_rmem_tensor(tCgC1.shape, cutlass.Float32)
-                acc1.fill(0.0)
-                self._ieee_serial_mainloop(tiled_mma, (acc, acc1), tCrA, (tCrB0, tCrB1), ring, k_tile_count)
-                self._epilogue(acc1, thr_mma, ctidx, storage, tCgC1, tCcC1, gC1, cC1, gC_full, mA, mBias, n_tile,
-                               m_tile)
+                if cutlass.const_expr(t.tail_halves):
+                    # Each branch sets the MMA's accumulate field on its own copy (a value rebound inside a branch
+                    # must not be used after it).
+                    whole_mma, half_mma = _mma_copy(tiled_mma), _mma_copy(tiled_mma)
+                    if half < 0:
+                        self._both_halves(acc, tCrA, tCrB0, tCrB1, whole_mma, thr_mma, ring, k_tile_count, ctidx,
+                                          storage, mC, gC_full, mA, mBias, n_tile, m_tile, split)
+                    else:
+                        # A half unit: its B half sits at the head of each stage (the producer's half loads).
+                        self._ieee_serial_mainloop(half_mma, (acc,), tCrA, (tCrB0,), ring, k_tile_count)
+                else:
+                    self._both_halves(acc, tCrA, tCrB0, tCrB1, tiled_mma, thr_mma, ring, k_tile_count, ctidx,
+                                      storage, mC, gC_full, mA, mBias, n_tile, m_tile, split)
             elif cutlass.const_expr(self.ieee_steps and t.bn > _IEEE_PIPELINED_MAX_BN):
                 self._ieee_serial_mainloop(tiled_mma, (acc,), tCrA, (tCrB,), ring, k_tile_count)
             elif cutlass.const_expr(self.ieee_steps):
@@ -1250,6 +1331,22 @@ class _TmaWgmmaGemm(_WgmmaGemm):
             # producer's tail already waits for the peer's releases; this also covers every other thread).
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def _both_halves(self, acc, tCrA, tCrB0, tCrB1, tiled_mma, thr_mma, ring, k_tile_count, ctidx, storage, mC,
+                     gC_full, mA, mBias, n_tile, m_tile, split):
+        """A whole 256-wide d_temb unit: both halves block by block (half 0 into `acc`, stored by the caller), then
+        half 1's epilogue."""
+        _, gC1, cC1, tCgC1, tCcC1 = self._c_tiles(mC, thr_mma, m_tile, n_tile, split, 1)
+        acc1 = cute.make_rmem_tensor(tCgC1.shape, cutlass.Float32)
+        acc1.fill(0.0)
+        self._ieee_serial_mainloop(tiled_mma, (acc, acc1), tCrA, (tCrB0, tCrB1), ring, k_tile_count)
+        self._epilogue(acc1, thr_mma, ctidx, storage, tCgC1, tCcC1, gC1, cC1, gC_full, mA, mBias, n_tile, m_tile)
+
+    def _half_stage_bytes(self, sA_layout, sB_layout) -> int:
+        """A half unit's stage: the A tile and half of the B tile."""
+        return cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
+            cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0))) // 2
 
     @cute.jit
     def _chained_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, k_tile_count):
@@ -1831,9 +1928,10 @@ def _fake(dtype, shape, stride_order=None):
 
 
 def _gemm(arch: str, config: str, **kw):
-    if config in TMA_CONFIGS:
+    if config in TMA_CONFIGS or config in TMA_DGRAD_CONFIGS:
         assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
-        tile = TMA_CONFIGS[config]
+        tile = {**TMA_CONFIGS, **TMA_DGRAD_CONFIGS}[config]
+        assert not tile.tail_halves or kw.get("ieee_steps"), f"{config} is a d_temb config"
         return (_TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm)(tile, **kw)
     if config in WGMMA_CONFIGS:
         assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"

@@ -73,12 +73,13 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
             _, ptx = compile_variant(specs[name + "_wgmma"], "sm_90a", dict(out_features=N_FINAL, config=config),
                                      keep_ptx=True)
             mmas = set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)[\w.]+", "\n".join(ptx)))
-            tile = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS}[config]
+            tile = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS}[config]
             # d_temb runs the 256-wide tile as two halves of wgmma N = 128.
-            halves = k.dgrad_n_halves(tile) if name == "adaln_proj_dgrad" and config in launch.TMA_CONFIGS else 1
+            tma = config in launch.TMA_CONFIGS + launch.TMA_DGRAD_CONFIGS
+            halves = k.dgrad_n_halves(tile) if name == "adaln_proj_dgrad" and tma else 1
             assert mmas == {f"wgmma.mma_async.sync.aligned.m64n{tile.bn // halves}k16.f32.bf16.bf16"}, (name, config)
             if name == "adaln_proj_dgrad":
-                threads = 256 if config in launch.TMA_CONFIGS else tile.threads  # the TMA kernel's consumers
+                threads = 256 if tma else tile.threads  # the TMA kernel's consumers
                 _assert_dgrad_k_blocks("\n".join(ptx), tile.bm * 128 // (64 * threads),
                                        tile.bm * tile.bn // threads // halves, k.DGRAD_K_BLOCK, config)
 
@@ -191,7 +192,7 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
     smem_max = 227 * 1024
     assert 128 * gemm._PRODUCER_REGS + 256 * gemm._CONSUMER_REGS <= 65536
     assert gemm._PRODUCER_REGS % 8 == 0 and gemm._CONSUMER_REGS % 8 == 0 and gemm._CONSUMER_REGS <= 256
-    for name, tile in {**k.TMA_CONFIGS, **k.TMA_WGRAD_CONFIGS}.items():
+    for name, tile in {**k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS, **k.TMA_WGRAD_CONFIGS}.items():
         ab = tile.stages * (tile.bm + tile.bn) * tile.bk * 2
         # The persistent dW kernel has its own C buffers (TMA stores read them while the next tile loads).
         c_buffers = k.c_buffers(tile) * tile.bm * tile.bn * 2 if tile.persistent_ctas else 0
@@ -212,7 +213,30 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
         tiles = 3 if t.bn <= k._IEEE_PIPELINED_MAX_BN else 2 if halves == 1 else 3
         assert tiles * t.bn // halves // 2 <= 192 and halves in (1, 2) and t.bn % (64 * halves) == 0, name
     assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items()
-                                        if t.bn <= 256 and t.cluster_m == 1 and not t.persistent_ctas}
+                                        if t.bn <= 256 and t.cluster_m == 1 and not t.persistent_ctas} | {
+                                            c for c, t in k.TMA_DGRAD_CONFIGS.items() if t.tail_halves}
+
+
+def test_tail_units_split_only_a_thin_last_round():
+    """`tail_units`: the whole units of a `tail_halves` grid; the rest, a last round at most half full of the 132
+    SMs, runs as two halves per unit (so at most one round of halves)."""
+    k = _tma_kernels()
+    assert k.PERSISTENT_CTAS == 132
+    cases = {252: 252, 504: 504, 1008: 1008, 1260: 1260, 1512: 1452, 1764: 1716, 2016: 1980, 132: 132, 198: 132,
+             199: 199, 1: 0, 66: 0, 67: 67}
+    for units, whole in cases.items():
+        assert k.tail_units(units) == whole, units
+        halves = 2 * (units - whole)
+        assert whole == units or (whole % 132 == 0 and 0 < halves <= 132), units
+    tile = k.TMA_DGRAD_CONFIGS["tma_wide_n256_tail"]
+    assert tile.tail_halves and k.dgrad_n_halves(tile) == 2 and tile.cluster_size == 1
+    assert [c for t in (k.TMA_CONFIGS, k.TMA_DGRAD_CONFIGS, k.TMA_WGRAD_CONFIGS) for c, g in t.items()
+            if g.tail_halves] == ["tma_wide_n256_tail"]
+    import dataclasses
+    assert dataclasses.replace(tile, tail_halves=False) == k.TMA_CONFIGS["tma_wide_n256"]
+    with pytest.raises(ValueError, match="tma_wide_n256_tail.*no forward GEMM"):
+        launch.forward(torch.zeros((2, 2688)), torch.zeros((8, 2688), dtype=torch.bfloat16),
+                       torch.zeros((8,), dtype=torch.bfloat16), config="tma_wide_n256_tail")
 
 
 @pytest.mark.slow
@@ -234,7 +258,7 @@ def test_tma_mainloop_instructions():
     cases += [("adaln_proj_wgrad_wgmma", c, dict(wgmma=True)) for c in launch.TMA_WGRAD_CONFIGS]
     cases += [("adaln_proj_wgrad_fold", c, {}) for c in launch.FOLD_WARP_WGRAD_CONFIGS]
     for name, config, extra in cases:
-        tile = {**k.TMA_CONFIGS, **k.TMA_WGRAD_CONFIGS}[config]
+        tile = {**k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS, **k.TMA_WGRAD_CONFIGS}[config]
         _, ptx = compile_variant(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra),
                                  keep_ptx=True)
         text = "\n".join(ptx)
@@ -306,7 +330,8 @@ def test_clustered_configs_are_their_plain_tiles_in_whole_clusters():
     import dataclasses
 
     k = _tma_kernels()
-    tables = (k.CONFIGS, k.WGMMA_CONFIGS, k.WGRAD_CONFIGS, k.WGRAD_WGMMA_CONFIGS, k.TMA_CONFIGS, k.TMA_WGRAD_CONFIGS)
+    tables = (k.CONFIGS, k.WGMMA_CONFIGS, k.WGRAD_CONFIGS, k.WGRAD_WGMMA_CONFIGS, k.TMA_CONFIGS, k.TMA_DGRAD_CONFIGS,
+              k.TMA_WGRAD_CONFIGS)
     every = {n: t for table in tables for n, t in table.items()}
     assert {n for n, t in every.items() if t.cluster_size != 1} == {c for _, c, _, _, _ in _CLUSTERED}
     for _, config, twin, _, shared in _CLUSTERED:
@@ -1076,6 +1101,31 @@ def test_multicast_forward_gives_the_bits_of_tma_wide_n256(n, rows):
     for config, out in outs:
         assert_same_bits(out, outs[0][1], f"forward {config} vs tma_wide_n256, N={n}, T={rows}")
     assert _rel_err(outs[0][1], reference.adaln_projection_fp64(temb, w, b)) <= BF16_ERR_CEILING
+
+
+@gpu
+@pytest.mark.parametrize("n", [N_BLOCK, N_FINAL])
+@pytest.mark.parametrize("rows", [1, 300, 1280, 1281, 1300, 1536, 1537, 1792, 2047, 2048])
+def test_dtemb_tail_halves_give_the_bits_of_tma_wide_n256(n, rows):
+    """tma_wide_n256_tail (its thin last round of units run as 128-wide halves, beyond T = 1280 here) on
+    NaN-poisoned partials with NaN guards behind them, twice on fresh buffers: every element written, nothing past
+    the end, the bits of tma_wide_n256 (T tails inside a half and across both halves: 1281, 1300, 1537, 2047)."""
+    from h3cute import runtime
+
+    k = _tma_kernels()
+    w, _ = _params(n, seed=41 + rows + n % 7)
+    grad = torch.randn((rows, n), generator=_gen(42 + rows), device="cuda").to(torch.bfloat16)
+    dev, pad, shape = grad.device, 4096, (launch.DGRAD_SPLITS, rows, D)
+    units = -(-rows // 256) * (D // 128) * launch.DGRAD_SPLITS
+    assert (k.tail_units(units) < units) == (rows > 1280), rows  # the cases cover both launches
+    outs = []
+    for config in ("tma_wide_n256", "tma_wide_n256_tail") * 2:
+        buf = torch.full((math.prod(shape) + pad,), float("nan"), dtype=torch.float32, device=dev)
+        runtime.kernel("adaln_proj_dgrad_wgmma", dev, out_features=n, config=config)(grad, w, buf[:-pad].view(shape))
+        assert not buf[:-pad].isnan().any() and buf[-pad:].isnan().all(), (config, n, rows)
+        outs.append((config, buf[:-pad].view(shape)))
+    for config, part in outs:
+        assert_same_bits(part, outs[0][1], f"d_temb partials {config} vs tma_wide_n256, N={n}, T={rows}")
 
 
 @gpu

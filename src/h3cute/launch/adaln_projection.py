@@ -41,10 +41,12 @@ WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # and dW tiles. tma_wide_n256_mc2: tma_wide_n256 in 2-CTA clusters sharing the activation tile (TMA multicast);
 # tma_wide_a_mc2 / tma_wide_n256_a_mc2: tma_wide / tma_wide_n256 in 2-CTA clusters sharing the weight tile;
 # tma_wgrad_mc2: tma_wgrad sharing a^T;
-# tma_persist_m256: the forward on the persistent 256-row kernel of the dW.
+# tma_persist_m256: the forward on the persistent 256-row kernel of the dW; tma_wide_n256_tail (d_temb only):
+# tma_wide_n256 whose thin last round of CTAs runs as 128-wide halves.
 TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_n256_mc2", "tma_wide_a_mc2", "tma_wide_n256_a_mc2",
                "tma_wide_n192", "tma_persist_m256")
-TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_a_mc2", "tma_wide_n256_a_mc2", "tma_wide_n192")
+TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_a_mc2", "tma_wide_n256_a_mc2", "tma_wide_n192",
+                     "tma_wide_n256_tail")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
@@ -106,7 +108,9 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     above) and ahead in both runs of 45d5512 / 14feb80 (3 rounds each): 237.0 / 230.2 us against tma_wide_n256's
     244.7 / 242.3; it takes (192, 384]. The 2-CTA clusters sharing the W tile (tma_wide_a_mc2) won and lost by
     turns between runs (T = 256: 226.0 vs tma_wide 234.1 at ef9eb22, 302.7 vs 240.7 at 1a113a8, 233.8 / 230.4 vs
-    237.0 / 230.2 at 45d5512 / 14feb80): not picked."""
+    237.0 / 230.2 at 45d5512 / 14feb80): not picked. Beyond 384 the 256-wide tile runs as tma_wide_n256_tail: the
+    same CTAs where the grid's last round is more than half full (T <= 1280), else that round's units as 128-wide
+    halves (T = 2048: 15 rounds of 132 whole units, then 72 halves in place of 36 whole units)."""
     if wgmma:
         if rows <= 16:
             return "wg_skinny"
@@ -114,7 +118,7 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
             return "tma_mid"
         if rows <= 128 or 192 < rows <= 384:
             return "tma_wide"
-        return "tma_wide_n192" if rows <= 192 else "tma_wide_n256"
+        return "tma_wide_n192" if rows <= 192 else "tma_wide_n256_tail"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
@@ -182,7 +186,7 @@ def dbias_blocks(rows: int) -> int:
 
 def _uses_wgmma(device, config: str | None) -> bool:
     if config is not None:
-        return config in WGMMA_CONFIGS or config in TMA_CONFIGS
+        return config in WGMMA_CONFIGS or config in TMA_CONFIGS or config in TMA_DGRAD_CONFIGS
     return SM90_FAMILY == "wgmma" and runtime.arch_of(device) == "sm_90a"
 
 
@@ -253,6 +257,9 @@ def silu_bf16(temb: torch.Tensor) -> torch.Tensor:
 
 def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config: str | None = None) -> torch.Tensor:
     """(T, 2688) FP32 temb, (N, 2688) BF16 weight, (N,) BF16 bias -> (T, N) BF16, N in {96768, 10752}."""
+    if config is not None and config not in CONFIGS + WGMMA_CONFIGS + TMA_CONFIGS:
+        raise ValueError(f"adaln_projection forward: config {config!r} has no forward GEMM; one of "
+                         f"{CONFIGS + WGMMA_CONFIGS + TMA_CONFIGS}")
     rows, out_features = temb.shape[0], weight.shape[0]
     out = torch.empty((rows, out_features), dtype=torch.bfloat16, device=temb.device)
     if rows == 0:  # a zero-sized grid is not a valid launch
