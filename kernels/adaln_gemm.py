@@ -219,6 +219,9 @@ TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items()
 # as 72 halves, half a round instead of a whole one.
 TMA_DGRAD_CONFIGS["tma_wide_n256_tail"] = GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4,
                                                    tail_halves=True)  # 192 KB
+# The same in tma_wide_n256_a_mc2's clusters: two whole units of one W^T tile, or the two halves of one unit.
+TMA_DGRAD_CONFIGS["tma_wide_n256_a_mc2_tail"] = GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4,
+                                                         cluster_n=2, tail_halves=True)  # 192 KB
 
 
 def c_buffers(tile: GemmTile) -> int:
@@ -1182,11 +1185,13 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     def _tail_grid(self, mB: cute.Tensor, grid):
         """`tail_halves`: the grid as one line of units (N tiles fastest, then M tiles, then K splits), the whole
         units first (`tail_units`' count, here from T on device), then two CTAs per unit of a thin last round; and
-        the kernel's `tail` argument: (whole units, the TMA atom and tensor of a 128-row B half)."""
+        the kernel's `tail` argument: (whole units, the TMA atom and tensor of a 128-row B half). With `cluster_n`
+        = 2 the N tiles are already rounded up to whole clusters, so both counts are even: a cluster holds two
+        whole units of one A tile (the second maybe past T) or the two halves of one unit."""
         from cutlass.cute.nvgpu import cpasync
 
         t = self.tile
-        assert self.n_halves == 2 and t.cluster_size == 1, t
+        assert self.n_halves == 2 and t.cluster_m == 1 and PERSISTENT_CTAS % t.cluster_n == 0, t
         units = grid[0] * grid[1] * grid[2]
         rest = units % PERSISTENT_CTAS
         whole = cutlass.select_(rest * 2 <= PERSISTENT_CTAS, units - rest, units)
@@ -1203,7 +1208,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         in_tail = block >= whole
         unit = cutlass.select_(in_tail, whole + past // 2, block)
         half = cutlass.select_(in_tail, past % 2, -1)
-        tiles_n = cute.ceil_div(cute.size(mC, mode=[1]), t.bn)
+        tiles_n = cute.ceil_div(cute.ceil_div(cute.size(mC, mode=[1]), t.bn), t.cluster_n) * t.cluster_n
         tiles_m = cute.ceil_div(cute.size(mC, mode=[0]), t.bm)
         return unit % tiles_n, (unit // tiles_n) % tiles_m, unit // (tiles_n * tiles_m), half
 
@@ -1285,7 +1290,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
                         gB_half = cute.domain_offset((0, residual_k, 0), cute.local_tile(
                             tail[2], (t.bn // 2, t.bk), (2 * n_tile + half, None)))
                         _, _, tBsB_half, tBgB_half = self._tma_partitions(tma_a, tail[1], sA, sB_half, gA, gB_half)
-                        produce_k_tiles(ring, t.stages, ((tma_a, tAsA, tAgA), (tail[1], tBsB_half, tBgB_half)),
+                        produce_k_tiles(ring, t.stages, (loads[0], (tail[1], tBsB_half, tBgB_half)),
                                         k_tile_first, k_tile_count, self._half_stage_bytes(sA_layout, sB_layout))
                 else:
                     produce_k_tiles(ring, t.stages, loads, k_tile_first, k_tile_count)
