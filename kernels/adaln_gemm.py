@@ -33,8 +33,8 @@ tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`, and
 warpgroups take whole tiles in turn; `_TmaWgmmaPersistentFoldGemm`, `adaln_proj_wgrad_fold`, whose idle producer
 warps fold d_temb and sum db from global memory meanwhile). The forward's `tma_wide_n256_mc2` runs `_TmaWgmmaGemm` in 2-CTA clusters
 that share the activation tile by TMA multicast (`GemmTile.cluster_m`; `cluster_n` shares A along grid x); d_temb
-runs its 192- and 256-wide tiles on one block tile, the warpgroups taking turns (`_ieee_serial_mainloop`). All the
-same bits.
+runs its 192- and 256-wide tiles on one block tile, the warpgroups taking turns (`_ieee_serial_mainloop`), and the
+256-wide tile's thin last round of CTAs as 128-wide halves (`GemmTile.tail_halves`, `tail_units`). All the same bits.
 
 Constraints: K-major operands need K % 8 == 0 (the copy vector runs along K); MN-major operand
 extents are multiples of 8; all pointers 16-byte aligned and all tensors contiguous.
@@ -1049,6 +1049,8 @@ class _TmaWgmmaGemm(_WgmmaGemm):
     shared (d_temb: two T tiles of one W^T tile and K split); grid x is rounded up to whole clusters, the extra
     CTA's B rows lie past T (TMA zero-fills them) and its C is never stored. The bytes, their zero fill and the
     k16 walk are the same, so are the bits.
+    Tail halves (d_temb, `tile.tail_halves`): a one-line grid of units whose thin last round runs as two CTAs per
+    unit, each one 128-wide half (`_tail_grid`, `_tail_unit`; docs/adaln_projection.md, "d_temb's last round").
     """
 
     _PRODUCER_WARPGROUPS = 1
