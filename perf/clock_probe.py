@@ -11,8 +11,10 @@ events over the sustained stretch), the median clock and power of the samples ta
 the stretch dropped: the clock settles), and cycles per launch (time x clock). Launches: our forward, d_temb
 and dW GEMMs (each family config timed at this T by perf/adaln_kernels.py that is in the bundle, the pick
 first), what follows d_temb in the backward both ways (adaln_dtemb_fold + dW + adaln_bias_grad, or adaln_silu_cast +
-the dW kernel with fold warps, each sequence as one launch) and cuBLAS's three GEMMs of the replay (F.linear with
-bias; grad @ W; grad^T @ act), same shapes, BF16. `--match` keeps the launches whose name contains TEXT.
+the dW kernel with fold warps, each sequence as one launch), cuBLAS's three GEMMs of the replay (F.linear with
+bias; grad @ W; grad^T @ act), same shapes, BF16, and the whole fwd+bwd both ways as the prior-art report calls it
+(`torch.ops.h3.adaln_projection` against the replay's linear(silu(temb)), autograd, fresh leaves, all-ones upstream,
+the report's inputs). `--match` keeps the launches whose name contains TEXT.
 Writes `$H3CUTE_OUT/clock_probe.json`.
 """
 from __future__ import annotations
@@ -26,7 +28,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import runtime
+from h3cute.bench import problems
 from h3cute.bench.report import write_device_json
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -142,6 +146,20 @@ def main(argv) -> int:
         ("cuBLAS fwd F.linear(act, W, b)", lambda: F.linear(act, w, b)),
         ("cuBLAS bwd grad @ W (d_a)", lambda: torch.matmul(grad, w)),
         ("cuBLAS bwd grad^T @ act (dW)", lambda: torch.matmul(grad.t(), act)),
+    ]
+    # The whole op as the report's fwd+bwd calls it, on the report's inputs (its accuracy seed).
+    inputs = problems.PROBLEMS["adaln_projection"].draw(rows, 0, dev)
+    ones = torch.ones((rows, inputs["weight"].shape[0]), dtype=torch.bfloat16, device=dev)
+
+    def fwd_bwd(fn):
+        def call():
+            leaves = [inputs[a].detach().requires_grad_(True) for a in ("temb", "weight", "bias")]
+            torch.autograd.backward([fn(*leaves)], [ones])
+        return call
+    launches += [
+        ("h3cute op fwd+bwd (autograd, report inputs)", fwd_bwd(torch.ops.h3.adaln_projection)),
+        ("cuBLAS replay fwd+bwd (autograd, report inputs)",
+         fwd_bwd(lambda t, w_, b_: F.linear(F.silu(t).to(torch.bfloat16), w_, b_))),
     ]
     if args.match:
         launches = [(name, fn) for name, fn in launches if any(m in name for m in args.match)]
