@@ -100,13 +100,6 @@ class GemmTile:
     cluster_n: int = 1
     pingpong: bool = False  # persistent dW: each consumer warpgroup takes whole tiles, in turn
     tail_halves: bool = False  # d_temb's 256-wide tile: a thin last round runs as 128-wide halves (`tail_units`)
-    ieee_turns: bool = False  # d_temb: the warpgroups take turns on one block tile even where two would fit
-
-    @property
-    def ieee_serial(self) -> bool:
-        """d_temb's mainloop: one block tile, the warpgroups taking turns (`_ieee_serial_mainloop`), where two block
-        tiles next to the accumulator do not fit, or by choice (`ieee_turns`)."""
-        return self.bn > _IEEE_PIPELINED_MAX_BN or self.ieee_turns
 
     @property
     def mma_warpgroups(self) -> int:
@@ -229,10 +222,6 @@ TMA_DGRAD_CONFIGS["tma_wide_n256_tail"] = GemmTile(bm=128, bn=256, bk=64, warps_
 # The same in tma_wide_n256_a_mc2's clusters: two whole units of one W^T tile, or the two halves of one unit.
 TMA_DGRAD_CONFIGS["tma_wide_n256_a_mc2_tail"] = GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4,
                                                          cluster_n=2, tail_halves=True)  # 192 KB
-# tma_wide with its warpgroups taking turns on one block tile (the 192- and 256-wide tiles' mainloop): the tensor core
-# runs one warpgroup's block while the other adds its own, where tma_wide's pipelined units both drain at once.
-TMA_DGRAD_CONFIGS["tma_wide_turns"] = GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5,
-                                               ieee_turns=True)  # 160 KB
 
 
 def c_buffers(tile: GemmTile) -> int:
@@ -1337,7 +1326,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
                 else:
                     self._both_halves(acc, tCrA, tCrB0, tCrB1, tiled_mma, thr_mma, ring, k_tile_count, ctidx,
                                       storage, mC, gC_full, mA, mBias, n_tile, m_tile, split)
-            elif cutlass.const_expr(self.ieee_steps and t.ieee_serial):
+            elif cutlass.const_expr(self.ieee_steps and t.bn > _IEEE_PIPELINED_MAX_BN):
                 self._ieee_serial_mainloop(tiled_mma, (acc,), tCrA, (tCrB,), ring, k_tile_count)
             elif cutlass.const_expr(self.ieee_steps):
                 self._ieee_mainloop(tiled_mma, acc, tCrA, tCrB, ring, k_tile_count)
@@ -1949,7 +1938,7 @@ def _gemm(arch: str, config: str, **kw):
     if config in TMA_CONFIGS or config in TMA_DGRAD_CONFIGS:
         assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
         tile = {**TMA_CONFIGS, **TMA_DGRAD_CONFIGS}[config]
-        assert not (tile.tail_halves or tile.ieee_turns) or kw.get("ieee_steps"), f"{config} is a d_temb config"
+        assert not tile.tail_halves or kw.get("ieee_steps"), f"{config} is a d_temb config"
         return (_TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm)(tile, **kw)
     if config in WGMMA_CONFIGS:
         assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"

@@ -210,18 +210,11 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
     # acc and one block tile up to 192, two half accumulators and one half block tile at 256.
     for name, t in k.TMA_DGRAD_CONFIGS.items():
         halves = k.dgrad_n_halves(t)
-        tiles = 3 if not t.ieee_serial else 2 if halves == 1 else 3
+        tiles = 3 if t.bn <= k._IEEE_PIPELINED_MAX_BN else 2 if halves == 1 else 3
         assert tiles * t.bn // halves // 2 <= 192 and halves in (1, 2) and t.bn % (64 * halves) == 0, name
     assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items()
                                         if t.bn <= 256 and t.cluster_m == 1 and not t.persistent_ctas} | {
-                                            c for c, t in k.TMA_DGRAD_CONFIGS.items() if t.tail_halves or t.ieee_turns}
-    # d_temb-only variants of forward tiles: the same tile with one d_temb field set.
-    import dataclasses
-    twins = {"tma_wide_n256_tail": "tma_wide_n256", "tma_wide_n256_a_mc2_tail": "tma_wide_n256_a_mc2",
-             "tma_wide_turns": "tma_wide"}
-    for c, twin in twins.items():
-        assert dataclasses.replace(k.TMA_DGRAD_CONFIGS[c], tail_halves=False, ieee_turns=False) == k.TMA_CONFIGS[twin]
-    assert set(twins) == set(k.TMA_DGRAD_CONFIGS) - set(k.TMA_CONFIGS)
+                                            c for c, t in k.TMA_DGRAD_CONFIGS.items() if t.tail_halves}
 
 
 def test_tail_units_split_only_a_thin_last_round():
@@ -285,7 +278,7 @@ def test_tma_mainloop_instructions():
         assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{cls._PRODUCER_REGS};", text)
         assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{cls._CONSUMER_REGS};", text)
         # One wgmma batch in flight while the next is issued; the one-block-tile d_temb drains each block first.
-        serial = name == "adaln_proj_dgrad_wgmma" and tile.ieee_serial
+        serial = name == "adaln_proj_dgrad_wgmma" and tile.bn > k._IEEE_PIPELINED_MAX_BN
         assert bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", text)) != serial, (name, config)
         # Turns between the two consumer warpgroups (named barriers over their 256 threads): the one-block-tile
         # d_temb's issue order, the pingpong dW's mainloops.

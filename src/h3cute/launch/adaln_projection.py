@@ -43,11 +43,11 @@ WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # tma_wgrad_mc2: tma_wgrad sharing a^T;
 # tma_persist_m256: the forward on the persistent 256-row kernel of the dW; tma_wide_n256_tail (d_temb only):
 # tma_wide_n256 whose thin last round of CTAs runs as 128-wide halves; tma_wide_n256_a_mc2_tail: the same in
-# tma_wide_n256_a_mc2's clusters; tma_wide_turns (d_temb only): tma_wide on one block tile, the warpgroups in turn.
+# tma_wide_n256_a_mc2's clusters.
 TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_n256_mc2", "tma_wide_a_mc2", "tma_wide_n256_a_mc2",
                "tma_wide_n192", "tma_persist_m256")
 TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_a_mc2", "tma_wide_n256_a_mc2", "tma_wide_n192",
-                     "tma_wide_n256_tail", "tma_wide_n256_a_mc2_tail", "tma_wide_turns")
+                     "tma_wide_n256_tail", "tma_wide_n256_a_mc2_tail")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
@@ -107,7 +107,12 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     245.1 us at T = 256, 429.4 vs 477.4 at 512, 1921.8 vs 1957.3 at 2048) except for T in (256, 384], where
     tma_wide's 128-row tiles pad less (ef9eb22: 363.3 us at T = 384). At T = 256 tma_wide was behind once (9dd67c6,
     above) and ahead in both runs of 45d5512 / 14feb80 (3 rounds each): 237.0 / 230.2 us against tma_wide_n256's
-    244.7 / 242.3; it takes (192, 384]. The 2-CTA clusters sharing the W tile (tma_wide_a_mc2) won and lost by
+    244.7 / 242.3, and took (192, 384] until the 256-wide tile was timed at the power limit (perf/clock_probe.py,
+    1f92079, T = 256, each launch 1.5 s back to back): tma_wide_n256_tail 253.8 us, tma_wide_n256 255.6, tma_wide
+    277.6 (cuBLAS's d_a 232.0; in bursts the same run had 238.1 / 222.4 / 231.8). (192, 256] now runs the 256-wide
+    tile; (256, 384] keeps tma_wide (T = 384 sustained 400.0 us). A tma_wide whose warpgroups take turns on one
+    block tile (the 256-wide tile's mainloop) was slower both ways (1f92079: 279.0 / 406.4 us sustained, 250.2 / 361.2
+    in bursts at T = 256 / 384) and was dropped. The 2-CTA clusters sharing the W tile (tma_wide_a_mc2) won and lost by
     turns between runs (T = 256: 226.0 vs tma_wide 234.1 at ef9eb22, 302.7 vs 240.7 at 1a113a8, 233.8 / 230.4 vs
     237.0 / 230.2 at 45d5512 / 14feb80): not picked. Beyond 384 the 256-wide tile runs as tma_wide_n256_tail: the
     same CTAs where the grid's last round is more than half full (T <= 1280), else that round's units as 128-wide
@@ -117,10 +122,8 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
             return "wg_skinny"
         if rows <= 64:
             return "tma_mid"
-        if rows <= 128:
+        if rows <= 128 or 256 < rows <= 384:
             return "tma_wide"
-        if 192 < rows <= 384:
-            return "tma_wide_turns"
         return "tma_wide_n192" if rows <= 192 else "tma_wide_n256_tail"
     if rows <= 16:
         return "skinny"
