@@ -956,7 +956,8 @@ class _WgmmaTmaStoreGemm(_WgmmaGemm):
 
 
 @cute.jit
-def produce_k_tiles(ring, stages: cutlass.Constexpr, loads, k_tile_first, k_tile_count, stage_bytes: cutlass.Constexpr = 0):
+def produce_k_tiles(ring, stages: cutlass.Constexpr, loads, k_tile_first, k_tile_count,
+                    stage_bytes: cutlass.Constexpr = 0):
     """A TMA mainloop's producer thread: k tiles k_tile_first.. of every (atom, smem partition, gmem partition
     [, multicast mask]) in `loads` into the `ring` (PipelineTmaAsync) stage by stage, each stage completing on
     its full mbarrier (a multicast load on the same-placed mbarrier of every CTA in its mask); then the tail that
