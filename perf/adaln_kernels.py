@@ -1,9 +1,10 @@
 """Device script: time every kernel launch of `adaln_projection` forward and backward, one at a time.
 
 Runs against the prebuilt bundle (never compiles):
-    bash perf/device_run.sh python3 perf/adaln_kernels.py [T ...] [--family wgmma] [--rounds 3]
+    bash perf/device_run.sh python3 perf/adaln_kernels.py [T ...] [--family wgmma] [--rounds 3] [--out-features N]
 For T in (1, 4, 64, 256, 2048) and each MMA family (warp mma.sync; wgmma on sm_90a), each launch of
-`h3cute.launch.adaln_projection.forward` / `backward` (N = 96768) is replayed on preallocated buffers
+`h3cute.launch.adaln_projection.forward` / `backward` (N = 96768, or the final AdaLN's 10752 with `--out-features`:
+the same grids at a ninth of the K work per d_temb unit) is replayed on preallocated buffers
 and timed alone with CUDA events: median of 20 samples after 5 warm-ups, with achieved GB/s (bytes
 the launch must move at least) and TFLOP/s. The GEMMs are timed for the family's `config_for_rows`
 choice and for every other config of the family (rows marked `alt`), so `config_for_rows` can be
@@ -124,6 +125,8 @@ def _args(argv):
     parser.add_argument("--family", choices=("warp", "wgmma"), action="append",
                         help="time only this MMA family (repeatable; default every family the device runs)")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the step list (median and range)")
+    parser.add_argument("--out-features", type=int, choices=(96768, 10752), default=96768,
+                        help="N: the block table (default) or the final AdaLN's")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -148,7 +151,9 @@ def _buffers(rows: int, dev):
 
 
 def main(argv) -> int:
+    global N
     args = _args(argv)
+    N = args.out_features
     if not torch.cuda.is_available():
         print("adaln_kernels: needs a CUDA device", file=sys.stderr)
         return 2
