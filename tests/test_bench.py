@@ -356,7 +356,8 @@ def test_perf_scripts_import(script):
 def test_adaln_kernels_rounds_time_every_step_in_turn():
     """perf/adaln_kernels.py --rounds: every launch is timed once per pass over the whole step list (round-robin, so
     a slow spell hits every config alike), reported as the median of the passes with their range; a missing kernel
-    is recorded as missing, never timed. Its arguments: sizes, repeatable --family, --rounds >= 1."""
+    is recorded as missing, never timed. Its arguments: sizes, repeatable --family, --rounds >= 1, --out-features (one of
+    the two tables)."""
     import runpy
 
     mod = runpy.run_path(str(Path(__file__).parents[1] / "perf" / "adaln_kernels.py"), run_name="imported")
@@ -381,8 +382,10 @@ def test_adaln_kernels_rounds_time_every_step_in_turn():
     assert args.sizes == [256, 2048] and args.family == ["wgmma", "warp"] and args.rounds == 3
     defaults = mod["_args"]([])
     assert defaults.sizes == [] and defaults.family is None and defaults.rounds == 1
-    with pytest.raises(SystemExit):
-        mod["_args"](["--rounds", "0"])
+    assert defaults.out_features == 96768 and mod["_args"](["--out-features", "10752"]).out_features == 10752
+    for bad in (["--rounds", "0"], ["--out-features", "1000"]):
+        with pytest.raises(SystemExit):
+            mod["_args"](bad)
 
 
 def test_host_trace_kernel_timeline_counts_overlaps_and_gaps():
