@@ -230,12 +230,12 @@ def c_buffers(tile: GemmTile) -> int:
     return 2 if tile.bm == 128 else 1
 
 
-def tail_units(units: int, ctas: int = PERSISTENT_CTAS) -> int:
+def tail_units(units, ctas: int = PERSISTENT_CTAS, select=lambda cond, a, b: a if cond else b):
     """How many of a `tail_halves` grid's `units` (one CTA per SM each) run whole: all but the last round's where
     that round is at most half full (its units then run as two 128-wide halves each, after the whole ones). The
-    kernel's launch computes the same on device from T; the bits never depend on it."""
+    kernel's launch calls it on device values (`select` = cutlass.select_); the bits never depend on it."""
     rest = units % ctas
-    return units - rest if 2 * rest <= ctas else units
+    return select(2 * rest <= ctas, units - rest, units)
 
 
 def dgrad_n_halves(tile: GemmTile) -> int:
@@ -996,6 +996,11 @@ def _ieee_unit(tile: GemmTile, split_k_tiles: int) -> int:
     return 3 if split_k_tiles % 3 == 0 else 2
 
 
+def _stage_bytes(layout) -> int:
+    """Bytes of one stage of a BF16 operand's (rows, k, stages) shared-memory ring."""
+    return cute.size_in_bytes(cutlass.BFloat16, cute.slice_(layout, (None, None, 0)))
+
+
 def _mma_copy(tiled_mma):
     """A copy of a tiled MMA whose fields can be set without touching the original's."""
     from cutlass.base_dsl.utils.mlir_value_tree import extract_mlir_values, new_from_mlir_values
@@ -1101,8 +1106,6 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         from cutlass import pipeline
 
         t = self.tile
-        stage_bytes = cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
-            cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0)))
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=self.tile.stages,
@@ -1110,7 +1113,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
             # Every consumer warp (4 per warpgroup) releases each stage, or (pingpong) those of the one warpgroup that
             # read it, and the persistent dW's db warps.
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, t.cluster_size * self._stage_readers),
-            tx_count=stage_bytes,
+            tx_count=_stage_bytes(sA_layout) + _stage_bytes(sB_layout),
             cta_layout_vmnk=cute.make_layout((1, t.cluster_m, t.cluster_n, 1)),
         )
 
@@ -1196,8 +1199,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         t = self.tile
         assert self.n_halves == 2 and t.cluster_m == 1 and PERSISTENT_CTAS % t.cluster_n == 0, t
         units = grid[0] * grid[1] * grid[2]
-        rest = units % PERSISTENT_CTAS
-        whole = cutlass.select_(rest * 2 <= PERSISTENT_CTAS, units - rest, units)
+        whole = tail_units(units, select=cutlass.select_)
         sB_half = self._wgmma_smem_layout(self.b_k_major, t.bn // 2, False)
         tma_b_half, tma_mB_half = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_half, (None, None, 0)), (t.bn // 2, t.bk))
@@ -1294,7 +1296,8 @@ class _TmaWgmmaGemm(_WgmmaGemm):
                             tail[2], (t.bn // 2, t.bk), (2 * n_tile + half, None)))
                         _, _, tBsB_half, tBgB_half = self._tma_partitions(tma_a, tail[1], sA, sB_half, gA, gB_half)
                         produce_k_tiles(ring, t.stages, (loads[0], (tail[1], tBsB_half, tBgB_half)),
-                                        k_tile_first, k_tile_count, self._half_stage_bytes(sA_layout, sB_layout))
+                                        k_tile_first, k_tile_count,
+                                        _stage_bytes(sA_layout) + _stage_bytes(sB_layout) // 2)
                 else:
                     produce_k_tiles(ring, t.stages, loads, k_tile_first, k_tile_count)
         else:
@@ -1350,11 +1353,6 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         acc1.fill(0.0)
         self._ieee_serial_mainloop(tiled_mma, (acc, acc1), tCrA, (tCrB0, tCrB1), ring, k_tile_count)
         self._epilogue(acc1, thr_mma, ctidx, storage, tCgC1, tCcC1, gC1, cC1, gC_full, mA, mBias, n_tile, m_tile)
-
-    def _half_stage_bytes(self, sA_layout, sB_layout) -> int:
-        """A half unit's stage: the A tile and half of the B tile."""
-        return cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sA_layout, (None, None, 0))) + \
-            cute.size_in_bytes(cutlass.BFloat16, cute.slice_(sB_layout, (None, None, 0))) // 2
 
     @cute.jit
     def _chained_mainloop(self, tiled_mma, acc, tCrA, tCrB, ring, k_tile_count):

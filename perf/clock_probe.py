@@ -28,13 +28,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import runtime
-from h3cute.bench import problems
 from h3cute.bench.report import write_device_json
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import adaln_kernels as K  # noqa: E402  (the per-launch script's buffers and kernel handles)
+import eager_gap  # noqa: E402  (the whole op's fwd+bwd as the report calls it)
 
 QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 SETTLE = 0.2  # fraction of each stretch dropped before the samples count
@@ -148,19 +147,9 @@ def main(argv) -> int:
         ("cuBLAS bwd grad^T @ act (dW)", lambda: torch.matmul(grad.t(), act)),
     ]
     # The whole op as the report's fwd+bwd calls it, on the report's inputs (its accuracy seed).
-    inputs = problems.PROBLEMS["adaln_projection"].draw(rows, 0, dev)
-    ones = torch.ones((rows, inputs["weight"].shape[0]), dtype=torch.bfloat16, device=dev)
-
-    def fwd_bwd(fn):
-        def call():
-            leaves = [inputs[a].detach().requires_grad_(True) for a in ("temb", "weight", "bias")]
-            torch.autograd.backward([fn(*leaves)], [ones])
-        return call
-    launches += [
-        ("h3cute op fwd+bwd (autograd, report inputs)", fwd_bwd(torch.ops.h3.adaln_projection)),
-        ("cuBLAS replay fwd+bwd (autograd, report inputs)",
-         fwd_bwd(lambda t, w_, b_: F.linear(F.silu(t).to(torch.bfloat16), w_, b_))),
-    ]
+    calls = eager_gap.report_calls(rows, dev)
+    launches += [("h3cute op fwd+bwd (autograd, report inputs)", calls["h3cute"]),
+                 ("cuBLAS replay fwd+bwd (autograd, report inputs)", calls["cuBLAS replay"])]
     if args.match:
         launches = [(name, fn) for name, fn in launches if any(m in name for m in args.match)]
     report = {"gpu": torch.cuda.get_device_name(dev), "arch": runtime.arch_of(dev), "rows": rows,

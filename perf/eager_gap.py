@@ -23,25 +23,31 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
+from h3cute import reference
 from h3cute.bench import problems, timing
+from h3cute.bench.checks import ACCURACY_SEED
 from h3cute.bench.report import write_device_json
 
 WARMUP, SAMPLES = 5, 30
 DEV = torch.device("cuda")
 
 
-def _replay(temb, weight, bias):
-    return F.linear(F.silu(temb).to(torch.bfloat16), weight, bias)
+def report_calls(rows: int, dev) -> dict:
+    """Candidate -> one fwd+bwd of adaln_projection as the prior-art report's harness runs it (`h3cute.bench.checks`:
+    its accuracy inputs, fresh leaves, an all-ones upstream gradient): `torch.ops.h3.adaln_projection` and the
+    diffusers replay (`reference.adaln_projection_replay`). Shared with perf/clock_probe.py."""
+    inputs = problems.PROBLEMS["adaln_projection"].draw(rows, ACCURACY_SEED, dev)
+    ones = torch.ones((rows, inputs["weight"].shape[0]), dtype=torch.bfloat16, device=dev)
 
-
-def _fwd_bwd(fn, inputs, ones):
-    def call():
-        leaves = {a: inputs[a].detach().requires_grad_(True) for a in ("temb", "weight", "bias")}
-        torch.autograd.backward([fn(leaves["temb"], leaves["weight"], leaves["bias"])], [ones])
-    return call
+    def fwd_bwd(fn):
+        def call():
+            leaves = [inputs[a].detach().requires_grad_(True) for a in ("temb", "weight", "bias")]
+            torch.autograd.backward([fn(*leaves)], [ones])
+        return call
+    return {"h3cute": fwd_bwd(torch.ops.h3.adaln_projection),
+            "cuBLAS replay": fwd_bwd(reference.adaln_projection_replay)}
 
 
 def _allocator(call, n: int) -> dict:
@@ -85,15 +91,11 @@ def _host_us(call, n: int) -> float:
 
 def main(argv) -> int:
     sizes = [int(a) for a in argv] or [256, 2048]
-    problem = problems.PROBLEMS["adaln_projection"]
     report = {"gpu": torch.cuda.get_device_name(DEV), "sizes": {}}
     eager = timing.timer(DEV, WARMUP, SAMPLES)
     for rows in sizes:
-        inputs = problem.draw(rows, 0, DEV)
-        ones = torch.ones((rows, inputs["weight"].shape[0]), dtype=torch.bfloat16, device=DEV)
         entry = {}
-        for name, fn in (("h3cute", torch.ops.h3.adaln_projection), ("cuBLAS replay", _replay)):
-            call = _fwd_bwd(fn, inputs, ones)
+        for name, call in report_calls(rows, DEV).items():
             graph, why = timing.graph_time(call, DEV, WARMUP, SAMPLES)
             entry[name] = {"eager_us": eager(call), "graph_us": graph if why is None else why,
                            "host_us": _host_us(call, 10), "allocator": _allocator(call, 10),
@@ -103,7 +105,6 @@ def main(argv) -> int:
                   f"{e['host_us']:7.1f}  allocator {e['allocator']}")
             print(f"      runtime calls per call: {e['runtime_calls']}")
         report["sizes"][str(rows)] = entry
-        del inputs, ones
         torch.cuda.empty_cache()
     print(f"eager_gap -> {write_device_json(report, 'eager_gap.json')}")
     return 0

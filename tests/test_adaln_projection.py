@@ -1110,9 +1110,9 @@ def test_multicast_forward_gives_the_bits_of_tma_wide_n256(n, rows):
 @pytest.mark.parametrize("rows", [1, 300, 1280, 1281, 1300, 1536, 1537, 1792, 2047, 2048])
 def test_dtemb_tail_halves_give_the_bits_of_tma_wide_n256(n, rows):
     """tma_wide_n256_tail and its clustered twin (the thin last round of units run as 128-wide halves, beyond
-    T = 1280 here) on
-    NaN-poisoned partials with NaN guards behind them, twice on fresh buffers: every element written, nothing past
-    the end, the bits of tma_wide_n256 (T tails inside a half and across both halves: 1281, 1300, 1537, 2047)."""
+    T = 1280 here) on NaN-poisoned partials with NaN guards behind them, twice on fresh buffers: every element
+    written, nothing past the end, the bits of tma_wide_n256 (T tails inside a half and across both halves: 1281,
+    1300, 1537, 2047)."""
     from h3cute import runtime
 
     _family_configs("wgmma")
