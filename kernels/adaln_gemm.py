@@ -1600,11 +1600,9 @@ class _TmaWgmmaPersistentGemm(_TmaWgmmaGemm):
                         ring.producer_commit(produce)
                         produce.advance()
                 ring.producer_tail(produce)
-            elif cutlass.const_expr(self._DBIAS_WARPS > 0):
-                if warp_idx <= self._DBIAS_WARPS:
-                    self._sum_dbias(ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx)
-            elif cutlass.const_expr(len(side) > 0):
-                self._fold_warps(side, mBias, cta, warp_idx)
+            elif cutlass.const_expr(self._DBIAS_WARPS > 0 or len(side) > 0):
+                self._side_warps(ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx,
+                                 side)
         elif cutlass.const_expr(t.pingpong):
             cute.arch.setmaxregister_increase(self._CONSUMER_REGS)
             self._consume_pingpong(tidx - 128 * self._PRODUCER_WARPGROUPS, cta, num_tiles, tiles_n, k_tile_count,
@@ -1781,30 +1779,27 @@ class _TmaWgmmaPersistentDbGemm(_TmaWgmmaPersistentGemm):
         assert DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS == 4 and DBIAS_CHAIN_ROWS == 16  # _DBIAS_K16_STRIDE per chain
 
     @cute.jit
+    def _side_warps(self, ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx, side):
+        if warp_idx <= self._DBIAS_WARPS:
+            self._sum_dbias(ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx)
+
+    @cute.jit
     def _sum_dbias(self, ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx):
         """db by producer warps 1 and 2, in the db order (DBIAS_ROW_BLOCK): they walk the producer's tiles and wait
         for every stage (grad^T: 128 rows x one 64-row block of T, the K tail's zero fill first, which leaves a sum
         from +0 unchanged), and release it after reading. In the first N tile's tiles warp w takes rows
-        64w .. 64w + 63: lane l sums rows 8 (l % 8) + 64w .. + 7 (one 16-byte load per k) over the block's chain
-        l // 8 (its 16 k), eight independent chains from +0; lanes l + 8, l + 16, l + 24 pass their chain sums down
-        to lane l, which adds them in chain order and the block sum to its totals, and stores its 8 db values after
-        the tile's last stage. The stage layout (M-major, 128B swizzle on byte addresses) keeps 8 rows in one
-        16-byte chunk and splits each (row, k) offset into a per-row part that depends on k % 8, a static part of
-        k % 16 and a stride per 16 k (checked here at compile time)."""
+        64w .. 64w + 63 (`_stage_dbias_block`), adds each block sum to its totals and stores its 8 db values after
+        the tile's last stage."""
         from cutlass import pipeline
 
         t = self.tile
         _check_dbias_offsets(sA_layout, t.bm, t.bk)
         lane = cute.arch.lane_idx()
-        chain = lane // 8
         row = (warp_idx - 1) * 64 + (lane % 8) * 8
         row_part = [_smem_offset(sA_layout, (row, k, 0)) - _smem_offset(sA_layout, (0, k, 0)) for k in range(8)]
         stage_size = cute.cosize(sA_layout.outer) // t.stages
-        base = storage.a.data_ptr()
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
-        rows = 8  # per lane: one 16-byte load of BF16 per k
-        totals = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
-        sums = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
+        totals = cute.make_rmem_tensor(cute.make_layout(_DBIAS_LANE_ROWS), cutlass.Float32)
         for tile in range(cta, num_tiles, t.persistent_ctas):
             m_tile = tile // tiles_n
             n_tile = tile - m_tile * tiles_n
@@ -1812,53 +1807,119 @@ class _TmaWgmmaPersistentDbGemm(_TmaWgmmaPersistentGemm):
             for _ in range(k_tile_count):
                 ring.consumer_wait(read)
                 if n_tile == 0:
-                    chain_at = read.index * stage_size + chain * _DBIAS_K16_STRIDE
-                    sums.fill(0.0)
-                    for k in cutlass.range_constexpr(DBIAS_CHAIN_ROWS):
-                        at = chain_at + row_part[k % 8] + _smem_offset(sA_layout, (0, k, 0))
-                        ptr = cute.make_ptr(cutlass.BFloat16, (base + at).toint(), cute.AddressSpace.smem,
-                                            assumed_align=16)
-                        sums.store(sums.load() + cute.make_tensor(ptr, cute.make_layout(rows)).load().to(cutlass.Float32))
-                    block = sums.load()
-                    for c in cutlass.range_constexpr(1, DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS):
-                        later = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
-                        for j in cutlass.range_constexpr(rows):
-                            later[j] = cute.arch.shuffle_sync_down(sums[j], 8 * c)
-                        block = block + later.load()
-                    totals.store(totals.load() + block)
+                    totals.store(totals.load() + _stage_dbias_block(sA_layout, storage.a.data_ptr(),
+                                                                    read.index * stage_size, row_part))
                 ring.consumer_release(read)
                 read.advance()
-            if n_tile == 0 and chain == 0:
+            if n_tile == 0 and lane < 8:
                 vec_view(mBias, m_tile * t.bm + row).store(totals.load().to(cutlass.BFloat16))
+
+
+_DBIAS_LANE_ROWS = 8  # db rows of grad^T per stage-reading lane: one 16-byte load of BF16 per k
+
+
+@cute.jit
+def _stage_dbias_block(sA_layout, base, stage_at, row_part):
+    """One db block sum (DBIAS_ROW_BLOCK rows of T, the order of `_dbias_block_sum`) of 8 grad^T rows from a dW A
+    stage (grad^T: M-major, 128B swizzle; the K tail's zero fill first, which leaves a sum from +0 unchanged), by a
+    whole warp: lane l sums the rows at `row_part` (its row's offsets for k % 8, 8 lanes per row group) over the
+    block's chain l // 8 (its 16 k), eight independent FP32 chains from +0; lanes l + 8, l + 16, l + 24 pass their
+    chain sums down to lane l, which returns them added in chain order (valid in lanes 0 .. 7). The stage layout
+    keeps 8 rows in one 16-byte chunk and splits each (row, k) offset into a per-row part that depends on k % 8, a
+    static part of k % 16 and a stride per 16 k (`_check_dbias_offsets`, at compile time)."""
+    rows = _DBIAS_LANE_ROWS
+    chain_at = stage_at + cute.arch.lane_idx() // 8 * _DBIAS_K16_STRIDE
+    sums = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
+    sums.fill(0.0)
+    for k in cutlass.range_constexpr(DBIAS_CHAIN_ROWS):
+        at = chain_at + row_part[k % 8] + _smem_offset(sA_layout, (0, k, 0))
+        ptr = cute.make_ptr(cutlass.BFloat16, (base + at).toint(), cute.AddressSpace.smem, assumed_align=16)
+        sums.store(sums.load() + cute.make_tensor(ptr, cute.make_layout(rows)).load().to(cutlass.Float32))
+    block = sums.load()
+    for c in cutlass.range_constexpr(1, DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS):
+        later = cute.make_rmem_tensor(cute.make_layout(rows), cutlass.Float32)
+        for j in cutlass.range_constexpr(rows):
+            later[j] = cute.arch.shuffle_sync_down(sums[j], 8 * c)
+        block = block + later.load()
+    return block
 
 
 class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
     """`_TmaWgmmaPersistentGemm` (dW) whose idle producer warps (1 .. 3) run the rest of the backward while the
-    consumers run the MMAs: the d_temb fold (`adaln_dtemb_fold`'s sums and expression, from the FP32 partials) and db
-    (`adaln_bias_grad`'s order), both from global memory. Neither touches the stage ring, so neither can hold the
-    tensor core back; both are memory-bound and dW (at T > 384) is not, so two launches and their ramps go away.
-    The side operands arrive as `side` = (grad (T, N), partial (splits, T, D), temb (T, D), dtemb (T, D)); the dW
-    operand a = bf16(silu(temb)) must already exist (adaln_silu_cast, launched first: the fold no longer writes it).
-    Work is split over every fold thread of the grid (`persistent_ctas` x 96): d_temb by 4-column vectors, db by
-    8-column vectors, each in a grid-stride walk; which thread computes an element never changes its sums."""
+    consumers run the MMAs: the d_temb fold (`adaln_dtemb_fold`'s sums and expression, from the FP32 partials, in
+    global memory) and db (`adaln_bias_grad`'s order). The fold never touches the stage ring, so it cannot hold the
+    tensor core back; it is memory-bound and dW (at T > 384) is not, so launches and their ramps go away. The side
+    operands arrive as `side` = (grad (T, N), partial (splits, T, D), temb (T, D), dtemb (T, D), dbias_blocks
+    (blocks, N) FP32); the dW operand a = bf16(silu(temb)) must already exist (adaln_silu_cast, launched first).
+    db, two ways (`stage_dbias`):
+    * from global memory (warps 1 .. 3 fold d_temb, then sum db by 8-column vectors re-reading grad): grad is read
+      twice, once by the TMA loads and once here;
+    * from the stages (warp 1 folds d_temb; warps 2 and 3 wait for every stage and release it, the ring's empty
+      barriers count them): each db block of T is a k tile of dW, so the tiles of N tile j sum the blocks
+      b = j, j + tiles_n, ... of their 256 grad^T rows as the stage lands (`_stage_dbias_block`) into dbias_blocks
+      [b], and `_bias_grad_fold_kernel` folds the blocks after the kernel: the same sums in the same order.
+    d_temb work is split over every fold thread of the grid (`persistent_ctas` x 32 per fold warp) by 4-column
+    vectors in a grid-stride walk; which thread computes an element never changes its sums."""
 
-    _FOLD_WARPS = 3  # producer warps 1 .. 3 (warp 0 issues the TMA loads)
     # The fold warps' loads in flight (12 partial vectors; db's 4 chains x 2 rows of 8 columns) and sums want ~80
     # registers; the consumers keep within 208 (the 256-row tile's 128 accumulators per thread included; ptxas -v).
     _PRODUCER_REGS = 88
     _CONSUMER_REGS = 208  # 128 x 88 + 256 x 208 = 64512
 
-    def __init__(self, tile: GemmTile, **kw):
+    def __init__(self, tile: GemmTile, stage_dbias: bool, **kw):
+        self.stage_dbias = stage_dbias
+        self._FOLD_WARPS = 1 if stage_dbias else 3  # producer warps 1 .. (warp 0 issues the TMA loads)
+        self._DBIAS_WARPS = 2 if stage_dbias else 0  # then warps 2 and 3: 128 rows of the 256-row stage each
         super().__init__(tile, **kw)
-        assert not self.dbias_rows and self.c_n_major, kw  # db comes from the fold warps at every T
+        assert not self.dbias_rows and self.c_n_major, kw  # db comes from the side warps at every T
+        assert not stage_dbias or (tile.bk == DBIAS_ROW_BLOCK and tile.bm % (64 * self._DBIAS_WARPS) == 0), tile
+
+    @cute.jit
+    def _side_warps(self, ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx, side):
+        if warp_idx <= self._FOLD_WARPS:
+            self._fold_warps(side, mBias, cta, warp_idx)
+        elif cutlass.const_expr(self._DBIAS_WARPS > 0):
+            self._sum_dbias_blocks(ring, storage, sA_layout, side[4], cta, num_tiles, tiles_n, k_tile_count,
+                                   warp_idx - 1 - self._FOLD_WARPS)
+
+    @cute.jit
+    def _sum_dbias_blocks(self, ring, storage, sA_layout, blocks, cta, num_tiles, tiles_n, k_tile_count, warp):
+        """db warp `warp` (0, 1): rows 128 warp .. + 127 of each stage, 64 rows (8 per lane) at a time. A tile of N
+        tile j sums its k tiles b with b % tiles_n == j (k tile b is db block b: the K tail's partial block first,
+        as `_k_tiles` places it) into blocks[b, its rows]; every (block, row) is written by exactly one tile."""
+        from cutlass import pipeline
+
+        t = self.tile
+        _check_dbias_offsets(sA_layout, t.bm, t.bk)
+        lane = cute.arch.lane_idx()
+        rows_per_warp = t.bm // self._DBIAS_WARPS
+        row = warp * rows_per_warp + (lane % 8) * 8
+        row_parts = [[_smem_offset(sA_layout, (row + 64 * p, k, 0)) - _smem_offset(sA_layout, (0, k, 0))
+                      for k in range(8)] for p in range(rows_per_warp // 64)]
+        stage_size = cute.cosize(sA_layout.outer) // t.stages
+        n_out = cute.size(blocks, mode=[1])
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
+        for tile in range(cta, num_tiles, t.persistent_ctas):
+            m_tile = tile // tiles_n
+            n_tile = tile - m_tile * tiles_n
+            for k_tile in range(k_tile_count):
+                ring.consumer_wait(read)
+                if k_tile % tiles_n == n_tile:
+                    for p, row_part in enumerate(row_parts):
+                        block = _stage_dbias_block(sA_layout, storage.a.data_ptr(), read.index * stage_size, row_part)
+                        if lane < 8:
+                            vec_view(blocks, cutlass.Int64(k_tile) * n_out + m_tile * t.bm + row + 64 * p,
+                                     _DBIAS_LANE_ROWS).store(block)
+                ring.consumer_release(read)
+                read.advance()
 
     @cute.jit
     def _fold_warps(self, side, mBias, cta, warp_idx):
         """d_temb[t, d] = (partial[0, t, d] + ... + partial[11, t, d], from +0 in split order) * silu'(temb[t, d])
-        (`_dtemb_scale`, the fold kernel's expression: the same bits), then db[n] = bf16(sum_t grad[t, n]) in the
-        db order (DBIAS_ROW_BLOCK blocks aligned to T's end, four 16-row chains each from +0, the block sums added in
-        order from +0: adaln_bias_grad's two kernels in one thread, the same bits)."""
-        grad, partial, temb, dtemb = side
+        (`_dtemb_scale`, the fold kernel's expression: the same bits); without `stage_dbias` then db[n] =
+        bf16(sum_t grad[t, n]) in the db order (DBIAS_ROW_BLOCK blocks aligned to T's end, four 16-row chains each
+        from +0, the block sums added in order from +0: adaln_bias_grad's two kernels in one thread, the same bits)."""
+        grad, partial, temb, dtemb = side[:4]
         rows = cute.size(temb, mode=[0])
         n_out = cute.size(grad, mode=[1])
         lanes = self.tile.persistent_ctas * 32 * self._FOLD_WARPS
@@ -1876,15 +1937,16 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
                 d_act[j] = _dtemb_scale(d_act[j], x[j])
             vec_view(dtemb, at, _FOLD_COLS).store(d_act.load())
 
-        blocks = cute.ceil_div(rows, DBIAS_ROW_BLOCK)
-        total = cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
-        for u in range(me, n_out // _BIAS_COLS_PER_THREAD, lanes):
-            col0 = u * _BIAS_COLS_PER_THREAD
-            total.fill(0.0)
-            for block in range(blocks):
-                total.store(total.load() + _dbias_block_sum(grad, rows - DBIAS_ROW_BLOCK * (blocks - block), col0,
-                                                            True))
-            vec_view(mBias, col0).store(total.load().to(cutlass.BFloat16))
+        if cutlass.const_expr(not self.stage_dbias):
+            blocks = cute.ceil_div(rows, DBIAS_ROW_BLOCK)
+            total = cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
+            for u in range(me, n_out // _BIAS_COLS_PER_THREAD, lanes):
+                col0 = u * _BIAS_COLS_PER_THREAD
+                total.fill(0.0)
+                for block in range(blocks):
+                    total.store(total.load() + _dbias_block_sum(grad, rows - DBIAS_ROW_BLOCK * (blocks - block),
+                                                                col0, True))
+                vec_view(mBias, col0).store(total.load().to(cutlass.BFloat16))
 
 
 _FOLD_COLS = 4  # d_temb columns per fold-warp vector: one 16-byte FP32 load per partial
@@ -2035,20 +2097,25 @@ def _wgrad_fakes(rows, out_features: int) -> tuple:
             _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)), _fake(cutlass.BFloat16, (out_features,)))
 
 
-def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
+def _build_wgrad_fold(arch: str, *, out_features: int, config: str, stage_dbias: bool):
     assert arch == "sm_90a" and config in FOLD_WARP_WGRAD_CONFIGS, (arch, config)
-    gemm = _TmaWgmmaPersistentFoldGemm(TMA_WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16",
-                                       c_n_major=True, dbias_rows=False)
+    gemm = _TmaWgmmaPersistentFoldGemm(TMA_WGRAD_CONFIGS[config], stage_dbias, a_k_major=False, b_k_major=False,
+                                       epilogue="bf16", c_n_major=True, dbias_rows=False)
     assert out_features % gemm.tile.bm == 0 and out_features % _BIAS_COLS_PER_THREAD == 0, (out_features, config)
 
     @cute.jit
     def adaln_proj_wgrad_fold(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, dbias: cute.Tensor,
-                              partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, stream):
+                              partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, dbias_blocks: cute.Tensor,
+                              stream):
         """adaln_proj_wgrad's dW (A = grad^T, B = act^T) while the producer warpgroup's idle warps fold d_temb from
-        the d_temb GEMM's partials (adaln_dtemb_fold's bits) and sum db (adaln_bias_grad's bits)."""
-        gemm.launch(*_transposed(grad, act), dweight, dbias, stream, side=(grad, partial, temb, dtemb))
+        the d_temb GEMM's partials (adaln_dtemb_fold's bits) and sum db (adaln_bias_grad's bits; with `stage_dbias`
+        into dbias_blocks (launch.adaln_projection.dbias_blocks(T), N) from the stages, folded by a second launch)."""
+        gemm.launch(*_transposed(grad, act), dweight, dbias, stream, side=(grad, partial, temb, dtemb, dbias_blocks))
+        if cutlass.const_expr(stage_dbias):
+            _bias_grad_fold_kernel(dbias_blocks, dbias).launch(
+                grid=(cute.ceil_div(out_features, _EW_THREADS), 1, 1), block=[_EW_THREADS, 1, 1], stream=stream)
 
-    rows = cute.sym_int()
+    rows, blocks = cute.sym_int(), cute.sym_int()
     return compile_for(
         arch,
         adaln_proj_wgrad_fold,
@@ -2056,6 +2123,7 @@ def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
         _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB_WIDTH), (2, 1, 0)),
         _fake(cutlass.Float32, (rows, TEMB_WIDTH), (1, 0)),
         _fake(cutlass.Float32, (rows, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.Float32, (blocks, out_features), (1, 0)),
         env_stream(),
     )
 
@@ -2259,7 +2327,8 @@ SPECS = [
     KernelSpec(
         name="adaln_proj_wgrad_fold",
         build=_build_wgrad_fold,
-        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in FOLD_WARP_WGRAD_CONFIGS],
+        variants=lambda arch: [dict(out_features=n, config=c, stage_dbias=d) for n in OUT_FEATURES
+                               for c in FOLD_WARP_WGRAD_CONFIGS for d in (False, True)],
         ptx_markers=_WGMMA_MARKERS + ("cp.async.bulk.tensor", "ld.global.cs.v4"),
         ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
         archs=("sm_90a",),

@@ -499,6 +499,7 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     # The C++ backward branches on the launch constant: the same value on both sides.
     cpp = (Path(__file__).parents[1] / "src" / "h3cute" / "native" / "h3_native.cpp").read_text()
     assert f"constexpr int64_t kFoldWarps = {adaln_projection.FOLD_WARPS_LAUNCH};" in cpp
+    assert f"constexpr int64_t kDbiasRowBlock = {adaln_projection.DBIAS_ROW_BLOCK};" in cpp
     if "wgmma" in proj:  # beyond 384 the dW kernel's fold warps write d_temb and db; silu_cast makes its operand
         fold = (["adaln_silu_cast", bwd[0], "adaln_proj_wgrad_fold"], [adaln_projection.FOLD_WARPS_LAUNCH])
         assert asked(adaln_projection, 1, 385) == fold and asked(adaln_projection, 1, 4096) == fold

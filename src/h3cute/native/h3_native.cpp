@@ -479,6 +479,7 @@ void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, co
 // fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM, adaln_bias_grad (read only when bias_block > 0)], or with
 // kFoldWarps [adaln_silu_cast, the d_temb GEMM, adaln_proj_wgrad_fold].
 constexpr int64_t kFoldWarps = -1;  // launch/adaln_projection.py FOLD_WARPS_LAUNCH
+constexpr int64_t kDbiasRowBlock = 64;  // launch/adaln_projection.py DBIAS_ROW_BLOCK: the fold kernel's db blocks
 std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, int64_t bias_block,
                                                                    const at::Tensor& grad, const at::Tensor& temb,
                                                                    const at::Tensor& weight) {
@@ -490,7 +491,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIO
   if (bias_block == kFoldWarps) {
     call_kernel(fn[0], {temb, act});
     call_kernel(fn[1], {grad, weight, partial});
-    call_kernel(fn[2], {grad, act, dweight, dbias, partial, temb, dtemb});
+    at::Tensor dbias_blocks = at::empty({(timesteps + kDbiasRowBlock - 1) / kDbiasRowBlock, n}, f32);
+    call_kernel(fn[2], {grad, act, dweight, dbias, partial, temb, dtemb, dbias_blocks});
     return {dtemb, dweight, dbias};
   }
   call_kernel(fn[0], {grad, weight, partial});
