@@ -84,12 +84,12 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
     / 1583.0 us at T = 512 / 1024 / 2048 against tma_wide_n256_mc2's 455.3 / 895.7 / 1711.5 (31d6ae1, 3 rounds),
     513.7 / 647.3 against 659.6 / 708.1 at T = 640 / 768 (93d851f), and at the H200's power limit
     (perf/clock_probe.py, each launch sustained) 1604.0 against 1693.9 and cuBLAS's F.linear 1612.3 at T = 2048.
-    At T = 512 it is a tie with the former pick (455.9 against 448.3 at 6799442) and tma_wide ran faster in both runs
-    (430.8 / 438.4); not picked: T in (384, 512] would need a bound of its own, not measured beyond these two runs."""
+    At T = 512 tma_wide ran faster in three runs (430.8 / 438.4 / 413.9 us against 455.9 at 6799442 and 436.0 at
+    2550b3e, 3 rounds): T in (384, 512] runs tma_wide."""
     if wgmma:
         if rows <= 64:
             return "wg_skinny" if rows <= 16 else "wg_mid"
-        if rows <= 128 or 256 < rows <= 384:
+        if rows <= 128 or 256 < rows <= 512:
             return "tma_wide"
         if rows > 384:
             return "tma_persist_m256"
@@ -200,9 +200,9 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 
 # Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 192,
-# 256, 384), the d_temb config (16, 64, 128, 192, 384), the dW tile (64, 384), whether it writes db (64, 384) and
+# 256, 512), the d_temb config (16, 64, 128, 192, 384), the dW tile (64, 384), whether it writes db (64, 384) and
 # whether its fold warps run (384).
-T_BOUNDS = (16, 64, 128, 192, 256, 384, runtime.MAX_ROWS)
+T_BOUNDS = (16, 64, 128, 192, 256, 384, 512, runtime.MAX_ROWS)
 
 
 def _choices(device, rows: int, backward: bool) -> tuple:
