@@ -222,11 +222,6 @@ TMA_DGRAD_CONFIGS["tma_wide_n256_tail"] = GemmTile(bm=128, bn=256, bk=64, warps_
 # The same in tma_wide_n256_a_mc2's clusters: two whole units of one W^T tile, or the two halves of one unit.
 TMA_DGRAD_CONFIGS["tma_wide_n256_a_mc2_tail"] = GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4,
                                                          cluster_n=2, tail_halves=True)  # 192 KB
-# d_temb only: tma_wide_n192 in clusters of 3 W^T tiles (M = 2688: 21 tiles, 7 clusters) of one T tile, each CTA
-# loading 64 of the 192 grad rows of a B stage into all three (TMA multicast): a stage's L2 reads drop from 40 KB
-# to 24 KB per CTA. At T = 2048 its 11 x 21 x 12 = 2772 units are 21 whole rounds of 132.
-TMA_DGRAD_CONFIGS["tma_wide_n192_mc3"] = GemmTile(bm=128, bn=192, bk=64, warps_m=8, warps_n=1, stages=5,
-                                                  cluster_m=3)  # 200 KB
 
 
 def c_buffers(tile: GemmTile) -> int:
@@ -1089,8 +1084,7 @@ class _TmaWgmmaGemm(_WgmmaGemm):
         self.epilogue = kw.pop("epilogue")
         assert not kw, kw
         # A cluster shares B along M or A along N, not both (the ring's release counts assume one line of CTAs).
-        assert tile.cluster_m in (1, 2, 3) and tile.cluster_n in (1, 2) and tile.cluster_size <= 3, tile
-        assert tile.bn % (8 * tile.cluster_m) == 0, tile  # each CTA's B slice: whole 8-row swizzle atoms
+        assert tile.cluster_m in (1, 2) and tile.cluster_n in (1, 2) and tile.cluster_size <= 2, tile
         self.tile = tile
         self.cta_tiler = (tile.bm, tile.bn, tile.bk)
 
@@ -2042,7 +2036,6 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
                  ieee_steps=True)
     bk = gemm.tile.bk
     assert out_features % (DGRAD_SPLITS * bk) == 0, (out_features, gemm.tile)
-    assert TEMB_WIDTH % (gemm.tile.bm * gemm.tile.cluster_m) == 0, gemm.tile  # whole clusters of W^T tiles
     if isinstance(gemm, _WgmmaGemm):
         assert bk % DGRAD_K_BLOCK == 0, gemm.tile
         gemm.ieee_unit = _ieee_unit(gemm.tile, out_features // (DGRAD_SPLITS * bk))

@@ -212,12 +212,9 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
         halves = k.dgrad_n_halves(t)
         tiles = 3 if t.bn <= k._IEEE_PIPELINED_MAX_BN else 2 if halves == 1 else 3
         assert tiles * t.bn // halves // 2 <= 192 and halves in (1, 2) and t.bn % (64 * halves) == 0, name
-    # d_temb runs the forward's TMA tiles up to 256 wide, unclustered along M, plus its own: the tail halves and
-    # the 3-CTA clusters along M (21 W^T tiles).
     assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items()
                                         if t.bn <= 256 and t.cluster_m == 1 and not t.persistent_ctas} | {
-                                            c for c, t in k.TMA_DGRAD_CONFIGS.items() if t.tail_halves} | {
-                                            "tma_wide_n192_mc3"}
+                                            c for c, t in k.TMA_DGRAD_CONFIGS.items() if t.tail_halves}
 
 
 def test_tail_units_split_only_a_thin_last_round():
@@ -325,15 +322,13 @@ _CLUSTERED = (
     ("adaln_proj_fwd_wgmma", "tma_wide_n256_a_mc2", "tma_wide_n256", {}, "A"),
     ("adaln_proj_dgrad_wgmma", "tma_wide_n256_a_mc2", "tma_wide_n256", {}, "A"),
     ("adaln_proj_dgrad_wgmma", "tma_wide_n256_a_mc2_tail", "tma_wide_n256_tail", {}, "A"),
-    ("adaln_proj_dgrad_wgmma", "tma_wide_n192_mc3", "tma_wide_n192", {}, "B"),
     ("adaln_proj_wgrad_wgmma", "tma_wgrad_mc2", "tma_wgrad", dict(wgmma=True), "B"),
 )
 
 
 def test_clustered_configs_are_their_plain_tiles_in_whole_clusters():
-    """Each clustered config is its twin in 2-CTA (d_temb's tma_wide_n192_mc3: 3-CTA) clusters along one grid axis
-    (cluster_m: M tiles sharing B, whole clusters for every N_out or d_temb's M = 2688; cluster_n: N tiles sharing
-    A, grid x rounded up); no other config is
+    """Each clustered config is its twin in 2-CTA clusters along one grid axis (cluster_m: M tiles sharing B,
+    whole clusters for every N_out; cluster_n: N tiles sharing A, grid x rounded up); no other config is
     clustered; the backward refuses the 256-wide forward tile (no d_temb kernel of its width)."""
     import dataclasses
 
@@ -344,11 +339,9 @@ def test_clustered_configs_are_their_plain_tiles_in_whole_clusters():
     assert {n for n, t in every.items() if t.cluster_size != 1} == {c for _, c, _, _, _ in _CLUSTERED}
     for _, config, twin, _, shared in _CLUSTERED:
         tile = every[config]
-        size = 3 if config == "tma_wide_n192_mc3" else 2
-        assert tile.cluster_size == size and (tile.cluster_m if shared == "B" else tile.cluster_n) == size, config
+        assert tile.cluster_size == 2 and (tile.cluster_m if shared == "B" else tile.cluster_n) == 2, config
         assert dataclasses.replace(tile, cluster_m=1, cluster_n=1) == every[twin], config
-        m_extents = (D,) if config in k.TMA_DGRAD_CONFIGS and config not in k.TMA_CONFIGS else k.OUT_FEATURES
-        assert all(m % (tile.bm * tile.cluster_m) == 0 for m in m_extents), config
+        assert all(n % (tile.bm * tile.cluster_m) == 0 for n in k.OUT_FEATURES), config
     assert N_BLOCK in k.OUT_FEATURES
     assert "tma_wide_n256_mc2" in launch.TMA_CONFIGS and "tma_wide_n256_mc2" not in launch.TMA_DGRAD_CONFIGS
     assert "tma_wide_a_mc2" in launch.TMA_DGRAD_CONFIGS and "tma_wgrad_mc2" in launch.TMA_WGRAD_CONFIGS

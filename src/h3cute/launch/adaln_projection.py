@@ -43,12 +43,11 @@ WGMMA_CONFIGS = ("wg_skinny", "wg_mid", "wg_wide", "wg_wide_s4")
 # tma_wgrad_mc2: tma_wgrad sharing a^T;
 # tma_persist_m256: the forward on the persistent 256-row kernel of the dW; tma_wide_n256_tail (d_temb only):
 # tma_wide_n256 whose thin last round of CTAs runs as 128-wide halves; tma_wide_n256_a_mc2_tail: the same in
-# tma_wide_n256_a_mc2's clusters; tma_wide_n192_mc3 (d_temb only): tma_wide_n192 in clusters of 3 W^T tiles sharing
-# the grad tile.
+# tma_wide_n256_a_mc2's clusters.
 TMA_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_n256_mc2", "tma_wide_a_mc2", "tma_wide_n256_a_mc2",
                "tma_wide_n192", "tma_persist_m256")
 TMA_DGRAD_CONFIGS = ("tma_mid", "tma_wide", "tma_wide_n256", "tma_wide_a_mc2", "tma_wide_n256_a_mc2", "tma_wide_n192",
-                     "tma_wide_n256_tail", "tma_wide_n256_a_mc2_tail", "tma_wide_n192_mc3")
+                     "tma_wide_n256_tail", "tma_wide_n256_a_mc2_tail")
 # dW tiles of each family (kernels/adaln_gemm.WGRAD_CONFIGS, .WGRAD_WGMMA_CONFIGS): within a family
 # the same bits, picked from T for speed.
 WGRAD_CONFIGS = ("wgrad", "wgrad_n64")
