@@ -217,6 +217,29 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
                                             c for c, t in k.TMA_DGRAD_CONFIGS.items() if t.tail_halves}
 
 
+def test_dtemb_picks_the_192_row_tile_where_its_rounds_cost_less():
+    """Beyond T = 384 d_temb takes tma_wide_n192 exactly in DGRAD_N192_RANGES, and those are the T (to
+    DGRAD_MODEL_ROWS) where `dgrad_round_columns` puts it more than 5% under tma_wide_n256_tail; the model counts a
+    thin last round of the tail tile as half (its halves) and agrees with `tail_units`."""
+    k = _tma_kernels()
+    wins = [t for t in range(385, launch.DGRAD_MODEL_ROWS + 1)
+            if launch.dgrad_round_columns(t, 192, False) < 0.95 * launch.dgrad_round_columns(t, 256, True)]
+    ranges = []
+    for t in wins:
+        if ranges and ranges[-1][1] == t - 1:
+            ranges[-1][1] = t
+        else:
+            ranges.append([t, t])
+    assert [tuple(r) for r in ranges] == list(launch.DGRAD_N192_RANGES)
+    for t in range(385, launch.DGRAD_MODEL_ROWS + 1):
+        want = "tma_wide_n192" if t in wins else "tma_wide_n256_tail"
+        assert launch.dgrad_config_for_rows(t, wgmma=True) == want, t
+        units = -(-t // 256) * 21 * launch.DGRAD_SPLITS
+        whole = k.tail_units(units)
+        assert launch.dgrad_round_columns(t, 256, True) == 256 * (-(-whole // 132) + 0.5 * (units > whole)), t
+    assert launch.dgrad_config_for_rows(1 << 20, wgmma=True) == "tma_wide_n256_tail"
+
+
 def test_tail_units_split_only_a_thin_last_round():
     """`tail_units`: the whole units of a `tail_halves` grid; the rest, a last round at most half full of the 132
     SMs, runs as two halves per unit (so at most one round of halves)."""

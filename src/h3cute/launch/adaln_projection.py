@@ -101,6 +101,25 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
     return "wide"
 
 
+def dgrad_round_columns(rows: int, tile_rows: int, tail_halves: bool) -> float:
+    """A d_temb tile's cost model beyond T = 384: the rounds of 132 SMs its units take (ceil(T / tile_rows) T tiles x
+    21 W^T tiles x DGRAD_SPLITS, one unit per SM; with `tail_halves` a last round at most half full counts half) times
+    the T rows per unit. tma_wide_n256_tail and tma_wide_n192 both run the one-block-tile mainloop at the same cost
+    per unit column on the H200 (T = 2048, 2550b3e: 1777.6 us for 15.5 rounds of 256, 1820.4 for 21 rounds of 192,
+    0.45 us per column each)."""
+    units = -(-rows // tile_rows) * (TEMB_WIDTH // 128) * DGRAD_SPLITS
+    rest = units % 132
+    rounds = units // 132 + (0.5 if tail_halves and 2 * rest <= 132 else 1) * (rest > 0)
+    return rounds * tile_rows
+
+
+# T ranges beyond 384 (to DGRAD_MODEL_ROWS) where `dgrad_round_columns` puts tma_wide_n192 more than 5% under
+# tma_wide_n256_tail (a CPU test recomputes them). Measured at T = 1300: 1234.8 / 1254.5 us against 1339.2 / 1330.0
+# (c37807d / 368d96c).
+DGRAD_N192_RANGES = ((513, 576), (769, 960), (1025, 1152), (1281, 1344), (2049, 2112), (2817, 2880))
+DGRAD_MODEL_ROWS = 8192
+
+
 def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     """The d_temb GEMM's config for T rows (same bits whatever the config). wgmma, from the H200 per-launch
     timings: wg_skinny while W streams (T <= 16), then the TMA mainloop (T = 64: tma_mid 128.4 us vs wg_mid
@@ -119,7 +138,8 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
     turns between runs (T = 256: 226.0 vs tma_wide 234.1 at ef9eb22, 302.7 vs 240.7 at 1a113a8, 233.8 / 230.4 vs
     237.0 / 230.2 at 45d5512 / 14feb80): not picked. Beyond 384 the 256-wide tile runs as tma_wide_n256_tail: the
     same CTAs where the grid's last round is more than half full (T <= 1280), else that round's units as 128-wide
-    halves (T = 2048: 15 rounds of 132 whole units, then 72 halves in place of 36 whole units)."""
+    halves (T = 2048: 15 rounds of 132 whole units, then 72 halves in place of 36 whole units), except in
+    `DGRAD_N192_RANGES`, where tma_wide_n192's 192-row T tiles fill the rounds better (`dgrad_round_columns`)."""
     if wgmma:
         if rows <= 16:
             return "wg_skinny"
@@ -127,7 +147,9 @@ def dgrad_config_for_rows(rows: int, wgmma: bool = False) -> str:
             return "tma_mid"
         if rows <= 128 or 256 < rows <= 384:
             return "tma_wide"
-        return "tma_wide_n192" if rows <= 192 else "tma_wide_n256_tail"
+        if rows <= 192 or any(lo <= rows <= hi for lo, hi in DGRAD_N192_RANGES):
+            return "tma_wide_n192"
+        return "tma_wide_n256_tail"
     if rows <= 16:
         return "skinny"
     if rows <= 64:
@@ -200,9 +222,10 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 
 # Where a launch choice of the C++ impls (h3cute.native) changes with T: the forward's config (16, 64, 128, 192,
-# 256, 512), the d_temb config (16, 64, 128, 192, 384), the dW tile (64, 384), whether it writes db (64, 384) and
-# whether its fold warps run (384).
-T_BOUNDS = (16, 64, 128, 192, 256, 384, 512, runtime.MAX_ROWS)
+# 256, 512), the d_temb config (16, 64, 128, 192, 384 and the ends of DGRAD_N192_RANGES), the dW tile (64, 384),
+# whether it writes db (64, 384) and whether its fold warps run (384).
+T_BOUNDS = tuple(sorted({16, 64, 128, 192, 256, 384, 512, runtime.MAX_ROWS}
+                        | {b for lo, hi in DGRAD_N192_RANGES for b in (lo - 1, hi)}))
 
 
 def _choices(device, rows: int, backward: bool) -> tuple:
