@@ -1845,41 +1845,36 @@ def _stage_dbias_block(sA_layout, base, stage_at, row_part):
 
 
 class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
-    """`_TmaWgmmaPersistentGemm` (dW) whose idle producer warps (1 .. 3) run the rest of the backward while the
-    consumers run the MMAs: the d_temb fold (`adaln_dtemb_fold`'s sums and expression, from the FP32 partials, in
-    global memory) and db (`adaln_bias_grad`'s order). The fold never touches the stage ring, so it cannot hold the
-    tensor core back; it is memory-bound and dW (at T > 384) is not, so launches and their ramps go away. The side
-    operands arrive as `side` = (grad (T, N), partial (splits, T, D), temb (T, D), dtemb (T, D), dbias_blocks
-    (blocks, N) FP32); the dW operand a = bf16(silu(temb)) must already exist (adaln_silu_cast, launched first).
-    db, two ways (`stage_dbias`):
-    * from global memory (warps 1 .. 3 fold d_temb, then sum db by 8-column vectors re-reading grad): grad is read
-      twice, once by the TMA loads and once here;
-    * from the stages (warp 1 folds d_temb; warps 2 and 3 wait for every stage and release it, the ring's empty
-      barriers count them): each db block of T is a k tile of dW, so the tiles of N tile j sum the blocks
-      b = j, j + tiles_n, ... of their 256 grad^T rows as the stage lands (`_stage_dbias_block`) into dbias_blocks
-      [b], and `_bias_grad_fold_kernel` folds the blocks after the kernel: the same sums in the same order.
-    d_temb work is split over every fold thread of the grid (`persistent_ctas` x 32 per fold warp) by 4-column
-    vectors in a grid-stride walk; which thread computes an element never changes its sums."""
+    """`_TmaWgmmaPersistentGemm` (dW) whose idle producer warps run the rest of the backward while the consumers run
+    the MMAs. Warp 1 folds d_temb (`adaln_dtemb_fold`'s sums and expression) from the FP32 partials in global memory:
+    it never touches the stage ring, so it cannot hold the tensor core back; it is memory-bound and dW (at T > 384)
+    is not, so launches and their ramps go away. Warps 2 and 3 sum db from the stages: they wait for every stage and
+    release it (the ring's empty barriers count them); each db block of T is a k tile of dW, so the tiles of N tile j
+    sum the blocks b = j, j + tiles_n, ... of their 256 grad^T rows as the stage lands (`_stage_dbias_block`) into
+    dbias_blocks[b], and `_bias_grad_fold_kernel` folds the blocks after the kernel: `adaln_bias_grad`'s sums in its
+    order, with no second read of grad. The side operands arrive as `side` = (partial (splits, T, D), temb (T, D),
+    dtemb (T, D), dbias_blocks (blocks, N) FP32); the dW operand a = bf16(silu(temb)) must already exist
+    (adaln_silu_cast, launched first). d_temb work is split over the grid's fold lanes (`persistent_ctas` x 32) by
+    4-column vectors in a grid-stride walk; which lane computes an element never changes its sums."""
 
-    # The fold warps' loads in flight (12 partial vectors; db's 4 chains x 2 rows of 8 columns) and sums want ~80
-    # registers; the consumers keep within 208 (the 256-row tile's 128 accumulators per thread included; ptxas -v).
+    _FOLD_WARPS = 1  # producer warp 1 (warp 0 issues the TMA loads)
+    _DBIAS_WARPS = 2  # producer warps 2 and 3: 128 rows of the 256-row stage each
+    # The fold warp's loads in flight (12 partial vectors) and the db warps' sums want ~80 registers; the consumers
+    # keep within 208 (the 256-row tile's 128 accumulators per thread included; ptxas -v).
     _PRODUCER_REGS = 88
     _CONSUMER_REGS = 208  # 128 x 88 + 256 x 208 = 64512
 
-    def __init__(self, tile: GemmTile, stage_dbias: bool, **kw):
-        self.stage_dbias = stage_dbias
-        self._FOLD_WARPS = 1 if stage_dbias else 3  # producer warps 1 .. (warp 0 issues the TMA loads)
-        self._DBIAS_WARPS = 2 if stage_dbias else 0  # then warps 2 and 3: 128 rows of the 256-row stage each
+    def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
-        assert not self.dbias_rows and self.c_n_major, kw  # db comes from the side warps at every T
-        assert not stage_dbias or (tile.bk == DBIAS_ROW_BLOCK and tile.bm % (64 * self._DBIAS_WARPS) == 0), tile
+        assert not self.dbias_rows and self.c_n_major, kw  # db comes from the db warps at every T
+        assert tile.bk == DBIAS_ROW_BLOCK and tile.bm % (64 * self._DBIAS_WARPS) == 0, tile
 
     @cute.jit
     def _side_warps(self, ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx, side):
         if warp_idx <= self._FOLD_WARPS:
-            self._fold_warps(side, mBias, cta, warp_idx)
-        elif cutlass.const_expr(self._DBIAS_WARPS > 0):
-            self._sum_dbias_blocks(ring, storage, sA_layout, side[4], cta, num_tiles, tiles_n, k_tile_count,
+            self._fold_warps(side, cta, warp_idx)
+        else:
+            self._sum_dbias_blocks(ring, storage, sA_layout, side[3], cta, num_tiles, tiles_n, k_tile_count,
                                    warp_idx - 1 - self._FOLD_WARPS)
 
     @cute.jit
@@ -1914,14 +1909,11 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
                 read.advance()
 
     @cute.jit
-    def _fold_warps(self, side, mBias, cta, warp_idx):
+    def _fold_warps(self, side, cta, warp_idx):
         """d_temb[t, d] = (partial[0, t, d] + ... + partial[11, t, d], from +0 in split order) * silu'(temb[t, d])
-        (`_dtemb_scale`, the fold kernel's expression: the same bits); without `stage_dbias` then db[n] =
-        bf16(sum_t grad[t, n]) in the db order (DBIAS_ROW_BLOCK blocks aligned to T's end, four 16-row chains each
-        from +0, the block sums added in order from +0: adaln_bias_grad's two kernels in one thread, the same bits)."""
-        grad, partial, temb, dtemb = side[:4]
+        (`_dtemb_scale`, the fold kernel's expression: the same bits)."""
+        partial, temb, dtemb = side[:3]
         rows = cute.size(temb, mode=[0])
-        n_out = cute.size(grad, mode=[1])
         lanes = self.tile.persistent_ctas * 32 * self._FOLD_WARPS
         me = cta * (32 * self._FOLD_WARPS) + (warp_idx - 1) * 32 + cute.arch.lane_idx()
         plane = cutlass.Int64(rows) * TEMB_WIDTH
@@ -1936,17 +1928,6 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
             for j in cutlass.range_constexpr(_FOLD_COLS):
                 d_act[j] = _dtemb_scale(d_act[j], x[j])
             vec_view(dtemb, at, _FOLD_COLS).store(d_act.load())
-
-        if cutlass.const_expr(not self.stage_dbias):
-            blocks = cute.ceil_div(rows, DBIAS_ROW_BLOCK)
-            total = cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
-            for u in range(me, n_out // _BIAS_COLS_PER_THREAD, lanes):
-                col0 = u * _BIAS_COLS_PER_THREAD
-                total.fill(0.0)
-                for block in range(blocks):
-                    total.store(total.load() + _dbias_block_sum(grad, rows - DBIAS_ROW_BLOCK * (blocks - block),
-                                                                col0, True))
-                vec_view(mBias, col0).store(total.load().to(cutlass.BFloat16))
 
 
 _FOLD_COLS = 4  # d_temb columns per fold-warp vector: one 16-byte FP32 load per partial
@@ -2097,23 +2078,23 @@ def _wgrad_fakes(rows, out_features: int) -> tuple:
             _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)), _fake(cutlass.BFloat16, (out_features,)))
 
 
-def _build_wgrad_fold(arch: str, *, out_features: int, config: str, stage_dbias: bool):
+def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
     assert arch == "sm_90a" and config in FOLD_WARP_WGRAD_CONFIGS, (arch, config)
-    gemm = _TmaWgmmaPersistentFoldGemm(TMA_WGRAD_CONFIGS[config], stage_dbias, a_k_major=False, b_k_major=False,
-                                       epilogue="bf16", c_n_major=True, dbias_rows=False)
-    assert out_features % gemm.tile.bm == 0 and out_features % _BIAS_COLS_PER_THREAD == 0, (out_features, config)
+    gemm = _TmaWgmmaPersistentFoldGemm(TMA_WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16",
+                                       c_n_major=True, dbias_rows=False)
+    assert out_features % gemm.tile.bm == 0, (out_features, config)
 
     @cute.jit
     def adaln_proj_wgrad_fold(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, dbias: cute.Tensor,
                               partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, dbias_blocks: cute.Tensor,
                               stream):
         """adaln_proj_wgrad's dW (A = grad^T, B = act^T) while the producer warpgroup's idle warps fold d_temb from
-        the d_temb GEMM's partials (adaln_dtemb_fold's bits) and sum db (adaln_bias_grad's bits; with `stage_dbias`
-        into dbias_blocks (launch.adaln_projection.dbias_blocks(T), N) from the stages, folded by a second launch)."""
-        gemm.launch(*_transposed(grad, act), dweight, dbias, stream, side=(grad, partial, temb, dtemb, dbias_blocks))
-        if cutlass.const_expr(stage_dbias):
-            _bias_grad_fold_kernel(dbias_blocks, dbias).launch(
-                grid=(cute.ceil_div(out_features, _EW_THREADS), 1, 1), block=[_EW_THREADS, 1, 1], stream=stream)
+        the d_temb GEMM's partials (adaln_dtemb_fold's bits) and sum db's blocks from the stages into dbias_blocks
+        (launch.adaln_projection.dbias_blocks(T), N), folded in block order by a second launch (adaln_bias_grad's
+        bits)."""
+        gemm.launch(*_transposed(grad, act), dweight, dbias, stream, side=(partial, temb, dtemb, dbias_blocks))
+        _bias_grad_fold_kernel(dbias_blocks, dbias).launch(
+            grid=(cute.ceil_div(out_features, _EW_THREADS), 1, 1), block=[_EW_THREADS, 1, 1], stream=stream)
 
     rows, blocks = cute.sym_int(), cute.sym_int()
     return compile_for(
@@ -2236,14 +2217,14 @@ def _bias_grad_partial_kernel(grad: cute.Tensor, partial: cute.Tensor):
         # summed side by side (four independent chains of loads and adds), then added in order.
         first = cute.size(grad, mode=[0]) - DBIAS_ROW_BLOCK * (cute.size(partial, mode=[0]) - block)
         vec_view(partial, cutlass.Int64(block) * partial.stride[0] + col0).store(
-            _dbias_block_sum(grad, first, col0, False))
+            _dbias_block_sum(grad, first, col0))
 
 
 @cute.jit
-def _dbias_block_sum(grad: cute.Tensor, first, col0, stream: cutlass.Constexpr):
+def _dbias_block_sum(grad: cute.Tensor, first, col0):
     """db's sum of the DBIAS_ROW_BLOCK rows of grad from `first` (rows before 0 skipped), 8 columns from col0: four
     chains of DBIAS_CHAIN_ROWS rows, each from +0 in ascending rows, summed side by side (independent loads and
-    adds), added in chain order. `stream`: ld.global.cs loads (the fold warps)."""
+    adds), added in chain order."""
     chains = [cute.make_rmem_tensor(cute.make_layout(_BIAS_COLS_PER_THREAD), cutlass.Float32)
               for _ in range(DBIAS_ROW_BLOCK // DBIAS_CHAIN_ROWS)]
     for acc in chains:
@@ -2252,11 +2233,7 @@ def _dbias_block_sum(grad: cute.Tensor, first, col0, stream: cutlass.Constexpr):
         for c, acc in enumerate(chains):
             r = first + c * DBIAS_CHAIN_ROWS + i
             if r >= 0:
-                at = cutlass.Int64(r) * grad.stride[0] + col0
-                if cutlass.const_expr(stream):
-                    acc.store(acc.load() + _ld_stream(grad, at, _BIAS_COLS_PER_THREAD).to(cutlass.Float32))
-                else:
-                    acc.store(acc.load() + vec_view(grad, at).load().to(cutlass.Float32))
+                acc.store(acc.load() + vec_view(grad, cutlass.Int64(r) * grad.stride[0] + col0).load().to(cutlass.Float32))
     total = chains[0].load()
     for acc in chains[1:]:
         total = total + acc.load()
@@ -2327,8 +2304,7 @@ SPECS = [
     KernelSpec(
         name="adaln_proj_wgrad_fold",
         build=_build_wgrad_fold,
-        variants=lambda arch: [dict(out_features=n, config=c, stage_dbias=d) for n in OUT_FEATURES
-                               for c in FOLD_WARP_WGRAD_CONFIGS for d in (False, True)],
+        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in FOLD_WARP_WGRAD_CONFIGS],
         ptx_markers=_WGMMA_MARKERS + ("cp.async.bulk.tensor", "ld.global.cs.v4"),
         ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
         archs=("sm_90a",),

@@ -86,13 +86,10 @@ def _steps(rows: int, family: str, buf: dict, dev):
                       (grad, act, dw, db)))
     if wgmma:  # dW with the d_temb fold and db in its producer warps: d_temb's and db's bytes too
         for c in L.FOLD_WARP_WGRAD_CONFIGS:
-            for stage_dbias in (L.FOLD_STAGE_DBIAS, not L.FOLD_STAGE_DBIAS):  # db from the stages or re-read
-                chosen = folds and c == chosen_wgrad and stage_dbias == L.FOLD_STAGE_DBIAS
-                steps.append(("bwd", "proj_wgrad_fold", c + ("_stage_db" if stage_dbias else "_global_db"),
-                              "step" if chosen else "alt",
-                              wgrad_bytes + fold_bytes + (0 if stage_dbias else rows * N * BF16), gemm_flops,
-                              _kernel("adaln_proj_wgrad_fold", dev, out_features=N, config=c, stage_dbias=stage_dbias),
-                              (grad, act, dw, db, partial, temb, dtemb, bias_partial)))
+            steps.append(("bwd", "proj_wgrad_fold", c, "step" if folds and c == chosen_wgrad else "alt",
+                          wgrad_bytes + fold_bytes, gemm_flops,
+                          _kernel("adaln_proj_wgrad_fold", dev, out_features=N, config=c),
+                          (grad, act, dw, db, partial, temb, dtemb, bias_partial)))
     # Where the chosen dW kernel writes db the standalone kernel is only for comparison.
     bias_kind = "alt" if folds or L.wgrad_writes_dbias(chosen_wgrad, rows) else "step"
     steps.append(("bwd", "bias_grad", "", bias_kind, rows * N * BF16 + 2 * L.dbias_blocks(rows) * N * F32 + N * BF16, 0,

@@ -131,13 +131,12 @@ def main(argv) -> int:
     act.copy_(buf["temb"].bfloat16())
     launches = [(f"h3cute {phase} {step} [{config}]" + (" (pick)" if kind == "step" else ""),
                  (lambda fn=fn, a=a: fn(*a))) for phase, step, config, kind, _, _, fn, a in steps]
-    # What follows the d_temb GEMM in the backward, each way, for each fold-warp tile: the d_temb fold, dW and
-    # adaln_bias_grad as three launches, or adaln_silu_cast and the dW kernel with fold warps (db either way).
+    # What follows the d_temb GEMM in the backward, both ways, for each fold-warp tile: the d_temb fold, dW and
+    # adaln_bias_grad as three launches, or adaln_silu_cast and the dW kernel with fold warps.
     one = {(s[1], s[2]): s for s in every if not isinstance(s[6], Exception)}
     for c in K.L.FOLD_WARP_WGRAD_CONFIGS:
-        parts = {"separate": [one.get(k) for k in (("dtemb_fold", ""), ("proj_wgrad", c), ("bias_grad", ""))]}
-        for db in ("stage_db", "global_db"):  # the fold warps' db from the dW stages or re-read from grad
-            parts[f"fold warps, {db}"] = [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", f"{c}_{db}"))]
+        parts = {"separate": [one.get(k) for k in (("dtemb_fold", ""), ("proj_wgrad", c), ("bias_grad", ""))],
+                 "fold warps": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c))]}
         for how, seq in parts.items():
             if all(seq):
                 launches.append((f"h3cute bwd after d_temb, {how} [{c}]",

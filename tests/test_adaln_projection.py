@@ -280,8 +280,7 @@ def test_tma_mainloop_instructions():
     cases = [("adaln_proj_fwd_wgmma", c, {}) for c in launch.TMA_CONFIGS]
     cases += [("adaln_proj_dgrad_wgmma", c, {}) for c in launch.TMA_DGRAD_CONFIGS]
     cases += [("adaln_proj_wgrad_wgmma", c, dict(wgmma=True)) for c in launch.TMA_WGRAD_CONFIGS]
-    cases += [("adaln_proj_wgrad_fold", c, dict(stage_dbias=d)) for c in launch.FOLD_WARP_WGRAD_CONFIGS
-              for d in (False, True)]
+    cases += [("adaln_proj_wgrad_fold", c, {}) for c in launch.FOLD_WARP_WGRAD_CONFIGS]
     for name, config, extra in cases:
         tile = {**k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS, **k.TMA_WGRAD_CONFIGS}[config]
         _, ptx = compile_variant(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra),
@@ -532,8 +531,7 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     if folds:
         # The dW kernel's fold warps write d_temb and db; its operand comes from silu_cast, launched first.
         assert names == ["adaln_silu_cast", "adaln_proj_dgrad_wgmma", "adaln_proj_wgrad_fold"]
-        assert emu.calls[-1] == ("adaln_proj_wgrad_fold", dict(out_features=n, config=wgrad_config,
-                                                              stage_dbias=launch.FOLD_STAGE_DBIAS))
+        assert emu.calls[-1] == ("adaln_proj_wgrad_fold", dict(out_features=n, config=wgrad_config))
     else:
         # The backward's act comes from dtemb_fold (no silu_cast); db from the dW kernel where it writes it (the dW
         # kernels with db warps at every T, the others up to FUSED_DBIAS_ROWS), else from adaln_bias_grad.
@@ -837,8 +835,8 @@ def test_persistent_wgrad_on_the_block_table(rows):
 @pytest.mark.parametrize("n", [N_BLOCK, N_FINAL])
 @pytest.mark.parametrize("rows", [1, 65, 385, 777, 1000, 2048])
 def test_fold_warps_give_the_bits_of_the_fold_and_bias_grad_kernels(n, rows):
-    """adaln_proj_wgrad_fold (dW with the d_temb fold and db in its producer warps, db from the stages or from global
-    memory), each fold-warp tile, on
+    """adaln_proj_wgrad_fold (dW with the d_temb fold and db's blocks in its producer warps, db's blocks from the
+    stages), each fold-warp tile, on
     NaN-poisoned outputs with NaN guards behind them: every element written, nothing past the end; d_temb with
     adaln_dtemb_fold's bits (special temb values included), db with adaln_bias_grad's (a partial first row block
     where T % 64 != 0, an all -0.0 grad column), dW with the dW kernels'; the backward with and without them
@@ -866,27 +864,24 @@ def test_fold_warps_give_the_bits_of_the_fold_and_bias_grad_kernels(n, rows):
         grad, act, want_dw, torch.empty_like(want_db))
     blocks_shape = (launch.dbias_blocks(rows), n)
     for config in launch.FOLD_WARP_WGRAD_CONFIGS:
-        for stage_dbias in (False, True):
-            what = f"{config}, stage_dbias={stage_dbias}, T={rows}"
-            fn = runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n, config=config, stage_dbias=stage_dbias)
-            dw = torch.full((n * D + pad,), nan, dtype=torch.bfloat16, device=dev)
-            db = torch.full((n + pad,), nan, dtype=torch.bfloat16, device=dev)
-            dtemb = torch.full((rows * D + pad,), nan, device=dev)
-            blocks = torch.full((blocks_shape[0] * n + pad,), nan, device=dev)  # every block row written, or db NaN
-            fn(grad, act, dw[:-pad].view(n, D), db[:-pad], partial, temb, dtemb[:-pad].view(rows, D),
-               blocks[:-pad].view(blocks_shape))
-            assert dw[-pad:].isnan().all() and db[-pad:].isnan().all() and dtemb[-pad:].isnan().all(), what
-            assert blocks[-pad:].isnan().all() and blocks[:-pad].isnan().all() != stage_dbias, what
-            assert_same_bits(dw[:-pad].view(n, D), want_dw, f"dW {what}")
-            assert_same_bits(db[:-pad], want_db, f"db {what}")
-            assert_same_bits(dtemb[:-pad].view(rows, D), want_dtemb, f"d_temb {what}")
+        fn = runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n, config=config)
+        dw = torch.full((n * D + pad,), nan, dtype=torch.bfloat16, device=dev)
+        db = torch.full((n + pad,), nan, dtype=torch.bfloat16, device=dev)
+        dtemb = torch.full((rows * D + pad,), nan, device=dev)
+        blocks = torch.full((blocks_shape[0] * n + pad,), nan, device=dev)
+        fn(grad, act, dw[:-pad].view(n, D), db[:-pad], partial, temb, dtemb[:-pad].view(rows, D),
+           blocks[:-pad].view(blocks_shape))
+        assert dw[-pad:].isnan().all() and db[-pad:].isnan().all() and dtemb[-pad:].isnan().all(), config
+        # Every db block row written by the db warps (a NaN left there would also reach db), nothing past them.
+        assert blocks[-pad:].isnan().all() and not blocks[:-pad].isnan().any(), config
+        assert_same_bits(dw[:-pad].view(n, D), want_dw, f"dW {config}, T={rows}")
+        assert_same_bits(db[:-pad], want_db, f"db {config}, T={rows}")
+        assert_same_bits(dtemb[:-pad].view(rows, D), want_dtemb, f"d_temb {config}, T={rows}")
     if launch.wgrad_folds(launch.wgrad_config_for_rows(rows, True), True):
         folded = launch.backward(grad, temb, w)
         unfolded = launch.backward(grad, temb, w, fold_warps=False)
-        other = launch.backward(grad, temb, w, stage_dbias=not launch.FOLD_STAGE_DBIAS)
-        for a, b, c, what in zip(folded, unfolded, other, ("d_temb", "dW", "db")):
+        for a, b, what in zip(folded, unfolded, ("d_temb", "dW", "db")):
             assert_same_bits(a, b, f"backward {what} with and without fold warps, T={rows}")
-            assert_same_bits(a, c, f"backward {what} with db from the stages and from global memory, T={rows}")
         assert _rel_err(folded[0], _fp64_grads(grad, temb, w)[0]) <= DTEMB_TOL
     else:
         with pytest.raises(ValueError, match="no fold warps"):

@@ -9,8 +9,9 @@ through unrounded; it also recomputes a, with silu_cast's bits, for the next ker
 with db warps (`DB_WARP_WGRAD_CONFIGS`) at every T, the others for T <= `FUSED_DBIAS_ROWS`); `adaln_bias_grad` otherwise (db = sum_t
 grad: FP32 sums of `DBIAS_ROW_BLOCK`-row blocks, each of four row chains, folded in block order, BF16 out;
 the dW kernels use the same order, so the same bits). Beyond T = 384 on the wgmma family (`wgrad_folds`) the dW kernel
-`adaln_proj_wgrad_fold` also does the d_temb fold and db in its idle producer warps (the same sums, the same bits),
-after `adaln_silu_cast` makes its operand: three launches. No atomics: every result is bitwise repeatable.
+`adaln_proj_wgrad_fold` also does the d_temb fold and db's block sums in its idle producer warps (db's blocks from
+the dW stages, folded by a second launch of the same compiled function: the same sums, the same bits), after
+`adaln_silu_cast` makes its operand. No atomics: every result is bitwise repeatable.
 
 The tile config is picked from T (`config_for_rows`) purely for speed: every config runs the same
 k16 MMA sequence per output element, so the bits do not depend on it (tests check this). Used with
@@ -64,9 +65,6 @@ DB_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_db", "tma_wgrad_persist_pingpong_db"
 # Persistent dW tiles that also run as `adaln_proj_wgrad_fold`, the kernel whose idle producer warps fold d_temb from
 # the partials and sum db while the consumers run dW (kernels/adaln_gemm.FOLD_WARP_WGRAD_CONFIGS; a CPU test checks).
 FOLD_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_m256",)
-# Where that kernel sums db: from the dW stages as they land (True: warps 2 and 3 write one FP32 sum per 64-row block
-# of T, a second launch folds them) or by re-reading grad from global memory (False); the same bits.
-FOLD_STAGE_DBIAS = True
 # The family sm_90a devices use. The wgmma family passed the GPU suite on an H200 (commit 2b6f15b)
 # and was as fast or faster at every T measured (1, 4, 64, 256, 2048); sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
@@ -261,7 +259,7 @@ def kernel_handles(device: int, backward: int, num_rows: int):
     if wgrad_folds(wgrad, wgmma):
         fns = [runtime.kernel("adaln_silu_cast", dev, width=TEMB_WIDTH),
                runtime.kernel("adaln_proj_dgrad_wgmma", dev, out_features=n, config=dgrad),
-               runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n, config=wgrad, stage_dbias=FOLD_STAGE_DBIAS)]
+               runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n, config=wgrad)]
         return lo, hi, [fn.__chandle__() for fn in fns], [FOLD_WARPS_LAUNCH]
     fns = [runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=n, config=dgrad),
            runtime.kernel("adaln_dtemb_fold", dev, width=TEMB_WIDTH),
@@ -305,11 +303,10 @@ def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config
 
 
 def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, config: str | None = None,
-             fold_warps: bool | None = None, stage_dbias: bool = FOLD_STAGE_DBIAS):
+             fold_warps: bool | None = None):
     """(T, N) BF16 grad -> (dtemb (T, 2688) FP32, dweight (N, 2688) BF16, dbias (N,) BF16). `config`, if
     given, is the d_temb GEMM's (dW's tile is picked from T). `fold_warps` (default `wgrad_folds`) runs the dW
-    tile as `adaln_proj_wgrad_fold` or not, `stage_dbias` that kernel's db from the stages or from global memory
-    (the same bits every way; tests and timing)."""
+    tile as `adaln_proj_wgrad_fold` or not (the same bits either way; tests and timing)."""
     if config is not None and config not in CONFIGS + WGMMA_CONFIGS + TMA_DGRAD_CONFIGS:
         raise ValueError(f"adaln_projection backward: config {config!r} has no d_temb GEMM; one of "
                          f"{CONFIGS + WGMMA_CONFIGS + TMA_DGRAD_CONFIGS}")
@@ -332,8 +329,8 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
     dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
     if folds:
         blocks = torch.empty((dbias_blocks(rows), out_features), dtype=torch.float32, device=device)
-        runtime.kernel("adaln_proj_wgrad_fold", device, out_features=out_features, config=wgrad_config,
-                       stage_dbias=stage_dbias)(grad, act, dweight, dbias, partial, temb, dtemb, blocks)
+        runtime.kernel("adaln_proj_wgrad_fold", device, out_features=out_features, config=wgrad_config)(
+            grad, act, dweight, dbias, partial, temb, dtemb, blocks)
         return dtemb, dweight, dbias
     runtime.kernel("adaln_dtemb_fold", device, width=TEMB_WIDTH)(partial, temb, dtemb, act)  # act = bf16(silu(temb))
     if wgmma:
