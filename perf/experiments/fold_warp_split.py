@@ -1,0 +1,95 @@
+"""Experiment (device): what the side work of `adaln_proj_wgrad_fold` costs dW at T = 2048, and how the producer
+warpgroup's split changes it. Needs `fold_warp_split.patch` applied (it adds the static build arguments
+`producer_regs`, `side` and `fold_warps` and builds only these variants), then:
+
+    git apply perf/experiments/fold_warp_split.patch
+    python -m h3cute build --arch sm_90a --out .prebuilt --kernel adaln_proj_wgrad_fold --kernel adaln_silu_cast
+    # device: bash perf/device_run.sh python3 perf/experiments/fold_warp_split.py   (H3CUTE_GPU_TESTS=skip)
+
+Variants (producer registers, side work, fold warps): (88, on, 1) is the product's kernel (warp 1 folds d_temb,
+warps 2 and 3 sum db's blocks from the stages); (88, off, 1) and (40, off, 1) run the same dW with no side work;
+(56, on, 1) gives the consumers 224 registers; (88, on, 2) has warps 1 and 2 fold and warp 3 sum db by 128-row
+halves. Prints whether the variants with side work give the product's bits (dW, db, d_temb, db blocks) at several
+(N, T), then per-launch times at N = 96768, T = 2048: 3 rounds of 20-launch bursts and two 0.7 s sustained runs."""
+import statistics
+import time
+
+import torch
+
+from h3cute import runtime
+from h3cute.launch import adaln_projection as L
+
+D = 2688
+VARIANTS = [(88, True, 1), (88, False, 1), (56, True, 1), (40, False, 1), (88, True, 2)]
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def _burst(fn, n=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / n * 1e3
+
+
+def _sustained(fn, seconds=0.7):
+    torch.cuda.synchronize()
+    t0, n = time.time(), 0
+    while time.time() - t0 < seconds:
+        fn()
+        n += 1
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / n * 1e3
+
+
+def main():
+    dev = torch.device("cuda", 0)
+    for n_out, rows in ((96768, 2048), (96768, 1100), (96768, 450), (10752, 2048), (96768, 2000)):
+        g = torch.Generator(device=dev).manual_seed(rows)
+        grad = torch.randn(rows, n_out, generator=g, device=dev).bfloat16()
+        grad[:, 5] = -0.0
+        temb = torch.randn(rows, D, generator=g, device=dev)
+        act = L.silu_bf16(temb)
+        partial = torch.randn(L.DGRAD_SPLITS, rows, D, generator=g, device=dev)
+        fns = {v: runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n_out, config="tma_wgrad_persist_m256",
+                                 producer_regs=v[0], side=v[1], fold_warps=v[2]) for v in VARIANTS}
+        outs = {}
+        for v in (v for v in VARIANTS if v[1]):
+            nan = float("nan")
+            o = (torch.full((n_out, D), nan, dtype=torch.bfloat16, device=dev),
+                 torch.full((n_out,), nan, dtype=torch.bfloat16, device=dev), torch.full((rows, D), nan, device=dev),
+                 torch.full((L.dbias_blocks(rows), n_out), nan, device=dev))
+            fns[v](grad, act, o[0], o[1], partial, temb, o[2], o[3])
+            outs[v] = o
+        torch.cuda.synchronize()
+        base = outs[VARIANTS[0]]
+        for v, o in outs.items():
+            same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(o, base))
+            print(f"N={n_out} T={rows} {v}: the product's bits {same}, NaN left {any(x.isnan().any().item() for x in o)}")
+        if (n_out, rows) != (96768, 2048):
+            continue
+        args = (grad, act, *base[:2], partial, temb, *base[2:])
+        times = {v: [_burst(lambda: fns[v](*args)) for _ in range(3)] for v in VARIANTS}
+        for v, ts in times.items():
+            print("burst", v, round(statistics.median(ts), 1), [round(t, 1) for t in ts])
+        for _ in range(2):
+            for v in VARIANTS:
+                print("sustained", v, round(_sustained(lambda: fns[v](*args)), 1))
+
+
+if __name__ == "__main__":
+    main()
