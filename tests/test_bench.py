@@ -345,7 +345,8 @@ def test_device_json_goes_where_the_device_run_collects_it(tmp_path, monkeypatch
     assert write_device_json({"b": 2}, "x.json", explicit) == explicit and json.loads(open(explicit).read()) == {"b": 2}
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).parents[1] / "perf").glob("*.py")))
+@pytest.mark.parametrize("script", sorted(p.relative_to(Path(__file__).parents[1] / "perf").as_posix()
+                                          for p in (Path(__file__).parents[1] / "perf").rglob("*.py")))
 def test_perf_scripts_import(script):
     """The device scripts run only on the GPU machine; here their imports resolve (each has a __main__ guard)."""
     code = f"import runpy; runpy.run_path({str(Path(__file__).parents[1] / 'perf' / script)!r}, run_name='imported')"
