@@ -475,7 +475,8 @@ void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, co
 // d_temb through kDgradSplits FP32 partials and their in-order fold (which also recomputes bf16(silu(temb))),
 // then dW = grad^T act; the dW GEMM writes db (bias_block = 0) or adaln_bias_grad does, from one FP32 partial per
 // bias_block rows of T (Python decides: kernel_handles' launch constant). bias_block = kFoldWarps: the dW GEMM's
-// fold warps fold d_temb and write db while it runs (adaln_proj_wgrad_fold), its operand made first.
+// side warps fold d_temb and sum db's 64-row blocks into dbias_blocks while it runs, a second launch of the same
+// function folding the blocks into db (adaln_proj_wgrad_fold), its operand made first.
 // fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM, adaln_bias_grad (read only when bias_block > 0)], or with
 // kFoldWarps [adaln_silu_cast, the d_temb GEMM, adaln_proj_wgrad_fold].
 constexpr int64_t kFoldWarps = -1;  // launch/adaln_projection.py FOLD_WARPS_LAUNCH
