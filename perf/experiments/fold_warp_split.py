@@ -27,9 +27,8 @@ def _bits(t):
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
 
 
-def _burst(fn, n=20):
-    for _ in range(3):
-        fn()
+def _timed(fn, n):
+    """Device us per launch of n launches of fn back to back (CUDA events)."""
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(True), torch.cuda.Event(True)
     s.record()
@@ -40,20 +39,20 @@ def _burst(fn, n=20):
     return s.elapsed_time(e) / n * 1e3
 
 
+def _burst(fn, n=20):
+    for _ in range(3):
+        fn()
+    return _timed(fn, n)
+
+
 def _sustained(fn, seconds=0.7):
+    """Launches for `seconds` (to the power limit), then as many again timed."""
     torch.cuda.synchronize()
     t0, n = time.time(), 0
     while time.time() - t0 < seconds:
         fn()
         n += 1
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    s.record()
-    for _ in range(n):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / n * 1e3
+    return _timed(fn, n)
 
 
 def main():
