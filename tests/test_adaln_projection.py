@@ -136,7 +136,7 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert all(c.startswith("tma_") for c in launch.TMA_CONFIGS + launch.TMA_WGRAD_CONFIGS)
     assert len(set(family)) == len(family) and not set(family) & set(launch.CONFIGS + launch.WGRAD_CONFIGS)
     assert launch.SM90_FAMILY in ("warp", "wgmma")
-    assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS
+    assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS and k.PERSISTENT_CTAS == launch.PERSISTENT_CTAS
     assert k.DBIAS_ROW_BLOCK == launch.DBIAS_ROW_BLOCK and k.FUSED_DBIAS_ROWS == launch.FUSED_DBIAS_ROWS
     assert k.DBIAS_CHAIN_ROWS == launch.DBIAS_CHAIN_ROWS
     assert launch.DB_WARP_WGRAD_CONFIGS == tuple(c for c in k.TMA_WGRAD_CONFIGS if c in k.WGRAD_DB_WARPS)

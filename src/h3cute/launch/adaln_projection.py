@@ -31,6 +31,7 @@ from h3cute import runtime
 TEMB_WIDTH = 2688
 BLOCK_PROJECTION = 96768  # this op's out_features, h3cute.ops.validate.PROJECTION (a CPU test checks)
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
+PERSISTENT_CTAS = 132  # kernels/adaln_gemm.PERSISTENT_CTAS: the H200's SMs, one d_temb unit each (a CPU test checks)
 DBIAS_ROW_BLOCK = 64  # kernels/adaln_gemm.DBIAS_ROW_BLOCK: db sums T in blocks of this many rows,
 DBIAS_CHAIN_ROWS = 16  # each of four chains of this many rows (kernels/adaln_gemm.DBIAS_CHAIN_ROWS)
 FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T every dW kernel writes db
@@ -106,8 +107,8 @@ def dgrad_round_columns(rows: int, tile_rows: int, tail_halves: bool) -> float:
     per unit column on the H200 (T = 2048, 2550b3e: 1777.6 us for 15.5 rounds of 256, 1820.4 for 21 rounds of 192,
     0.45 us per column each)."""
     units = -(-rows // tile_rows) * (TEMB_WIDTH // 128) * DGRAD_SPLITS
-    rest = units % 132
-    rounds = units // 132 + (0.5 if tail_halves and 2 * rest <= 132 else 1) * (rest > 0)
+    rest = units % PERSISTENT_CTAS
+    rounds = units // PERSISTENT_CTAS + (0.5 if tail_halves and 2 * rest <= PERSISTENT_CTAS else 1) * (rest > 0)
     return rounds * tile_rows
 
 
