@@ -6,11 +6,12 @@ warpgroup's split changes it. Needs `fold_warp_split.patch` applied (it adds the
     python -m h3cute build --arch sm_90a --out .prebuilt --kernel adaln_proj_wgrad_fold --kernel adaln_silu_cast
     # device: bash perf/device_run.sh python3 perf/experiments/fold_warp_split.py   (H3CUTE_GPU_TESTS=skip)
 
-Variants (producer registers, side work, fold warps): (88, on, 1) is the product's kernel (warp 1 folds d_temb,
-warps 2 and 3 sum db's blocks from the stages); (88, off, 1) and (40, off, 1) run the same dW with no side work;
-(56, on, 1) gives the consumers 224 registers; (88, on, 2) has warps 1 and 2 fold and warp 3 sum db by 128-row
-halves. Prints whether the variants with side work give the product's bits (dW, db, d_temb, db blocks) at several
-(N, T), then per-launch times at N = 96768, T = 2048: 3 rounds of 20-launch bursts and two 0.7 s sustained runs."""
+Variants (producer registers, side work, fold warps, only): (88, on, 1) is the product's kernel (warp 1 folds
+d_temb, warps 2 and 3 sum db's blocks from the stages); (88, off, 1) and (40, off, 1) run the same dW with no side
+work; (56, on, 1) gives the consumers 224 registers; (88, on, 2) has warps 1 and 2 fold and warp 3 sum db by 128-row
+halves; only "fold" / "db" runs one of the two side jobs (the other's outputs are left unwritten). Prints whether the
+variants with all side work give the product's bits (dW, db, d_temb, db blocks) at several (N, T), then per-launch
+times at N = 96768, T = 2048: 3 rounds of 20-launch bursts and two 0.7 s sustained runs."""
 import statistics
 import time
 
@@ -20,7 +21,8 @@ from h3cute import runtime
 from h3cute.launch import adaln_projection as L
 
 D = 2688
-VARIANTS = [(88, True, 1), (88, False, 1), (56, True, 1), (40, False, 1), (88, True, 2)]
+VARIANTS = [(88, True, 1, ""), (88, False, 1, ""), (56, True, 1, ""), (40, False, 1, ""), (88, True, 2, ""),
+            (88, True, 1, "fold"), (88, True, 1, "db")]
 
 
 def _bits(t):
@@ -65,9 +67,9 @@ def main():
         act = L.silu_bf16(temb)
         partial = torch.randn(L.DGRAD_SPLITS, rows, D, generator=g, device=dev)
         fns = {v: runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n_out, config="tma_wgrad_persist_m256",
-                                 producer_regs=v[0], side=v[1], fold_warps=v[2]) for v in VARIANTS}
+                                 producer_regs=v[0], side=v[1], fold_warps=v[2], only=v[3]) for v in VARIANTS}
         outs = {}
-        for v in (v for v in VARIANTS if v[1]):
+        for v in (v for v in VARIANTS if v[1] and not v[3]):
             nan = float("nan")
             o = (torch.full((n_out, D), nan, dtype=torch.bfloat16, device=dev),
                  torch.full((n_out,), nan, dtype=torch.bfloat16, device=dev), torch.full((rows, D), nan, device=dev),
