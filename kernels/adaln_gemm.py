@@ -1849,16 +1849,16 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
     the MMAs. Warp 1 folds d_temb (`adaln_dtemb_fold`'s sums and expression) from the FP32 partials in global memory:
     it never touches the stage ring, so it cannot hold the tensor core back; it is memory-bound and dW (at T > 384)
     is not, so launches and their ramps go away. Warps 2 and 3 sum db from the stages: they wait for every stage and
-    release it (the ring's empty barriers count them); each db block of T is a k tile of dW, so they sum each block's
-    256 grad^T rows as its stage lands, 64 rows in each of four tiles (`_sum_dbias_blocks`), into dbias_blocks[b], and
-    `_bias_grad_fold_kernel` folds the blocks after the kernel: `adaln_bias_grad`'s sums in its order, with no second
-    read of grad. The side operands arrive as `side` = (partial (splits, T, D), temb (T, D),
+    release it (the ring's empty barriers count them); each db block of T is a k tile of dW, so the tiles of N tile j
+    sum the blocks b = j, j + tiles_n, ... of their 256 grad^T rows as the stage lands (`_stage_dbias_block`) into
+    dbias_blocks[b], and `_bias_grad_fold_kernel` folds the blocks after the kernel: `adaln_bias_grad`'s sums in its
+    order, with no second read of grad. The side operands arrive as `side` = (partial (splits, T, D), temb (T, D),
     dtemb (T, D), dbias_blocks (blocks, N) FP32); the dW operand a = bf16(silu(temb)) must already exist
     (adaln_silu_cast, launched first). d_temb work is split over the grid's fold lanes (`persistent_ctas` x 32) by
     4-column vectors in a grid-stride walk; which lane computes an element never changes its sums."""
 
     _FOLD_WARPS = 1  # producer warp 1 (warp 0 issues the TMA loads)
-    _DBIAS_WARPS = 2  # producer warps 2 and 3: alternate 64-row passes
+    _DBIAS_WARPS = 2  # producer warps 2 and 3: 128 rows of the 256-row stage each
     # The fold warp's loads in flight (12 partial vectors) and the db warps' sums want ~80 registers; the consumers
     # keep within 208 (the 256-row tile's 128 accumulators per thread included; ptxas -v).
     _PRODUCER_REGS = 88
@@ -1867,9 +1867,7 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
     def __init__(self, tile: GemmTile, **kw):
         super().__init__(tile, **kw)
         assert not self.dbias_rows and self.c_n_major, kw  # db comes from the db warps at every T
-        # One db pass per 64 grad^T rows of a stage, the passes of a stage in as many different N tiles (dW's
-        # 2688 columns in tiles of bn).
-        assert tile.bk == DBIAS_ROW_BLOCK and tile.bm % 64 == 0 and TEMB_WIDTH // tile.bn >= tile.bm // 64, tile
+        assert tile.bk == DBIAS_ROW_BLOCK and tile.bm % (64 * self._DBIAS_WARPS) == 0, tile
 
     @cute.jit
     def _side_warps(self, ring, storage, sA_layout, mBias, cta, num_tiles, tiles_n, k_tile_count, warp_idx, side):
@@ -1881,20 +1879,18 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
 
     @cute.jit
     def _sum_dbias_blocks(self, ring, storage, sA_layout, blocks, cta, num_tiles, tiles_n, k_tile_count, warp):
-        """db warp `warp` (0, 1). A stage's db work is bm / 64 passes of 64 grad^T rows (`_stage_dbias_block`); pass q
-        of k tile b (db block b: the K tail's partial block first, as `_k_tiles` places it) is summed by the tile of N
-        tile (4 b + q) % tiles_n, in db warp q % 2, into blocks[b, its rows]. Every (block, row) has one writer, and as
-        the 4 passes of a stage go to 4 different N tiles (tiles_n >= 4), no stage waits on more than one pass: the
-        ring, which cannot refill a stage before the db warps release it, is held back as little as the work allows."""
+        """db warp `warp` (0, 1): rows 128 warp .. + 127 of each stage, 64 rows (8 per lane) at a time. A tile of N
+        tile j sums its k tiles b with b % tiles_n == j (k tile b is db block b: the K tail's partial block first,
+        as `_k_tiles` places it) into blocks[b, its rows]; every (block, row) is written by exactly one tile."""
         from cutlass import pipeline
 
         t = self.tile
         _check_dbias_offsets(sA_layout, t.bm, t.bk)
-        passes = t.bm // 64
         lane = cute.arch.lane_idx()
-        row = (lane % 8) * 8
-        row_parts = [[_smem_offset(sA_layout, (row + 64 * q, k, 0)) - _smem_offset(sA_layout, (0, k, 0))
-                      for k in range(8)] for q in range(passes)]
+        rows_per_warp = t.bm // self._DBIAS_WARPS
+        row = warp * rows_per_warp + (lane % 8) * 8
+        row_parts = [[_smem_offset(sA_layout, (row + 64 * p, k, 0)) - _smem_offset(sA_layout, (0, k, 0))
+                      for k in range(8)] for p in range(rows_per_warp // 64)]
         stage_size = cute.cosize(sA_layout.outer) // t.stages
         n_out = cute.size(blocks, mode=[1])
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
@@ -1903,12 +1899,11 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
             n_tile = tile - m_tile * tiles_n
             for k_tile in range(k_tile_count):
                 ring.consumer_wait(read)
-                for q in cutlass.range_constexpr(passes):
-                    if (passes * k_tile + q) % tiles_n == n_tile and q % self._DBIAS_WARPS == warp:
-                        block = _stage_dbias_block(sA_layout, storage.a.data_ptr(), read.index * stage_size,
-                                                   row_parts[q])
+                if k_tile % tiles_n == n_tile:
+                    for p, row_part in enumerate(row_parts):
+                        block = _stage_dbias_block(sA_layout, storage.a.data_ptr(), read.index * stage_size, row_part)
                         if lane < 8:
-                            vec_view(blocks, cutlass.Int64(k_tile) * n_out + m_tile * t.bm + row + 64 * q,
+                            vec_view(blocks, cutlass.Int64(k_tile) * n_out + m_tile * t.bm + row + 64 * p,
                                      _DBIAS_LANE_ROWS).store(block)
                 ring.consumer_release(read)
                 read.advance()

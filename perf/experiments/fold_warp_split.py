@@ -1,6 +1,6 @@
 """Experiment (device): what the side work of `adaln_proj_wgrad_fold` costs dW at T = 2048, and how the producer
-warpgroup's split changes it. Needs `fold_warp_split.patch` applied (it adds the static build arguments
-`producer_regs`, `side` and `fold_warps` and builds only these variants), then:
+warpgroup's split changes it. Needs `fold_warp_split.patch` applied to 8eff857 (it adds the static build
+arguments `producer_regs`, `side`, `fold_warps` and `only` and builds only these variants), then:
 
     git apply perf/experiments/fold_warp_split.patch
     python -m h3cute build --arch sm_90a --out .prebuilt --kernel adaln_proj_wgrad_fold --kernel adaln_silu_cast

@@ -1,0 +1,61 @@
+"""Experiment (device): `adaln_proj_wgrad_fold`'s db passes spread over four N tiles per stage (tried at 7e864b7,
+reverted after this experiment) against a4f5c14's assignment, the product's (every pass of block b in the tile of
+N tile b % 21, two passes per db warp). Needs `dbias_spread.patch` applied to 7e864b7 (a static `spread` build
+argument; both variants in the bundle, 7e864b7's as the default):
+
+    git apply perf/experiments/dbias_spread.patch
+    python -m h3cute build --arch sm_90a --out .prebuilt
+    # device: bash perf/device_run.sh python3 perf/experiments/dbias_spread.py
+
+Prints whether both give the same bits (dW, db, d_temb, db blocks) at several (N, T), then per-launch times at
+N = 96768, T = 2048: 3 rounds of 20-launch bursts and two 0.7 s sustained runs of each."""
+import runpy
+import statistics
+from pathlib import Path
+
+import torch
+
+from h3cute import runtime
+from h3cute.launch import adaln_projection as L
+
+_timing = runpy.run_path(str(Path(__file__).with_name("fold_warp_split.py")), run_name="imported")
+D = 2688
+VARIANTS = {"spread": {}, "a4f5c14": dict(spread=False)}
+
+
+def main():
+    dev = torch.device("cuda", 0)
+    for n_out, rows in ((96768, 2048), (96768, 1100), (96768, 450), (10752, 2048), (96768, 2000)):
+        g = torch.Generator(device=dev).manual_seed(rows)
+        grad = torch.randn(rows, n_out, generator=g, device=dev).bfloat16()
+        grad[:, 5] = -0.0
+        temb = torch.randn(rows, D, generator=g, device=dev)
+        act = L.silu_bf16(temb)
+        partial = torch.randn(L.DGRAD_SPLITS, rows, D, generator=g, device=dev)
+        fns = {v: runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n_out, config="tma_wgrad_persist_m256",
+                                 **x) for v, x in VARIANTS.items()}
+        outs = {}
+        for v, fn in fns.items():
+            nan = float("nan")
+            o = (torch.full((n_out, D), nan, dtype=torch.bfloat16, device=dev),
+                 torch.full((n_out,), nan, dtype=torch.bfloat16, device=dev), torch.full((rows, D), nan, device=dev),
+                 torch.full((L.dbias_blocks(rows), n_out), nan, device=dev))
+            fn(grad, act, o[0], o[1], partial, temb, o[2], o[3])
+            outs[v] = o
+        torch.cuda.synchronize()
+        same = all(torch.equal(_timing["_bits"](a), _timing["_bits"](b)) for a, b in zip(*outs.values()))
+        left = any(x.isnan().any().item() for o in outs.values() for x in o)
+        print(f"N={n_out} T={rows}: the same bits {same}, NaN left {left}")
+        if (n_out, rows) != (96768, 2048):
+            continue
+        args = (grad, act, *outs["spread"][:2], partial, temb, *outs["spread"][2:])
+        times = {v: [_timing["_burst"](lambda: fn(*args)) for _ in range(3)] for v, fn in fns.items()}
+        for v, ts in times.items():
+            print("burst", v, round(statistics.median(ts), 1), [round(t, 1) for t in ts])
+        for _ in range(2):
+            for v, fn in fns.items():
+                print("sustained", v, round(_timing["_sustained"](lambda: fn(*args)), 1))
+
+
+if __name__ == "__main__":
+    main()
