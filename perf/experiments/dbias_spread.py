@@ -16,45 +16,35 @@ from pathlib import Path
 import torch
 
 from h3cute import runtime
-from h3cute.launch import adaln_projection as L
 
-_timing = runpy.run_path(str(Path(__file__).with_name("fold_warp_split.py")), run_name="imported")
-D = 2688
+_shared = runpy.run_path(str(Path(__file__).with_name("fold_warp_split.py")), run_name="imported")
 VARIANTS = {"spread": {}, "a4f5c14": dict(spread=False)}
 
 
 def main():
     dev = torch.device("cuda", 0)
-    for n_out, rows in ((96768, 2048), (96768, 1100), (96768, 450), (10752, 2048), (96768, 2000)):
-        g = torch.Generator(device=dev).manual_seed(rows)
-        grad = torch.randn(rows, n_out, generator=g, device=dev).bfloat16()
-        grad[:, 5] = -0.0
-        temb = torch.randn(rows, D, generator=g, device=dev)
-        act = L.silu_bf16(temb)
-        partial = torch.randn(L.DGRAD_SPLITS, rows, D, generator=g, device=dev)
+    for n_out, rows in _shared["SIZES"]:
+        grad, act, partial, temb = _shared["inputs"](n_out, rows, dev)
         fns = {v: runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n_out, config="tma_wgrad_persist_m256",
                                  **x) for v, x in VARIANTS.items()}
         outs = {}
         for v, fn in fns.items():
-            nan = float("nan")
-            o = (torch.full((n_out, D), nan, dtype=torch.bfloat16, device=dev),
-                 torch.full((n_out,), nan, dtype=torch.bfloat16, device=dev), torch.full((rows, D), nan, device=dev),
-                 torch.full((L.dbias_blocks(rows), n_out), nan, device=dev))
+            o = _shared["poisoned_outputs"](n_out, rows, dev)
             fn(grad, act, o[0], o[1], partial, temb, o[2], o[3])
             outs[v] = o
         torch.cuda.synchronize()
-        same = all(torch.equal(_timing["_bits"](a), _timing["_bits"](b)) for a, b in zip(*outs.values()))
+        same = all(torch.equal(_shared["_bits"](a), _shared["_bits"](b)) for a, b in zip(*outs.values()))
         left = any(x.isnan().any().item() for o in outs.values() for x in o)
         print(f"N={n_out} T={rows}: the same bits {same}, NaN left {left}")
         if (n_out, rows) != (96768, 2048):
             continue
         args = (grad, act, *outs["spread"][:2], partial, temb, *outs["spread"][2:])
-        times = {v: [_timing["_burst"](lambda: fn(*args)) for _ in range(3)] for v, fn in fns.items()}
+        times = {v: [_shared["_burst"](lambda: fn(*args)) for _ in range(3)] for v, fn in fns.items()}
         for v, ts in times.items():
             print("burst", v, round(statistics.median(ts), 1), [round(t, 1) for t in ts])
         for _ in range(2):
             for v, fn in fns.items():
-                print("sustained", v, round(_timing["_sustained"](lambda: fn(*args)), 1))
+                print("sustained", v, round(_shared["_sustained"](lambda: fn(*args)), 1))
 
 
 if __name__ == "__main__":

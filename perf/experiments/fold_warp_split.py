@@ -57,23 +57,35 @@ def _sustained(fn, seconds=0.7):
     return _timed(fn, n)
 
 
+SIZES = ((96768, 2048), (96768, 1100), (96768, 450), (10752, 2048), (96768, 2000))  # (N, T)
+
+
+def inputs(n_out, rows, dev):
+    """grad (an all -0.0 column), act = bf16(silu(temb)), FP32 partials and temb, seeded by T."""
+    g = torch.Generator(device=dev).manual_seed(rows)
+    grad = torch.randn(rows, n_out, generator=g, device=dev).bfloat16()
+    grad[:, 5] = -0.0
+    temb = torch.randn(rows, D, generator=g, device=dev)
+    return grad, L.silu_bf16(temb), torch.randn(L.DGRAD_SPLITS, rows, D, generator=g, device=dev), temb
+
+
+def poisoned_outputs(n_out, rows, dev):
+    """dW, db, d_temb and the db blocks, NaN-filled."""
+    nan = float("nan")
+    return (torch.full((n_out, D), nan, dtype=torch.bfloat16, device=dev),
+            torch.full((n_out,), nan, dtype=torch.bfloat16, device=dev), torch.full((rows, D), nan, device=dev),
+            torch.full((L.dbias_blocks(rows), n_out), nan, device=dev))
+
+
 def main():
     dev = torch.device("cuda", 0)
-    for n_out, rows in ((96768, 2048), (96768, 1100), (96768, 450), (10752, 2048), (96768, 2000)):
-        g = torch.Generator(device=dev).manual_seed(rows)
-        grad = torch.randn(rows, n_out, generator=g, device=dev).bfloat16()
-        grad[:, 5] = -0.0
-        temb = torch.randn(rows, D, generator=g, device=dev)
-        act = L.silu_bf16(temb)
-        partial = torch.randn(L.DGRAD_SPLITS, rows, D, generator=g, device=dev)
+    for n_out, rows in SIZES:
+        grad, act, partial, temb = inputs(n_out, rows, dev)
         fns = {v: runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n_out, config="tma_wgrad_persist_m256",
                                  producer_regs=v[0], side=v[1], fold_warps=v[2], only=v[3]) for v in VARIANTS}
         outs = {}
         for v in (v for v in VARIANTS if v[1] and not v[3]):
-            nan = float("nan")
-            o = (torch.full((n_out, D), nan, dtype=torch.bfloat16, device=dev),
-                 torch.full((n_out,), nan, dtype=torch.bfloat16, device=dev), torch.full((rows, D), nan, device=dev),
-                 torch.full((L.dbias_blocks(rows), n_out), nan, device=dev))
+            o = poisoned_outputs(n_out, rows, dev)
             fns[v](grad, act, o[0], o[1], partial, temb, o[2], o[3])
             outs[v] = o
         torch.cuda.synchronize()
