@@ -1796,7 +1796,7 @@ class _TmaWgmmaPersistentDbGemm(_TmaWgmmaPersistentGemm):
         _check_dbias_offsets(sA_layout, t.bm, t.bk)
         lane = cute.arch.lane_idx()
         row = (warp_idx - 1) * 64 + (lane % 8) * 8
-        row_part = [_smem_offset(sA_layout, (row, k, 0)) - _smem_offset(sA_layout, (0, k, 0)) for k in range(8)]
+        row_part = _dbias_row_part(sA_layout, row)
         stage_size = cute.cosize(sA_layout.outer) // t.stages
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)
         totals = cute.make_rmem_tensor(cute.make_layout(_DBIAS_LANE_ROWS), cutlass.Float32)
@@ -1816,6 +1816,13 @@ class _TmaWgmmaPersistentDbGemm(_TmaWgmmaPersistentGemm):
 
 
 _DBIAS_LANE_ROWS = 8  # db rows of grad^T per stage-reading lane: one 16-byte load of BF16 per k
+
+
+def _dbias_row_part(sA_layout, row) -> list:
+    """`_stage_dbias_block`'s per-row offsets: for k = 0 .. 7, the element offset of (row, k) in a dW A stage less that
+    of (0, k) (the swizzle moves a row's 16-byte chunk by k % 8; `_check_dbias_offsets`). Computed once per db warp,
+    outside the stage loop."""
+    return [_smem_offset(sA_layout, (row, k, 0)) - _smem_offset(sA_layout, (0, k, 0)) for k in range(8)]
 
 
 @cute.jit
@@ -1889,8 +1896,7 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
         lane = cute.arch.lane_idx()
         rows_per_warp = t.bm // self._DBIAS_WARPS
         row = warp * rows_per_warp + (lane % 8) * 8
-        row_parts = [[_smem_offset(sA_layout, (row + 64 * p, k, 0)) - _smem_offset(sA_layout, (0, k, 0))
-                      for k in range(8)] for p in range(rows_per_warp // 64)]
+        row_parts = [_dbias_row_part(sA_layout, row + 64 * p) for p in range(rows_per_warp // 64)]
         stage_size = cute.cosize(sA_layout.outer) // t.stages
         n_out = cute.size(blocks, mode=[1])
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, t.stages)

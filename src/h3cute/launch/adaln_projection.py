@@ -90,7 +90,7 @@ def config_for_rows(rows: int, wgmma: bool = False) -> str:
             return "wg_skinny" if rows <= 16 else "wg_mid"
         if rows <= 128 or 256 < rows <= 512:
             return "tma_wide"
-        if rows > 384:
+        if rows > 512:
             return "tma_persist_m256"
         return "tma_wide_n192" if rows <= 192 else "tma_wide_n256_mc2"
     if rows <= 16:
