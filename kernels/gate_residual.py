@@ -9,6 +9,8 @@ Backward (`gate_residual_bwd`), one pass over the rows in the column-reduction l
 kernels/rowwise.py: dy = bf16(grad * gate[idx]) (bitwise torch autograd's BF16 mul) is stored per row,
 and dgate[r] = sum over rows with idx = r of grad * y is accumulated in FP32 per (row group, table row,
 column) in shared memory, written as partials and finished by `rowwise_fold`. d residual is grad itself.
+Tables beyond MAX_TABLE_ROWS rows take the windowed variant (kernels/rowwise.py): a row is loaded, its dy
+stored and its product added by the CTA of its idx's window (rows with a bad idx by window 0, dy NaN).
 """
 from __future__ import annotations
 
@@ -19,20 +21,25 @@ from cutlass import Float32, Int32, Int64
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
-from .rowwise import (COL_TILE, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, fake_indices, fake_partials, fake_rows,
-                      fake_table, guarded_row, load_f32, round_bf16, row_range, row_slots, smem_vec, store_bf16, vec_view)
+from .rowwise import (COL_TILE, MAX_TABLE_ROWS, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, check_row, fake_indices,
+                      fake_partials,
+                      fake_rows, fake_table, guarded_row, load_f32, reduction_block, round_bf16, row_range, row_slots,
+                      smem_vec, store_bf16, vec_view, window_pick)
 
 HIDDEN = 5376
 
 
 @cute.kernel
 def _forward_kernel(mRes: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mIdx: cute.Tensor, mOut: cute.Tensor,
-                    width: cutlass.Constexpr):
+                    err_rows: Int64, err_host: Int64, width: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
     num_vecs = width // VEC
     base = Int64(row) * width
-    r, poison = guarded_row(Int64(mIdx[row]), mGate.shape[0])
+    idx = Int64(mIdx[row])
+    if tidx == 0:
+        check_row(idx, mGate.shape[0], row, err_rows, err_host)
+    r, poison = guarded_row(idx, mGate.shape[0])
     gate_base = r * mGate.stride[0]
     for k in cutlass.range_constexpr(row_slots(width, ROW_THREADS)):
         vi = tidx + k * ROW_THREADS
@@ -43,8 +50,8 @@ def _forward_kernel(mRes: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mIdx
 
 
 @cute.jit
-def _forward_launch(mRes, mY, mGate, mIdx, mOut, stream, width: cutlass.Constexpr):
-    _forward_kernel(mRes, mY, mGate, mIdx, mOut, width).launch(
+def _forward_launch(mRes, mY, mGate, mIdx, mOut, err_rows: Int64, err_host: Int64, stream, width: cutlass.Constexpr):
+    _forward_kernel(mRes, mY, mGate, mIdx, mOut, err_rows, err_host, width).launch(
         grid=(mY.shape[0], 1, 1), block=(ROW_THREADS, 1, 1), stream=stream
     )
 
@@ -65,32 +72,77 @@ def _backward_step(mG, mY, mGate, mIdx, mDy, sGate, first, col, lane, rows: cutl
             acc.store(acc.load() + gs[i] * ys[i])
 
 
+@cute.jit
+def _backward_step_windowed(mG, mY, mGate, mIdx, mDy, sGate, base, first, col, lane, rows: cutlass.Constexpr,
+                            width: cutlass.Constexpr, cap: cutlass.Constexpr):
+    """_backward_step for the CTA of window [base, base + cap): only the rows it owns (idx in the window; a bad
+    idx in window 0) are loaded (the other loads predicated off), get their dy and add their products."""
+    table_rows = mGate.shape[0]
+    raw = [Int64(mIdx[first + i]) for i in range(rows)]
+    picks = [guarded_row(raw[i], table_rows) for i in range(rows)]
+    wins = [window_pick(raw[i], table_rows, base, cap) for i in range(rows)]
+    owns = [wins[i][1] | ((base == 0) & (picks[i][1] != 1.0)) for i in range(rows)]
+    offs = [Int64(first + i) * width + col for i in range(rows)]
+    gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
+    ys = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
+    gates = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
+    for i in cutlass.range_constexpr(rows):
+        if owns[i]:
+            gs[i].store(load_f32(mG, offs[i]))
+            ys[i].store(load_f32(mY, offs[i]))
+            gates[i].store(load_f32(mGate, picks[i][0] * mGate.stride[0] + col))
+    for i in cutlass.range_constexpr(rows):
+        if owns[i]:
+            store_bf16(mDy, offs[i], gs[i].load() * gates[i].load() * picks[i][1])
+            if wins[i][1]:
+                acc = smem_vec(sGate, wins[i][0] * COL_TILE + lane * VEC)
+                acc.store(acc.load() + gs[i].load() * ys[i].load())
+
+
 @cute.kernel
 def _backward_kernel(mG: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mIdx: cute.Tensor, mDy: cute.Tensor,
-                     mPartGate: cute.Tensor, width: cutlass.Constexpr, cap: cutlass.Constexpr):
+                     mPartGate: cute.Tensor, width: cutlass.Constexpr, cap: cutlass.Constexpr,
+                     windowed: cutlass.Constexpr):
     lane, _, _ = cute.arch.thread_idx()
-    tile, group, _ = cute.arch.block_idx()
+    tile, block_y, _ = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
     sGate = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
     col = tile * COL_TILE + lane * VEC
     zero = cute.full((VEC,), 0.0, Float32)
     for r in cutlass.range(cap):
         smem_vec(sGate, r * COL_TILE + lane * VEC).store(zero)
-    begin, end = row_range(mY.shape[0], group, mPartGate.shape[0])
-    batched_end = begin + (end - begin) // UNROLL * UNROLL
-    for first in cutlass.range(begin, batched_end, UNROLL):
-        _backward_step(mG, mY, mGate, mIdx, mDy, sGate, first, col, lane, UNROLL, width)
-    for first in cutlass.range(batched_end, end):
-        _backward_step(mG, mY, mGate, mIdx, mDy, sGate, first, col, lane, 1, width)
-    for r in cutlass.range(mGate.shape[0]):
-        vec_view(mPartGate, Int64(group) * mPartGate.stride[0] + Int64(r) * mPartGate.stride[1] + col).store(
-            smem_vec(sGate, r * COL_TILE + lane * VEC).load())
+    if cutlass.const_expr(windowed):
+        base, group = reduction_block(block_y, mPartGate.shape[0], cap, True)
+        begin, end = row_range(mY.shape[0], group, mPartGate.shape[0])
+        batched_end = begin + (end - begin) // UNROLL * UNROLL
+        for first in cutlass.range(begin, batched_end, UNROLL):
+            _backward_step_windowed(mG, mY, mGate, mIdx, mDy, sGate, base, first, col, lane, UNROLL, width, cap)
+        for first in cutlass.range(batched_end, end):
+            _backward_step_windowed(mG, mY, mGate, mIdx, mDy, sGate, base, first, col, lane, 1, width, cap)
+        for r in cutlass.range(cutlass.min(Int64(cap), mGate.shape[0] - base)):
+            vec_view(mPartGate, Int64(group) * mPartGate.stride[0] + (base + r) * mPartGate.stride[1] + col).store(
+                smem_vec(sGate, Int32(r) * COL_TILE + lane * VEC).load())
+    else:
+        group = block_y
+        begin, end = row_range(mY.shape[0], group, mPartGate.shape[0])
+        batched_end = begin + (end - begin) // UNROLL * UNROLL
+        for first in cutlass.range(begin, batched_end, UNROLL):
+            _backward_step(mG, mY, mGate, mIdx, mDy, sGate, first, col, lane, UNROLL, width)
+        for first in cutlass.range(batched_end, end):
+            _backward_step(mG, mY, mGate, mIdx, mDy, sGate, first, col, lane, 1, width)
+        for r in cutlass.range(mGate.shape[0]):
+            vec_view(mPartGate, Int64(group) * mPartGate.stride[0] + Int64(r) * mPartGate.stride[1] + col).store(
+                smem_vec(sGate, r * COL_TILE + lane * VEC).load())
 
 
 @cute.jit
-def _backward_launch(mG, mY, mGate, mIdx, mDy, mPartGate, stream, width: cutlass.Constexpr, cap: cutlass.Constexpr):
-    _backward_kernel(mG, mY, mGate, mIdx, mDy, mPartGate, width, cap).launch(
-        grid=(width // COL_TILE, mPartGate.shape[0], 1), block=(32, 1, 1), stream=stream
+def _backward_launch(mG, mY, mGate, mIdx, mDy, mPartGate, stream, width: cutlass.Constexpr, cap: cutlass.Constexpr,
+                     windowed: cutlass.Constexpr):
+    blocks_y = mPartGate.shape[0]
+    if cutlass.const_expr(windowed):
+        blocks_y = (mGate.shape[0] + cap - 1) // cap * mPartGate.shape[0]
+    _backward_kernel(mG, mY, mGate, mIdx, mDy, mPartGate, width, cap, windowed).launch(
+        grid=(width // COL_TILE, blocks_y, 1), block=(32, 1, 1), stream=stream
     )
 
 
@@ -103,15 +155,15 @@ def build_forward(arch: str, *, width: int):
     _check_width(width)
     s = cute.sym_int()
     return compile_for(arch, _forward_launch, fake_rows(s, width), fake_rows(s, width), fake_table(width),
-                       fake_indices(s), fake_rows(s, width), env_stream(), width)
+                       fake_indices(s), fake_rows(s, width), Int64(0), Int64(0), env_stream(), width)
 
 
-def build_backward(arch: str, *, width: int, cap: int):
+def build_backward(arch: str, *, width: int, cap: int, windowed: bool = False):
     _check_width(width)
     s, groups, table_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
     return compile_for(arch, _backward_launch, fake_rows(s, width), fake_rows(s, width),
                        fake_table(width, table_rows), fake_indices(s), fake_rows(s, width),
-                       fake_partials(groups, table_rows, width), env_stream(), width, cap)
+                       fake_partials(groups, table_rows, width), env_stream(), width, cap, windowed)
 
 
 SPECS = [
@@ -121,13 +173,14 @@ SPECS = [
         variants=lambda arch: [dict(width=HIDDEN)],
         # LLVM narrows bf16(fp32(gate) * fp32(y)) to a native mul.bf16x2: the same rounding (FP32 holds the
         # exact product of two BF16).
-        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "mul.bf16x2", "cvt.rn.bf16x2.f32"),
-        ptx_forbidden=("atom.", "red.global", "red.shared"),
+        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "mul.bf16x2", "cvt.rn.bf16x2.f32", "red.global.min.s64"),
+        ptx_forbidden=("atom.", "red.global.add", "red.shared"),
     ),
     KernelSpec(
         name="gate_residual_bwd",
         build=build_backward,
-        variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS],
+        variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS]
+        + [dict(width=HIDDEN, cap=MAX_TABLE_ROWS, windowed=True)],
         ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "ld.shared.v", "st.shared.v"),  # 16-byte smem: v4.b32 or v2.b64
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),

@@ -1,6 +1,7 @@
 """norm_modulate: out = rms_norm(x, w, eps) * (1 + scale[idx]) + shift[idx], BF16, forward and backward.
 
-Forward (`norm_modulate_fwd`): one 64-thread CTA per row (kernels/rowwise.py, NORM_THREADS): each thread
+Forward (`norm_modulate_fwd`; `gate_residual_norm_modulate_fwd` first forms the row h = residual + gate[idx] * y
+with gate_residual's roundings, stores it and normalizes it from registers): one 64-thread CTA per row (kernels/rowwise.py, NORM_THREADS): each thread
 issues its 10-11 16-byte loads of the row at once and keeps them in registers (BF16); the shift/scale rows of idx[row] are gathered in the kernel
 (tables may be row-strided views, e.g. halves of the final layer's (T, 2H) projection); out is written
 once. Numerics replay the diffusers composition `F.rms_norm(x, (H,), w, eps) * (1 + scale[idx]) +
@@ -27,8 +28,11 @@ partials that `rowwise_fold` finishes. No atomics.
       finishes (H200, S = 32768: 0.55 of copy bandwidth against 0.47 for one cluster barrier per 16-row step;
       perf/norm_backward_sweep.py). dshift/dscale: each run of consecutive rows with one table row is summed in
       registers and added to shared memory when the table row changes (docs/row_kernels.md).
-  `norm_modulate_bwd_rows` + `norm_modulate_bwd_params` (25..48 table rows): a row kernel (rstd exactly as the
-      forward, dx, an FP32 rstd workspace) and the column reduction of kernels/rowwise.py re-reading grad, x.
+  `norm_modulate_bwd_rows` + `norm_modulate_bwd_params` (more than 24 table rows): a row kernel (dx, an FP32 rstd
+      workspace) and the column reduction of kernels/rowwise.py re-reading grad, x (its windowed variant beyond
+      48 table rows). The row kernel sums each row in the fused kernel's order (the same columns per thread, the
+      same butterfly, warps then ranks in order) and finishes dx with the same formulas: a row's dx is bitwise
+      the same on both paths, so it never depends on the table's row count (tests/test_table_rows.py).
 """
 from __future__ import annotations
 
@@ -43,9 +47,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
-from .rowwise import (COL_TILE, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNROLL, VEC, block_sum, fake_indices,
-                      fake_partials, fake_rows, fake_table, fake_vector, guarded_row, load_f32, round_bf16, row_range,
-                      row_slots, smem_vec, store_bf16, torch_sumsq, vec_view)
+from .rowwise import (COL_TILE, MAX_TABLE_ROWS, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNROLL, VEC, fake_indices,
+                      check_row, fake_partials, fake_rows, fake_table, fake_vector, guarded_row, load_f32, reduction_block,
+                      round_bf16, row_range, row_slots, smem_vec, store_bf16, torch_sumsq, vec_view, window_pick)
 
 HIDDEN = 5376
 CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768
@@ -146,16 +150,27 @@ def row_rstd(xs, sRed: cute.Tensor, tidx, eps: Float32, width: cutlass.Constexpr
 
 @cute.kernel
 def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScale: cute.Tensor,
-                    mIdx: cute.Tensor, mOut: cute.Tensor, eps: Float32, width: cutlass.Constexpr):
+                    mIdx: cute.Tensor, mOut: cute.Tensor, eps: Float32, err_rows: Int64, err_host: Int64,
+                    width: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
     sRed = smem.allocate_tensor(Float32, cute.make_layout(TORCH_WARPS), byte_alignment=16)
     num_vecs = width // VEC
     base = Int64(row) * width
-    r, poison = guarded_row(Int64(mIdx[row]), mScale.shape[0])
+    idx = Int64(mIdx[row])
+    if tidx == 0:
+        check_row(idx, mScale.shape[0], row, err_rows, err_host)
+    r, poison = guarded_row(idx, mScale.shape[0])
     xs = load_row(mX, base, tidx, width)
     rstd = row_rstd(xs, sRed, tidx, eps, width)
+    _modulate_row(xs, rstd, mW, mShift, mScale, mOut, r, poison, base, tidx, width)
+
+
+@cute.jit
+def _modulate_row(xs, rstd, mW, mShift, mScale, mOut, r, poison, base, tidx, width: cutlass.Constexpr):
+    """out = bf16(bf16(bf16(w * (rstd * x)) * bf16(1 + scale[r])) + shift[r]) * poison of this thread's vectors."""
+    num_vecs = width // VEC
     shift_base = r * mShift.stride[0]
     scale_base = r * mScale.stride[0]
     for k in cutlass.range_constexpr(len(xs)):
@@ -168,56 +183,129 @@ def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScal
 
 
 @cute.jit
-def _forward_launch(mX, mW, mShift, mScale, mIdx, mOut, eps: Float32, stream, width: cutlass.Constexpr):
-    _forward_kernel(mX, mW, mShift, mScale, mIdx, mOut, eps, width).launch(
+def _gated_residual(res, y, mGate, offset, poison):
+    """h = bf16((res + bf16(gate * y)) * poison) of one BF16 8-vector: gate_residual's two roundings."""
+    gated = round_bf16(load_f32(mGate, offset) * y.to(Float32))
+    return ((res.to(Float32) + gated) * poison).to(BFloat16)
+
+
+@cute.kernel
+def _gated_forward_kernel(mRes: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mW: cute.Tensor,
+                          mShift: cute.Tensor, mScale: cute.Tensor, mIdx: cute.Tensor, mH: cute.Tensor,
+                          mOut: cute.Tensor, eps: Float32, err_rows: Int64, err_host: Int64,
+                          width: cutlass.Constexpr):
+    """gate_residual then norm_modulate of the same row: h = residual + gate[idx] * y is stored and kept in
+    registers (BF16) for the norm, so the row is read once (residual, y) and written once (h, out)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    row, _, _ = cute.arch.block_idx()
+    smem = cutlass.memory.SmemAllocator()
+    sRed = smem.allocate_tensor(Float32, cute.make_layout(TORCH_WARPS), byte_alignment=16)
+    num_vecs = width // VEC
+    base = Int64(row) * width
+    idx = Int64(mIdx[row])
+    if tidx == 0:
+        check_row(idx, mScale.shape[0], row, err_rows, err_host)
+    r, poison = guarded_row(idx, mScale.shape[0])
+    gate_base = r * mGate.stride[0]
+    res = load_row(mRes, base, tidx, width)
+    ys = load_row(mY, base, tidx, width)
+    hs = []
+    for k in cutlass.range_constexpr(len(res)):
+        col = (tidx + k * NORM_THREADS) * VEC
+        if cutlass.const_expr((k + 1) * NORM_THREADS <= num_vecs):
+            h = _gated_residual(res[k], ys[k], mGate, gate_base + col, poison)
+            vec_view(mH, base + col).store(h)
+            hs.append(h)
+        else:  # the partial last slot: absent vectors stay zero, as load_row reads them
+            frag = cute.make_rmem_tensor((VEC,), BFloat16)
+            frag.fill(0.0)
+            if tidx < num_vecs - k * NORM_THREADS:
+                frag.store(_gated_residual(res[k], ys[k], mGate, gate_base + col, poison))
+                vec_view(mH, base + col).store(frag.load())
+            hs.append(frag.load())
+    rstd = row_rstd(hs, sRed, tidx, eps, width)
+    _modulate_row(hs, rstd, mW, mShift, mScale, mOut, r, poison, base, tidx, width)
+
+
+@cute.jit
+def _gated_forward_launch(mRes, mY, mGate, mW, mShift, mScale, mIdx, mH, mOut, eps: Float32, err_rows: Int64,
+                          err_host: Int64, stream, width: cutlass.Constexpr):
+    _gated_forward_kernel(mRes, mY, mGate, mW, mShift, mScale, mIdx, mH, mOut, eps, err_rows, err_host,
+                          width).launch(grid=(mY.shape[0], 1, 1), block=(NORM_THREADS, 1, 1), stream=stream)
+
+
+@cute.jit
+def _forward_launch(mX, mW, mShift, mScale, mIdx, mOut, eps: Float32, err_rows: Int64, err_host: Int64, stream,
+                    width: cutlass.Constexpr):
+    _forward_kernel(mX, mW, mShift, mScale, mIdx, mOut, eps, err_rows, err_host, width).launch(
         grid=(mX.shape[0], 1, 1), block=(NORM_THREADS, 1, 1), stream=stream
     )
 
 
 # ---- backward: dx (row-local) ----------------------------------------------------------------------------
 
-@cute.jit
-def _dxhat_xhat(g, x, mW, mScale, scale_base, col, rstd):
-    """dxhat = g * (1 + scale) * w and xhat = x * rstd of one 8-vector, FP32."""
-    dxhat = g.to(Float32) * (load_f32(mScale, scale_base + col) + 1.0) * load_f32(mW, col)
-    return dxhat, x.to(Float32) * rstd
-
-
 @cute.kernel
 def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: cute.Tensor, mIdx: cute.Tensor,
                      mDx: cute.Tensor, mRstd: cute.Tensor, eps: Float32, width: cutlass.Constexpr):
+    """dx of one row, bitwise the fused backward's: a CTA of fused_threads(width) threads, thread j holding
+    columns [k * slice + 4j, k * slice + 4j + 4) of every cluster rank k (the columns fused CTA k's thread j
+    holds). Per rank it sums x^2 and dxhat * x over its 4 columns in order, the xor butterfly sums each over the
+    warp and the warps are added in order: rank k's two sums, as fused CTA k pushes them; the ranks are then
+    added in order, and rstd, mean(dxhat * xhat) and dx follow _fused_complete's formulas. The row's rstd goes to
+    the workspace of `norm_modulate_bwd_params`."""
+    threads = fused_threads(width)
+    slice_width = threads * FUSED_VEC
+    warps = threads // 32
     tidx, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
+    lane = tidx % 32
     smem = cutlass.memory.SmemAllocator()
-    sRed = smem.allocate_tensor(Float32, cute.make_layout(TORCH_WARPS), byte_alignment=16)
-    sDot = smem.allocate_tensor(Float32, cute.make_layout(NORM_THREADS // 32), byte_alignment=16)
-    num_vecs = width // VEC
+    sWarp = smem.allocate_tensor(Float32, cute.make_layout(2 * CLUSTER * warps), byte_alignment=16)
     base = Int64(row) * width
     r, poison = guarded_row(Int64(mIdx[row]), mScale.shape[0])
     scale_base = r * mScale.stride[0]
-    xs = load_row(mX, base, tidx, width)
-    gs = load_row(mG, base, tidx, width)
-    rstd = row_rstd(xs, sRed, tidx, eps, width)
-    # sum(dxhat * xhat) over this thread's vectors in slot order, then over the CTA in a fixed order;
-    # dxhat and xhat are recomputed for the output (w and scale rows are L1 hits) to keep registers low.
+    cols = [k * slice_width + tidx * FUSED_VEC for k in range(CLUSTER)]
+    gs = [fused_vec(mG, base + cols[k], cute.AddressSpace.gmem).load() for k in range(CLUSTER)]
+    xs = [fused_vec(mX, base + cols[k], cute.AddressSpace.gmem).load() for k in range(CLUSTER)]
+    gains = [fused_vec(mScale, scale_base + cols[k], cute.AddressSpace.gmem).load().to(Float32) + 1.0
+             for k in range(CLUSTER)]
+    ws = [fused_vec(mW, cols[k], cute.AddressSpace.gmem).load().to(Float32) for k in range(CLUSTER)]
+    sums = []
+    for k in cutlass.range_constexpr(CLUSTER):
+        dxhat = gs[k].to(Float32) * gains[k] * ws[k]
+        x = xs[k].to(Float32)
+        ss = Float32(0.0)
+        dot = Float32(0.0)
+        for e in cutlass.range_constexpr(FUSED_VEC):
+            ss = cute.math.fma(x[e], x[e], ss)
+            dot = cute.math.fma(dxhat[e], x[e], dot)
+        sums.append(ss)
+        sums.append(dot)
+    for off in cutlass.range_constexpr(5):
+        sums = [v + cute.arch.shuffle_sync_bfly(v, 16 >> off) for v in sums]
+    if lane == 0:
+        for j in cutlass.range_constexpr(2 * CLUSTER):
+            sWarp[j * warps + tidx // 32] = sums[j]
+    cute.arch.sync_threads()
+    ss = Float32(0.0)
     dot = Float32(0.0)
-    for k in cutlass.range_constexpr(len(xs)):
-        vi = tidx + k * NORM_THREADS
-        if cutlass.const_expr((k + 1) * NORM_THREADS <= num_vecs):
-            dxhat, xhat = _dxhat_xhat(gs[k], xs[k], mW, mScale, scale_base, vi * VEC, rstd)
-            for i in cutlass.range_constexpr(VEC):
-                dot = cute.math.fma(dxhat[i], xhat[i], dot)
-        else:
-            if vi < num_vecs:
-                dxhat, xhat = _dxhat_xhat(gs[k], xs[k], mW, mScale, scale_base, vi * VEC, rstd)
-                for i in cutlass.range_constexpr(VEC):
-                    dot = cute.math.fma(dxhat[i], xhat[i], dot)
-    mean_dot = block_sum(dot, sDot, tidx, NORM_THREADS // 32) / Float32(width)
-    for k in cutlass.range_constexpr(len(xs)):
-        vi = tidx + k * NORM_THREADS
-        if vi < num_vecs:
-            dxhat, xhat = _dxhat_xhat(gs[k], xs[k], mW, mScale, scale_base, vi * VEC, rstd)
-            store_bf16(mDx, base + vi * VEC, (dxhat - xhat * mean_dot) * rstd * poison)
+    for k in cutlass.range_constexpr(CLUSTER):
+        rank_ss = sWarp[2 * k * warps]
+        rank_dot = sWarp[(2 * k + 1) * warps]
+        for wi in cutlass.range_constexpr(1, warps):
+            rank_ss = rank_ss + sWarp[2 * k * warps + wi]
+            rank_dot = rank_dot + sWarp[(2 * k + 1) * warps + wi]
+        ss = ss + rank_ss
+        dot = dot + rank_dot
+    rstd = cute.math.rsqrt(ss / Float32(width) + eps, approx=True)
+    mean_dot = rstd * dot / Float32(width)  # mean(dxhat * xhat)
+    for k in cutlass.range_constexpr(CLUSTER):
+        dxhat = gs[k].to(Float32) * gains[k] * ws[k]
+        xhat = xs[k].to(Float32) * rstd
+        dx = cute.make_rmem_tensor((FUSED_VEC,), Float32)
+        for e in cutlass.range_constexpr(FUSED_VEC):  # the poison is 1.0 (exact) or NaN
+            dx[e] = cute.math.fma(xhat[e], -mean_dot, dxhat[e]) * (rstd * poison)
+        fused_vec(mDx, base + cols[k], cute.AddressSpace.gmem).store(dx.load().to(BFloat16))
     if tidx == 0:
         mRstd[row] = rstd
 
@@ -225,7 +313,7 @@ def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: 
 @cute.jit
 def _bwd_rows_launch(mG, mX, mW, mScale, mIdx, mDx, mRstd, eps: Float32, stream, width: cutlass.Constexpr):
     _bwd_rows_kernel(mG, mX, mW, mScale, mIdx, mDx, mRstd, eps, width).launch(
-        grid=(mX.shape[0], 1, 1), block=(NORM_THREADS, 1, 1), stream=stream
+        grid=(mX.shape[0], 1, 1), block=(fused_threads(width), 1, 1), stream=stream
     )
 
 
@@ -254,12 +342,44 @@ def _params_step(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, first, co
             aScale.store(aScale.load() + gs[i] * (xhat * w))
 
 
+@cute.jit
+def _params_step_windowed(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, base, first, col, lane,
+                          rows: cutlass.Constexpr, width: cutlass.Constexpr, cap: cutlass.Constexpr):
+    """_params_step for the CTA of window [base, base + cap): only rows whose idx lies in it are loaded (the
+    other loads predicated off) and added."""
+    table_rows = mScale.shape[0]
+    raw = [Int64(mIdx[first + i]) for i in range(rows)]
+    wins = [window_pick(raw[i], table_rows, base, cap) for i in range(rows)]
+    offs = [Int64(first + i) * width + col for i in range(rows)]
+    gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
+    xs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
+    scales = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
+    rstds = cute.make_rmem_tensor((rows,), Float32)
+    for i in cutlass.range_constexpr(rows):
+        if wins[i][1]:
+            gs[i].store(load_f32(mG, offs[i]))
+            xs[i].store(load_f32(mX, offs[i]))
+            scales[i].store(load_f32(mScale, raw[i] * mScale.stride[0] + col))
+            rstds[i] = mRstd[first + i]
+    for i in cutlass.range_constexpr(rows):
+        if wins[i][1]:
+            g = gs[i].load()
+            xhat = xs[i].load() * rstds[i]
+            accW.store(accW.load() + g * (scales[i].load() + 1.0) * xhat)
+            acc_off = wins[i][0] * COL_TILE + lane * VEC
+            aShift = smem_vec(sShift, acc_off)
+            aShift.store(aShift.load() + g)
+            aScale = smem_vec(sScale, acc_off)
+            aScale.store(aScale.load() + g * (xhat * w))
+
+
 @cute.kernel
 def _bwd_params_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: cute.Tensor,
                        mIdx: cute.Tensor, mRstd: cute.Tensor, mPartW: cute.Tensor, mPartShift: cute.Tensor,
-                       mPartScale: cute.Tensor, width: cutlass.Constexpr, cap: cutlass.Constexpr):
+                       mPartScale: cute.Tensor, width: cutlass.Constexpr, cap: cutlass.Constexpr,
+                       windowed: cutlass.Constexpr):
     lane, _, _ = cute.arch.thread_idx()
-    tile, group, _ = cute.arch.block_idx()
+    tile, block_y, _ = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
     sShift = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
     sScale = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
@@ -271,25 +391,46 @@ def _bwd_params_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale
     w = load_f32(mW, col)
     accW = cute.make_rmem_tensor((VEC,), Float32)
     accW.fill(0.0)
-    begin, end = row_range(mX.shape[0], group, mPartW.shape[0])
-    batched_end = begin + (end - begin) // UNROLL * UNROLL
-    for first in cutlass.range(begin, batched_end, UNROLL):
-        _params_step(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, first, col, lane, UNROLL, width)
-    for first in cutlass.range(batched_end, end):
-        _params_step(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, first, col, lane, 1, width)
-    vec_view(mPartW, Int64(group) * mPartW.stride[0] + col).store(accW.load())
-    for r in cutlass.range(mScale.shape[0]):
-        src = r * COL_TILE + lane * VEC
-        vec_view(mPartShift, Int64(group) * mPartShift.stride[0] + Int64(r) * mPartShift.stride[1] + col).store(
-            smem_vec(sShift, src).load())
-        vec_view(mPartScale, Int64(group) * mPartScale.stride[0] + Int64(r) * mPartScale.stride[1] + col).store(
-            smem_vec(sScale, src).load())
+    if cutlass.const_expr(windowed):
+        # dweight: one partial per (window, group) in mPartW's rows, block y's; the table rows per group.
+        base, group = reduction_block(block_y, mPartShift.shape[0], cap, True)
+        begin, end = row_range(mX.shape[0], group, mPartShift.shape[0])
+        batched_end = begin + (end - begin) // UNROLL * UNROLL
+        for first in cutlass.range(begin, batched_end, UNROLL):
+            _params_step_windowed(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, base, first, col, lane,
+                                  UNROLL, width, cap)
+        for first in cutlass.range(batched_end, end):
+            _params_step_windowed(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, base, first, col, lane, 1,
+                                  width, cap)
+        vec_view(mPartW, Int64(block_y) * mPartW.stride[0] + col).store(accW.load())
+        for r in cutlass.range(cutlass.min(Int64(cap), mScale.shape[0] - base)):
+            src = Int32(r) * COL_TILE + lane * VEC
+            vec_view(mPartShift, Int64(group) * mPartShift.stride[0] + (base + r) * mPartShift.stride[1] + col).store(
+                smem_vec(sShift, src).load())
+            vec_view(mPartScale, Int64(group) * mPartScale.stride[0] + (base + r) * mPartScale.stride[1] + col).store(
+                smem_vec(sScale, src).load())
+    else:
+        group = block_y
+        begin, end = row_range(mX.shape[0], group, mPartW.shape[0])
+        batched_end = begin + (end - begin) // UNROLL * UNROLL
+        for first in cutlass.range(begin, batched_end, UNROLL):
+            _params_step(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, first, col, lane, UNROLL, width)
+        for first in cutlass.range(batched_end, end):
+            _params_step(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, first, col, lane, 1, width)
+        vec_view(mPartW, Int64(group) * mPartW.stride[0] + col).store(accW.load())
+        for r in cutlass.range(mScale.shape[0]):
+            src = r * COL_TILE + lane * VEC
+            vec_view(mPartShift, Int64(group) * mPartShift.stride[0] + Int64(r) * mPartShift.stride[1] + col).store(
+                smem_vec(sShift, src).load())
+            vec_view(mPartScale, Int64(group) * mPartScale.stride[0] + Int64(r) * mPartScale.stride[1] + col).store(
+                smem_vec(sScale, src).load())
 
 
 @cute.jit
 def _bwd_params_launch(mG, mX, mW, mScale, mIdx, mRstd, mPartW, mPartShift, mPartScale, stream,
-                       width: cutlass.Constexpr, cap: cutlass.Constexpr):
-    _bwd_params_kernel(mG, mX, mW, mScale, mIdx, mRstd, mPartW, mPartShift, mPartScale, width, cap).launch(
+                       width: cutlass.Constexpr, cap: cutlass.Constexpr, windowed: cutlass.Constexpr):
+    # windowed: mPartW has one row per (window, group), so its rows count the blocks
+    _bwd_params_kernel(mG, mX, mW, mScale, mIdx, mRstd, mPartW, mPartShift, mPartScale, width, cap, windowed).launch(
         grid=(width // COL_TILE, mPartW.shape[0], 1), block=(32, 1, 1), stream=stream
     )
 
@@ -616,7 +757,16 @@ def build_forward(arch: str, *, width: int):
     _check_width(width)
     s = cute.sym_int()
     return compile_for(arch, _forward_launch, fake_rows(s, width), fake_vector(width), fake_table(width),
-                       fake_table(width), fake_indices(s), fake_rows(s, width), Float32(1e-5), env_stream(), width)
+                       fake_table(width), fake_indices(s), fake_rows(s, width), Float32(1e-5), Int64(0), Int64(0),
+                       env_stream(), width)
+
+
+def build_gated_forward(arch: str, *, width: int):
+    _check_width(width)
+    s = cute.sym_int()
+    return compile_for(arch, _gated_forward_launch, fake_rows(s, width), fake_rows(s, width), fake_table(width),
+                       fake_vector(width), fake_table(width), fake_table(width), fake_indices(s), fake_rows(s, width),
+                       fake_rows(s, width), Float32(1e-5), Int64(0), Int64(0), env_stream(), width)
 
 
 def build_backward_rows(arch: str, *, width: int):
@@ -627,14 +777,16 @@ def build_backward_rows(arch: str, *, width: int):
                        Float32(1e-5), env_stream(), width)
 
 
-def build_backward_params(arch: str, *, width: int, cap: int):
+def build_backward_params(arch: str, *, width: int, cap: int, windowed: bool = False):
     _check_width(width)
     s, groups, table_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    part_w = make_fake_tensor(Float32, (groups, width), (cute.sym_int(divisibility=4), 1), assumed_align=16)
+    # windowed: dweight's partials have windows x groups rows
+    part_w = make_fake_tensor(Float32, (cute.sym_int() if windowed else groups, width),
+                              (cute.sym_int(divisibility=4), 1), assumed_align=16)
     return compile_for(arch, _bwd_params_launch, fake_rows(s, width), fake_rows(s, width), fake_vector(width),
                        fake_table(width, table_rows), fake_indices(s), fake_vector(s, Float32), part_w,
                        fake_partials(groups, table_rows, width), fake_partials(groups, table_rows, width),
-                       env_stream(), width, cap)
+                       env_stream(), width, cap, windowed)
 
 
 def build_backward_fused(arch: str, *, width: int, cap: int, step: int):
@@ -655,8 +807,17 @@ SPECS = [
         variants=lambda arch: [dict(width=HIDDEN)],
         # v4 loads/stores: 16-byte vectors; rsqrt.approx + div.rn: torch's rstd; cvt.rn.bf16x2: the roundings.
         ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "div.rn.f32", "cvt.rn.bf16x2.f32",
-                     "shfl.sync.bfly"),
-        ptx_forbidden=("atom.", "red.global", "red.shared"),
+                     "shfl.sync.bfly", "red.global.min.s64"),
+        ptx_forbidden=("atom.", "red.global.add", "red.shared"),
+    ),
+    KernelSpec(
+        name="gate_residual_norm_modulate_fwd",
+        build=build_gated_forward,
+        variants=lambda arch: [dict(width=HIDDEN)],
+        # gate_residual's and norm_modulate's forward markers: both sets of roundings in one kernel
+        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "div.rn.f32", "cvt.rn.bf16x2.f32",
+                     "mul.bf16x2", "shfl.sync.bfly", "red.global.min.s64"),
+        ptx_forbidden=("atom.", "red.global.add", "red.shared"),
     ),
     KernelSpec(
         name="norm_modulate_bwd_rows",
@@ -668,7 +829,8 @@ SPECS = [
     KernelSpec(
         name="norm_modulate_bwd_params",
         build=build_backward_params,
-        variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS if cap not in FUSED_CAPS],
+        variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS if cap not in FUSED_CAPS]
+        + [dict(width=HIDDEN, cap=MAX_TABLE_ROWS, windowed=True)],
         ptx_markers=("ld.global.v4.b32", "ld.shared.v", "st.shared.v"),  # v4.b32 (sm_90a) or v2.b64 (sm_100a)
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),

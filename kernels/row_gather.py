@@ -11,7 +11,8 @@ column-reduction layout of kernels/rowwise.py (the chunk picks its grad tensor, 
 partial buffer; `rowwise_fold` sums the P groups in order and rounds once to BF16. No atomics, no sort.
 Bytes in flight: a CTA reads one 512-byte row slice per row (no second operand as in gate_residual), so it
 issues GATHER_UNROLL = 16 rows at once, and the six chunks share one grid (about 16 resident warps per SM at
-cap 12 instead of the 7 CTAs per SM one chunk's grid gives).
+cap 12 instead of the 7 CTAs per SM one chunk's grid gives). Tables beyond MAX_TABLE_ROWS rows take the
+windowed variant (kernels/rowwise.py): a CTA loads and adds only the rows whose idx lies in its window.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from cutlass import Float32, Int32, Int64
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
-from .rowwise import (COL_TILE, ROW_THREADS, TABLE_ROWS_CAPS, VEC, fake_indices, fake_partials, fake_rows,
-                      fake_table, load_f32, row_range, row_slots, smem_vec, store_bf16, vec_view)
+from .rowwise import (COL_TILE, MAX_TABLE_ROWS, ROW_THREADS, TABLE_ROWS_CAPS, VEC, check_row, fake_indices, fake_partials,
+                      fake_rows, fake_table, load_f32, reduction_block, row_range, row_slots, smem_vec, store_bf16,
+                      vec_view, window_pick)
 
 HIDDEN = 5376
 CHUNKS = 6
@@ -33,12 +35,14 @@ GATHER_UNROLL = 16  # rows whose grad loads a backward step issues before accumu
 @cute.kernel
 def _forward_kernel(mTable: cute.Tensor, mIdx: cute.Tensor, mOut0: cute.Tensor, mOut1: cute.Tensor,
                     mOut2: cute.Tensor, mOut3: cute.Tensor, mOut4: cute.Tensor, mOut5: cute.Tensor,
-                    width: cutlass.Constexpr):
+                    err_rows: Int64, err_host: Int64, width: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     row, chunk, _ = cute.arch.block_idx()
     num_vecs = width // VEC
     base = Int64(row) * width
     r = Int64(mIdx[row])
+    if (tidx == 0) & (chunk == 0):
+        check_row(r, mTable.shape[0], row, err_rows, err_host)
     valid = (r >= 0) & (r < mTable.shape[0])
     outs = (mOut0, mOut1, mOut2, mOut3, mOut4, mOut5)
     for c in cutlass.range_constexpr(CHUNKS):
@@ -55,8 +59,9 @@ def _forward_kernel(mTable: cute.Tensor, mIdx: cute.Tensor, mOut0: cute.Tensor, 
 
 
 @cute.jit
-def _forward_launch(mTable, mIdx, mOut0, mOut1, mOut2, mOut3, mOut4, mOut5, stream, width: cutlass.Constexpr):
-    _forward_kernel(mTable, mIdx, mOut0, mOut1, mOut2, mOut3, mOut4, mOut5, width).launch(
+def _forward_launch(mTable, mIdx, mOut0, mOut1, mOut2, mOut3, mOut4, mOut5, err_rows: Int64, err_host: Int64, stream,
+                    width: cutlass.Constexpr):
+    _forward_kernel(mTable, mIdx, mOut0, mOut1, mOut2, mOut3, mOut4, mOut5, err_rows, err_host, width).launch(
         grid=(mIdx.shape[0], CHUNKS, 1), block=(ROW_THREADS, 1, 1), stream=stream
     )
 
@@ -70,6 +75,22 @@ def _backward_step(mG, mIdx, sAcc, table_rows, first, col, lane, rows: cutlass.C
         if (picks[i] >= 0) & (picks[i] < table_rows):  # rows with an out-of-range index add nothing
             acc = smem_vec(sAcc, picks[i] * COL_TILE + lane * VEC)
             acc.store(acc.load() + gs[i])
+
+
+@cute.jit
+def _backward_step_windowed(mG, mIdx, sAcc, table_rows, base, first, col, lane, rows: cutlass.Constexpr,
+                            width: cutlass.Constexpr, cap: cutlass.Constexpr):
+    """_backward_step for the CTA of window [base, base + cap): only rows whose idx lies in it are loaded (the
+    other loads predicated off) and added."""
+    wins = [window_pick(Int64(mIdx[first + i]), table_rows, base, cap) for i in range(rows)]
+    gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
+    for i in cutlass.range_constexpr(rows):
+        if wins[i][1]:
+            gs[i].store(load_f32(mG, Int64(first + i) * width + col))
+    for i in cutlass.range_constexpr(rows):
+        if wins[i][1]:
+            acc = smem_vec(sAcc, wins[i][0] * COL_TILE + lane * VEC)
+            acc.store(acc.load() + gs[i].load())
 
 
 @cute.jit
@@ -87,12 +108,28 @@ def _backward_chunk(mG, mIdx, mPart, sAcc, group, col, lane, chunk_col, width: c
             smem_vec(sAcc, r * COL_TILE + lane * VEC).load())
 
 
+@cute.jit
+def _backward_chunk_windowed(mG, mIdx, mPart, sAcc, base, group, col, lane, chunk_col, width: cutlass.Constexpr,
+                             cap: cutlass.Constexpr):
+    """_backward_chunk for the CTA of window [base, base + cap): the partials of that window's table rows."""
+    table_rows = mPart.shape[1]
+    begin, end = row_range(mG.shape[0], group, mPart.shape[0])
+    batched_end = begin + (end - begin) // GATHER_UNROLL * GATHER_UNROLL
+    for first in cutlass.range(begin, batched_end, GATHER_UNROLL):
+        _backward_step_windowed(mG, mIdx, sAcc, table_rows, base, first, col, lane, GATHER_UNROLL, width, cap)
+    for first in cutlass.range(batched_end, end):
+        _backward_step_windowed(mG, mIdx, sAcc, table_rows, base, first, col, lane, 1, width, cap)
+    for r in cutlass.range(cutlass.min(Int64(cap), table_rows - base)):
+        vec_view(mPart, Int64(group) * mPart.stride[0] + (base + r) * mPart.stride[1] + chunk_col + col).store(
+            smem_vec(sAcc, Int32(r) * COL_TILE + lane * VEC).load())
+
+
 @cute.kernel
 def _backward_kernel(mG0: cute.Tensor, mG1: cute.Tensor, mG2: cute.Tensor, mG3: cute.Tensor, mG4: cute.Tensor,
                      mG5: cute.Tensor, mIdx: cute.Tensor, mPart: cute.Tensor, width: cutlass.Constexpr,
-                     cap: cutlass.Constexpr):
+                     cap: cutlass.Constexpr, windowed: cutlass.Constexpr):
     lane, _, _ = cute.arch.thread_idx()
-    tile, group, chunk = cute.arch.block_idx()
+    tile, block_y, chunk = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
     sAcc = smem.allocate_tensor(Float32, cute.make_layout(cap * COL_TILE), byte_alignment=32)
     col = tile * COL_TILE + lane * VEC
@@ -100,16 +137,25 @@ def _backward_kernel(mG0: cute.Tensor, mG1: cute.Tensor, mG2: cute.Tensor, mG3: 
     for r in cutlass.range(cap):
         smem_vec(sAcc, r * COL_TILE + lane * VEC).store(zero)
     grads = (mG0, mG1, mG2, mG3, mG4, mG5)
-    for c in cutlass.range_constexpr(CHUNKS):
-        if chunk == c:
-            _backward_chunk(grads[c], mIdx, mPart, sAcc, group, col, lane, c * width, width)
+    if cutlass.const_expr(windowed):
+        base, group = reduction_block(block_y, mPart.shape[0], cap, True)
+        for c in cutlass.range_constexpr(CHUNKS):
+            if chunk == c:
+                _backward_chunk_windowed(grads[c], mIdx, mPart, sAcc, base, group, col, lane, c * width, width, cap)
+    else:
+        for c in cutlass.range_constexpr(CHUNKS):
+            if chunk == c:
+                _backward_chunk(grads[c], mIdx, mPart, sAcc, block_y, col, lane, c * width, width)
 
 
 @cute.jit
 def _backward_launch(mG0, mG1, mG2, mG3, mG4, mG5, mIdx, mPart, stream, width: cutlass.Constexpr,
-                     cap: cutlass.Constexpr):
-    _backward_kernel(mG0, mG1, mG2, mG3, mG4, mG5, mIdx, mPart, width, cap).launch(
-        grid=(width // COL_TILE, mPart.shape[0], CHUNKS), block=(32, 1, 1), stream=stream
+                     cap: cutlass.Constexpr, windowed: cutlass.Constexpr):
+    blocks_y = mPart.shape[0]
+    if cutlass.const_expr(windowed):
+        blocks_y = (mPart.shape[1] + cap - 1) // cap * mPart.shape[0]
+    _backward_kernel(mG0, mG1, mG2, mG3, mG4, mG5, mIdx, mPart, width, cap, windowed).launch(
+        grid=(width // COL_TILE, blocks_y, CHUNKS), block=(32, 1, 1), stream=stream
     )
 
 
@@ -122,15 +168,16 @@ def build_forward(arch: str, *, width: int):
     _check_width(width)
     s = cute.sym_int()
     outs = [fake_rows(s, width) for _ in range(CHUNKS)]
-    return compile_for(arch, _forward_launch, fake_table(CHUNKS * width), fake_indices(s), *outs, env_stream(), width)
+    return compile_for(arch, _forward_launch, fake_table(CHUNKS * width), fake_indices(s), *outs, Int64(0), Int64(0),
+                       env_stream(), width)
 
 
-def build_backward(arch: str, *, width: int, cap: int):
+def build_backward(arch: str, *, width: int, cap: int, windowed: bool = False):
     _check_width(width)
     s, groups, table_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
     grads = [fake_rows(s, width) for _ in range(CHUNKS)]
     return compile_for(arch, _backward_launch, *grads, fake_indices(s),
-                       fake_partials(groups, table_rows, CHUNKS * width), env_stream(), width, cap)
+                       fake_partials(groups, table_rows, CHUNKS * width), env_stream(), width, cap, windowed)
 
 
 SPECS = [
@@ -138,13 +185,14 @@ SPECS = [
         name="adaln_row_gather_fwd",
         build=build_forward,
         variants=lambda arch: [dict(width=HIDDEN)],
-        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32"),
-        ptx_forbidden=("atom.", "red.global", "red.shared"),
+        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "red.global.min.s64"),
+        ptx_forbidden=("atom.", "red.global.add", "red.shared"),
     ),
     KernelSpec(
         name="adaln_row_gather_bwd",
         build=build_backward,
-        variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS],
+        variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS]
+        + [dict(width=HIDDEN, cap=MAX_TABLE_ROWS, windowed=True)],
         ptx_markers=("ld.global.v4.b32", "ld.shared.v", "st.shared.v"),  # v4.b32 (sm_90a) or v2.b64 (sm_100a)
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),

@@ -26,6 +26,15 @@ into FP32 accumulators that only it touches (registers for per-column sums, shar
 partial per (p, table row, column). `rowwise_fold` then sums the P partials of each element in order
 p = 0..P-1 and rounds once to BF16. Results depend on (S, P, idx), never on timing.
 
+Tables of more than MAX_TABLE_ROWS rows (T > 16 timesteps) do not fit one CTA's shared memory: the windowed
+variant of each reduction kernel splits the table into windows of MAX_TABLE_ROWS rows, block y = window *
+P + group. CTA (c, window, p) walks the rows of group p like the plain kernel, loads and adds only those
+whose idx falls in its window (their loads predicated off otherwise) and writes the partials of its
+window's table rows; per-column sums (norm_modulate's dweight) get one partial per (window, group). The
+launcher picks P for such tables so that P x R stays within the plain kernels' P x MAX_TABLE_ROWS
+partial rows (launch/norm_modulate.reduction_layout). Sums stay FP32 in row order per group, folded in
+group order: deterministic, a fixed function of (inputs, S, R).
+
 Indices are never trusted for addressing: a row whose idx lies outside [0, R) reads table row 0 and
 writes NaN outputs (forward, dx, dy) and adds nothing to any table gradient.
 """
@@ -34,7 +43,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_tensor
+from cutlass.cutlass_dsl import dsl_user_op
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
@@ -136,12 +147,57 @@ def block_sum(value: Float32, sRed: cute.Tensor, tidx, warps: cutlass.Constexpr)
     return total
 
 
+@dsl_user_op
+def record_bad_row(err_rows: Int64, err_host: Int64, row, bound, *, loc=None, ip=None):
+    """Records bad input at `row` in a check slot (h3cute/launch/checks.py): red.global.min of the row into the
+    device word `err_rows` (the first bad row) and plain stores of row + 1 and `bound` into the host-mapped words
+    at `err_host`. An error path: the one atomic here orders nothing the kernel computes."""
+    llvm.inline_asm(
+        res=None,
+        operands_=[Int64(err_rows).ir_value(loc=loc, ip=ip), Int64(err_host).ir_value(loc=loc, ip=ip),
+                   Int64(row).ir_value(loc=loc, ip=ip), Int64(bound).ir_value(loc=loc, ip=ip)],
+        asm_string="{ .reg .s64 next; red.global.min.s64 [$0], $2; add.s64 next, $2, 1; "
+                   "st.volatile.global.s64 [$1], next; st.volatile.global.s64 [$1+8], $3; }",
+        constraints="l,l,l,l,~{memory}",
+        has_side_effects=True,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@cute.jit
+def check_row(r, table_rows, row, err_rows: Int64, err_host: Int64):
+    """Records table row `r` of `row` in its check slot when it lies outside [0, R) (one thread per row calls it;
+    guarded_row makes the row NaN)."""
+    if (r < 0) | (r >= table_rows):
+        record_bad_row(err_rows, err_host, row, table_rows)
+
+
 @cute.jit
 def guarded_row(r, table_rows):
     """(row to read, factor): an index outside [0, R) (possible with check_indices=False) reads row 0 and
     gets factor NaN, which the caller multiplies into that row's outputs; otherwise factor 1.0 (exact)."""
     valid = (r >= 0) & (r < table_rows)
     return cutlass.select_(valid, r, Int64(0)), cutlass.select_(valid, Float32(1.0), Float32(float("nan")))
+
+
+@cute.jit
+def window_pick(r, table_rows, base, cap: cutlass.Constexpr):
+    """(row in the window, inside): table row `r` relative to a windowed reduction CTA's window [base, base +
+    cap), and whether it is a valid row (in [0, R)) of that window."""
+    local = r - base
+    return Int32(local), (r >= 0) & (r < table_rows) & (local >= 0) & (local < cap)
+
+
+@cute.jit
+def reduction_block(block_y, num_groups, cap: cutlass.Constexpr, windowed: cutlass.Constexpr):
+    """(window's first table row, row group) of a reduction CTA: block y = window * P + group when windowed,
+    else (0, block y)."""
+    if cutlass.const_expr(windowed):
+        window = block_y // num_groups
+        return Int64(window) * cap, block_y - window * num_groups
+    return Int64(0), block_y
 
 
 @cute.jit

@@ -20,10 +20,10 @@ written by one warp as 32 coalesced 16-byte stores. A CTA holds ROWS_PER_CTA war
 ceil(T / ROWS_PER_CTA). T is symbolic (one compiled kernel for every T >= 1; the launcher skips T = 0).
 Every row depends on its own t only, so the output is batch-invariant by construction.
 
-Range check (the `check_range` variant, the op's default on CUDA): lane 0 of each row's warp tests
-0 <= t <= 1 (false for NaN) and, on a bad value, prints the row and value and executes `trap`. The check
-costs no host sync and no extra launch; like torch's device-side asserts, the error surfaces at the next
-synchronising call and leaves the CUDA context unusable, which is right for a caller bug.
+Range check (the `check_range` variant, the op's default on CUDA): every lane tests 0 <= t <= 1 (false for
+NaN); a bad row is written as NaN and lane 0 records it in the call's check slot (kernels/rowwise.py
+`record_bad_row`, h3cute/launch/checks.py), which the host raises as a ValueError at its next h3 call. The
+check costs no host sync and no extra launch, and the CUDA context stays usable.
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
+
+from .rowwise import record_bad_row
 
 SINUSOID_WIDTH = 256
 HALF = SINUSOID_WIDTH // 2
@@ -60,13 +62,9 @@ def _mul_rn(a: cutlass.Float32, b: cutlass.Float32) -> cutlass.Float32:
     )
 
 
-@cute.jit
-def _trap():
-    cute.arch.inline_ptx("trap;", write_only_types=[], read_only_args=[])
-
-
 @cute.kernel
-def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor, check_range: cutlass.Constexpr[bool]):
+def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor, err_rows: cutlass.Int64, err_host: cutlass.Int64,
+                     check_range: cutlass.Constexpr[bool]):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, _, _ = cute.arch.block_idx()
     lane = tidx % LANES
@@ -74,17 +72,6 @@ def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor, check_range: cutlass.Co
     row = cutlass.Int64(bidx * ROWS_PER_CTA + tidx // LANES)
     if row < mT.shape[0]:
         t = mT[row]
-        if cutlass.const_expr(check_range):
-            if lane == 0:
-                # NaN fails both comparisons, so it is caught too.
-                if not ((t >= cutlass.Float32(0.0)) & (t <= cutlass.Float32(1.0))):
-                    cute.printf(
-                        "h3::timestep_sinusoid: t[%lld] = %f is outside [0, 1] (t scaled by 1000? H3 takes t in "
-                        "[0, 1]); pass check_range=False only for validated inputs",
-                        row,
-                        t,
-                    )
-                    _trap()
         rCos = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         rSin = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         for i in cutlass.range_constexpr(VEC):
@@ -94,6 +81,13 @@ def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor, check_range: cutlass.Co
             angle = _mul_rn(t, freq)
             rCos[i] = cute.math.cos(angle, fastmath=False)
             rSin[i] = cute.math.sin(angle, fastmath=False)
+        if cutlass.const_expr(check_range):
+            # NaN fails both comparisons, so it is caught too.
+            if not ((t >= cutlass.Float32(0.0)) & (t <= cutlass.Float32(1.0))):
+                if lane == 0:
+                    record_bad_row(err_rows, err_host, row, 1)
+                rCos.fill(float("nan"))
+                rSin.fill(float("nan"))
         # (VEC, 2 * LANES) view of the row: column block j is out[row, VEC*j : VEC*(j+1)].
         gRow = cute.zipped_divide(mOut[row, None], (VEC,))
         cute.autovec_copy(rCos, gRow[(None, lane)])
@@ -101,9 +95,11 @@ def _sinusoid_kernel(mT: cute.Tensor, mOut: cute.Tensor, check_range: cutlass.Co
 
 
 @cute.jit
-def _sinusoid_launch(mT: cute.Tensor, mOut: cute.Tensor, stream, check_range: cutlass.Constexpr[bool]):
+def _sinusoid_launch(mT: cute.Tensor, mOut: cute.Tensor, err_rows: cutlass.Int64, err_host: cutlass.Int64, stream,
+                     check_range: cutlass.Constexpr[bool]):
     grid = (mT.shape[0] + ROWS_PER_CTA - 1) // ROWS_PER_CTA  # T >= 1: the launcher skips T = 0
-    _sinusoid_kernel(mT, mOut, check_range).launch(grid=(grid, 1, 1), block=(ROWS_PER_CTA * LANES, 1, 1), stream=stream)
+    _sinusoid_kernel(mT, mOut, err_rows, err_host, check_range).launch(
+        grid=(grid, 1, 1), block=(ROWS_PER_CTA * LANES, 1, 1), stream=stream)
 
 
 def build(arch: str, *, width: int, check_range: bool):
@@ -113,7 +109,7 @@ def build(arch: str, *, width: int, check_range: bool):
     # t may be any 1-D FP32 view (stride symbolic); the output is a fresh compact (T, 256) tensor.
     mT = make_fake_tensor(cutlass.Float32, (num_rows,), (cute.sym_int(),), assumed_align=4)
     mOut = make_fake_compact_tensor(cutlass.Float32, (num_rows, width), stride_order=(1, 0), assumed_align=16)
-    return compile_for(arch, _sinusoid_launch, mT, mOut, env_stream(), check_range)
+    return compile_for(arch, _sinusoid_launch, mT, mOut, cutlass.Int64(0), cutlass.Int64(0), env_stream(), check_range)
 
 
 SPECS = [

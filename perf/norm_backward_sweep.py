@@ -28,7 +28,7 @@ from h3cute.launch import norm_modulate  # noqa: E402
 def run_variant(inputs, step, groups):
     grad, x, w, scale, idx = inputs
     table_rows = scale.shape[0]
-    cap = norm_modulate.table_rows_cap("sweep", table_rows)
+    cap = norm_modulate.table_rows_cap(table_rows)
     fn = runtime.kernel("norm_modulate_bwd_fused", x.device, width=H, cap=cap, step=step)
     dx = torch.full_like(x, float("nan"))
     partials = torch.full((groups, (1 + 2 * table_rows) * H), float("nan"), device=x.device)

@@ -1,5 +1,5 @@
 """Per-launch device time and achieved bandwidth of the row ops' kernels (norm_modulate, gate_residual,
-adaln_row_gather), forward and backward, at S = 4097, 32768, 131072. A device script: it runs on the
+adaln_row_gather, gate_residual_norm_modulate), forward and backward, at S = 4097, 32768, 131072. A device script: it runs on the
 prebuilt bundle (`bash perf/device_run.sh python3 perf/row_kernels.py`) and never compiles.
 
 How: each op is called once through its launch module (h3cute.launch.*) with `h3cute.runtime.kernel`
@@ -11,7 +11,7 @@ written once in full; tables and weights count once although every CTA reads its
 device copy of 1 GiB measured in the same run gives the copy bandwidth the GB/s compare against.
 
 JSON to $H3CUTE_OUT/row_kernels.json (default: the current directory); a table on stdout.
-Options: --sizes 4097,32768,131072  --table-rows 9  --ops norm_modulate,gate_residual,adaln_row_gather
+Options: --sizes 4097,32768,131072  --table-rows 9  --ops norm_modulate,gate_residual,adaln_row_gather,...
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 from h3cute import runtime
 from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
-from h3cute.launch import adaln_row_gather, gate_residual, norm_modulate
+from h3cute.launch import adaln_row_gather, gate_residual, gate_residual_norm_modulate, norm_modulate
 
 H = 5376
 WARMUP, SAMPLES = 10, 50
@@ -96,6 +96,14 @@ def _inputs(op, rows, table_rows, gen):
         grads = [randn(rows, H) for _ in range(6)]
         return (lambda: adaln_row_gather.forward(table, idx),
                 lambda: adaln_row_gather.backward(grads, idx, table_rows))
+    if op == "gate_residual_norm_modulate":
+        res, y, grad_h, grad_out = randn(rows, H), randn(rows, H), randn(rows, H), randn(rows, H)
+        w = (0.5 + torch.rand(H, generator=gen, device="cuda")).to(torch.bfloat16)
+        gate, shift, scale = (randn(table_rows, H, scale=0.1) for _ in range(3))
+        h, _ = gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, 1e-5)
+        return (lambda: gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, 1e-5),
+                lambda: gate_residual_norm_modulate.backward(grad_h, grad_out, y, gate, h, w, scale, idx, 1e-5,
+                                                             table_rows))
     raise ValueError(op)
 
 
@@ -128,7 +136,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="4097,32768,131072")
     p.add_argument("--table-rows", type=int, default=9)
-    p.add_argument("--ops", default="norm_modulate,gate_residual,adaln_row_gather")
+    p.add_argument("--ops", default="norm_modulate,gate_residual,adaln_row_gather,gate_residual_norm_modulate")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("perf/row_kernels.py needs a CUDA device")

@@ -17,8 +17,6 @@ def test_backward_checks_grads():
     idx = torch.zeros(4, dtype=torch.int64)
     with pytest.raises(ValueError, match="expected 6 grads"):
         launch.backward([g] * 5, idx, 9)
-    with pytest.raises(ValueError, match="at most 48"):
-        launch.backward([g] * 6, idx, 60)
     with pytest.raises(ValueError, match="contiguous"):
         launch.backward([g] * 5 + [torch.zeros(H, 4, dtype=BF16).t()], idx, 9)
 

@@ -28,8 +28,9 @@ def test_final_adaln_out_glue_on_cpu_emulation(monkeypatch):
     """final_adaln_out slices shift | scale in that order and feeds d(shift | scale) back in that order."""
     calls = {}
 
-    def forward_rows(x, w, shift, scale, idx, eps, op):
+    def forward_rows(x, w, shift, scale, idx, eps, op, argument, check):
         calls["strides"] = (shift.stride(0), scale.stride(0))
+        calls["check"] = (op, argument, check)
         return reference.norm_modulate_replay(x, w, shift, scale, idx, eps)
 
     def backward_rows(grad, x, w, scale, idx, eps, op, table_grad):
@@ -55,6 +56,7 @@ def test_final_adaln_out_glue_on_cpu_emulation(monkeypatch):
     ti = torch.randint(0, timesteps, (rows,), generator=g)
     out = launch.forward(x, nw, temb, w, b, ti, 1e-5, True)
     assert calls["strides"] == (N, N)  # row-strided halves of one table, no copy
+    assert calls["check"] == ("final_adaln_out", "timestep_indices", True)  # its own check slot
     assert _close(out, reference.final_adaln_out_replay(x, nw, temb, w, b, ti, 1e-5), 1e-2)
     grad = torch.randn((rows, H), generator=g).to(torch.bfloat16)
     got = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import h3cute  # noqa: F401
+import h3cute
 from h3cute import native, reference
+from h3cute.launch import checks
 from h3cute.ops import adaln, timestep
 
 from bitwise import same_bits
@@ -129,7 +130,7 @@ def _norm_inputs(rows, table_rows=9):
 @pytest.mark.parametrize("rows", [1, 7, 4097])
 def test_norm_modulate_cpp_equals_python_impl(rows):
     x, weight, shift, scale, idx = _norm_inputs(rows)
-    for check in (False, True):  # check_indices=True is the Python impl's (a host read of the indices)
+    for check in (False, True):  # both on the C++ fast path: the kernel checks the indices itself
         assert same_bits(torch.ops.h3.norm_modulate(x, weight, shift, scale, idx, 1e-5, check),
                            adaln._norm_modulate_cuda(x, weight, shift, scale, idx, 1e-5, check))
     # row-strided tables read in place, and tables the kernel cannot read in place (copied by Python)
@@ -147,10 +148,11 @@ def test_norm_modulate_cpp_keeps_the_python_messages():
         torch.ops.h3.norm_modulate(x, weight, shift, scale, idx, 0.0, False)
     with pytest.raises(TypeError, match="x must be bfloat16"):
         torch.ops.h3.norm_modulate(x.float(), weight, shift, scale, idx, 1e-5, False)
-    with pytest.raises(IndexError, match=r"adaln_indices\[3\] = 9 is outside"):
-        bad = idx.clone()
-        bad[3] = 9
-        torch.ops.h3.norm_modulate(x, weight, shift, scale, bad)
+    bad = idx.clone()
+    bad[3] = 9
+    torch.ops.h3.norm_modulate(x, weight, shift, scale, bad)  # recorded on the device, raised after
+    with pytest.raises(IndexError, match=r"h3::norm_modulate: adaln_indices\[3\] is outside \[0, 9\)"):
+        h3cute.check_errors()
     assert torch.ops.h3.norm_modulate(x[:0], weight, shift, scale, idx[:0], 1e-5, False).shape == (0, 5376)
 
 
@@ -452,6 +454,12 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
 
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
+    slots = {}  # check slot addresses as (op, argument, checked) stand-ins: no CUDA memory on a CPU machine
+    monkeypatch.setattr(checks, "slot_addresses",
+                        lambda device, op, arg, checked=True: slots.setdefault((op, arg, checked), (len(slots) + 1,) * 2))
+
+    def check_constants(op, arg="adaln_indices"):
+        return [*checks.slot_addresses(0, op, arg), *checks.slot_addresses(0, op, arg, False)]
 
     def asked(module, variant, rows):
         _FakeKernel.asked = []
@@ -460,12 +468,15 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
         return [name for name, _ in _FakeKernel.asked], answer[3:] and answer[3]
 
     groups = norm_modulate.ROW_GROUPS[arch]
-    assert asked(gate_residual, 0, 5) == (["gate_residual_fwd"], ())
+    assert asked(gate_residual, 0, 5) == (["gate_residual_fwd"], check_constants("gate_residual"))
     assert asked(gate_residual, 30, 5) == (["gate_residual_bwd", "rowwise_fold"], [groups])
     assert asked(adaln_row_gather, 9, 5) == (["adaln_row_gather_bwd", "rowwise_fold"], [groups])
     fused = norm_modulate.FUSED_ROW_GROUPS[arch][12]
     assert asked(norm_modulate, 9, 5) == (["norm_modulate_bwd_fused", "rowwise_fold"], [fused])
-    assert asked(timestep_sinusoid, 1, 5)[0] == ["timestep_sinusoid"]
+    assert asked(timestep_sinusoid, 1, 5) == (["timestep_sinusoid"], list(checks.slot_addresses(0, "timestep_sinusoid", "t")))
+    assert asked(timestep_sinusoid, 0, 5)[1] == list(checks.slot_addresses(0, "timestep_sinusoid", "t", False))
+    assert asked(norm_modulate, 0, 5) == (["norm_modulate_fwd"], check_constants("norm_modulate"))
+    assert asked(adaln_row_gather, 0, 5) == (["adaln_row_gather_fwd"], check_constants("adaln_row_gather"))
     if arch != "sm_90a":
         assert asked(timestep_mlp, 0, 3) == (["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"], [0])
     assert asked(timestep_mlp, 0, 100) == (["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"], [0])
@@ -482,7 +493,8 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
                                                 "tf32_split", "tf32x3_wgmma_gemm", "timestep_mlp_gemm",
                                                 "timestep_mlp_colsum"], [1])
     proj = "adaln_proj_fwd_wgmma" if arch == "sm_90a" and adaln_projection.SM90_FAMILY == "wgmma" else "adaln_proj_fwd"
-    assert asked(final_adaln_out, 0, 3)[0] == ["adaln_silu_cast", proj, "norm_modulate_fwd"]
+    assert asked(final_adaln_out, 0, 3) == (["adaln_silu_cast", proj, "norm_modulate_fwd"],
+                                            check_constants("final_adaln_out", "timestep_indices"))
     names, constants = asked(final_adaln_out, 1, 3)
     assert names[:4] == ["adaln_silu_cast", proj, "norm_modulate_bwd_fused", "rowwise_fold"]
     assert names[4:] == [proj.replace("fwd", "dgrad"), "adaln_dtemb_fold", proj.replace("fwd", "wgrad")]

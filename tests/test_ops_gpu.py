@@ -144,9 +144,10 @@ def test_value_checks_raise_on_cuda():
         x, w, shift, scale, idx = cuda_inputs("norm_modulate", 9)
         bad = idx.clone()
         bad[4] = 9
-        with pytest.raises(IndexError, match=r"h3::norm_modulate: adaln_indices\[4\] = 9 is outside \[0, 9\)"):
-            torch.ops.h3.norm_modulate(x, w, shift, scale, bad)
-    # timestep_sinusoid's range check is a device-side trap on CUDA: tests/test_timestep_sinusoid.py
+        torch.ops.h3.norm_modulate(x, w, shift, scale, bad)  # checked on the device, raised after
+        with pytest.raises(IndexError, match=r"h3::norm_modulate: adaln_indices\[4\] is outside \[0, 9\)"):
+            h3cute.check_errors()
+    # every op's checks: tests/test_error_flags.py
 
 
 def test_row_strided_tables_on_cuda():

@@ -16,6 +16,7 @@ import torch
 from h3cute import runtime
 from h3cute.launch import adaln_projection, norm_modulate
 
+OP = "final_adaln_out"
 HIDDEN = 5376
 PROJECTION = 2 * HIDDEN
 # Where some launch choice of the C++ impls changes with T: the projection configs (adaln_projection.T_BOUNDS)
@@ -29,12 +30,13 @@ def _choices(dev, rows: int, backward: bool) -> tuple:
     if not backward:
         return wgmma, fwd
     return (wgmma, fwd, adaln_projection.dgrad_config_for_rows(rows, wgmma),
-            adaln_projection.wgrad_config_for_rows(rows, wgmma), norm_modulate.table_rows_cap("final_adaln_out", rows))
+            adaln_projection.wgrad_config_for_rows(rows, wgmma), norm_modulate.table_rows_cap(rows))
 
 
 def kernel_handles(device: int, backward: int, num_rows: int):
     """For the C++ impls (h3cute.native): the T range sharing every launch choice, and the C handles of the
-    forward's kernels (`adaln_silu_cast`, the projection GEMM, `norm_modulate_fwd`) or, for T <= 24, the
+    forward's kernels (`adaln_silu_cast`, the projection GEMM, `norm_modulate_fwd`; with its check_constants) or,
+    for T <= 24, the
     backward's (silu_cast, projection, `norm_modulate_bwd_fused`, `rowwise_fold`, the d_temb GEMM,
     `adaln_dtemb_fold`, the dW GEMM; db fused into it) with the fused norm's row-group count."""
     dev = torch.device("cuda", device)
@@ -47,7 +49,7 @@ def kernel_handles(device: int, backward: int, num_rows: int):
                            config=fwd)]
     if not backward:
         fns = head + [runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN)]
-        return lo, hi, [fn.__chandle__() for fn in fns]
+        return lo, hi, [fn.__chandle__() for fn in fns], norm_modulate.check_constants(dev, OP, "timestep_indices")
     _, _, dgrad, wgrad, cap = choices
     if cap not in norm_modulate.FUSED_CAPS or num_rows > adaln_projection.FUSED_DBIAS_ROWS:
         raise ValueError(f"final_adaln_out: the C++ backward takes T <= 24, got {num_rows}")
@@ -64,18 +66,19 @@ def kernel_handles(device: int, backward: int, num_rows: int):
     return lo, hi, [fn.__chandle__() for fn in fns], [groups]
 
 
-def forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5):
+def forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
     """(out, table): the forward's output and its (T, 10752) BF16 projection (shift | scale), which the
-    backward takes instead of computing it again."""
+    backward takes instead of computing it again. A bad timestep index writes a NaN row and, with
+    `check_indices`, is recorded in the op's check slot (h3cute.launch.checks)."""
     table = adaln_projection.forward(temb, proj_weight, proj_bias)
     out = norm_modulate.forward_rows(x, norm_weight, table[:, :HIDDEN], table[:, HIDDEN:], timestep_indices, eps,
-                                     op="final_adaln_out")
+                                     op=OP, argument="timestep_indices", check=check_indices)
     return out, table
 
 
 def forward(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
-    """(S, 5376) BF16 x -> rms_norm(x, nw) * (1 + scale[ti]) + shift[ti], BF16; indices already checked."""
-    return forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)[0]
+    """(S, 5376) BF16 x -> rms_norm(x, nw) * (1 + scale[ti]) + shift[ti], BF16 (forward_with_table)."""
+    return forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, check_indices)[0]
 
 
 def backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table=None):

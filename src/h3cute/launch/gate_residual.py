@@ -2,16 +2,18 @@
 
 forward: one launch, out = residual + gate[idx] * y with torch's two BF16 roundings (bitwise the replay).
 backward: one pass over the rows writes dy = bf16(grad * gate[idx]) and FP32 partials of
-dgate[r] = sum grad * y per fixed row group (h3cute.launch.norm_modulate.ROW_GROUPS); the fold sums the
-groups in order. d residual is grad itself (the op layer returns it). No host sync.
+dgate[r] = sum grad * y per fixed row group (h3cute.launch.norm_modulate.reduction_layout: ROW_GROUPS; windows
+beyond 48 table rows); the fold sums the groups in order. d residual is grad itself (the op layer returns it).
+No host sync.
 """
 from __future__ import annotations
 
 import torch
 
 from h3cute import runtime
+from h3cute.launch import checks
 
-from .norm_modulate import (check_rows, fold, index_vector, row_groups, row_op_kernel_handles, table_rows_cap,
+from .norm_modulate import (check_rows, fold, index_vector, reduction_kernel, reduction_layout, row_op_kernel_handles,
                             table_view)
 
 
@@ -21,7 +23,8 @@ def kernel_handles(device: int, variant: int, num_rows: int):
 
 
 def forward(residual, y, gate, adaln_indices, check_indices=True):
-    """(S, H) BF16 `residual + gate[idx] * y` (indices checked upstream)."""
+    """(S, H) BF16 `residual + gate[idx] * y`; a bad index writes a NaN row and, with `check_indices`, is recorded
+    in the op's check slot (h3cute.launch.checks)."""
     op = "gate_residual"
     width = y.shape[-1]
     check_rows(op, "residual", residual, width)
@@ -32,7 +35,8 @@ def forward(residual, y, gate, adaln_indices, check_indices=True):
     idx = index_vector(op, adaln_indices, y.shape[0])
     out = torch.empty_like(y)
     if y.shape[0]:
-        runtime.kernel("gate_residual_fwd", y.device, width=width)(residual, y, gate, idx, out)
+        runtime.kernel("gate_residual_fwd", y.device, width=width)(
+            residual, y, gate, idx, out, *checks.slot_addresses(y.device, op, "adaln_indices", check_indices))
     return out
 
 
@@ -45,13 +49,12 @@ def backward(grad, y, gate, adaln_indices):
     gate = table_view(op, "gate", gate, width)
     idx = index_vector(op, adaln_indices, y.shape[0])
     table_rows = gate.shape[0]
-    cap = table_rows_cap(op, table_rows)
     device = y.device
     dy = torch.empty_like(y)
     dgate = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
     if y.shape[0] == 0:
         return dy, dgate.zero_()
-    groups = row_groups(device)
+    cap, windows, groups = reduction_layout(table_rows, device)
     partials = torch.empty((groups, table_rows, width), dtype=torch.float32, device=device)
-    runtime.kernel("gate_residual_bwd", device, width=width, cap=cap)(grad, y, gate, idx, dy, partials)
+    reduction_kernel("gate_residual_bwd", device, width, cap, windows)(grad, y, gate, idx, dy, partials)
     return dy, fold(partials, dgate)

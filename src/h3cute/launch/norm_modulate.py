@@ -4,9 +4,10 @@ forward: one launch of `norm_modulate_fwd` (kernels/norm_modulate.py): out = rms
 (1 + scale[idx]) + shift[idx], bitwise the diffusers replay. backward, tables of <= 24 rows:
 `norm_modulate_bwd_fused` (one pass over grad and x: dx and the FP32 partials of dweight, dshift, dscale
 per fixed row group, 7-CTA clusters) and one `rowwise_fold` launch into one buffer whose views are the three
-parameter gradients; larger tables (<= 48 rows):
-`norm_modulate_bwd_rows` (dx and a per-row FP32 rstd workspace), `norm_modulate_bwd_params` (the
-partials) and the folds. No host sync anywhere.
+parameter gradients; larger tables (any number of rows):
+`norm_modulate_bwd_rows` (dx, bitwise the fused kernel's, and a per-row FP32 rstd workspace),
+`norm_modulate_bwd_params` (the partials; windowed beyond 48 table rows, see `reduction_layout`) and the
+folds. No host sync anywhere.
 
 `forward_rows` / `backward_rows` take any row index vector and row-strided tables (read in place when
 their rows are 16-byte aligned, else copied compact first), so `final_adaln_out` reuses them with timestep_indices and
@@ -20,11 +21,12 @@ from __future__ import annotations
 import torch
 
 from h3cute import runtime
+from h3cute.launch import checks
 
 HIDDEN = 5376
 COL_TILE = 256  # kernels/rowwise.py COL_TILE: the widths must be multiples of it
 TABLE_ROWS_CAPS = (12, 24, 48)  # kernels/rowwise.py TABLE_ROWS_CAPS
-MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]
+MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]  # table rows one reduction CTA holds; larger tables take windows of this many
 # Row groups of the column reductions: (H / 256) x P one-warp CTAs, about 7 per SM.
 ROW_GROUPS = {"sm_90a": 44, "sm_100a": 49}
 # The fused backward (kernels/norm_modulate.py FUSED_CAPS, CLUSTER, FUSED_VEC, FUSED_STEPS): row groups = clusters of
@@ -39,18 +41,36 @@ FUSED_VEC = 4  # columns per thread of a fused CTA (192 threads per 768-column s
 FUSED_ROW_GROUPS = {"sm_90a": {12: 32, 24: 16}, "sm_100a": {12: 36, 24: 16}}
 
 
-def table_rows_cap(op: str, table_rows: int) -> int:
-    for cap in TABLE_ROWS_CAPS:
-        if table_rows <= cap:
-            return cap
-    raise ValueError(
-        f"h3::{op}: the table has {table_rows} rows; the deterministic row reductions hold at most "
-        f"{MAX_TABLE_ROWS} table rows (3 modalities x 16 timesteps) in shared memory"
-    )
+def table_rows_cap(table_rows: int) -> int:
+    """The compiled table-row capacity of the reduction kernels for a table of `table_rows` rows (MAX_TABLE_ROWS
+    for every larger table: its windows)."""
+    return next((cap for cap in TABLE_ROWS_CAPS if table_rows <= cap), MAX_TABLE_ROWS)
 
 
 def row_groups(device: torch.device) -> int:
     return ROW_GROUPS[runtime.arch_of(device)]
+
+
+def reduction_layout(table_rows: int, device: torch.device) -> tuple[int, int, int]:
+    """(cap, windows, row groups) of the column reductions for a table of `table_rows` rows.
+
+    Up to MAX_TABLE_ROWS rows: the plain kernels of the smallest cap that holds the table, one window,
+    ROW_GROUPS groups. Beyond: the windowed kernels (cap MAX_TABLE_ROWS, ceil(R / MAX_TABLE_ROWS) windows), with
+    as many row groups as keep P x R within ROW_GROUPS x MAX_TABLE_ROWS partial rows (at least one): the FP32
+    partials stay within the plain kernels' largest, and the grid (column tiles x windows x groups) about the
+    same size. A function of (R, arch) only, like ROW_GROUPS: the sums stay deterministic."""
+    groups = row_groups(device)
+    if table_rows <= MAX_TABLE_ROWS:
+        return table_rows_cap(table_rows), 1, groups
+    return MAX_TABLE_ROWS, -(-table_rows // MAX_TABLE_ROWS), max(1, groups * MAX_TABLE_ROWS // table_rows)
+
+
+def reduction_kernel(name: str, device: torch.device, width: int, cap: int, windows: int):
+    """The compiled column-reduction kernel `name` for a layout of reduction_layout (its windowed variant when
+    the table has more than one window)."""
+    if windows > 1:
+        return runtime.kernel(name, device, width=width, cap=cap, windowed=True)
+    return runtime.kernel(name, device, width=width, cap=cap)
 
 
 def fold(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -89,38 +109,52 @@ def _check_vector(op: str, name: str, t: torch.Tensor, width: int) -> None:
 
 
 def kernel_handles(device: int, variant: int, num_rows: int):
-    """For the C++ impls (h3cute.native), every row count: variant 0, the forward's `norm_modulate_fwd`;
+    """For the C++ impls (h3cute.native), every row count: variant 0, the forward's `norm_modulate_fwd` with its
+    check_constants;
     variant R (table rows, fused caps only), the backward's `norm_modulate_bwd_fused` and `rowwise_fold`
     with its row-group count."""
     dev = torch.device("cuda", device)
     if variant == 0:
-        return 0, runtime.MAX_ROWS, [runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN).__chandle__()]
-    cap = table_rows_cap("norm_modulate_backward", variant)
-    if cap not in FUSED_CAPS:
+        return (0, runtime.MAX_ROWS, [runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN).__chandle__()],
+                check_constants(dev, "norm_modulate"))
+    cap = table_rows_cap(variant)
+    if variant > cap or cap not in FUSED_CAPS:
         raise ValueError(f"norm_modulate: no fused backward for {variant} table rows")
     fns = [runtime.kernel("norm_modulate_bwd_fused", dev, width=HIDDEN, cap=cap, step=FUSED_STEP),
            runtime.kernel("rowwise_fold", dev)]
     return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [FUSED_ROW_GROUPS[runtime.arch_of(dev)][cap]]
 
 
+def check_constants(device: torch.device, op: str, argument: str = "adaln_indices") -> list[int]:
+    """Launch constants of a checking forward for the C++ impls: the check slot addresses of (op, argument) and
+    of the discard slot (h3cute.launch.checks), the kernel's last two arguments when checked and unchecked."""
+    return [*checks.slot_addresses(device, op, argument), *checks.slot_addresses(device, op, argument, False)]
+
+
 def row_op_kernel_handles(device: int, variant: int, op: str, forward_kernel: str, backward_kernel: str):
     """kernel_handles of a row op with a one-kernel forward and a backward of `backward_kernel` (by table cap)
-    plus `rowwise_fold` over ROW_GROUPS: variant 0, [forward]; variant R (table rows), [backward, fold] and
-    [row groups]. Every row count shares the answer."""
+    plus `rowwise_fold` over ROW_GROUPS: variant 0, [forward] and its check_constants; variant R (table rows, at most MAX_TABLE_ROWS:
+    the C++ impls hand larger tables to Python), [backward, fold] and [row groups]. Every row count shares the
+    answer."""
     dev = torch.device("cuda", device)
     if variant == 0:
-        return 0, runtime.MAX_ROWS, [runtime.kernel(forward_kernel, dev, width=HIDDEN).__chandle__()]
-    cap = table_rows_cap(op, variant)
+        return (0, runtime.MAX_ROWS, [runtime.kernel(forward_kernel, dev, width=HIDDEN).__chandle__()],
+                check_constants(dev, op.removesuffix("_backward")))
+    cap, windows, groups = reduction_layout(variant, dev)
+    if windows > 1:
+        raise ValueError(f"h3::{op}: the C++ backward takes at most {MAX_TABLE_ROWS} table rows, got {variant}")
     fns = [runtime.kernel(backward_kernel, dev, width=HIDDEN, cap=cap), runtime.kernel("rowwise_fold", dev)]
-    return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [row_groups(dev)]
+    return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [groups]
 
 
 def forward(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
-    """(S, 5376) BF16 `rms_norm(x, weight, eps) * (1 + scale[idx]) + shift[idx]` (indices checked upstream)."""
-    return forward_rows(x, weight, shift, scale, adaln_indices, eps)
+    """(S, 5376) BF16 `rms_norm(x, weight, eps) * (1 + scale[idx]) + shift[idx]`; a bad index writes a NaN row
+    and, with `check_indices`, is recorded in the op's check slot (h3cute.launch.checks)."""
+    return forward_rows(x, weight, shift, scale, adaln_indices, eps, check=check_indices)
 
 
-def forward_rows(x, weight, shift, scale, idx, eps, op: str = "norm_modulate"):
+def forward_rows(x, weight, shift, scale, idx, eps, op: str = "norm_modulate", argument: str = "adaln_indices",
+                 check: bool = True):
     width = x.shape[-1]
     check_rows(op, "x", x, width)
     _check_vector(op, "weight", weight, width)
@@ -129,7 +163,8 @@ def forward_rows(x, weight, shift, scale, idx, eps, op: str = "norm_modulate"):
     idx = index_vector(op, idx, x.shape[0])
     out = torch.empty_like(x)
     if x.shape[0]:
-        runtime.kernel("norm_modulate_fwd", x.device, width=width)(x, weight, shift, scale, idx, out, float(eps))
+        runtime.kernel("norm_modulate_fwd", x.device, width=width)(
+            x, weight, shift, scale, idx, out, float(eps), *checks.slot_addresses(x.device, op, argument, check))
     return out
 
 
@@ -152,8 +187,8 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
     scale = table_view(op, "scale", scale, width)
     idx = index_vector(op, idx, x.shape[0])
     table_rows = scale.shape[0]
-    cap = table_rows_cap(op, table_rows)
     num_rows, device = x.shape[0], x.device
+    cap, windows, groups = reduction_layout(table_rows, device)
     dx = torch.empty_like(x)
     # One BF16 buffer, one fold: [dweight | dshift rows | dscale rows], or with table_grad [dweight | (dshift row r |
     # dscale row r) for each r]; the outputs are views of it (per element the same sums as a fold per output).
@@ -167,11 +202,15 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
     if num_rows == 0:
         grads.zero_()
         return outputs
-    fused = cap in FUSED_CAPS and width % (FUSED_VEC * 32 * FUSED_CLUSTER) == 0
-    groups = FUSED_ROW_GROUPS[runtime.arch_of(device)][cap] if fused else row_groups(device)
-    # Partials per group in the layout of `grads`; every element written by the kernel.
+    fused = windows == 1 and cap in FUSED_CAPS and width % (FUSED_VEC * 32 * FUSED_CLUSTER) == 0
+    if fused:
+        groups = FUSED_ROW_GROUPS[runtime.arch_of(device)][cap]
+    # Partials per group in the layout of `grads`; every element written by the kernel. Windowed, dweight has a
+    # partial per (window, group): its own buffer and fold.
     partials = torch.empty((groups, (1 + 2 * table_rows) * width), dtype=torch.float32, device=device)
     part_w = partials[:, :width]
+    if windows > 1:
+        part_w = torch.empty((windows * groups, width), dtype=torch.float32, device=device)
     if table_grad:
         part_rows = partials[:, width:].view(groups, table_rows, 2 * width)
         part_shift, part_scale = part_rows[:, :, :width], part_rows[:, :, width:]
@@ -185,7 +224,11 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
         rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
         runtime.kernel("norm_modulate_bwd_rows", device, width=width)(grad, x, weight, scale, idx, dx, rstd,
                                                                       float(eps))
-        runtime.kernel("norm_modulate_bwd_params", device, width=width, cap=cap)(
+        reduction_kernel("norm_modulate_bwd_params", device, width, cap, windows)(
             grad, x, weight, scale, idx, rstd, part_w, part_shift, part_scale)
-    fold(partials, grads)
+    if windows > 1:
+        fold(part_w, dweight)
+        fold(partials[:, width:], rows)
+    else:
+        fold(partials, grads)
     return outputs

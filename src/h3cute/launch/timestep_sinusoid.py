@@ -3,13 +3,15 @@
 The op layer (h3cute.ops.timestep) validates t's dtype and shape and widens it to FP32 before calling
 `forward`. Here: one `torch.empty`, one dict hit for the compiled kernel of (device, check_range), one
 launch on torch's current stream. No host sync, no per-call table: the frequencies are computed inside
-the kernel, and so is the range check (a device-side trap on t outside [0, 1] or NaN).
+the kernel, and so is the range check (a t outside [0, 1] or NaN writes a NaN row and is recorded in the
+op's check slot, h3cute.launch.checks).
 """
 from __future__ import annotations
 
 import torch
 
 from h3cute import runtime
+from h3cute.launch import checks
 
 KERNEL = "timestep_sinusoid"
 WIDTH = 256
@@ -20,7 +22,7 @@ _kernels: dict[tuple[int, bool], object] = {}  # (CUDA device index, check_range
 def forward(t: torch.Tensor, check_range: bool = True) -> torch.Tensor:
     """(T,) FP32 CUDA t -> (T, 256) FP32 `[cos(t f_k) | sin(t f_k)]`, bitwise equal to diffusers on CUDA.
 
-    `check_range=True` selects the kernel variant that traps on t outside [0, 1] (NaN included); this
+    `check_range=True` selects the kernel variant that checks t in [0, 1] (NaN is bad) on the device; this
     function never reads t's values on the host.
     """
     num_rows = t.shape[0]
@@ -32,7 +34,8 @@ def forward(t: torch.Tensor, check_range: bool = True) -> torch.Tensor:
 
 def launch(t: torch.Tensor, out: torch.Tensor, check_range: bool = False) -> None:
     """Writes the embedding of t into a preallocated contiguous (T, 256) FP32 `out` (16-byte aligned)."""
-    _kernel(t.get_device(), check_range)(t, out)
+    device = t.get_device()
+    _kernel(device, check_range)(t, out, *checks.slot_addresses(device, KERNEL, "t", check_range))
 
 
 def _kernel(device: int, check_range: bool):
@@ -43,6 +46,8 @@ def _kernel(device: int, check_range: bool):
     return fn
 
 
-def kernel_handles(device: int, check_range: int, num_rows: int) -> tuple[int, int, list[int]]:
-    """For the C++ impl (h3cute.native): every row count, the kernel's C handle (`_kernels` keeps it alive)."""
-    return 0, runtime.MAX_ROWS, [_kernel(device, bool(check_range)).__chandle__()]
+def kernel_handles(device: int, check_range: int, num_rows: int) -> tuple[int, int, list[int], list[int]]:
+    """For the C++ impl (h3cute.native): every row count, the kernel's C handle (`_kernels` keeps it alive) and
+    its check slot's addresses (the discard slot's without check_range)."""
+    return (0, runtime.MAX_ROWS, [_kernel(device, bool(check_range)).__chandle__()],
+            list(checks.slot_addresses(device, KERNEL, "t", bool(check_range))))

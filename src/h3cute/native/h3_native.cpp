@@ -108,18 +108,26 @@ class KernelArg {
   template <typename B, typename = decltype(std::declval<const B&>().view())>
   KernelArg(const B& block) : view_(block.view()) {}  // NOLINT: a carved scratch block (Carver::Block)
   KernelArg(double v) : scalar_(v) {}           // NOLINT
+  KernelArg(int64_t v) : int_(v), is_int_(true) {}  // NOLINT: an Int64 scalar such as a check slot's address
   TVMFFIAny any() const {
     if (view_) return view_->any();
     TVMFFIAny a;
-    a.type_index = kTVMFFIFloat;
     a.zero_padding = 0;
-    a.v_float64 = scalar_;
+    if (is_int_) {
+      a.type_index = kTVMFFIInt;
+      a.v_int64 = int_;
+    } else {
+      a.type_index = kTVMFFIFloat;
+      a.v_float64 = scalar_;
+    }
     return a;
   }
 
  private:
   std::optional<View> view_;
   double scalar_ = 0.0;
+  int64_t int_ = 0;
+  bool is_int_ = false;
 };
 
 // Calls one compiled kernel; a kernel-side error (its argument checks) becomes a RuntimeError.
@@ -203,11 +211,40 @@ class KernelTable {
   std::atomic<int> count_[kMaxDevices] = {};
 };
 
-// Calls `<module>.<fn>(*args)`, the op's Python CUDA impl, for every input off the C++ fast path.
+// Calls `<module>.<fn>(*args)`, the op's Python CUDA impl, for every input off the C++ fast path (and for
+// every call while a check slot is pending: h3cute.launch.checks.raise_pending raises it first).
 template <typename R, typename... Args>
 R python_impl(const char* module, const char* fn, const Args&... args) {
   py::gil_scoped_acquire gil;
+  py::module_::import("h3cute.launch.checks").attr("raise_pending")();
   return py::module_::import(module).attr(fn)(args...).template cast<R>();
+}
+
+// The host-mapped words of each device's check slots (h3cute/launch/checks.py): slot s of a device has recorded
+// a bad input when words[2 s] != 0. Fetched from Python once per device, then read without any CUDA call.
+struct CheckWords {
+  std::atomic<const volatile int64_t*> words{nullptr};
+  std::atomic<int64_t> count{0};
+};
+CheckWords check_words[kMaxDevices];
+
+// True when a kernel on `device` recorded a bad input that no h3 call has raised yet: the fast paths then hand
+// the call to Python, which raises it.
+bool errors_pending(int device) {
+  if (device < 0 || device >= kMaxDevices) return false;
+  CheckWords& c = check_words[device];
+  const volatile int64_t* words = c.words.load(std::memory_order_acquire);
+  if (words == nullptr) {
+    py::gil_scoped_acquire gil;
+    auto answer = py::module_::import("h3cute.launch.checks").attr("host_words")(device).cast<py::tuple>();
+    c.count.store(answer[1].cast<int64_t>(), std::memory_order_relaxed);
+    words = reinterpret_cast<const volatile int64_t*>(answer[0].cast<uintptr_t>());
+    c.words.store(words, std::memory_order_release);
+  }
+  const int64_t count = c.count.load(std::memory_order_relaxed);
+  for (int64_t s = 0; s < count; ++s)
+    if (words[2 * s] != 0) return true;
+  return false;
 }
 
 // Fast-path predicate: dtype, device, exact sizes (-1: any), dense row-major layout.
@@ -233,15 +270,16 @@ at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
   // Fast path: 1-D contiguous FP32, no gradient asked for. Anything else (widening, errors with their
   // messages, the no-gradient refusal) is the Python impl's.
   const bool fast = t.dim() == 1 && t.scalar_type() == at::kFloat && (t.size(0) <= 1 || t.stride(0) == 1) &&
-                    !(t.requires_grad() && at::GradMode::is_enabled());
+                    !(t.requires_grad() && at::GradMode::is_enabled()) && t.is_cuda() && !errors_pending(t.get_device());
   if (!fast) return python_impl<at::Tensor>("h3cute.ops.timestep", "_sinusoid_cuda", t, check_range);
   const int64_t rows = t.size(0);
   at::Tensor out = at::empty({rows, kSinusoidWidth}, t.options());
   if (rows == 0) return out;  // a zero-sized grid is not a valid launch
   const int device = t.get_device();
-  const TVMFFIObjectHandle* fn = sinusoid_kernels.get(device, check_range ? 1 : 0, rows).fns;
+  // [kernel], [its check slot's device word and host words] (the discard slot's without check_range)
+  const KernelTable::Entry& k = sinusoid_kernels.get(device, check_range ? 1 : 0, rows);
   StreamScope stream(device);
-  call_kernel(fn[0], {t, out});
+  call_kernel(k.fns[0], {t, out, k.params[0], k.params[1]});
   return out;
 }
 
@@ -316,7 +354,7 @@ View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
 at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                              const at::Tensor& b2) {
   const int d = x.is_cuda() ? x.get_device() : -1;
-  if (!(mlp_fast(x, w1, b1, w2, d) && dense(b2, at::kFloat, d, {kTemb})))
+  if (!(mlp_fast(x, w1, b1, w2, d) && dense(b2, at::kFloat, d, {kTemb}) && !errors_pending(d)))
     return python_impl<at::Tensor>("h3cute.ops.timestep", "_mlp_cuda", x, w1, b1, w2, b2);
   const int64_t rows = x.size(0);
   const auto& kernels = mlp_kernels.get(d, 0, rows);
@@ -424,7 +462,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2) {
   const int d = x.is_cuda() ? x.get_device() : -1;
-  if (!(mlp_fast(x, w1, b1, w2, d) && dense(grad, at::kFloat, d, {x.size(0), kTemb}))) {
+  if (!(mlp_fast(x, w1, b1, w2, d) && dense(grad, at::kFloat, d, {x.size(0), kTemb}) && !errors_pending(d))) {
     using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
     return python_impl<R>("h3cute.ops.timestep", "_mlp_backward_cuda", grad, x, w1, b1, w2);
   }
@@ -518,20 +556,25 @@ bool table_fast(const at::Tensor& t, int d, int64_t width = kHidden) {
          t.stride(0) % 8 == 0 && aligned16(t);
 }
 
+// A checking forward's last two kernel arguments from its kernel_handles constants (launch/norm_modulate.py
+// check_constants): its check slot's device word and host words, or the discard slot's when unchecked.
+const int64_t* check_slot(const KernelTable::Entry& k, bool check) { return k.params + (check ? 0 : 2); }
+
 at::Tensor norm_modulate_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& shift,
                               const at::Tensor& scale, const at::Tensor& idx, double eps, bool check_indices) {
-  // check_indices reads the indices on the host (a sync, and an error naming the row): the Python impl's.
+  // check_indices: the kernel checks every index itself and records a bad one in the op's check slot.
   const int d = x.is_cuda() ? x.get_device() : -1;
-  const bool fast = !check_indices && eps > 0 && rows_fast(x, d) && dense(weight, at::kBFloat16, d, {kHidden}) &&
+  const bool fast = eps > 0 && rows_fast(x, d) && dense(weight, at::kBFloat16, d, {kHidden}) &&
                     aligned16(weight) && table_fast(shift, d) && table_fast(scale, d) &&
-                    shift.size(0) == scale.size(0) && dense(idx, at::kLong, d, {x.size(0)});
+                    shift.size(0) == scale.size(0) && dense(idx, at::kLong, d, {x.size(0)}) && !errors_pending(d);
   if (!fast)
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_norm_modulate_cuda", x, weight, shift, scale, idx, eps,
                                    check_indices);
-  const TVMFFIObjectHandle* fn = norm_modulate_kernels.get(d, 0, x.size(0)).fns;
+  const KernelTable::Entry& k = norm_modulate_kernels.get(d, 0, x.size(0));
+  const int64_t* slot = check_slot(k, check_indices);
   at::Tensor out = at::empty_like(x);
   StreamScope stream(d);
-  call_kernel(fn[0], {x, weight, shift, scale, idx, out, eps});
+  call_kernel(k.fns[0], {x, weight, shift, scale, idx, out, eps, slot[0], slot[1]});
   return out;
 }
 
@@ -541,25 +584,27 @@ std::tuple<at::Tensor, at::Tensor> final_adaln_out_fwd_cuda(const at::Tensor& x,
                                                             const at::Tensor& proj_bias, const at::Tensor& ti,
                                                             double eps, bool check_indices) {
   const int d = x.is_cuda() ? x.get_device() : -1;
-  const bool fast = !check_indices && eps > 0 && rows_fast(x, d) && dense(norm_weight, at::kBFloat16, d, {kHidden}) &&
+  const bool fast = eps > 0 && rows_fast(x, d) && dense(norm_weight, at::kBFloat16, d, {kHidden}) &&
                     aligned16(norm_weight) && dense(temb, at::kFloat, d, {-1, kTemb}) && aligned16(temb) &&
                     temb.size(0) > 0 && dense(proj_weight, at::kBFloat16, d, {kFinalProjection, kTemb}) &&
                     aligned16(proj_weight) && dense(proj_bias, at::kBFloat16, d, {kFinalProjection}) &&
-                    aligned16(proj_bias) && dense(ti, at::kLong, d, {x.size(0)});
+                    aligned16(proj_bias) && dense(ti, at::kLong, d, {x.size(0)}) && !errors_pending(d);
   if (!fast) {
     using R = std::tuple<at::Tensor, at::Tensor>;
     return python_impl<R>("h3cute.ops.adaln", "_final_fwd_cuda", x, norm_weight, temb, proj_weight, proj_bias, ti,
                           eps, check_indices);
   }
   const int64_t timesteps = temb.size(0);
-  const TVMFFIObjectHandle* fn = final_kernels.get(d, 0, timesteps).fns;
+  const KernelTable::Entry& k = final_kernels.get(d, 0, timesteps);
+  const TVMFFIObjectHandle* fn = k.fns;
+  const int64_t* slot = check_slot(k, check_indices);
   at::Tensor proj = at::empty({timesteps, kFinalProjection}, x.options());  // shift | scale
   at::Tensor out = at::empty_like(x);
   // shift | scale halves of the projection, read in place as row-strided (T, H) tables
   View shift(proj, {timesteps, kHidden}, {kFinalProjection, 1}), scale(proj, {timesteps, kHidden}, {kFinalProjection, 1}, kHidden);
   StreamScope stream(d);
   projection_forward(fn, temb, proj_weight, proj_bias, proj);
-  call_kernel(fn[2], {x, norm_weight, shift, scale, ti, out, eps});
+  call_kernel(fn[2], {x, norm_weight, shift, scale, ti, out, eps, slot[0], slot[1]});
   return {out, proj};
 }
 
@@ -618,7 +663,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backwar
   const bool fast = eps > 0 && rows_fast(x, d) && rows_fast(grad, d) && grad.size(0) == x.size(0) &&
                     dense(weight, at::kBFloat16, d, {kHidden}) && aligned16(weight) && table_fast(scale, d) &&
                     scale.size(0) == table_rows && table_rows <= kMaxFusedTableRows &&
-                    dense(idx, at::kLong, d, {x.size(0)});
+                    dense(idx, at::kLong, d, {x.size(0)}) && !errors_pending(d);
   if (!fast) {
     using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
     return python_impl<R>("h3cute.ops.adaln", "_norm_modulate_backward_cuda", grad, x, weight, scale, idx, eps,
@@ -647,7 +692,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
                     dense(pw, at::kBFloat16, d, {kFinalProjection, kTemb}) && aligned16(pw) &&
                     dense(pb, at::kBFloat16, d, {kFinalProjection}) && aligned16(pb) && dense(ti, at::kLong, d, {x.size(0)}) &&
                     (!table || (dense(*table, at::kBFloat16, d, {temb.size(0), kFinalProjection}) &&
-                                aligned16(*table)));
+                                aligned16(*table))) && !errors_pending(d);
   if (!fast) {
     using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
     return python_impl<R>("h3cute.ops.adaln", "_final_backward_cuda", grad, x, nw, temb, pw, pb, ti, eps, table);
@@ -669,14 +714,15 @@ KernelTable gate_residual_kernels("h3cute.launch.gate_residual");  // 0: [fwd]; 
 at::Tensor gate_residual_cuda(const at::Tensor& residual, const at::Tensor& y, const at::Tensor& gate,
                               const at::Tensor& idx, bool check_indices) {
   const int d = y.is_cuda() ? y.get_device() : -1;
-  const bool fast = !check_indices && rows_fast(y, d) && rows_fast(residual, d) && residual.size(0) == y.size(0) &&
-                    table_fast(gate, d) && dense(idx, at::kLong, d, {y.size(0)});
+  const bool fast = rows_fast(y, d) && rows_fast(residual, d) && residual.size(0) == y.size(0) &&
+                    table_fast(gate, d) && dense(idx, at::kLong, d, {y.size(0)}) && !errors_pending(d);
   if (!fast)
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_gate_residual_cuda", residual, y, gate, idx, check_indices);
-  const TVMFFIObjectHandle* fn = gate_residual_kernels.get(d, 0, y.size(0)).fns;
+  const KernelTable::Entry& k = gate_residual_kernels.get(d, 0, y.size(0));
+  const int64_t* slot = check_slot(k, check_indices);
   at::Tensor out = at::empty_like(y);
   StreamScope stream(d);
-  call_kernel(fn[0], {residual, y, gate, idx, out});
+  call_kernel(k.fns[0], {residual, y, gate, idx, out, slot[0], slot[1]});
   return out;
 }
 
@@ -684,7 +730,7 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_backward_cuda(const at::Tensor&
                                                                const at::Tensor& gate, const at::Tensor& idx) {
   const int d = y.is_cuda() ? y.get_device() : -1;
   const bool fast = rows_fast(y, d) && rows_fast(grad, d) && grad.size(0) == y.size(0) && table_fast(gate, d) &&
-                    gate.size(0) <= kMaxTableRows && dense(idx, at::kLong, d, {y.size(0)});
+                    gate.size(0) <= kMaxTableRows && dense(idx, at::kLong, d, {y.size(0)}) && !errors_pending(d);
   if (!fast)
     return python_impl<std::tuple<at::Tensor, at::Tensor>>("h3cute.ops.adaln", "_gate_residual_backward_cuda", grad,
                                                            y, gate, idx);
@@ -707,23 +753,24 @@ KernelTable row_gather_kernels("h3cute.launch.adaln_row_gather");  // 0: [fwd]; 
 
 std::vector<at::Tensor> adaln_row_gather_cuda(const at::Tensor& table, const at::Tensor& idx, bool check_indices) {
   const int d = table.is_cuda() ? table.get_device() : -1;
-  const bool fast = !check_indices && table_fast(table, d, kBlockTable) && dense(idx, at::kLong, d, {-1}) &&
-                    idx.size(0) > 0;
+  const bool fast = table_fast(table, d, kBlockTable) && dense(idx, at::kLong, d, {-1}) && idx.size(0) > 0 &&
+                    !errors_pending(d);
   if (!fast)
     return python_impl<std::vector<at::Tensor>>("h3cute.ops.adaln", "_gather_cuda", table, idx, check_indices);
   const int64_t rows = idx.size(0);
-  const TVMFFIObjectHandle* fn = row_gather_kernels.get(d, 0, rows).fns;
+  const KernelTable::Entry& k = row_gather_kernels.get(d, 0, rows);
+  const int64_t* slot = check_slot(k, check_indices);
   std::vector<at::Tensor> outs;
   for (int c = 0; c < kChunks; ++c) outs.push_back(at::empty({rows, kHidden}, table.options()));
   StreamScope stream(d);
-  call_kernel(fn[0], {table, idx, outs[0], outs[1], outs[2], outs[3], outs[4], outs[5]});
+  call_kernel(k.fns[0], {table, idx, outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], slot[0], slot[1]});
   return outs;
 }
 
 at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor& idx, int64_t table_rows) {
   const int d = idx.is_cuda() ? idx.get_device() : -1;
   bool fast = grads.size() == kChunks && dense(idx, at::kLong, d, {-1}) && idx.size(0) > 0 && table_rows > 0 &&
-              table_rows <= kMaxTableRows;
+              table_rows <= kMaxTableRows && !errors_pending(d);
   for (size_t c = 0; fast && c < grads.size(); ++c) fast = rows_fast(grads[c], d) && grads[c].size(0) == idx.size(0);
   if (!fast)
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_gather_backward_cuda",
@@ -746,7 +793,7 @@ KernelTable projection_kernels("h3cute.launch.adaln_projection");
 
 bool projection_fast(const at::Tensor& temb, const at::Tensor& weight, int d) {
   return dense(temb, at::kFloat, d, {-1, kTemb}) && aligned16(temb) && temb.size(0) > 0 &&
-         dense(weight, at::kBFloat16, d, {kBlockProjection, kTemb}) && aligned16(weight);
+         dense(weight, at::kBFloat16, d, {kBlockProjection, kTemb}) && aligned16(weight) && !errors_pending(d);
 }
 
 at::Tensor adaln_projection_cuda(const at::Tensor& temb, const at::Tensor& weight, const at::Tensor& bias) {

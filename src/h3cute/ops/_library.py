@@ -22,6 +22,7 @@ import torch
 from torch import _C
 
 from h3cute import native
+from h3cute.launch import checks
 
 LIB = torch.library.Library("h3", "DEF")
 NATIVE_OPS = native.native_ops()
@@ -30,14 +31,24 @@ NATIVE_AUTOGRAD_OPS = native.native_autograd_ops()
 
 def define(schema: str, cpu, cuda, fake) -> str:
     """Defines `h3::<schema>` with its CPU and CUDA impls (the CUDA one in C++ where `h3cute.native` has
-    it) and its fake (meta) impl; returns the qualified name `h3::<op>`."""
+    it) and its fake (meta) impl; returns the qualified name `h3::<op>`. A CUDA call first raises any bad
+    input an earlier call's kernels recorded (h3cute.launch.checks; the C++ impls do the same)."""
     name = schema.split("(", 1)[0]
     LIB.define(schema)
     LIB.impl(name, cpu, "CPU")
     if name not in NATIVE_OPS:
-        LIB.impl(name, cuda, "CUDA")
+        LIB.impl(name, _raising_pending(cuda), "CUDA")
     torch.library.register_fake(f"h3::{name}", fake, lib=LIB)
     return f"h3::{name}"
+
+
+def _raising_pending(cuda):
+    def impl(*args):
+        checks.raise_pending()
+        return cuda(*args)
+
+    impl.__name__ = cuda.__name__
+    return impl
 
 
 def install_native() -> None:

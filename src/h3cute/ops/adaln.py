@@ -3,8 +3,10 @@
 
 Row layout: a packed sequence row s carries `timestep_indices[s]` (one of T distinct timesteps) and a
 modality tag in {0 video, 1 text, 2 audio}; `adaln_indices = ti * 3 + tag` addresses the (3T, ...) block
-tables, `ti` addresses the (T, ...) final-norm tables. Indices are never clamped: with `check_indices`
-a bad index raises, naming its row.
+tables, `ti` addresses the (T, ...) final-norm tables. Indices are never clamped: a bad index gives NaN rows,
+and with `check_indices` it raises, naming its row: at once on CPU; on CUDA the kernels check every index
+without a host sync and the error is raised at the next h3 call or `h3cute.check_errors()`
+(h3cute.launch.checks).
 
 Forward CPU impls are the diffusers replays (`h3cute.reference`, BF16 op for op). Backward CPU impls
 compute the true gradient in FP32 from the saved BF16/FP32 inputs and round each result once; reductions
@@ -20,6 +22,7 @@ from h3cute.ops._library import define, register_autograd, resolve_launch
 from h3cute.ops.validate import (BF16, BLOCK_CHUNKS, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN, MODALITIES, PROJECTION,
                                  TEMB)
 
+_INDICES = resolve_launch("adaln_indices")
 _PROJECTION = resolve_launch("adaln_projection")
 _ROW_GATHER = resolve_launch("adaln_row_gather")
 _NORM_MODULATE = resolve_launch("norm_modulate")
@@ -28,13 +31,21 @@ _FINAL = resolve_launch("final_adaln_out")
 
 
 def adaln_indices(timestep_indices: torch.Tensor, token_tags: torch.Tensor, num_timesteps: int) -> torch.Tensor:
-    """`timestep_indices * 3 + token_tags` after checking `0 <= ti < num_timesteps` and `tag in {0, 1, 2}`.
+    """`timestep_indices * 3 + token_tags` (`h3::adaln_indices`), checking `0 <= ti < num_timesteps` and
+    `tag in {0, 1, 2}`.
 
-    Both are (S,) int64 on one device; the errors name the first bad row. Syncs the device once per check.
+    Both are (S,) int64 on one device; a bad row's index is -1 (every h3 op then writes NaN for it) and the
+    error names the first bad row: raised at once on CPU; on CUDA checked on the device without a host sync
+    and raised at the next h3 call or `h3cute.check_errors()`. Build the indices once per forward with this
+    and pass `check_indices=False` to the ops that take them.
     """
-    op = "adaln_indices"
     if isinstance(num_timesteps, bool) or not isinstance(num_timesteps, int) or num_timesteps < 0:
-        raise ValueError(f"h3::{op}: num_timesteps must be an int >= 0, got {num_timesteps!r}")
+        raise ValueError(f"h3::adaln_indices: num_timesteps must be an int >= 0, got {num_timesteps!r}")
+    return torch.ops.h3.adaln_indices(timestep_indices, token_tags, num_timesteps)
+
+
+def _check_index_pair(timestep_indices, token_tags):
+    op = "adaln_indices"
     d = timestep_indices.get_device()
     validate.check_index_tensor(op, "timestep_indices", timestep_indices, d)
     validate.check_index_tensor(op, "token_tags", token_tags, d)
@@ -43,10 +54,29 @@ def adaln_indices(timestep_indices: torch.Tensor, token_tags: torch.Tensor, num_
             f"h3::{op}: token_tags has shape {tuple(token_tags.shape)}, timestep_indices "
             f"{tuple(timestep_indices.shape)}; they must agree"
         )
+
+
+def _adaln_indices_cpu(timestep_indices, token_tags, num_timesteps):
+    op = "adaln_indices"
+    _check_index_pair(timestep_indices, token_tags)
     validate.check_indices(op, "timestep_indices", timestep_indices, num_timesteps,
                            f"num_timesteps = {num_timesteps}")
     validate.check_indices(op, "token_tags", token_tags, MODALITIES, "tags are 0 video, 1 text, 2 audio")
     return timestep_indices * MODALITIES + token_tags
+
+
+def _adaln_indices_cuda(timestep_indices, token_tags, num_timesteps):
+    _check_index_pair(timestep_indices, token_tags)
+    return _INDICES.forward(timestep_indices, token_tags, num_timesteps)
+
+
+def _adaln_indices_fake(timestep_indices, token_tags, num_timesteps):
+    _check_index_pair(timestep_indices, token_tags)
+    return torch.empty_like(timestep_indices)
+
+
+define("adaln_indices(Tensor timestep_indices, Tensor token_tags, int num_timesteps) -> Tensor",
+       _adaln_indices_cpu, _adaln_indices_cuda, _adaln_indices_fake)
 
 
 def _check_table_indices(op, idx, rows):
@@ -156,8 +186,6 @@ def _gather_cpu(table, adaln_indices, check_indices=True):
 
 def _gather_cuda(table, adaln_indices, check_indices=True):
     validate.check_adaln_row_gather(table, adaln_indices)
-    if check_indices:
-        _check_table_indices("adaln_row_gather", adaln_indices, table.shape[0])
     if adaln_indices.shape[0] == 0:
         return [table.new_empty((0, HIDDEN)) for _ in range(BLOCK_CHUNKS)]
     return _ROW_GATHER.forward(table, adaln_indices, check_indices)
@@ -226,8 +254,6 @@ def _norm_modulate_cpu(x, weight, shift, scale, adaln_indices, eps=1e-5, check_i
 
 def _norm_modulate_cuda(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
     validate.check_norm_modulate(x, weight, shift, scale, adaln_indices, eps)
-    if check_indices:
-        _check_table_indices("norm_modulate", adaln_indices, shift.shape[0])
     if x.shape[0] == 0:
         return torch.empty_like(x)
     return _NORM_MODULATE.forward(x, weight, shift, scale, adaln_indices, eps, check_indices)
@@ -312,8 +338,6 @@ def _gate_residual_cpu(residual, y, gate, adaln_indices, check_indices=True):
 
 def _gate_residual_cuda(residual, y, gate, adaln_indices, check_indices=True):
     validate.check_gate_residual(residual, y, gate, adaln_indices)
-    if check_indices:
-        _check_table_indices("gate_residual", adaln_indices, gate.shape[0])
     if y.shape[0] == 0:
         return torch.empty_like(y)
     return _GATE_RESIDUAL.forward(residual, y, gate, adaln_indices, check_indices)
@@ -397,9 +421,8 @@ def _final_fwd_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indice
 
 def _final_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
     validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
-    if check_indices:
-        _check_timestep_indices(timestep_indices, temb.shape[0])
-    return _FINAL.forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+    return _FINAL.forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps,
+                                     check_indices)
 
 
 def _final_fwd_fake(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):

@@ -47,7 +47,7 @@ def _sinusoid_cuda(t, check_range=True):
     _check_sinusoid(t)
     if t.dtype != F32:
         t = t.float()
-    # The range check runs inside the kernel (a device-side trap, no host sync).
+    # The range check runs inside the kernel (a NaN row and a check-slot record, no host sync).
     if t.shape[0] == 0:
         return t.new_empty((0, FREQ))
     return _SINUSOID.forward(t, check_range)
