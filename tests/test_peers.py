@@ -155,6 +155,26 @@ def test_on_a_cpu_the_modes_are_recorded_with_why_and_start_no_process(monkeypat
     assert report.validate_report(json.loads((tmp_path / "toy.json").read_text())) == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only path")
+def test_a_run_stopped_midway_leaves_the_modes_it_finished(monkeypatch, tmp_path):
+    monkeypatch.setitem(prior_art.PROBLEMS, "toy_gemm", TOY_GEMM)
+    real = prior_art._without_process
+
+    def stops_at_sglang_ieee(op, mode, *a):
+        if mode == "sglang_ieee":
+            raise KeyboardInterrupt   # as a time limit would stop it
+        return real(op, mode, *a)
+    monkeypatch.setattr(prior_art, "_without_process", stops_at_sglang_ieee)
+    with pytest.raises(KeyboardInterrupt):
+        prior_art.prior_art("toy_gemm", True, tmp_path / "toy.json", overrides={"accuracy_sizes": [4]},
+                            log=lambda m: None)
+    rep = report.load_report(tmp_path / "toy.json")
+    assert list(rep["results"]) == ["plain", "vllm", "sglang"]
+    assert rep["notes"][-1] == ("Incomplete: the modes sglang_ieee, megatron_triton, megatron_triton_ieee had not "
+                                "finished when this was written.")
+    assert "Incomplete" in (tmp_path / "toy.md").read_text()
+
+
 def test_the_mode_process_sees_only_the_modes_own_precision_switch(monkeypatch, tmp_path):
     seen, real = {}, subprocess.run
 

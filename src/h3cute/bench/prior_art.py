@@ -191,13 +191,25 @@ def mode_problem_plan(op: str, quick: bool, overrides: dict, device) -> tuple[Pr
 def prior_art(op: str, quick: bool, out: Path, overrides: dict | None = None, log=print) -> dict:
     """Run every mode of `op` in its own subprocess (without a GPU: plain in this process, at smoke scale);
     write the JSON, the markdown summary and plots. `overrides` replace fields of the plan (a report made
-    with them says so under `plan_overrides`)."""
+    with them says so under `plan_overrides`). After each mode the report so far is written (JSON and
+    markdown, its `notes` naming the modes still to run), so a run stopped by a time limit keeps them."""
     problem = PROBLEMS[op]
     overrides = overrides or {}
     cpu = not torch.cuda.is_available()
+    modes = modes_for(problem)
     partials = []
+
+    def merged(final: bool) -> dict:
+        rep = merge(op, partials, quick)
+        if overrides:
+            rep["plan_overrides"] = overrides
+        if not final:
+            rep.setdefault("notes", []).append(
+                f"Incomplete: the modes {', '.join(modes[len(partials):])} had not finished when this was written.")
+        return rep
+
     with tempfile.TemporaryDirectory(prefix="h3bench-") as tmp:
-        for mode in modes_for(problem):
+        for mode in modes:
             reason = mode_unavailable(mode)
             if reason:
                 log(f"mode {mode}: not run: {reason}")
@@ -208,14 +220,14 @@ def prior_art(op: str, quick: bool, out: Path, overrides: dict | None = None, lo
                 partials.append(run_mode(p, mode, plan, device, log=lambda m: log(f"[{mode}] {m}")))
             else:
                 partials.append(_mode_subprocess(op, mode, quick, overrides, Path(tmp), log))
-    rep = merge(op, partials, quick)
-    if overrides:
-        rep["plan_overrides"] = overrides
+            if len(partials) < len(modes):
+                write_outputs(merged(final=False), out, lambda m: None, plots=False)
+    rep = merged(final=True)
     write_outputs(rep, out, log)
     return rep
 
 
-def write_outputs(rep: dict, out: Path, log=print) -> list[Path]:
+def write_outputs(rep: dict, out: Path, log=print, plots: bool = True) -> list[Path]:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = report.validate_report(rep)
@@ -224,6 +236,6 @@ def write_outputs(rep: dict, out: Path, log=print) -> list[Path]:
     out.write_text(json.dumps(rep, indent=2))
     md = out.with_suffix(".md")
     md.write_text(report.summary_markdown(rep))
-    written = [out, md] + report.write_plots(rep, out.with_suffix(""), say=log)
+    written = [out, md] + (report.write_plots(rep, out.with_suffix(""), say=log) if plots else [])
     log("wrote " + ", ".join(str(p) for p in written))
     return written
