@@ -61,4 +61,5 @@ other=$(find .devstage -mindepth 1 -maxdepth 1 ! -name rt ! -name whl ! -name pe
 [ -z "$other" ] || printf '  %-22s %6s  (%s)\n' ".devstage, other" "$(mib $other)" "$(echo $other)"
 total=$(echo "$tracked $(mib .devstage .prebuilt)" | awk '{printf "%.1f", $1 + $2}')
 echo "  total                  $total of $LIMIT_MIB"
-awk -v t="$total" -v l="$LIMIT_MIB" 'BEGIN {exit !(t < l)}' || { echo "stage_peers: over the $LIMIT_MIB MiB a call carries" >&2; exit 4; }
+awk -v t="$total" -v l="$LIMIT_MIB" 'BEGIN {exit !(t < l)}' \
+  || { echo "stage_peers: over the $LIMIT_MIB MiB a call carries" >&2; exit 4; }

@@ -237,7 +237,7 @@ def test_cli_quick_prior_art_sinusoid_subprocess(tmp_path):
 
 SMALL_GPU = checks.Plan(all_rows_sizes=(64,), all_rows_seeds=(3,), sub_seeds=(3,), full_batch=4096,
                         sub_batch_sizes=(1, 7, 1024), sweep_pool=256, sweep_seeds=(3,), accuracy_sizes=(1, 64),
-                        warmup=3, samples=10)
+                        warmup=3, samples=10, inductor_modes=())   # torch.compile peers: tests/test_peers.py
 
 
 @pytest.mark.gpu
@@ -271,12 +271,14 @@ def test_gpu_sinusoid_run_mode_fills_every_field():
 
 @pytest.mark.gpu
 def test_gpu_modes_run_in_their_own_processes(tmp_path):
-    """timestep_mlp: a subprocess per mode (the Triton ones recorded unavailable where their files are not
-    staged), merged; the vllm mode's environment is recorded."""
+    """timestep_mlp: a subprocess per mode, merged; the vllm mode's environment is recorded; under SGLang's and
+    Megatron's Triton modes (where perf/stage_peers.sh's files are carried; otherwise recorded unavailable) the
+    replay is batch-invariant, TF32-accurate (~1e-3) without `_ieee` and FP32-accurate with it."""
     out = tmp_path / "mlp.json"
     proc = subprocess.run([sys.executable, "-m", "h3cute.bench", "prior-art", "--op", "timestep_mlp", "--quick",
                            "--out", str(out), "--plan", "all_rows_sizes=[64]", "--plan", "sweep_pool=128",
-                           "--plan", "accuracy_sizes=[1, 64]", "--plan", 'inductor_modes=["default"]'],
+                           "--plan", "full_batch=512", "--plan", "sub_batch_sizes=[1, 7, 128]",
+                           "--plan", "accuracy_sizes=[1, 64]", "--plan", "inductor_modes=[]"],
                           capture_output=True, text=True, timeout=600, env=_CHILD_ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = report.load_report(out)
@@ -286,6 +288,16 @@ def test_gpu_modes_run_in_their_own_processes(tmp_path):
         d = rep["results"][mode][f"diffusers[{mode}]"]
         assert d["accuracy_latency"]["64"]["fwd_rel_err"] < 1e-5
         assert set(d["accuracy_latency"]["64"]["grad_rel_err"]) == {"x", "w1", "b1", "w2", "b2"}
+    staged = rep["environment"]["peer_files"]
+    for mode in ("sglang", "sglang_ieee", "megatron_triton", "megatron_triton_ieee"):
+        d = rep["results"][mode][f"diffusers[{mode}]"]
+        if staged["sglang" if mode.startswith("sglang") else "megatron-core"] is None:
+            assert d["unavailable"].startswith(f"mode {mode}: "), d
+            continue
+        assert "unavailable" not in d, d["unavailable"]
+        assert d["batch_invariance"]["batch_invariant"] is True
+        err = d["accuracy_latency"]["64"]["fwd_rel_err"]
+        assert (err < 2e-5) if mode.endswith("_ieee") else (1e-4 < err < 1e-2), (mode, err)
 
 
 def test_accuracy_of_a_bf16_s_op_against_the_fp64_golden():

@@ -1,11 +1,9 @@
 """The peers of the prior-art harness (h3cute.bench.peers): where they come from, why they cannot run, argument
 order, numerics notes, compile bookkeeping, the modes that skip a CPU, and the fastest-peer summary."""
 import json
-import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -470,17 +468,17 @@ def test_plain_mode_compares_every_candidates_bits_with_the_replay():
     assert "fwd_bits_vs_diffusers" not in checks.accuracy_latency(once, p, plan, CPU, checks.Reference(p, CPU))["5"]
 
 
-# ---- on the device (the lead runs these with perf/stage_peers.sh's files carried) ------------------------
+# ---- on the device (the lead runs these with perf/stage_peers.sh's files carried; the Triton modes are run by
+# tests/test_bench.py::test_gpu_modes_run_in_their_own_processes) ---------------------------------------------
 
 SMALL_GPU = checks.Plan(all_rows_sizes=(64,), all_rows_seeds=(3,), sub_seeds=(3,), full_batch=4096,
                         sub_batch_sizes=(1, 7, 1024), sweep_pool=256, sweep_seeds=(3,), accuracy_sizes=(257,),
                         warmup=3, samples=10, inductor_modes=("default",))
 
 
-def _staged(dist):
+def _staged():
     try:
-        return peers.locate({"vllm-omni": peers.VLLM_OMNI_FILE, "sglang": peers.SGLANG_FILE,
-                             "megatron-core": peers.MEGATRON_FILE}[dist])
+        return peers.locate(peers.VLLM_OMNI_FILE)
     except peers.PeerUnavailable as e:
         pytest.skip(f"{e} (stage it: perf/stage_peers.sh, carried by perf/device_run.sh)")
 
@@ -488,7 +486,7 @@ def _staged(dist):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["norm_modulate", "gate_residual"])
 def test_gpu_vllm_omni_kernels_round_once_and_stay_row_local(op):
-    _staged("vllm-omni")
+    _staged()
     p = PROBLEMS[op]
     c = peers.vllm_omni_candidate(p, CUDA)
     assert c.unavailable is None, c.unavailable
@@ -539,23 +537,3 @@ def test_gpu_inductor_gate_residual_is_judged_and_its_compiles_logged():
     e = res["accuracy_latency"]["257"]
     assert e["fwd_rel_err"] < 2 ** -7 and e["fwd_us"] > 0 and "differing" in e["fwd_bits_vs_diffusers"]
     assert isinstance(res["batch_invariance"]["batch_invariant"], bool)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", list(candidates.TRITON_MODES))
-def test_gpu_triton_mode_runs_the_replay_on_its_persistent_matmul(mode, tmp_path):
-    """In its own process (the overrides are process-wide): the MLP replay under the mode is batch-invariant,
-    TF32-accurate (~1e-3) without `_ieee` and FP32-accurate with it."""
-    _staged("sglang" if mode.startswith("sglang") else "megatron-core")
-    out = tmp_path / f"{mode}.json"
-    env = {k: v for k, v in os.environ.items() if k not in candidates.MODE_OWNED_ENV}
-    env.update(candidates.MODES[mode])
-    proc = subprocess.run([sys.executable, "-m", "h3cute.bench", "_mode", "--op", "timestep_mlp", "--mode", mode,
-                           "--quick", "--out", str(out), "--plan", "all_rows_sizes=[64]", "--plan", "sweep_pool=128",
-                           "--plan", "accuracy_sizes=[1, 64]"], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())["results"][mode][f"diffusers[{mode}]"]
-    assert "unavailable" not in res, res.get("unavailable")
-    assert res["batch_invariance"]["batch_invariant"] is True
-    err = res["accuracy_latency"]["64"]["fwd_rel_err"]
-    assert (err < 2e-5) if mode.endswith("_ieee") else (1e-4 < err < 1e-2)

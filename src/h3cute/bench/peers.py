@@ -8,9 +8,9 @@
 - `vllm_omni`: vllm-omni's MiniMax-H3 Triton kernels (`VLLM_OMNI`), forward only (they define no backward).
 - `liger` / `quack`: their RMSNorm, then diffusers' modulation in torch (`reference.modulation_replay`), for
   norm_modulate and final_adaln_out's norm (whose projection stays diffusers' F.linear).
-- SGLang's / Megatron's Triton batch-invariant modes (`TRITON_MODES`): each library's
-  `enable_batch_invariant_mode()` reroutes aten::mm / addmm (and a few reductions) to its persistent Triton
-  matmul process-wide; the diffusers replay then runs under it (`diffusers[sglang]` ...), as in the seed reports.
+- SGLang's / Megatron's Triton batch-invariant modes (`candidates.TRITON_MODES`, `TRITON_MODE_FILES`): each
+  library's `enable_batch_invariant_mode()` reroutes aten::mm / addmm (and a few reductions) to its persistent
+  Triton matmul process-wide; the diffusers replay then runs under it (`diffusers[sglang]` ...), as in the seeds.
 
 No peer code is copied here. Each adapter imports the installed package, or loads the one file it needs from an
 installed distribution or from files extracted from the peer's wheel into `$H3CUTE_PEER_FILES/<dist>-<version>/`
@@ -28,7 +28,6 @@ import inspect
 import os
 import re
 import sys
-import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
