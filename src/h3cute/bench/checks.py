@@ -80,8 +80,8 @@ QUICK = Plan(all_rows_sizes=(64, 257), all_rows_seeds=(3,), sub_seeds=(3,), swee
 # Where there is no GPU the same four checks run at smoke scale, so that the whole command finishes on a
 # 2-core machine in minutes: a few rows per batch (the H3 widths stay, except where the problem's
 # `smoke_draw` narrows them), one accuracy size. CPU timings are wall times, not measurements.
-CPU_SMOKE = Plan(all_rows_sizes=(3,), all_rows_seeds=(3,), sub_seeds=(3,), full_batch=4,
-                 sub_batch_sizes=(1, 3), sweep_pool=3, sweep_seeds=(3,), warmup=1, samples=2,
+CPU_SMOKE = Plan(all_rows_sizes=(2,), all_rows_seeds=(3,), sub_seeds=(3,), full_batch=3,
+                 sub_batch_sizes=(1, 2), sweep_pool=3, sweep_seeds=(3,), warmup=1, samples=1,
                  graphs=False)
 
 
