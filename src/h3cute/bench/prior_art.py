@@ -26,7 +26,7 @@ from h3cute.bench.candidates import (MODE_OWNED_ENV, MODES, Candidate, apply_mod
                                      modes_for)
 from h3cute.bench.problems import PROBLEMS, Problem, at_smoke_scale, take_rows
 
-CPU_NOTE = ("No CUDA device: every check ran at CPU smoke scale (checks.CPU_SMOKE) on the PyTorch reference code. "
+CPU_NOTE = ("No CUDA device: every check runs at CPU smoke scale (checks.CPU_SMOKE) on the PyTorch reference code. "
             "CPU timings are wall times of that code on this machine, not measurements of any kernel.")
 
 
