@@ -539,4 +539,3 @@ def test_gpu_inductor_gate_residual_is_judged_and_its_compiles_logged():
     assert isinstance(res["batch_invariance"]["batch_invariant"], bool)
     from torch._dynamo.utils import compilation_time_metrics   # this torch's timers are the ones CompileLog reads
     assert compilation_time_metrics.get(peers._FWD_KEY) and compilation_time_metrics.get(peers._BWD_KEY)
-    assert k["backward_compiles"] >= 1 or any(e["grad"] for e in k["events"])
