@@ -6,7 +6,8 @@
 #   bash ../shared/device/prepare_runtime.sh                        # -> .devstage/rt
 #   python -m h3cute build --arch sm_90a --out .prebuilt            # the product kernels
 #   PYTHONPATH=src python tests/test_runtime.py .prebuilt/runtime_test   # the runtime's own test kernel
-# Device `run`: carry [".devstage/rt", ".prebuilt"], command
+#   bash perf/stage_peers.sh                                       # optional: the peers -> .devstage/{whl,peers}
+# Device `run`: carry [".devstage", ".prebuilt"], command
 #   bash perf/device_run.sh [python3 -m h3cute.bench ...]
 #
 # h3cute is not installed on the device: src/ goes on PYTHONPATH and h3cute.runtime maps the
@@ -22,11 +23,13 @@ mkdir -p "$OUT"
 # shellcheck disable=SC1091
 source .devstage/rt/rt_env.sh || { echo "device_run: runtime install failed" >&2; exit 3; }
 
-# Optional pure-Python peers carried as wheels (e.g. diffusers for the real-module candidate).
+# Optional pure-Python peers carried as wheels (diffusers for the real-module candidate, vllm-omni, liger-kernel),
+# and single peer files extracted from wheels too large to carry (SGLang's and Megatron's batch-invariant modes).
 if ls .devstage/whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/h3-peers .devstage/whl/*.whl \
     && export PYTHONPATH=/tmp/h3-peers${PYTHONPATH:+:$PYTHONPATH}
 fi
+[ -d .devstage/peers ] && export H3CUTE_PEER_FILES=$ROOT/.devstage/peers
 export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
 export H3CUTE_PREBUILT=$ROOT/.prebuilt
 export H3CUTE_CACHE_DIR=/tmp/h3cute-cache   # stays empty unless something compiles (it cannot here)
@@ -45,6 +48,8 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "tvm_ffi", t
 print("bundle", m["fingerprint"][:12], "sources", sources.source_fingerprint()[:12], "entries", len(m["entries"]))
 print("cutlass importable:", sources.dsl_available())
 print("gpu", torch.cuda.get_device_name(), torch.cuda.get_device_capability(), "->", rt.arch_of(0))
+from h3cute.bench import peers
+print("peer files", peers.versions())
 PY
 } 2>&1 | tee "$OUT/env.txt"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from h3cute.bench import checks, prior_art, report, timing
-from h3cute.bench.candidates import Candidate, candidates_for
+from h3cute.bench.candidates import Candidate, candidates_for, modes_for
 from h3cute.bench.cli import main
 from h3cute.bench.problems import PROBLEMS, Problem, randn, row_layout, take_rows
 from h3cute.bench.sweep import sweep
@@ -237,7 +237,7 @@ def test_cli_quick_prior_art_sinusoid_subprocess(tmp_path):
 
 SMALL_GPU = checks.Plan(all_rows_sizes=(64,), all_rows_seeds=(3,), sub_seeds=(3,), full_batch=4096,
                         sub_batch_sizes=(1, 7, 1024), sweep_pool=256, sweep_seeds=(3,), accuracy_sizes=(1, 64),
-                        warmup=3, samples=10)
+                        warmup=3, samples=10, inductor_modes=())   # torch.compile peers: tests/test_peers.py
 
 
 @pytest.mark.gpu
@@ -271,19 +271,33 @@ def test_gpu_sinusoid_run_mode_fills_every_field():
 
 @pytest.mark.gpu
 def test_gpu_modes_run_in_their_own_processes(tmp_path):
-    """timestep_mlp: plain and vllm subprocesses, merged; the vllm mode's environment is recorded."""
+    """timestep_mlp: a subprocess per mode, merged; the vllm mode's environment is recorded; under SGLang's and
+    Megatron's Triton modes (where perf/stage_peers.sh's files are carried; otherwise recorded unavailable) the
+    replay is batch-invariant, TF32-accurate (~1e-3) without `_ieee` and FP32-accurate with it."""
     out = tmp_path / "mlp.json"
     proc = subprocess.run([sys.executable, "-m", "h3cute.bench", "prior-art", "--op", "timestep_mlp", "--quick",
                            "--out", str(out), "--plan", "all_rows_sizes=[64]", "--plan", "sweep_pool=128",
-                           "--plan", "accuracy_sizes=[1, 64]"], capture_output=True, text=True, timeout=600, env=_CHILD_ENV)
+                           "--plan", "full_batch=512", "--plan", "sub_batch_sizes=[1, 7, 128]",
+                           "--plan", "accuracy_sizes=[1, 64]", "--plan", "inductor_modes=[]"],
+                          capture_output=True, text=True, timeout=600, env=_CHILD_ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = report.load_report(out)
-    assert set(rep["results"]) == {"plain", "vllm"}
+    assert list(rep["results"]) == modes_for(PROBLEMS["timestep_mlp"])
     assert rep["environment"]["mode_environment"]["vllm"]["CUBLASLT_WORKSPACE_SIZE"] == "1"
     for mode in ("plain", "vllm"):
         d = rep["results"][mode][f"diffusers[{mode}]"]
         assert d["accuracy_latency"]["64"]["fwd_rel_err"] < 1e-5
         assert set(d["accuracy_latency"]["64"]["grad_rel_err"]) == {"x", "w1", "b1", "w2", "b2"}
+    staged = rep["environment"]["peer_files"]
+    for mode in ("sglang", "sglang_ieee", "megatron_triton", "megatron_triton_ieee"):
+        d = rep["results"][mode][f"diffusers[{mode}]"]
+        if staged["sglang" if mode.startswith("sglang") else "megatron-core"] is None:
+            assert d["unavailable"].startswith(f"mode {mode}: "), d
+            continue
+        assert "unavailable" not in d, d["unavailable"]
+        assert d["batch_invariance"]["batch_invariant"] is True
+        err = d["accuracy_latency"]["64"]["fwd_rel_err"]
+        assert (err < 2e-5) if mode.endswith("_ieee") else (1e-4 < err < 1e-2), (mode, err)
 
 
 def test_accuracy_of_a_bf16_s_op_against_the_fp64_golden():
@@ -317,7 +331,7 @@ def test_cpu_runs_the_method_at_smoke_scale_and_gpu_at_the_seeds():
     """Without a GPU the command shrinks the sizes (the H3 weights stay full size); on a GPU the plan is untouched."""
     mlp, norm = PROBLEMS["timestep_mlp"], PROBLEMS["norm_modulate"]
     cpu_mlp = checks.plan_for_device(checks.QUICK, CPU, mlp)
-    assert cpu_mlp.accuracy_sizes == (1, 3, 4) and cpu_mlp.full_batch == 64 and not cpu_mlp.graphs
+    assert cpu_mlp.accuracy_sizes == (4,) and cpu_mlp.full_batch == 3 and not cpu_mlp.graphs
     assert checks.plan_for_device(checks.QUICK, CPU, norm).accuracy_sizes == (257,)
     assert checks.plan_for_device(checks.FULL, torch.device("cuda"), norm) is checks.FULL
 

@@ -53,10 +53,14 @@ def adaln_row_gather_replay(table, adaln_indices):
     return [c.index_select(0, adaln_indices) for c in table.chunk(BLOCK_CHUNKS, dim=-1)]
 
 
+def modulation_replay(normed, shift, scale, adaln_indices):
+    """The block's modulation of a normed tensor: `normed * (1.0 + scale[idx]) + shift[idx]`, BF16."""
+    return normed * (1.0 + scale.index_select(0, adaln_indices)) + shift.index_select(0, adaln_indices)
+
+
 def norm_modulate_replay(x, weight, shift, scale, adaln_indices, eps=1e-5):
     """`norm(x) * (1.0 + scale.index_select(0, idx)) + shift.index_select(0, idx)` with `nn.RMSNorm`, BF16."""
-    normed = F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return normed * (1.0 + scale.index_select(0, adaln_indices)) + shift.index_select(0, adaln_indices)
+    return modulation_replay(F.rms_norm(x, (x.shape[-1],), weight, eps), shift, scale, adaln_indices)
 
 
 def gate_residual_replay(residual, y, gate, adaln_indices):

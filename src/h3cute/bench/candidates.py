@@ -1,4 +1,4 @@
-"""Candidate implementations of an H3 op and the cuBLAS modes they run under.
+"""Candidate implementations of an H3 op and the modes they run under.
 
 A candidate is a callable taking the op's tensor arguments in schema order. The harness compares:
 
@@ -6,16 +6,19 @@ A candidate is a callable taking the op's tensor arguments in schema order. The 
 - `diffusers`: the op-for-op replay `h3cute.reference.<op>_replay` (GEMM ops: `diffusers[<mode>]`);
 - `diffusers_module`: the real diffusers module where `import diffusers` works and an adapter exists;
 - `torch_bare_op` (timestep_sinusoid only): `t + 1`, the one-launch floor of any op call;
-- peers (sglang, vllm, liger, transformer_engine, megatron): looked up without importing them; the
-  harness has no H3 adapter for them yet, so an installed peer is recorded as unavailable with that
-  reason and a missing one as not installed.
+- the peers a user would pick instead (`h3cute.bench.peers`): `torch.compile` of the replay, vllm-omni's
+  MiniMax-H3 Triton kernels, liger's and quack's RMSNorm; a peer that cannot run here is recorded with why.
 
-Modes are process-global cuBLAS settings, so each runs in its own subprocess whose environment is set
-before CUDA starts (`MODES` holds those variables); `apply_mode` sets the matching torch switches in the
-child. TF32 is off in every mode.
+Modes are process-global settings, so each runs in its own subprocess whose environment is set before CUDA
+starts (`MODES` holds those variables); `apply_mode` sets the rest in the child. `plain` and `vllm` are cuBLAS
+modes (vLLM's batch-invariant mode: cuBLASLt without split-K); the Triton modes (`TRITON_MODES`, for
+problems with `triton_modes`) turn on SGLang's or Megatron's batch-invariant aten overrides, and only the replay
+runs under them. TF32 is off in torch everywhere; the Triton modes' FP32 `tl.dot` is TF32 unless
+`TRITON_F32_DEFAULT=ieee` (the `_ieee` modes), as those libraries ship it.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -26,21 +29,6 @@ import torch
 
 from h3cute.bench.problems import Problem
 
-MODES: dict[str, dict[str, str]] = {
-    "plain": {},
-    # vLLM's batch-invariant mode: cuBLASLt without split-K (no workspace to split into).
-    "vllm": {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"},
-}
-
-# peer name -> (import name, distribution name)
-PEERS = {
-    "sglang": ("sglang", "sglang"),
-    "vllm": ("vllm", "vllm"),
-    "liger": ("liger_kernel", "liger-kernel"),
-    "transformer_engine": ("transformer_engine", "transformer_engine"),
-    "megatron": ("megatron.core", "megatron-core"),
-}
-
 
 @dataclass
 class Candidate:
@@ -50,14 +38,47 @@ class Candidate:
     has_backward: bool = True
     unavailable: str | None = None
     comparable: bool = True   # its output is the op's output (false for the bare-launch floor)
+    notes: str | None = None  # what the report should say about it (numerics, scope)
+    details: Callable[[], dict] | None = None   # more report fields, read after each phase (compile logs)
+
+
+CUBLAS_MODES: dict[str, dict[str, str]] = {
+    "plain": {},
+    # vLLM's batch-invariant mode: cuBLASLt without split-K (no workspace to split into).
+    "vllm": {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"},
+}
+
+# SGLang's and Megatron's batch-invariant modes (h3cute.bench.peers turns them on); TRITON_F32_DEFAULT=ieee
+# makes their FP32 tl.dot exact FP32 instead of Triton's TF32 default.
+TRITON_MODES: dict[str, dict[str, str]] = {
+    "sglang": {},
+    "sglang_ieee": {"TRITON_F32_DEFAULT": "ieee"},
+    "megatron_triton": {},
+    "megatron_triton_ieee": {"TRITON_F32_DEFAULT": "ieee"},
+}
+MODES: dict[str, dict[str, str]] = {**CUBLAS_MODES, **TRITON_MODES}
+MODE_OWNED_ENV = ("TRITON_F32_DEFAULT",)   # cleared in every mode's process unless the mode sets it
 
 
 def modes_for(problem: Problem) -> list[str]:
-    return list(MODES) if problem.gemm else ["plain"]
+    if not problem.gemm:
+        return ["plain"]
+    return list(CUBLAS_MODES) + (list(TRITON_MODES) if problem.triton_modes else [])
 
 
-def apply_mode(mode: str) -> None:
-    """Torch-side switches of a mode; its environment variables were set before the process started."""
+def mode_unavailable(mode: str) -> str | None:
+    """Why `mode` is not run on this machine, decided before starting its process (None: run it)."""
+    if mode == "plain":
+        return None
+    if mode in CUBLAS_MODES:
+        return None if torch.cuda.is_available() else "a cuBLAS mode: without a CUDA device it changes nothing"
+    from h3cute.bench.peers import triton_mode_unavailable
+    return triton_mode_unavailable(mode)
+
+
+def apply_mode(mode: str) -> str | None:
+    """Switch this process into `mode` (its environment variables were set before it started); returns why the
+    mode cannot run here, or None."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     if mode == "vllm":
@@ -65,26 +86,38 @@ def apply_mode(mode: str) -> None:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         if torch.cuda.is_available():
             torch.backends.cuda.preferred_blas_library("cublaslt")
+    if mode in CUBLAS_MODES:
+        return None
+    from h3cute.bench import peers
+    try:
+        peers.enable_triton_mode(mode)
+    except peers.PeerUnavailable as e:
+        return str(e)
+    return None
 
 
-class default_blas:
-    """Switch the global BLAS preference back to the default for the FP64 reference, then restore it."""
-
-    def __enter__(self):
-        self.saved = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
-        if self.saved is not None:
-            torch.backends.cuda.preferred_blas_library("cublas")
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            torch.backends.cuda.preferred_blas_library(self.saved)
+@contextlib.contextmanager
+def modes_off():
+    """The global modes off for the FP64 reference (default BLAS, no Triton overrides), then restored."""
+    from h3cute.bench.peers import triton_mode_suspended
+    saved = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
+    if saved is not None:
+        torch.backends.cuda.preferred_blas_library("cublas")
+    try:
+        with triton_mode_suspended():
+            yield
+    finally:
+        if saved is not None:
+            torch.backends.cuda.preferred_blas_library(saved)
 
 
 def _h3cute(problem: Problem) -> Candidate:
     kw = problem.h3_kwargs
     flags = ", ".join(f"{k}={v}" for k, v in kw.items())
     source = f"torch.ops.h3.{problem.op}" + (f" ({flags})" if flags else "")
+    if problem.narrowed:
+        return Candidate("h3cute", source, unavailable=f"the op takes the checkpoint's widths only; this problem is "
+                         f"{problem.narrowed}")
     try:
         import h3cute  # noqa: F401  (registers torch.ops.h3)
         op = getattr(torch.ops.h3, problem.op)
@@ -95,6 +128,9 @@ def _h3cute(problem: Problem) -> Candidate:
 
 def _replay(problem: Problem, name: str, mode: str) -> Candidate:
     source = problem.diffusers_source + (f" [{mode}]" if problem.gemm else "")
+    if mode not in CUBLAS_MODES:
+        from h3cute.bench.peers import TRITON_MODE_SOURCES
+        source = f"{problem.diffusers_source} under {TRITON_MODE_SOURCES[mode]} [{mode}]"
     try:
         from h3cute import reference
         fn = getattr(reference, f"{problem.op}_replay")
@@ -141,30 +177,17 @@ def _diffusers_adapter(problem: Problem, name: str, version: str) -> Candidate:
                      unavailable="no module adapter for this op (the diffusers replay mirrors it op for op)")
 
 
-def _peer(peer: str) -> Candidate:
-    module, dist = PEERS[peer]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:   # a parent package is missing
-        found = False
-    if not found:
-        return Candidate(peer, peer, unavailable=f"{dist} is not installed")
-    version = importlib.metadata.version(dist) if _has_dist(dist) else "unknown version"
-    return Candidate(peer, f"{peer} {version}",
-                     unavailable=f"{dist} {version} is installed but h3cute.bench has no adapter for this op")
-
-
-def _has_dist(dist: str) -> bool:
-    try:
-        importlib.metadata.version(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-def candidates_for(problem: Problem, mode: str) -> list[Candidate]:
-    """Everything the harness compares for one op under one mode (h3cute and peers in plain only)."""
+def candidates_for(problem: Problem, mode: str, plan=None, device=None) -> list[Candidate]:
+    """Everything the harness compares for one op under one mode: h3cute and the peers in plain only, the
+    replay alone in the Triton modes. `plan` and `device` decide the peers' set-up (defaults: the seeds'
+    plan, this machine's device)."""
+    from h3cute.bench import checks, peers
+    plan = plan or checks.FULL
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     suffix = f"[{mode}]" if problem.gemm else ""
+    if mode not in CUBLAS_MODES:
+        return [_replay(problem, "diffusers" + suffix, mode)]
     out = []
     if mode == "plain":
         out.append(_h3cute(problem))
@@ -174,5 +197,5 @@ def candidates_for(problem: Problem, mode: str) -> list[Candidate]:
         if problem.op == "timestep_sinusoid":
             out.append(Candidate("torch_bare_op", "t + 1 (one elementwise launch: the floor of any op call)",
                                  lambda t: t + 1, has_backward=False, comparable=False))
-        out.extend(_peer(p) for p in PEERS)
+        out.extend(peers.peer_candidates(problem, plan, device))
     return out

@@ -14,7 +14,9 @@ under a fixed random upstream gradient per seed; a batch is a row selection of a
   with the probe computed alone. `first_failures` keeps the first eight {seed, batch, position, row}.
 
 Accuracy: `max|out - ref| / max|ref|` against `h3cute.reference.<op>_fp64` (inputs upcast to FP64,
-upstream gradient `randn` from a generator seeded 9, global BLAS modes off). Latency: median of
+upstream gradient `randn` from a generator seeded 9, global modes off). In the plain mode each candidate's
+forward is also compared bit for bit with the diffusers replay's on the same inputs (`fwd_bits_vs_diffusers`:
+equal, and the fraction of elements whose bits differ). Latency: median of
 `samples` timed calls after `warmup` calls; each sample is one whole call from Python (fwd_bwd: fresh
 leaves, backward with all-ones upstream). On CUDA samples are CUDA-event times; on a CPU-only machine
 (CI) they are `time.perf_counter` wall times and the report's `environment.timer` says so. Kernel-only
@@ -29,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from h3cute.bench import timing
-from h3cute.bench.candidates import Candidate, default_blas
+from h3cute.bench.candidates import Candidate, modes_off
 from h3cute.bench.problems import Problem, take_rows
 
 ACCURACY_SEED = 0
@@ -51,6 +53,12 @@ class Plan:
     samples: int = 100
     max_failures: int = 8
     graphs: bool = True
+    # torch.compile peers (h3cute.bench.peers): their modes, dynamic rows or a graph per row count, and the
+    # compile seconds after which a compiled candidate stops and says so
+    inductor_modes: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
+    inductor_dynamic: bool = True
+    inductor_compile_budget_s: float = 90.0
+    inductor_on_cpu: bool = False
 
     def for_problem(self, problem: Problem) -> "Plan":
         return replace(
@@ -69,18 +77,19 @@ class Plan:
 FULL = Plan()
 QUICK = Plan(all_rows_sizes=(64, 257), all_rows_seeds=(3,), sub_seeds=(3,), sweep_pool=512,
              sweep_seeds=(3,), warmup=5, samples=30)
-# Where there is no GPU the same method runs at smoke scale, so that the whole command finishes on a
-# 2-core machine (the H3 weights are full size: a 520 MB projection per call). Not a measurement.
-CPU_SMOKE = Plan(all_rows_sizes=(9,), all_rows_seeds=(3,), sub_seeds=(3,), full_batch=64,
-                 sub_batch_sizes=(1, 7, 32), sweep_pool=17, sweep_seeds=(3,), warmup=1, samples=3,
+# Where there is no GPU the same four checks run at smoke scale, so that the whole command finishes on a
+# 2-core machine in minutes: a few rows per batch (the H3 widths stay, except where the problem's
+# `smoke_draw` narrows them), one accuracy size. CPU timings are wall times, not measurements.
+CPU_SMOKE = Plan(all_rows_sizes=(2,), all_rows_seeds=(3,), sub_seeds=(3,), full_batch=3,
+                 sub_batch_sizes=(1, 2), sweep_pool=3, sweep_seeds=(3,), warmup=1, samples=1,
                  graphs=False)
 
 
 def plan_for_device(plan: Plan, device: torch.device, problem: Problem) -> Plan:
-    """`plan` on a GPU; `CPU_SMOKE` on a CPU, with the op's smallest accuracy size (<= 257 rows)."""
+    """`plan` on a GPU; `CPU_SMOKE` on a CPU, with one accuracy size of the op (4 rows, or 257 for an S-op)."""
     if device.type != "cpu":
         return plan
-    sizes = tuple(n for n in problem.accuracy_sizes if n <= 4) or (257,)
+    sizes = tuple(n for n in problem.accuracy_sizes if n == 4) or (257,)
     return replace(CPU_SMOKE, accuracy_sizes=sizes)
 
 
@@ -250,16 +259,34 @@ def rel_err(out: torch.Tensor | list, ref: torch.Tensor | list) -> float:
 
 
 class Reference:
-    """FP64 goldens per accuracy size, computed once and shared by all candidates of a mode."""
+    """FP64 goldens per accuracy size, computed once and shared by all candidates of a mode; with
+    `replay_bits`, also the diffusers replay's forward on the same inputs, for the bitwise comparison."""
 
-    def __init__(self, problem: Problem, device):
+    def __init__(self, problem: Problem, device, replay_bits: bool = False):
         self.problem, self.device, self.cache = problem, device, {}
+        self.replay, self.replay_cache = None, {}
         try:
             from h3cute import reference
             self.fn = getattr(reference, f"{problem.op}_fp64")
             self.missing = None
+            if replay_bits:
+                self.replay = getattr(reference, f"{problem.op}_replay", None)
         except Exception as e:
             self.fn, self.missing = None, f"{type(e).__name__}: {e}"
+
+    def replay_at(self, n: int) -> list[torch.Tensor] | None:
+        """The diffusers replay's forward outputs on the accuracy inputs of size n (None: not compared)."""
+        if self.replay is None or self.fn is None:
+            return None
+        if n not in self.replay_cache:
+            inputs = self.at(n)[0]
+            with torch.no_grad():
+                self.replay_cache = {n: _as_list(self.replay(*[inputs[a] for a in self.problem.args]))}
+        return self.replay_cache[n]
+
+    def clear(self) -> None:
+        self.cache.clear()
+        self.replay_cache.clear()
 
     def at(self, n: int):
         """(inputs, upstream in the op's dtypes, FP64 outputs, FP64 gradients) of an n-row batch."""
@@ -268,7 +295,7 @@ class Reference:
             inputs = p.draw(n, ACCURACY_SEED, self.device)
             wide = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
             ref = Candidate("fp64", "reference", self.fn, has_backward=p.has_backward)
-            with default_blas():
+            with modes_off():
                 outs, _ = run(ref, p, wide, None)
                 # drawn in the op's output dtype so that candidates and the golden see the same values
                 up = [u.to(p.out_dtype) for u in upstream_like(outs, UPSTREAM_SEED)]
@@ -278,6 +305,19 @@ class Reference:
                     grads = {}
             self.cache = {n: (inputs, up, outs, grads)}   # one size at a time: the S-op goldens are large
         return self.cache[n]
+
+
+def bits_vs(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
+    """{equal, differing}: whether every output's bits equal the reference's, and the fraction of elements
+    whose bits differ (a NaN's bits count as they are; -0.0 differs from 0.0)."""
+    differ = total = 0
+    for o, r in zip(outs, refs):
+        if o.shape != r.shape or o.dtype != r.dtype:
+            return {"equal": False, "differing": 1.0}
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[o.element_size()]
+        differ += int((o.contiguous().view(ints) != r.contiguous().view(ints)).sum())
+        total += o.numel()
+    return {"equal": differ == 0, "differing": differ / total if total else 0.0}
 
 
 def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, reference: Reference,
@@ -304,6 +344,9 @@ def accuracy_latency(cand: Candidate, problem: Problem, plan: Plan, device, refe
         else:
             outs, grads = run(cand, problem, inputs, up if backward else None)
             entry["fwd_rel_err"] = rel_err(outs, ref_outs)
+            replay_outs = reference.replay_at(n) if cand.fn is not reference.replay else None
+            if replay_outs is not None:
+                entry["fwd_bits_vs_diffusers"] = bits_vs(outs, replay_outs)
             if backward:
                 entry["grad_rel_err"] = {problem.grad_name(a): rel_err(grads[a], ref_grads[a]) for a in grad_args}
         args = [inputs[a] for a in problem.args]

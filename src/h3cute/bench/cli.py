@@ -2,7 +2,10 @@
 
   h3cute-bench prior-art --op OP|all [--quick] [--out FILE.json] [--plan FIELD=JSON ...]
       JSON report (the seeds' schema) + FILE.md summary + FILE_latency.png / FILE_invariance.png.
-      With --op all, FILE.json names a stem: one FILE_<op>.json per op.
+      With --op all, FILE.json names a stem: one FILE_<op>.json per op. Without a GPU every check runs at
+      CPU smoke scale and the timings are not measurements. The torch.compile peers follow the plan:
+      --plan 'inductor_modes=["default"]' (leave max-autotune out), --plan inductor_compile_budget_s=300,
+      --plan inductor_dynamic=false (a graph per row count).
   h3cute-bench compare A.json B.json [--labels A B]
   h3cute-bench sweep --op OP [--config NAME ...] [--full] [--out FILE.json]
 """
@@ -54,8 +57,12 @@ def _overrides(items) -> dict:
 
 
 def _prior_art(args) -> int:
-    from h3cute.bench.prior_art import prior_art
+    import torch
+
+    from h3cute.bench.prior_art import CPU_NOTE, prior_art
     ops = OPS if args.op == "all" else (args.op,)
+    if not torch.cuda.is_available():
+        console.print(CPU_NOTE)
     for op in ops:
         if args.out is None:
             out = Path(f"h3_prior_art_{op}{'_quick' if args.quick else ''}.json")
@@ -70,13 +77,11 @@ def _prior_art(args) -> int:
 
 def _mode(args) -> int:
     """Child process of one cuBLAS mode (its environment was set by the parent)."""
-    from h3cute.bench import checks
-    from h3cute.bench.prior_art import run_mode
-    from h3cute.bench.prior_art import default_device
-    plan = checks.plan_for_device(checks.QUICK if args.quick else checks.FULL, default_device(), PROBLEMS[args.op])
-    plan = plan.with_overrides(_overrides(args.plan))
+    from h3cute.bench.prior_art import default_device, mode_problem_plan, run_mode
+    device = default_device()
+    problem, plan = mode_problem_plan(args.op, args.quick, _overrides(args.plan), device)
     with console.status(f"{args.op} [{args.mode}]"):
-        run_mode(PROBLEMS[args.op], args.mode, plan, out=args.out, log=lambda m: _log(f"[{args.mode}] {m}"))
+        run_mode(problem, args.mode, plan, device, out=args.out, log=lambda m: _log(f"[{args.mode}] {m}"))
     return 0
 
 

@@ -12,10 +12,14 @@ tables, timestep embeddings of the S-ops) stay the same tensors. Inputs follow t
   the first three tags are forced to 0, 1, 2 so every modality is present; `adaln_indices = ti*3+tag`.
 
 Names of gradients in reports follow the seeds (`x, w1, b1, w2, b2`; `x, nw, temb, w, b`).
+
+`at_smoke_scale` is the problem a CPU-only machine runs: the same widths, except where `smoke_draw` draws a
+narrower problem (adaln_projection's 520 MB weight costs seconds per BF16 call on a CPU); `narrowed` then says
+so, and the h3cute candidate, whose ops take the checkpoint's widths only, sits that op out.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -50,9 +54,12 @@ class Problem:
     grad_names: dict = field(default_factory=dict)
     out_dtype: torch.dtype = torch.float32  # of every output: the accuracy upstream gradient is drawn in it
     gemm: bool = False                      # run under the cuBLAS modes
+    triton_modes: bool = False              # and under SGLang's / Megatron's Triton batch-invariant modes
     h3_kwargs: dict = field(default_factory=dict)   # host-syncing check flags off in timed loops
     diffusers_source: str = ""
     fwd_flops: Callable[[int], tuple[int, str]] | None = None   # (flops, "bf16" | "fp32")
+    smoke_draw: Callable[[int, int, torch.device], dict] | None = None   # a narrower draw for the CPU smoke
+    narrowed: str | None = None             # set by at_smoke_scale: how this problem differs from the op's
 
     @property
     def has_backward(self) -> bool:
@@ -60,6 +67,17 @@ class Problem:
 
     def grad_name(self, arg: str) -> str:
         return self.grad_names.get(arg, arg)
+
+
+def at_smoke_scale(problem: Problem) -> Problem:
+    """The problem as the CPU smoke runs it: `smoke_draw` in place of `draw`, where the op has one."""
+    if problem.smoke_draw is None:
+        return problem
+    shapes = {k: tuple(v.shape) for k, v in problem.smoke_draw(1, 0, torch.device("cpu")).items()
+              if k not in problem.row_args}
+    return replace(problem, draw=problem.smoke_draw, narrowed=(
+        f"drawn narrower at CPU smoke scale ({', '.join(f'{k} {v}' for k, v in shapes.items())}): "
+        "not the op's widths"))
 
 
 def take_rows(problem: Problem, inputs: dict, rows: torch.Tensor) -> dict:
@@ -128,13 +146,17 @@ def _draw_final_out(n, seed, device):
     }
 
 
-def _draw_projection(n, seed, device):
+def _draw_projection(n, seed, device, width=18 * H):
     bf = torch.bfloat16
     return {
         "temb": randn((n, D), seed, 0, device),
-        "weight": randn((18 * H, D), seed, 1, device, D ** -0.5, bf),
-        "bias": randn((18 * H,), seed, 2, device, 0.02, bf),
+        "weight": randn((width, D), seed, 1, device, D ** -0.5, bf),
+        "bias": randn((width,), seed, 2, device, 0.02, bf),
     }
+
+
+def _draw_projection_smoke(n, seed, device):
+    return _draw_projection(n, seed, device, width=18 * H // 16)   # 33 MB instead of 520 MB
 
 
 def _draw_gather(n, seed, device):
@@ -179,7 +201,7 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
     Problem(
         op="timestep_mlp", args=("x", "w1", "b1", "w2", "b2"), row_args=("x",), row_grads=("x",),
         param_grads=("w1", "b1", "w2", "b2"), draw=_draw_mlp, accuracy_sizes=T_OP_ACCURACY_SIZES,
-        full_batch=_T_FULL, sub_batch_sizes=_T_SUBS, gemm=True,
+        full_batch=_T_FULL, sub_batch_sizes=_T_SUBS, gemm=True, triton_modes=True,
         diffusers_source="diffusers TimestepEmbedding, FP32 F.linear",
         fwd_flops=lambda n: (2 * n * (F1 * H + H * D), "fp32"),
     ),
@@ -201,7 +223,8 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
         row_grads=("temb",), param_grads=("weight", "bias"),
         grad_names={"weight": "w", "bias": "b"},
         draw=_draw_projection, accuracy_sizes=T_OP_ACCURACY_SIZES,
-        full_batch=_T_FULL, sub_batch_sizes=_T_SUBS, gemm=True,
+        full_batch=_T_FULL, sub_batch_sizes=_T_SUBS, gemm=True, triton_modes=True,
+        smoke_draw=_draw_projection_smoke,
         diffusers_source="diffusers MiniMaxH3AdaLayerNormModulation projection (op-for-op replay)",
         fwd_flops=lambda n: (2 * n * D * 18 * H, "bf16"),
     ),

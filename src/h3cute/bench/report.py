@@ -1,9 +1,12 @@
 """The `h3_prior_art` report: environment capture, the schema reader, markdown summaries and plots.
 
 One reader (`validate_report` / `load_report`) accepts both the B200 seed reports and ours. Our
-reports carry the seeds' keys exactly and add, all optional for the reader: top-level `floors`,
-`environment.{h3cute, ceilings, timer}`, per size `fwd_kernel_us`, `fwd_bwd_kernel_us`,
-`kernel_us_unavailable`, and candidates recorded as `{"source", "unavailable": reason}`.
+reports carry the seeds' keys exactly and add, all optional for the reader: top-level `floors`, `notes`
+(what a reader must know first, e.g. CPU smoke scale) and `fastest_peer` (`fastest_peers`),
+`environment.{h3cute, ceilings, timer, scale, peer_files}`, per candidate `notes`, `compile` (torch.compile
+peers: graphs and seconds) and `comparable: false` (the bare-launch floor), per size `fwd_kernel_us`,
+`fwd_bwd_kernel_us`, `kernel_us_unavailable`, `fwd_bits_vs_diffusers`, and candidates recorded as
+`{"source", "unavailable": reason}`.
 matplotlib is optional: without it `write_plots` says so and returns no files.
 """
 from __future__ import annotations
@@ -18,8 +21,9 @@ from pathlib import Path
 
 KIND = "h3_prior_art"
 RFC = "RL-Align/RL-Kernel#420"
-LIBRARIES = ("torch", "triton", "diffusers", "nvidia-cutlass-dsl", "apache-tvm-ffi", "vllm",
-             "flashinfer-python", "sglang", "liger-kernel", "transformer_engine", "megatron-core")
+LIBRARIES = ("torch", "triton", "diffusers", "nvidia-cutlass-dsl", "apache-tvm-ffi", "vllm", "vllm-omni",
+             "flashinfer-python", "sglang", "liger-kernel", "quack-kernels", "transformer_engine", "megatron-core")
+PHASES = ("fwd_us", "fwd_bwd_us")
 INVARIANCE_CHECKS = ("all_rows", "params_repeatable", "full_vs_sub_batches", "batch_size_sweep")
 
 
@@ -66,6 +70,8 @@ def h3cute_commit() -> dict:
 
 def environment(device, mode_environment: dict) -> dict:
     import torch
+
+    from h3cute.bench import peers
     cuda = device.type == "cuda"
     return {
         "gpu": torch.cuda.get_device_name(device) if cuda else None,
@@ -80,6 +86,7 @@ def environment(device, mode_environment: dict) -> dict:
         "h3cute": h3cute_commit(),
         "timer": "cuda_event" if cuda else "perf_counter (CPU wall time; not comparable with GPU reports)",
         "scale": "seed method" if cuda else "CPU smoke scale (checks.CPU_SMOKE): no GPU, not a measurement",
+        "peer_files": peers.versions(),
     }
 
 
@@ -194,6 +201,35 @@ def candidates(report: dict) -> dict:
     return {name: c for cands in report["results"].values() for name, c in cands.items()}
 
 
+def fastest_peers(report: dict) -> dict:
+    """Per size and phase: h3cute's time, the fastest peer (any other candidate whose output is the op's) and
+    the fastest batch-invariant peer, each with its time and `h3cute_over_peer` = h3cute / peer (below 1:
+    h3cute is faster). Sizes or phases h3cute has no time for are left out."""
+    cands = candidates(report)
+    h3 = cands.get("h3cute") or {}
+    out = {}
+    for n, h3e in (h3.get("accuracy_latency") or {}).items():
+        for phase in PHASES:
+            mine = h3e.get(phase)
+            if mine is None:
+                continue
+            rows = []
+            for name, c in cands.items():
+                if name == "h3cute" or "unavailable" in c or c.get("comparable") is False:
+                    continue
+                e = (c.get("accuracy_latency") or {}).get(n) or {}
+                if e.get(phase) is not None:
+                    rows.append((e[phase], name, c["batch_invariance"]["batch_invariant"], e.get("fwd_rel_err")))
+            entry = {"h3cute_us": mine}
+            for key, pool in (("fastest", rows), ("fastest_invariant", [r for r in rows if r[2]])):
+                if pool:
+                    us, name, inv, err = min(pool)
+                    entry[key] = {"peer": name, "us": us, "batch_invariant": inv, "fwd_rel_err": err,
+                                  "h3cute_over_peer": mine / us if us else None}
+            out.setdefault(n, {})[phase] = entry
+    return out
+
+
 # ---- markdown ------------------------------------------------------------------------------------
 
 def _fmt(v, unit=""):
@@ -227,12 +263,66 @@ def _invariance_cells(bi: dict) -> list[str]:
     ]
 
 
+def _bits_cell(e: dict) -> str:
+    b = e.get("fwd_bits_vs_diffusers")
+    if not b:
+        return "–"
+    return "yes" if b["equal"] else f"no ({_fmt(100 * b['differing'])}% differ)"
+
+
+def fastest_markdown(report: dict) -> list[str]:
+    """The fastest-peer table of a report and, in words, every size where a peer beats h3cute."""
+    fastest = report.get("fastest_peer") or fastest_peers(report)
+    if not fastest:
+        return []
+    lines = ["## Fastest peer", "",
+             "h3cute / peer below 1: h3cute is faster. Peers: every other candidate whose output is the op's.", "",
+             _row("size", "phase", "h3cute µs", "fastest peer", "µs", "h3cute / peer", "fastest batch-invariant peer",
+                  "µs", "h3cute / peer"), _row(*["---"] * 9)]
+    faster = []
+    for n in sorted(fastest, key=int):
+        for phase, e in fastest[n].items():
+            cells = []
+            for key in ("fastest", "fastest_invariant"):
+                f = e.get(key)
+                cells += [f"`{f['peer']}`", _fmt(f["us"]), _fmt(f["h3cute_over_peer"])] if f else ["–", "–", "–"]
+                if f and key == "fastest" and f["h3cute_over_peer"] is not None and f["h3cute_over_peer"] > 1:
+                    faster.append(f"{phase} at {n} rows: `{f['peer']}` {_fmt(f['us'])} µs against h3cute "
+                                  f"{_fmt(e['h3cute_us'])} µs ({_fmt(f['h3cute_over_peer'])}x)"
+                                  + ("" if f["batch_invariant"] else "; that peer is not batch-invariant"))
+            lines.append(_row(n, phase, _fmt(e["h3cute_us"]), *cells))
+    lines += ["", ("A peer is faster than h3cute here: " + "; ".join(faster) + ".") if faster
+              else "No peer is faster than h3cute at any size measured here."]
+    return lines
+
+
+def _compile_lines(cands: dict) -> list[str]:
+    rows = [(n, c["compile"]) for n, c in cands.items() if isinstance(c.get("compile"), dict)]
+    if not rows:
+        return []
+    lines = ["## torch.compile", "", "Compile time is excluded from every timing above.", "",
+             _row("candidate", "mode", "dynamic", "graphs", "backward compiles", "compile s", "calls"),
+             _row(*["---"] * 7)]
+    for name, k in rows:
+        lines.append(_row(f"`{name}`", k["mode"], k["dynamic"], k["graphs"], k["backward_compiles"],
+                          _fmt(k["compile_s"]), k["calls"]))
+    lines += ["", f"Dynamic: {rows[0][1]['why']}."]
+    for name, k in rows:
+        events = ", ".join(f"{e['phase']} {e['rows']} rows{' grad' if e['grad'] else ''} {_fmt(e['seconds'])} s"
+                           for e in k["events"])
+        more = f" and {k['events_left_off']} more" if k.get("events_left_off") else ""
+        lines.append(f"- `{name}` compiled at: {events or 'nothing'}{more}.")
+    return lines
+
+
 def summary_markdown(report: dict) -> str:
     env = report["environment"]
     h3 = env.get("h3cute") or {}
     lines = [
         f"# {report['op']}: prior art{' (quick)' if report.get('quick') else ''}",
         "",
+        *[f"**{note}**" for note in report.get("notes", [])],
+        *([""] if report.get("notes") else []),
         f"GPU {env.get('gpu')} (capability {env.get('capability')}), torch {env.get('torch')}, CUDA {env.get('cuda')}, "
         f"python {env.get('python')}, TF32 {env.get('tf32')}, timer {env.get('timer', 'cuda_event')}, "
         f"h3cute {h3.get('commit')}{' (dirty)' if h3.get('tree_dirty') else ''}.",
@@ -247,12 +337,13 @@ def summary_markdown(report: dict) -> str:
     unavailable = []
     for name, c in cands.items():
         if "unavailable" in c:
-            unavailable.append(f"- `{name}`: {c['unavailable']}")
+            unavailable.append(f"- `{name}` ({c['source']}): {c['unavailable']}")
             continue
         lines.append(f"| `{name}` | " + " | ".join(_invariance_cells(c["batch_invariance"])) + " |")
     lines += ["", "## Accuracy and latency (µs, median)", "",
-              _row("size", "candidate", "fwd_rel_err", "grad_rel_err (max)", "fwd_us", "fwd_bwd_us",
-                   "fwd_kernel_us", "fwd_bwd_kernel_us"), _row(*["---"] * 8)]
+              "bits = diffusers: the forward's bits against the diffusers replay's on the same inputs.", "",
+              _row("size", "candidate", "fwd_rel_err", "grad_rel_err (max)", "bits = diffusers", "fwd_us",
+                   "fwd_bwd_us", "fwd_kernel_us", "fwd_bwd_kernel_us"), _row(*["---"] * 9)]
     sizes = sorted({int(n) for c in cands.values() for n in c.get("accuracy_latency", {})})
     floors = report.get("floors") or {}
     for n in sizes:
@@ -262,13 +353,22 @@ def summary_markdown(report: dict) -> str:
                 continue
             grads = e.get("grad_rel_err")
             gmax = max((v for v in grads.values() if v is not None), default=None) if grads else None
-            lines.append(_row(n, f"`{name}`", _fmt(e.get("fwd_rel_err")), _fmt(gmax),
+            lines.append(_row(n, f"`{name}`", _fmt(e.get("fwd_rel_err")), _fmt(gmax), _bits_cell(e),
                               *(_fmt(e.get(k)) for k in ("fwd_us", "fwd_bwd_us", "fwd_kernel_us", "fwd_bwd_kernel_us"))))
         f = floors.get(str(n))
         if f and f.get("fwd_us") is not None:
-            lines.append(_row(n, "floor (memory / compute)", "", "",
+            lines.append(_row(n, "floor (memory / compute)", "", "", "",
                               *(f"{_fmt(f.get(p + '_memory_us'))} / {_fmt(f.get(p + '_compute_us'))}"
                                 for p in ("fwd", "fwd_bwd")), "", ""))
+    fastest = fastest_markdown(report)
+    if fastest:
+        lines += [""] + fastest
+    compiled = _compile_lines(cands)
+    if compiled:
+        lines += [""] + compiled
+    notes = [f"- `{name}`: {c['notes']}" for name, c in cands.items() if c.get("notes")]
+    if notes:
+        lines += ["", "## Notes on candidates", ""] + notes
     if unavailable:
         lines += ["", "## Unavailable", ""] + unavailable
     ceilings = env.get("ceilings")
@@ -306,6 +406,13 @@ def compare_markdown(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -
             if not ea and not eb:
                 continue
             lines.append(_row(n, f"`{name}`", *(_fmt(e.get(m)) for m in metrics for e in (ea, eb))))
+    for label, rep, cands in ((label_a, a, ca), (label_b, b, cb)):
+        fastest = fastest_markdown(rep)
+        if fastest:
+            lines += ["", fastest[0].replace("## Fastest peer", f"## Fastest peer: {label}")] + fastest[1:]
+        gone = [f"- `{name}`: {c['unavailable']}" for name, c in cands.items() if "unavailable" in c]
+        if gone:
+            lines += ["", f"## Unavailable: {label}", ""] + gone
     return "\n".join(lines) + "\n"
 
 
