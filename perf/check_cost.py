@@ -22,7 +22,7 @@ import torch
 import h3cute
 from h3cute import reference
 from h3cute.bench import timing
-from h3cute.bench.report import write_device_json
+from h3cute.bench.report import h3cute_commit, write_device_json
 from h3cute.ops import validate
 
 WARMUP, SAMPLES = 50, 500
@@ -69,7 +69,7 @@ def main() -> None:
                                  host_sync_us=synced))
             print(f"{name:30} {rows:>6} {checked:9.2f} {unchecked or float('nan'):9.2f} "
                   f"{ratio or float('nan'):6.3f} {synced:9.2f}")
-    record = dict(kind="h3_check_cost", gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+    record = dict(kind="h3_check_cost", gpu=torch.cuda.get_device_name(), torch=torch.__version__, **h3cute_commit(),
                   warmup=WARMUP, samples=SAMPLES, timer="median CUDA-event time per call, calls back to back",
                   native=bool(h3cute.native.load()), results=rows_out)
     path = write_device_json(record, "check_cost.json", sys.argv[1] if len(sys.argv) > 1 else None)
