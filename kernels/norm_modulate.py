@@ -49,7 +49,8 @@ from h3cute.runtime.dsl import compile_for, env_stream
 
 from .rowwise import (COL_TILE, MAX_TABLE_ROWS, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNROLL, VEC, fake_indices,
                       check_row, fake_partials, fake_rows, fake_table, fake_vector, guarded_row, load_f32, reduction_block,
-                      round_bf16, row_range, row_slots, smem_vec, store_bf16, torch_sumsq, vec_view, window_pick)
+                      round_bf16, row_range, smem_vec, store_bf16, torch_sumsq, torch_sumsq_v4, vec_view,
+                      window_pick)
 
 HIDDEN = 5376
 CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768
@@ -122,27 +123,50 @@ def fused_vec(t: cute.Tensor, offset, space: cutlass.Constexpr):
     return cute.make_tensor(ptr, cute.make_layout(FUSED_VEC))
 
 
+# Row layouts of the forward kernels: `vec` BF16 per access, 512 / vec threads per row, so that either way a
+# sweep of the CTA covers torch's 128 threads x 4 elements. vec 8: thread u holds torch threads 2u, 2u + 1
+# (rowwise.torch_sumsq); vec 4: thread t is torch thread t (rowwise.torch_sumsq_v4). Same bits.
+ROW_VECS = (8, 4)
+
+
+def row_threads(vec: int) -> int:
+    return 4 * 128 // vec
+
+
 @cute.jit
-def load_row(mT: cute.Tensor, base, tidx, width: cutlass.Constexpr):
-    """This thread's BF16 8-vectors u, u + 64, ... of a row (an absent vector of the last slot reads as zeros)."""
-    num_vecs = width // VEC
+def row_vec(t: cute.Tensor, offset, vec: cutlass.Constexpr):
+    """`vec` elements of `t` at element offset `offset` (a multiple of vec): one aligned access."""
+    if cutlass.const_expr(vec == VEC):
+        return vec_view(t, offset)
+    return fused_vec(t, offset, cute.AddressSpace.gmem)
+
+
+@cute.jit
+def load_row(mT: cute.Tensor, base, tidx, width: cutlass.Constexpr, vec: cutlass.Constexpr = VEC):
+    """This thread's BF16 vec-vectors u, u + 512 / vec, ... of a row (an absent vector of the last slot reads as
+    zeros)."""
+    threads = row_threads(vec)
+    num_vecs = width // vec
     vals = []
-    for k in cutlass.range_constexpr(row_slots(width, NORM_THREADS)):
-        col = (tidx + k * NORM_THREADS) * VEC
-        if cutlass.const_expr((k + 1) * NORM_THREADS <= num_vecs):
-            vals.append(vec_view(mT, base + col).load())
+    for k in cutlass.range_constexpr(-(-num_vecs // threads)):
+        col = (tidx + k * threads) * vec
+        if cutlass.const_expr((k + 1) * threads <= num_vecs):
+            vals.append(row_vec(mT, base + col, vec).load())
         else:
-            frag = cute.make_rmem_tensor((VEC,), BFloat16)
+            frag = cute.make_rmem_tensor((vec,), BFloat16)
             frag.fill(0.0)
-            if tidx < num_vecs - k * NORM_THREADS:
-                frag.store(vec_view(mT, base + col).load())
+            if tidx < num_vecs - k * threads:
+                frag.store(row_vec(mT, base + col, vec).load())
             vals.append(frag.load())
     return vals
 
 
 @cute.jit
-def row_rstd(xs, sRed: cute.Tensor, tidx, eps: Float32, width: cutlass.Constexpr):
-    ss = torch_sumsq(xs, sRed, tidx)
+def row_rstd(xs, sRed: cute.Tensor, tidx, eps: Float32, width: cutlass.Constexpr, vec: cutlass.Constexpr = VEC):
+    if cutlass.const_expr(vec == VEC):
+        ss = torch_sumsq(xs, sRed, tidx)
+    else:
+        ss = torch_sumsq_v4(xs, sRed, tidx)
     return cute.math.rsqrt(ss / Float32(width) + eps, approx=True)
 
 
@@ -168,24 +192,37 @@ def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScal
 
 
 @cute.jit
-def _modulate_row(xs, rstd, mW, mShift, mScale, mOut, r, poison, base, tidx, width: cutlass.Constexpr):
+def _modulate_row(xs, rstd, mW, mShift, mScale, mOut, r, poison, base, tidx, width: cutlass.Constexpr,
+                  vec: cutlass.Constexpr = VEC):
     """out = bf16(bf16(bf16(w * (rstd * x)) * bf16(1 + scale[r])) + shift[r]) * poison of this thread's vectors."""
-    num_vecs = width // VEC
+    threads = row_threads(vec)
+    num_vecs = width // vec
     shift_base = r * mShift.stride[0]
     scale_base = r * mScale.stride[0]
     for k in cutlass.range_constexpr(len(xs)):
-        vi = tidx + k * NORM_THREADS
+        vi = tidx + k * threads
         if vi < num_vecs:
-            col = vi * VEC
-            normed = round_bf16(load_f32(mW, col) * (xs[k].to(Float32) * rstd))
-            gain = round_bf16(load_f32(mScale, scale_base + col) + 1.0)
-            store_bf16(mOut, base + col, (round_bf16(normed * gain) + load_f32(mShift, shift_base + col)) * poison)
+            col = vi * vec
+            normed = round_bf16(_row_f32(mW, col, vec) * (xs[k].to(Float32) * rstd))
+            gain = round_bf16(_row_f32(mScale, scale_base + col, vec) + 1.0)
+            _store_row_vec(mOut, base + col, (round_bf16(normed * gain) + _row_f32(mShift, shift_base + col, vec))
+                           * poison, vec)
 
 
 @cute.jit
-def _gated_residual(res, y, mGate, offset, poison):
-    """h = bf16((res + bf16(gate * y)) * poison) of one BF16 8-vector: gate_residual's two roundings."""
-    gated = round_bf16(load_f32(mGate, offset) * y.to(Float32))
+def _row_f32(t: cute.Tensor, offset, vec: cutlass.Constexpr):
+    return row_vec(t, offset, vec).load().to(Float32)
+
+
+@cute.jit
+def _store_row_vec(t: cute.Tensor, offset, value, vec: cutlass.Constexpr):
+    row_vec(t, offset, vec).store(value.to(BFloat16))
+
+
+@cute.jit
+def _gated_residual(res, y, mGate, offset, poison, vec: cutlass.Constexpr):
+    """h = bf16((res + bf16(gate * y)) * poison) of one BF16 vec-vector: gate_residual's two roundings."""
+    gated = round_bf16(_row_f32(mGate, offset, vec) * y.to(Float32))
     return ((res.to(Float32) + gated) * poison).to(BFloat16)
 
 
@@ -193,45 +230,47 @@ def _gated_residual(res, y, mGate, offset, poison):
 def _gated_forward_kernel(mRes: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mW: cute.Tensor,
                           mShift: cute.Tensor, mScale: cute.Tensor, mIdx: cute.Tensor, mH: cute.Tensor,
                           mOut: cute.Tensor, eps: Float32, err_rows: Int64, err_host: Int64,
-                          width: cutlass.Constexpr):
+                          width: cutlass.Constexpr, vec: cutlass.Constexpr):
     """gate_residual then norm_modulate of the same row: h = residual + gate[idx] * y is stored and kept in
-    registers (BF16) for the norm, so the row is read once (residual, y) and written once (h, out)."""
+    registers (BF16) for the norm, so the row is read once (residual, y) and written once (h, out). `vec`: the
+    row layout (ROW_VECS), the same bits either way."""
+    threads = row_threads(vec)
     tidx, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
     sRed = smem.allocate_tensor(Float32, cute.make_layout(TORCH_WARPS), byte_alignment=16)
-    num_vecs = width // VEC
+    num_vecs = width // vec
     base = Int64(row) * width
     idx = Int64(mIdx[row])
     if tidx == 0:
         check_row(idx, mScale.shape[0], row, err_rows, err_host)
     r, poison = guarded_row(idx, mScale.shape[0])
     gate_base = r * mGate.stride[0]
-    res = load_row(mRes, base, tidx, width)
-    ys = load_row(mY, base, tidx, width)
+    res = load_row(mRes, base, tidx, width, vec)
+    ys = load_row(mY, base, tidx, width, vec)
     hs = []
     for k in cutlass.range_constexpr(len(res)):
-        col = (tidx + k * NORM_THREADS) * VEC
-        if cutlass.const_expr((k + 1) * NORM_THREADS <= num_vecs):
-            h = _gated_residual(res[k], ys[k], mGate, gate_base + col, poison)
-            vec_view(mH, base + col).store(h)
+        col = (tidx + k * threads) * vec
+        if cutlass.const_expr((k + 1) * threads <= num_vecs):
+            h = _gated_residual(res[k], ys[k], mGate, gate_base + col, poison, vec)
+            row_vec(mH, base + col, vec).store(h)
             hs.append(h)
         else:  # the partial last slot: absent vectors stay zero, as load_row reads them
-            frag = cute.make_rmem_tensor((VEC,), BFloat16)
+            frag = cute.make_rmem_tensor((vec,), BFloat16)
             frag.fill(0.0)
-            if tidx < num_vecs - k * NORM_THREADS:
-                frag.store(_gated_residual(res[k], ys[k], mGate, gate_base + col, poison))
-                vec_view(mH, base + col).store(frag.load())
+            if tidx < num_vecs - k * threads:
+                frag.store(_gated_residual(res[k], ys[k], mGate, gate_base + col, poison, vec))
+                row_vec(mH, base + col, vec).store(frag.load())
             hs.append(frag.load())
-    rstd = row_rstd(hs, sRed, tidx, eps, width)
-    _modulate_row(hs, rstd, mW, mShift, mScale, mOut, r, poison, base, tidx, width)
+    rstd = row_rstd(hs, sRed, tidx, eps, width, vec)
+    _modulate_row(hs, rstd, mW, mShift, mScale, mOut, r, poison, base, tidx, width, vec)
 
 
 @cute.jit
 def _gated_forward_launch(mRes, mY, mGate, mW, mShift, mScale, mIdx, mH, mOut, eps: Float32, err_rows: Int64,
-                          err_host: Int64, stream, width: cutlass.Constexpr):
-    _gated_forward_kernel(mRes, mY, mGate, mW, mShift, mScale, mIdx, mH, mOut, eps, err_rows, err_host,
-                          width).launch(grid=(mY.shape[0], 1, 1), block=(NORM_THREADS, 1, 1), stream=stream)
+                          err_host: Int64, stream, width: cutlass.Constexpr, vec: cutlass.Constexpr):
+    _gated_forward_kernel(mRes, mY, mGate, mW, mShift, mScale, mIdx, mH, mOut, eps, err_rows, err_host, width,
+                          vec).launch(grid=(mY.shape[0], 1, 1), block=(row_threads(vec), 1, 1), stream=stream)
 
 
 @cute.jit
@@ -761,12 +800,14 @@ def build_forward(arch: str, *, width: int):
                        env_stream(), width)
 
 
-def build_gated_forward(arch: str, *, width: int):
+def build_gated_forward(arch: str, *, width: int, vec: int):
     _check_width(width)
+    if vec not in ROW_VECS:
+        raise ValueError(f"gate_residual_norm_modulate_fwd: vec {vec} is not a row layout {ROW_VECS}")
     s = cute.sym_int()
     return compile_for(arch, _gated_forward_launch, fake_rows(s, width), fake_rows(s, width), fake_table(width),
                        fake_vector(width), fake_table(width), fake_table(width), fake_indices(s), fake_rows(s, width),
-                       fake_rows(s, width), Float32(1e-5), Int64(0), Int64(0), env_stream(), width)
+                       fake_rows(s, width), Float32(1e-5), Int64(0), Int64(0), env_stream(), width, vec)
 
 
 def build_backward_rows(arch: str, *, width: int):
@@ -813,7 +854,7 @@ SPECS = [
     KernelSpec(
         name="gate_residual_norm_modulate_fwd",
         build=build_gated_forward,
-        variants=lambda arch: [dict(width=HIDDEN)],
+        variants=lambda arch: [dict(width=HIDDEN, vec=vec) for vec in ROW_VECS],
         # gate_residual's and norm_modulate's forward markers: both sets of roundings in one kernel
         ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "div.rn.f32", "cvt.rn.bf16x2.f32",
                      "mul.bf16x2", "shfl.sync.bfly", "red.global.min.s64"),

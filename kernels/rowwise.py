@@ -134,6 +134,28 @@ def torch_sumsq(xs, sRed: cute.Tensor, tidx):
 
 
 @cute.jit
+def torch_sumsq_v4(xs, sRed: cute.Tensor, tidx):
+    """torch_sumsq for a 128-thread CTA holding BF16 4-vectors t, t + 128, ...: thread t is torch thread t (its
+    4-element chunks in order), the xor butterfly 16..1 gives lane 0 torch's shfl_down tree and the 4 warps fold
+    as torch's do. Every thread returns the same value."""
+    acc = Float32(0.0)
+    for k in cutlass.range_constexpr(len(xs)):
+        x = xs[k].to(Float32)
+        for i in cutlass.range_constexpr(4):
+            acc = cute.math.fma(x[i], x[i], acc)
+    for off in cutlass.range_constexpr(5):
+        acc = acc + cute.arch.shuffle_sync_bfly(acc, 16 >> off)
+    if tidx % 32 == 0:
+        sRed[tidx // 32] = acc
+    cute.arch.sync_threads()
+    w = [sRed[y] for y in range(TORCH_WARPS)]
+    for _ in cutlass.range_constexpr(TORCH_WARPS.bit_length() - 1):
+        half = len(w) // 2
+        w = [w[y] + w[y + half] for y in range(half)]
+    return w[0]
+
+
+@cute.jit
 def block_sum(value: Float32, sRed: cute.Tensor, tidx, warps: cutlass.Constexpr):
     """Sum of one FP32 per thread over a CTA of `warps` warps in a fixed order (xor butterfly, warps in order)."""
     for off in cutlass.range_constexpr(5):

@@ -96,12 +96,13 @@ def _inputs(op, rows, table_rows, gen):
         grads = [randn(rows, H) for _ in range(6)]
         return (lambda: adaln_row_gather.forward(table, idx),
                 lambda: adaln_row_gather.backward(grads, idx, table_rows))
-    if op == "gate_residual_norm_modulate":
+    if op.startswith("gate_residual_norm_modulate"):  # "...@4" / "...@8": that forward row layout
+        vec = int(op.split("@")[1]) if "@" in op else gate_residual_norm_modulate.FORWARD_VEC
         res, y, grad_h, grad_out = randn(rows, H), randn(rows, H), randn(rows, H), randn(rows, H)
         w = (0.5 + torch.rand(H, generator=gen, device="cuda")).to(torch.bfloat16)
         gate, shift, scale = (randn(table_rows, H, scale=0.1) for _ in range(3))
-        h, _ = gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, 1e-5)
-        return (lambda: gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, 1e-5),
+        h, _ = gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, 1e-5, vec=vec)
+        return (lambda: gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, 1e-5, vec=vec),
                 lambda: gate_residual_norm_modulate.backward(grad_h, grad_out, y, gate, h, w, scale, idx, 1e-5,
                                                              table_rows))
     raise ValueError(op)
@@ -136,7 +137,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="4097,32768,131072")
     p.add_argument("--table-rows", type=int, default=9)
-    p.add_argument("--ops", default="norm_modulate,gate_residual,adaln_row_gather,gate_residual_norm_modulate")
+    p.add_argument("--ops", default="norm_modulate,gate_residual,adaln_row_gather,gate_residual_norm_modulate@8,"
+                                    "gate_residual_norm_modulate@4")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("perf/row_kernels.py needs a CUDA device")

@@ -22,12 +22,13 @@ def _inputs(rows, seed):
     return res, y, gate, w, shift, scale, idx
 
 
+@pytest.mark.parametrize("vec", [8, 4])  # both row layouts (kernels/norm_modulate.py ROW_VECS)
 @pytest.mark.parametrize("rows", [1, 2, 63, 64, 65, 4097])
-def test_forward_is_bitwise_the_two_ops(rows):
+def test_forward_is_bitwise_the_two_ops(rows, vec):
     res, y, gate, w, shift, scale, idx = _inputs(rows, rows)
     junk = torch.full((8 * rows * H,), float("nan"), device="cuda")  # NaN left in the allocator's free blocks
     del junk
-    h, out = fused.forward(res, y, gate, w, shift, scale, idx)
+    h, out = fused.forward(res, y, gate, w, shift, scale, idx, vec=vec)
     assert not h.isnan().any() and not out.isnan().any()
     h_ref = gate_residual.forward(res, y, gate, idx)
     assert_same_bits(h, h_ref, "h")

@@ -60,6 +60,23 @@ def _kernel_sumsq(x):
     return w[0]
 
 
+def _kernel_sumsq_v4(x):
+    """kernels/rowwise.torch_sumsq_v4 in a 128-thread CTA of 4-vectors: thread t sums its chunks t, t + 128, ...;
+    xor butterfly 16..1 over each warp; the 4 warp sums folded 2, 1."""
+    chunks = x.reshape(-1, 4)
+    acc = [np.float32(0)] * 128
+    for t in range(128):
+        for c in range(t, len(chunks), 128):
+            for e in chunks[c]:
+                acc[t] = _fma32(e, e, acc[t])
+    for off in (16, 8, 4, 2, 1):
+        acc = [np.float32(acc[t] + acc[t ^ off]) for t in range(128)]
+    w = [acc[32 * i] for i in range(4)]
+    for half in (2, 1):
+        w = [np.float32(w[i] + w[i + half]) for i in range(half)]
+    return w[0]
+
+
 def _wide_range_row(seed):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(H) * np.exp2(rng.integers(-12, 12, H))).astype(np.float32)
@@ -70,6 +87,7 @@ def _wide_range_row(seed):
 def test_kernel_reduction_order_is_torch_fused_rms_norm_order(seed):
     x = _wide_range_row(seed)
     assert _kernel_sumsq(x).tobytes() == _torch_fused_sumsq(x).tobytes()
+    assert _kernel_sumsq_v4(x).tobytes() == _torch_fused_sumsq(x).tobytes()  # the 128-thread row layout
 
 
 def test_reduction_order_check_has_power():

@@ -16,18 +16,21 @@ from h3cute import runtime
 from h3cute.launch import checks, gate_residual, norm_modulate
 
 OP = "gate_residual_norm_modulate"
+# The forward's row layout (kernels/norm_modulate.py ROW_VECS: 8 BF16 per access and 64 threads per row, or 4 and
+# 128): the same bits; perf/row_kernels.py times both (ops gate_residual_norm_modulate@8, @4).
+FORWARD_VEC = 4
 
 
 def kernel_handles(device: int, variant: int, num_rows: int):
     """For the C++ impl (h3cute.native), every row count: the forward's kernel and its check constants."""
     dev = torch.device("cuda", device)
-    return (0, runtime.MAX_ROWS, [runtime.kernel(f"{OP}_fwd", dev, width=norm_modulate.HIDDEN).__chandle__()],
-            norm_modulate.check_constants(dev, OP))
+    fwd = runtime.kernel(f"{OP}_fwd", dev, width=norm_modulate.HIDDEN, vec=FORWARD_VEC)
+    return 0, runtime.MAX_ROWS, [fwd.__chandle__()], norm_modulate.check_constants(dev, OP)
 
 
-def forward(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+def forward(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True, vec=FORWARD_VEC):
     """(h, out), both (S, H) BF16; a bad index writes NaN rows and, with `check_indices`, is recorded in the op's
-    check slot (h3cute.launch.checks)."""
+    check slot (h3cute.launch.checks). `vec`: the kernel's row layout (FORWARD_VEC)."""
     width = y.shape[-1]
     for name, t in (("residual", residual), ("y", y)):
         norm_modulate.check_rows(OP, name, t, width)
@@ -39,7 +42,7 @@ def forward(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, ch
     idx = norm_modulate.index_vector(OP, adaln_indices, y.shape[0])
     h, out = torch.empty_like(y), torch.empty_like(y)
     if y.shape[0]:
-        runtime.kernel(f"{OP}_fwd", y.device, width=width)(
+        runtime.kernel(f"{OP}_fwd", y.device, width=width, vec=vec)(
             residual, y, gate, weight, shift, scale, idx, h, out, float(eps),
             *checks.slot_addresses(y.device, OP, "adaln_indices", check_indices))
     return h, out
