@@ -22,9 +22,8 @@ from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
 from .rowwise import (COL_TILE, MAX_TABLE_ROWS, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, check_row, fake_indices,
-                      fake_partials,
-                      fake_rows, fake_table, guarded_row, load_f32, reduction_block, round_bf16, row_range, row_slots,
-                      smem_vec, store_bf16, vec_view, window_pick)
+                      fake_partials, fake_rows, fake_table, guarded_row, load_f32, next_owned, reduction_block,
+                      round_bf16, row_range, row_slots, smem_vec, store_bf16, vec_view, window_chunk)
 
 HIDDEN = 5376
 
@@ -73,30 +72,36 @@ def _backward_step(mG, mY, mGate, mIdx, mDy, sGate, first, col, lane, rows: cutl
 
 
 @cute.jit
-def _backward_step_windowed(mG, mY, mGate, mIdx, mDy, sGate, base, first, col, lane, rows: cutlass.Constexpr,
-                            width: cutlass.Constexpr, cap: cutlass.Constexpr):
-    """_backward_step for the CTA of window [base, base + cap): only the rows it owns (idx in the window; a bad
-    idx in window 0) are loaded (the other loads predicated off), get their dy and add their products."""
+def _backward_chunk_windowed(mG, mY, mGate, mIdx, mDy, sGate, base, chunk, end, col, lane,
+                             width: cutlass.Constexpr, cap: cutlass.Constexpr):
+    """Rows [chunk, chunk + 32) for the CTA of window [base, base + cap): the rows it takes (window_chunk; a bad
+    idx in window 0) are loaded UNROLL at a time, get their dy and, inside the window, add their products."""
     table_rows = mGate.shape[0]
-    raw = [Int64(mIdx[first + i]) for i in range(rows)]
-    picks = [guarded_row(raw[i], table_rows) for i in range(rows)]
-    wins = [window_pick(raw[i], table_rows, base, cap) for i in range(rows)]
-    owns = [wins[i][1] | ((base == 0) & (picks[i][1] != 1.0)) for i in range(rows)]
-    offs = [Int64(first + i) * width + col for i in range(rows)]
-    gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
-    ys = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
-    gates = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
-    for i in cutlass.range_constexpr(rows):
-        if owns[i]:
-            gs[i].store(load_f32(mG, offs[i]))
-            ys[i].store(load_f32(mY, offs[i]))
-            gates[i].store(load_f32(mGate, picks[i][0] * mGate.stride[0] + col))
-    for i in cutlass.range_constexpr(rows):
-        if owns[i]:
-            store_bf16(mDy, offs[i], gs[i].load() * gates[i].load() * picks[i][1])
-            if wins[i][1]:
-                acc = smem_vec(sGate, wins[i][0] * COL_TILE + lane * VEC)
-                acc.store(acc.load() + gs[i].load() * ys[i].load())
+    mask, local, inside = window_chunk(mIdx, chunk, end, table_rows, base, cap, lane, True)
+    for _ in cutlass.range_constexpr(32 // UNROLL):
+        taken = []
+        for _ in cutlass.range_constexpr(UNROLL):
+            has, src, mask = next_owned(mask)
+            taken.append((has, src))
+        locs = [cute.arch.shuffle_sync(local, src) for _, src in taken]
+        ins = [cute.arch.shuffle_sync(Int32(inside), src) != 0 for _, src in taken]
+        offs = [Int64(chunk + src) * width + col for _, src in taken]
+        gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(UNROLL)]
+        ys = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(UNROLL)]
+        gates = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(UNROLL)]
+        for i in cutlass.range_constexpr(UNROLL):
+            if taken[i][0]:
+                gate_row = cutlass.select_(ins[i], base + locs[i], Int64(0))  # a bad idx reads row 0
+                gs[i].store(load_f32(mG, offs[i]))
+                ys[i].store(load_f32(mY, offs[i]))
+                gates[i].store(load_f32(mGate, gate_row * mGate.stride[0] + col))
+        for i in cutlass.range_constexpr(UNROLL):
+            if taken[i][0]:
+                poison = cutlass.select_(ins[i], Float32(1.0), Float32(float("nan")))
+                store_bf16(mDy, offs[i], gs[i].load() * gates[i].load() * poison)
+                if ins[i]:
+                    acc = smem_vec(sGate, locs[i] * COL_TILE + lane * VEC)
+                    acc.store(acc.load() + gs[i].load() * ys[i].load())
 
 
 @cute.kernel
@@ -114,11 +119,8 @@ def _backward_kernel(mG: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mIdx:
     if cutlass.const_expr(windowed):
         base, group = reduction_block(block_y, mPartGate.shape[0], cap, True)
         begin, end = row_range(mY.shape[0], group, mPartGate.shape[0])
-        batched_end = begin + (end - begin) // UNROLL * UNROLL
-        for first in cutlass.range(begin, batched_end, UNROLL):
-            _backward_step_windowed(mG, mY, mGate, mIdx, mDy, sGate, base, first, col, lane, UNROLL, width, cap)
-        for first in cutlass.range(batched_end, end):
-            _backward_step_windowed(mG, mY, mGate, mIdx, mDy, sGate, base, first, col, lane, 1, width, cap)
+        for chunk in cutlass.range(begin, end, 32):
+            _backward_chunk_windowed(mG, mY, mGate, mIdx, mDy, sGate, base, chunk, end, col, lane, width, cap)
         for r in cutlass.range(cutlass.min(Int64(cap), mGate.shape[0] - base)):
             vec_view(mPartGate, Int64(group) * mPartGate.stride[0] + (base + r) * mPartGate.stride[1] + col).store(
                 smem_vec(sGate, Int32(r) * COL_TILE + lane * VEC).load())

@@ -47,10 +47,10 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
-from .rowwise import (COL_TILE, MAX_TABLE_ROWS, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNROLL, VEC, fake_indices,
-                      check_row, fake_partials, fake_rows, fake_table, fake_vector, guarded_row, load_f32, reduction_block,
-                      round_bf16, row_range, smem_vec, store_bf16, torch_sumsq, torch_sumsq_v4, vec_view,
-                      window_pick)
+from .rowwise import (COL_TILE, MAX_TABLE_ROWS, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNROLL, VEC, check_row,
+                      fake_indices, fake_partials, fake_rows, fake_table, fake_vector, guarded_row, load_f32,
+                      next_owned, reduction_block, round_bf16, row_range, smem_vec, store_bf16, torch_sumsq,
+                      torch_sumsq_v4, vec_view, window_chunk)
 
 HIDDEN = 5376
 CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768
@@ -382,34 +382,38 @@ def _params_step(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, first, co
 
 
 @cute.jit
-def _params_step_windowed(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, base, first, col, lane,
-                          rows: cutlass.Constexpr, width: cutlass.Constexpr, cap: cutlass.Constexpr):
-    """_params_step for the CTA of window [base, base + cap): only rows whose idx lies in it are loaded (the
-    other loads predicated off) and added."""
-    table_rows = mScale.shape[0]
-    raw = [Int64(mIdx[first + i]) for i in range(rows)]
-    wins = [window_pick(raw[i], table_rows, base, cap) for i in range(rows)]
-    offs = [Int64(first + i) * width + col for i in range(rows)]
-    gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
-    xs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
-    scales = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
-    rstds = cute.make_rmem_tensor((rows,), Float32)
-    for i in cutlass.range_constexpr(rows):
-        if wins[i][1]:
-            gs[i].store(load_f32(mG, offs[i]))
-            xs[i].store(load_f32(mX, offs[i]))
-            scales[i].store(load_f32(mScale, raw[i] * mScale.stride[0] + col))
-            rstds[i] = mRstd[first + i]
-    for i in cutlass.range_constexpr(rows):
-        if wins[i][1]:
-            g = gs[i].load()
-            xhat = xs[i].load() * rstds[i]
-            accW.store(accW.load() + g * (scales[i].load() + 1.0) * xhat)
-            acc_off = wins[i][0] * COL_TILE + lane * VEC
-            aShift = smem_vec(sShift, acc_off)
-            aShift.store(aShift.load() + g)
-            aScale = smem_vec(sScale, acc_off)
-            aScale.store(aScale.load() + g * (xhat * w))
+def _params_chunk_windowed(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, base, chunk, end, col, lane,
+                           width: cutlass.Constexpr, cap: cutlass.Constexpr):
+    """Rows [chunk, chunk + 32) for the CTA of window [base, base + cap): the rows whose idx lies in the window
+    (window_chunk) are loaded UNROLL at a time and added in row order."""
+    mask, local, _ = window_chunk(mIdx, chunk, end, mScale.shape[0], base, cap, lane, False)
+    for _ in cutlass.range_constexpr(32 // UNROLL):
+        taken = []
+        for _ in cutlass.range_constexpr(UNROLL):
+            has, src, mask = next_owned(mask)
+            taken.append((has, src))
+        locs = [cute.arch.shuffle_sync(local, src) for _, src in taken]
+        offs = [Int64(chunk + src) * width + col for _, src in taken]
+        gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(UNROLL)]
+        xs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(UNROLL)]
+        scales = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(UNROLL)]
+        rstds = cute.make_rmem_tensor((UNROLL,), Float32)
+        for i in cutlass.range_constexpr(UNROLL):
+            if taken[i][0]:
+                gs[i].store(load_f32(mG, offs[i]))
+                xs[i].store(load_f32(mX, offs[i]))
+                scales[i].store(load_f32(mScale, (base + locs[i]) * mScale.stride[0] + col))
+                rstds[i] = mRstd[chunk + taken[i][1]]
+        for i in cutlass.range_constexpr(UNROLL):
+            if taken[i][0]:
+                g = gs[i].load()
+                xhat = xs[i].load() * rstds[i]
+                accW.store(accW.load() + g * (scales[i].load() + 1.0) * xhat)
+                acc_off = locs[i] * COL_TILE + lane * VEC
+                aShift = smem_vec(sShift, acc_off)
+                aShift.store(aShift.load() + g)
+                aScale = smem_vec(sScale, acc_off)
+                aScale.store(aScale.load() + g * (xhat * w))
 
 
 @cute.kernel
@@ -434,13 +438,9 @@ def _bwd_params_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale
         # dweight: one partial per (window, group) in mPartW's rows, block y's; the table rows per group.
         base, group = reduction_block(block_y, mPartShift.shape[0], cap, True)
         begin, end = row_range(mX.shape[0], group, mPartShift.shape[0])
-        batched_end = begin + (end - begin) // UNROLL * UNROLL
-        for first in cutlass.range(begin, batched_end, UNROLL):
-            _params_step_windowed(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, base, first, col, lane,
-                                  UNROLL, width, cap)
-        for first in cutlass.range(batched_end, end):
-            _params_step_windowed(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, base, first, col, lane, 1,
-                                  width, cap)
+        for chunk in cutlass.range(begin, end, 32):
+            _params_chunk_windowed(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale, base, chunk, end, col, lane,
+                                   width, cap)
         vec_view(mPartW, Int64(block_y) * mPartW.stride[0] + col).store(accW.load())
         for r in cutlass.range(cutlass.min(Int64(cap), mScale.shape[0] - base)):
             src = Int32(r) * COL_TILE + lane * VEC

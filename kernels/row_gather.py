@@ -23,9 +23,9 @@ from cutlass import Float32, Int32, Int64
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
-from .rowwise import (COL_TILE, MAX_TABLE_ROWS, ROW_THREADS, TABLE_ROWS_CAPS, VEC, check_row, fake_indices, fake_partials,
-                      fake_rows, fake_table, load_f32, reduction_block, row_range, row_slots, smem_vec, store_bf16,
-                      vec_view, window_pick)
+from .rowwise import (COL_TILE, MAX_TABLE_ROWS, ROW_THREADS, TABLE_ROWS_CAPS, VEC, check_row, fake_indices,
+                      fake_partials, fake_rows, fake_table, load_f32, next_owned, reduction_block, row_range,
+                      row_slots, smem_vec, store_bf16, vec_view, window_chunk)
 
 HIDDEN = 5376
 CHUNKS = 6
@@ -78,19 +78,25 @@ def _backward_step(mG, mIdx, sAcc, table_rows, first, col, lane, rows: cutlass.C
 
 
 @cute.jit
-def _backward_step_windowed(mG, mIdx, sAcc, table_rows, base, first, col, lane, rows: cutlass.Constexpr,
-                            width: cutlass.Constexpr, cap: cutlass.Constexpr):
-    """_backward_step for the CTA of window [base, base + cap): only rows whose idx lies in it are loaded (the
-    other loads predicated off) and added."""
-    wins = [window_pick(Int64(mIdx[first + i]), table_rows, base, cap) for i in range(rows)]
-    gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(rows)]
-    for i in cutlass.range_constexpr(rows):
-        if wins[i][1]:
-            gs[i].store(load_f32(mG, Int64(first + i) * width + col))
-    for i in cutlass.range_constexpr(rows):
-        if wins[i][1]:
-            acc = smem_vec(sAcc, wins[i][0] * COL_TILE + lane * VEC)
-            acc.store(acc.load() + gs[i].load())
+def _backward_rows_windowed(mG, mIdx, sAcc, table_rows, base, chunk, end, col, lane, width: cutlass.Constexpr,
+                            cap: cutlass.Constexpr):
+    """Rows [chunk, chunk + 32) for the CTA of window [base, base + cap): the rows whose idx lies in the window
+    (window_chunk) are loaded GATHER_UNROLL at a time and added in row order."""
+    mask, local, _ = window_chunk(mIdx, chunk, end, table_rows, base, cap, lane, False)
+    for _ in cutlass.range_constexpr(32 // GATHER_UNROLL):
+        taken = []
+        for _ in cutlass.range_constexpr(GATHER_UNROLL):
+            has, src, mask = next_owned(mask)
+            taken.append((has, src))
+        locs = [cute.arch.shuffle_sync(local, src) for _, src in taken]
+        gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(GATHER_UNROLL)]
+        for i in cutlass.range_constexpr(GATHER_UNROLL):
+            if taken[i][0]:
+                gs[i].store(load_f32(mG, Int64(chunk + taken[i][1]) * width + col))
+        for i in cutlass.range_constexpr(GATHER_UNROLL):
+            if taken[i][0]:
+                acc = smem_vec(sAcc, locs[i] * COL_TILE + lane * VEC)
+                acc.store(acc.load() + gs[i].load())
 
 
 @cute.jit
@@ -114,11 +120,8 @@ def _backward_chunk_windowed(mG, mIdx, mPart, sAcc, base, group, col, lane, chun
     """_backward_chunk for the CTA of window [base, base + cap): the partials of that window's table rows."""
     table_rows = mPart.shape[1]
     begin, end = row_range(mG.shape[0], group, mPart.shape[0])
-    batched_end = begin + (end - begin) // GATHER_UNROLL * GATHER_UNROLL
-    for first in cutlass.range(begin, batched_end, GATHER_UNROLL):
-        _backward_step_windowed(mG, mIdx, sAcc, table_rows, base, first, col, lane, GATHER_UNROLL, width, cap)
-    for first in cutlass.range(batched_end, end):
-        _backward_step_windowed(mG, mIdx, sAcc, table_rows, base, first, col, lane, 1, width, cap)
+    for chunk in cutlass.range(begin, end, 32):
+        _backward_rows_windowed(mG, mIdx, sAcc, table_rows, base, chunk, end, col, lane, width, cap)
     for r in cutlass.range(cutlass.min(Int64(cap), table_rows - base)):
         vec_view(mPart, Int64(group) * mPart.stride[0] + (base + r) * mPart.stride[1] + chunk_col + col).store(
             smem_vec(sAcc, Int32(r) * COL_TILE + lane * VEC).load())

@@ -28,12 +28,13 @@ p = 0..P-1 and rounds once to BF16. Results depend on (S, P, idx), never on timi
 
 Tables of more than MAX_TABLE_ROWS rows (T > 16 timesteps) do not fit one CTA's shared memory: the windowed
 variant of each reduction kernel splits the table into windows of MAX_TABLE_ROWS rows, block y = window *
-P + group. CTA (c, window, p) walks the rows of group p like the plain kernel, loads and adds only those
-whose idx falls in its window (their loads predicated off otherwise) and writes the partials of its
-window's table rows; per-column sums (norm_modulate's dweight) get one partial per (window, group). The
-launcher picks P for such tables so that P x R stays within the plain kernels' P x MAX_TABLE_ROWS
-partial rows (launch/norm_modulate.reduction_layout). Sums stay FP32 in row order per group, folded in
-group order: deterministic, a fixed function of (inputs, S, R).
+P + group. CTA (c, window, p) walks the rows of group p 32 at a time: each lane reads one row's idx, a warp
+ballot marks the rows whose idx falls in the CTA's window (`window_chunk`), and only those are loaded and
+added, in row order, a batch of them in flight at once (`next_owned` takes the lowest marked row); the CTA
+then writes the partials of its window's table rows, and per-column sums (norm_modulate's dweight) one
+partial per (window, group). The launcher picks P for such tables so that P x R stays within the plain
+kernels' P x MAX_TABLE_ROWS partial rows (launch/norm_modulate.reduction_layout). Sums stay FP32 in row
+order per group, folded in group order: deterministic, a fixed function of (inputs, S, R).
 
 Indices are never trusted for addressing: a row whose idx lies outside [0, R) reads table row 0 and
 writes NaN outputs (forward, dx, dy) and adds nothing to any table gradient.
@@ -210,6 +211,31 @@ def window_pick(r, table_rows, base, cap: cutlass.Constexpr):
     cap), and whether it is a valid row (in [0, R)) of that window."""
     local = r - base
     return Int32(local), (r >= 0) & (r < table_rows) & (local >= 0) & (local < cap)
+
+
+@cute.jit
+def window_chunk(mIdx, chunk, end, table_rows, base, cap: cutlass.Constexpr, lane, owns_bad: cutlass.Constexpr):
+    """The rows of [chunk, min(chunk + 32, end)) that a windowed reduction CTA (one warp, window [base, base +
+    cap)) takes: lane l reads row chunk + l's idx. Returns (ballot mask of the rows taken, this lane's row in the
+    window, whether this lane's row lies in the window). `owns_bad`: window 0 also takes the rows whose idx is
+    outside [0, R) (their per-row outputs are NaN; they add nothing)."""
+    row = chunk + lane
+    r = Int64(-1)
+    if row < end:
+        r = Int64(mIdx[row])
+    local, inside = window_pick(r, table_rows, base, cap)
+    take = inside & (row < end)
+    if cutlass.const_expr(owns_bad):
+        take = take | ((base == 0) & (row < end) & ((r < 0) | (r >= table_rows)))
+    return cute.arch.vote_ballot_sync(take), local, inside
+
+
+@cute.jit
+def next_owned(mask):
+    """(any, lane, rest) of a ballot mask: whether a row is left, the lane of the lowest one (its row is chunk +
+    lane) and the mask without it. Taking rows lowest first keeps them in row order."""
+    low = mask & (Int32(0) - mask)
+    return mask != 0, cute.arch.popc(low - 1), mask ^ low
 
 
 @cute.jit
