@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from h3cute import reference
 from h3cute.ops import validate
 from h3cute.ops._library import define, register_autograd, resolve_launch
-from h3cute.ops.validate import (BF16, BLOCK_CHUNKS, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN, MODALITIES, PROJECTION,
-                                 TEMB)
+from h3cute.ops.validate import (BF16, BLOCK_CHUNKS, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN, MODALITIES, NO_ARG,
+                                 PROJECTION, TEMB)
 
 _PROJECTION = resolve_launch("adaln_projection")
 _ROW_GATHER = resolve_launch("adaln_row_gather")
@@ -107,19 +107,19 @@ def _projection_fake(temb, weight, bias):
 
 
 def _projection_backward_cpu(grad, temb, weight):
-    validate.check_adaln_projection(temb, weight, None, grad=grad)
+    validate.check_adaln_projection(temb, weight, grad=grad)
     return _projection_backward_fp32(grad.float(), temb, weight)
 
 
 def _projection_backward_cuda(grad, temb, weight):
-    validate.check_adaln_projection(temb, weight, None, grad=grad)
+    validate.check_adaln_projection(temb, weight, grad=grad)
     if temb.shape[0] == 0:
         return temb.new_empty((0, TEMB)), torch.zeros_like(weight), weight.new_zeros((PROJECTION,))
     return _PROJECTION.backward(grad, temb, weight)
 
 
 def _projection_backward_fake(grad, temb, weight):
-    validate.check_adaln_projection(temb, weight, None, grad=grad)
+    validate.check_adaln_projection(temb, weight, grad=grad)
     return torch.empty_like(temb), torch.empty_like(weight), weight.new_empty((PROJECTION,))
 
 
@@ -239,7 +239,7 @@ def _norm_modulate_fake(x, weight, shift, scale, adaln_indices, eps=1e-5, check_
 
 
 def _norm_modulate_backward_cpu(grad, x, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_norm_modulate(x, weight, None, scale, adaln_indices, eps, grad=grad)
+    validate.check_norm_modulate(x, weight, NO_ARG, scale, adaln_indices, eps, grad=grad)
     _check_rows("norm_modulate_backward", "scale", scale, table_rows)
     dx, dweight, dshift_rows, dscale_rows = _modulate_backward_fp32(
         grad, x, weight, scale.float().index_select(0, adaln_indices), eps
@@ -250,7 +250,7 @@ def _norm_modulate_backward_cpu(grad, x, weight, scale, adaln_indices, eps, tabl
 
 
 def _norm_modulate_backward_cuda(grad, x, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_norm_modulate(x, weight, None, scale, adaln_indices, eps, grad=grad)
+    validate.check_norm_modulate(x, weight, NO_ARG, scale, adaln_indices, eps, grad=grad)
     _check_rows("norm_modulate_backward", "scale", scale, table_rows)
     if x.shape[0] == 0:
         zeros = scale.new_zeros((table_rows, HIDDEN))
@@ -259,7 +259,7 @@ def _norm_modulate_backward_cuda(grad, x, weight, scale, adaln_indices, eps, tab
 
 
 def _norm_modulate_backward_fake(grad, x, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_norm_modulate(x, weight, None, scale, adaln_indices, eps, grad=grad)
+    validate.check_norm_modulate(x, weight, NO_ARG, scale, adaln_indices, eps, grad=grad)
     _check_rows("norm_modulate_backward", "scale", scale, table_rows)
     return (torch.empty_like(x), torch.empty_like(weight), scale.new_empty((table_rows, HIDDEN)),
             scale.new_empty((table_rows, HIDDEN)))
@@ -325,7 +325,7 @@ def _gate_residual_fake(residual, y, gate, adaln_indices, check_indices=True):
 
 
 def _gate_residual_backward_cpu(grad, y, gate, adaln_indices):
-    validate.check_gate_residual(None, y, gate, adaln_indices, grad=grad)
+    validate.check_gate_residual(NO_ARG, y, gate, adaln_indices, grad=grad)
     g = grad.float()
     dy = g * gate.float().index_select(0, adaln_indices)
     dgate = _table_sum(g * y.float(), adaln_indices, gate.shape[0])
@@ -333,14 +333,14 @@ def _gate_residual_backward_cpu(grad, y, gate, adaln_indices):
 
 
 def _gate_residual_backward_cuda(grad, y, gate, adaln_indices):
-    validate.check_gate_residual(None, y, gate, adaln_indices, grad=grad)
+    validate.check_gate_residual(NO_ARG, y, gate, adaln_indices, grad=grad)
     if y.shape[0] == 0:
         return torch.empty_like(y), gate.new_zeros(gate.shape)
     return _GATE_RESIDUAL.backward(grad, y, gate, adaln_indices)
 
 
 def _gate_residual_backward_fake(grad, y, gate, adaln_indices):
-    validate.check_gate_residual(None, y, gate, adaln_indices, grad=grad)
+    validate.check_gate_residual(NO_ARG, y, gate, adaln_indices, grad=grad)
     return torch.empty_like(y), gate.new_empty(gate.shape)
 
 

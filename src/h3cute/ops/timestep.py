@@ -81,7 +81,7 @@ def _mlp_fake(x, w1, b1, w2, b2):
 
 
 def _mlp_backward_cpu(grad, x, w1, b1, w2):
-    validate.check_timestep_mlp(x, w1, b1, w2, None, grad=grad)
+    validate.check_timestep_mlp(x, w1, b1, w2, grad=grad)
     h = F.linear(x, w1, b1)
     sig = torch.sigmoid(h)
     dw2 = grad.t() @ (h * sig)
@@ -91,7 +91,7 @@ def _mlp_backward_cpu(grad, x, w1, b1, w2):
 
 
 def _mlp_backward_cuda(grad, x, w1, b1, w2):
-    validate.check_timestep_mlp(x, w1, b1, w2, None, grad=grad)
+    validate.check_timestep_mlp(x, w1, b1, w2, grad=grad)
     if x.shape[0] == 0:
         return x.new_empty((0, FREQ)), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2), \
             w2.new_zeros((TEMB,))
@@ -99,7 +99,7 @@ def _mlp_backward_cuda(grad, x, w1, b1, w2):
 
 
 def _mlp_backward_fake(grad, x, w1, b1, w2):
-    validate.check_timestep_mlp(x, w1, b1, w2, None, grad=grad)
+    validate.check_timestep_mlp(x, w1, b1, w2, grad=grad)
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(b1), torch.empty_like(w2), \
         w2.new_empty((TEMB,))
 
