@@ -137,3 +137,50 @@ def test_all_meta_inputs_give_meta_outputs(op):
     out = getattr(ops, op)(*args)
     outs = out if isinstance(out, (list, tuple)) else [out]
     assert outs and all(o.is_meta for o in outs)
+
+
+# ---- forward-mode AD ----------------------------------------------------------------------------------------
+
+FORWARD_OPS = ["timestep_sinusoid", "timestep_mlp", "adaln_projection", "adaln_row_gather", "norm_modulate",
+               "gate_residual", "final_adaln_out"]
+
+
+def _split_floating(args):
+    floating = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+    def call(op, *primals):
+        full = list(args)
+        for i, p in zip(floating, primals):
+            full[i] = p
+        return getattr(ops, op)(*full)
+
+    return floating, call
+
+
+@pytest.mark.parametrize("op", FORWARD_OPS[1:])
+def test_torch_func_jvp_is_refused(op):
+    """Before: an all-zero tangent, without complaint. (timestep_sinusoid has no autograd kernel, by design: under
+    torch.func.jvp its impls never see the tangent; a dual `t` from torch.autograd.forward_ad is refused, below.)"""
+    args = valid_args(op)
+    floating, call = _split_floating(args)
+    primals = tuple(args[i] for i in floating)
+    tangents = tuple(torch.ones_like(p) for p in primals)
+    with pytest.raises(RuntimeError, match=rf"^h3::{op}: forward-mode AD \(torch.func.jvp"):
+        torch.func.jvp(lambda *p: call(op, *p), primals, tangents)
+
+
+@pytest.mark.parametrize("op", FORWARD_OPS)
+def test_forward_ad_dual_tensor_is_refused(op):
+    import torch.autograd.forward_ad as fwAD
+
+    args = valid_args(op)
+    floating, _ = _split_floating(args)
+    last = floating[-1]  # one dual input is enough
+    with fwAD.dual_level():
+        args[last] = fwAD.make_dual(args[last], torch.ones_like(args[last]))
+        with pytest.raises(RuntimeError, match=rf"^h3::{op}: forward-mode AD"):
+            getattr(ops, op)(*args)
+        # inside a dual level, inputs without a tangent still run
+        args[last] = fwAD.unpack_dual(args[last]).primal
+        if op != "adaln_projection":  # (a 520 MB GEMM on CPU: its plain run is test_valid_args_pass)
+            getattr(ops, op)(*args)

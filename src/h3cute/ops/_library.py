@@ -12,6 +12,11 @@ C++ CUDA impls and autograd kernels (`h3cute.native`): ops the C++ layer impleme
 (or autograd kernel) here; `install_native` registers the C++ ones once every op is defined. The C++ impl
 hands any input off its fast path to the Python CUDA impl, so errors and rare cases keep one implementation.
 
+Forward-mode AD (`torch.func.jvp`, `torch.autograd.forward_ad`) is refused with an error naming the op: the ops
+define reverse-mode derivatives only, and a dual input would otherwise leave with a zero (or, where the CPU
+reference propagates it, a device-dependent) tangent. The check reads one module global per call unless a dual
+level is open.
+
 Launch modules (`h3cute.launch.<op>`) are resolved once, at import. An op whose module is absent gets a
 stand-in whose `forward`/`backward` raise `NotImplementedError`: the CUDA path never falls back to a
 library call that is not batch-invariant.
@@ -20,6 +25,7 @@ import importlib
 
 import torch
 from torch import _C
+from torch.autograd import forward_ad
 
 from h3cute import native
 
@@ -44,6 +50,17 @@ def install_native() -> None:
     """Registers the C++ CUDA impls (call after every op is defined); no-op without the C++ layer."""
     if NATIVE_OPS:
         native.load().install()
+
+
+def refuse_forward_ad(op: str, args) -> None:
+    """Raises if any tensor in `args` carries a forward-mode tangent (call only while a dual level is open:
+    `forward_ad._current_level >= 0`; torch.func.jvp opens one too)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None:
+            raise RuntimeError(
+                f"h3::{op}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is not supported; the op "
+                "defines reverse-mode gradients only (torch.autograd.grad, torch.func.vjp)"
+            )
 
 
 def register_autograd(name: str, backward, setup_context, forward_op: str | None = None) -> None:
@@ -77,6 +94,8 @@ def register_autograd(name: str, backward, setup_context, forward_op: str | None
     apply_plain = super(torch.autograd.Function, fn).apply
 
     def autograd_kernel(*args):
+        if forward_ad._current_level >= 0:
+            refuse_forward_ad(name, args)
         if _C.is_grad_enabled() and _C._any_requires_grad(*args):
             out = fn.apply(*args) if _C._are_functorch_transforms_active() else apply_plain(*args)
             return list(out) if returns_list else out
