@@ -46,7 +46,7 @@ def _build_valid_args(op):
         "gate_residual_backward": lambda: [_z(S, H), _z(S, H), _z(3 * T, H), _idx(S)],
         "final_adaln_out": lambda: final,
         "final_adaln_out_fwd": lambda: final,
-        "final_adaln_out_backward": lambda: [_z(S, H), *final, 1e-5],
+        "final_adaln_out_backward": lambda: [_z(S, H), *final, 1e-5, _z(T, 2 * H)],
     }[op]()
 
 
@@ -184,3 +184,201 @@ def test_forward_ad_dual_tensor_is_refused(op):
         args[last] = fwAD.unpack_dual(args[last]).primal
         if op != "adaln_projection":  # (a 520 MB GEMM on CPU: its plain run is test_valid_args_pass)
             getattr(ops, op)(*args)
+
+
+# ---- autocast -----------------------------------------------------------------------------------------------
+
+_RANDOM: dict = {}
+
+
+def random_args(op):
+    """`valid_args` with random values (indices within their tables), for comparing bits."""
+    if op not in _RANDOM:
+        g = torch.Generator().manual_seed(7)
+
+        def rand(a):
+            if isinstance(a, list):
+                return [rand(x) for x in a]
+            if not isinstance(a, torch.Tensor):
+                return a
+            if a.dtype == I64:
+                return torch.randint(0, 3 * T if op.startswith(("adaln_row", "norm", "gate")) else T, a.shape, generator=g)
+            if op == "timestep_sinusoid":
+                return torch.rand(a.shape, generator=g)
+            scale = a.shape[-1] ** -0.5 if a.dim() == 2 and a.shape[0] > 4 * H else 0.5
+            return (torch.randn(a.shape, generator=g) * scale).to(a.dtype)
+
+        _RANDOM[op] = [rand(a) for a in valid_args(op)]
+    return [list(a) if isinstance(a, list) else a for a in _RANDOM[op]]
+
+
+def _outs(out):
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _bf16_args(op):
+    from h3cute.ops import _library
+
+    schema = getattr(ops, op).default._schema
+    return [(i, a.name) for i, a in enumerate(schema.arguments) if a.name in _library.autocast_bf16(op)]
+
+
+WITH_BF16 = [op for op in ALL_OPS if _bf16_args(op)]
+
+
+def test_every_op_has_autocast_kernels_that_are_off_without_autocast():
+    for op in ALL_OPS:
+        for key in ("AutocastCPU", "AutocastCUDA"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"h3::{op}", key), (op, key)
+    # outside torch.autocast the dispatcher excludes both keys: the kernels are never reached
+    for key in (torch._C.DispatchKey.AutocastCPU, torch._C.DispatchKey.AutocastCUDA):
+        assert torch._C._dispatch_tls_is_dispatch_key_excluded(key)
+
+
+def test_bf16_argument_lists_match_the_checks():
+    """Every tensor argument the op validates as BF16 is in its autocast list, and nothing else: a listed argument
+    refuses FP32 outside autocast, an unlisted floating one refuses BF16 (fake tensors: the same checks, no data)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for op in ALL_OPS[1:]:  # timestep_sinusoid widens t from any floating dtype
+            named = {n for _, n in _bf16_args(op)}
+            checked = set()
+            for i, a in enumerate(_build_valid_args(op)):
+                name = getattr(ops, op).default._schema.arguments[i].name
+                first = a[0] if isinstance(a, list) else a
+                if not (isinstance(first, torch.Tensor) and first.is_floating_point()):
+                    continue
+                args = _build_valid_args(op)
+                other = F32 if first.dtype == BF16 else BF16
+                args[i] = [t.to(other) for t in a] if isinstance(a, list) else a.to(other)
+                with pytest.raises(TypeError, match=rf"{name}(\[0\])? must be "
+                                                    rf"{'bfloat16' if name in named else 'float32'}, got"):
+                    getattr(ops, op)(*args)
+                checked.add(name)
+            assert named <= checked, (op, named - checked)
+
+
+# (op, autocast dtype): FP16 autocast too, except for the projection's 520 MB CPU GEMMs (the same kernel path)
+AUTOCAST_CASES = [(op, d) for op in ALL_OPS for d in (BF16, torch.float16)
+                  if d == BF16 or not op.startswith("adaln_projection")]
+
+
+@pytest.mark.parametrize("op, dtype", AUTOCAST_CASES, ids=[f"{op}-{str(d)[6:]}" for op, d in AUTOCAST_CASES])
+def test_autocast_keeps_the_ops_dtypes_and_bits(op, dtype):
+    """Before: timestep_mlp under CPU autocast ran its F.linear in BF16 and returned BF16."""
+    args = random_args(op)
+    want = _outs(getattr(ops, op)(*args))
+    with torch.autocast("cpu", dtype=dtype):
+        got = _outs(getattr(ops, op)(*args))
+    assert [g.dtype for g in got] == [w.dtype for w in want]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("op", WITH_BF16)
+def test_autocast_casts_fp32_into_bf16_arguments_as_linear_does(op):
+    """FP32 (e.g. master weights) where the op takes BF16: cast under autocast, the bits of the BF16 call; outside
+    autocast still refused."""
+    args = random_args(op)
+    bf16 = _bf16_args(op)
+    widened = list(args)
+    for i, _ in bf16:
+        widened[i] = [t.float() for t in args[i]] if isinstance(args[i], list) else args[i].float()
+    with pytest.raises(TypeError, match=r"must be bfloat16, got float32"):
+        getattr(ops, op)(*widened)
+    want = _outs(getattr(ops, op)(*args))
+    with torch.autocast("cpu", dtype=BF16):
+        got = _outs(getattr(ops, op)(*widened))
+    assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("op, i, name", [("timestep_mlp", 0, "x"), ("timestep_mlp", 3, "w2"),
+                                         ("adaln_projection", 0, "temb"), ("final_adaln_out", 2, "temb")])
+def test_autocast_never_casts_fp32_arguments_up(op, i, name):
+    """A BF16 temb or MLP input is the cast-too-early defect: refused under autocast as outside it."""
+    args = random_args(op)
+    args[i] = args[i].to(BF16)
+    with torch.autocast("cpu", dtype=BF16), pytest.raises(TypeError, match=rf"h3::{op}: {name} must be float32"):
+        getattr(ops, op)(*args)
+
+
+def test_autocast_leaves_fp64_alone():
+    args = random_args("norm_modulate")
+    args[1] = args[1].double()
+    with torch.autocast("cpu", dtype=BF16), pytest.raises(TypeError, match=r"weight must be bfloat16, got float64"):
+        ops.norm_modulate(*args)
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_fake_tensors_under_autocast_give_the_eager_dtypes(op):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = random_args(op)
+    for i, _ in _bf16_args(op):  # the cast path as well
+        args[i] = [t.float() for t in args[i]] if isinstance(args[i], list) else args[i].float()
+    with torch.autocast("cpu", dtype=BF16):
+        eager = _outs(getattr(ops, op)(*args))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = _outs(getattr(ops, op)(*args))
+    assert [(f.dtype, f.shape) for f in fake] == [(e.dtype, e.shape) for e in eager]
+
+
+def _mlp_fwd_bwd(args, autocast):
+    leaves = [a.detach().clone().requires_grad_() for a in args]
+    with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+        out = ops.timestep_mlp(*leaves)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))  # backward inside the region, too
+    return out, [a.grad for a in leaves]
+
+
+def test_timestep_mlp_backward_under_autocast_is_the_fp32_backward():
+    """Before: the BF16 output's gradient reached the FP32 backward op and raised."""
+    args = random_args("timestep_mlp")
+    out, grads = _mlp_fwd_bwd(args, True)
+    ref_out, ref_grads = _mlp_fwd_bwd(args, False)
+    assert out.dtype == F32 and torch.equal(out, ref_out)
+    assert all(g.dtype == F32 and torch.equal(g, r) for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize("op", ["norm_modulate", "gate_residual", "final_adaln_out", "adaln_row_gather"])
+def test_backward_under_autocast_reaches_fp32_master_weights(op):
+    """FP32 leaves cast to BF16 by the autocast kernel get the BF16 call's gradients, widened."""
+    args = random_args(op)
+    floating = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+    def run(widen, autocast):
+        leaves = list(args)
+        for i in floating:
+            leaves[i] = (args[i].float() if widen else args[i]).detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            outs = _outs(getattr(ops, op)(*leaves))
+        g = torch.Generator().manual_seed(3)
+        torch.autograd.backward(outs, [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs])
+        return outs, [leaves[i].grad for i in floating], [leaves[i].dtype for i in floating]
+
+    outs, grads, dtypes = run(True, True)
+    ref_outs, ref_grads, _ = run(False, False)
+    assert all(torch.equal(o, r) for o, r in zip(outs, ref_outs))
+    for g, r, d in zip(grads, ref_grads, dtypes):
+        assert g.dtype == d and torch.equal(g, r.to(d))
+
+
+@pytest.mark.parametrize("op", ["timestep_mlp", "norm_modulate", "final_adaln_out"])
+def test_torch_compile_under_autocast_agrees_with_eager(op):
+    torch._dynamo.reset()
+    args = random_args(op)
+    for i, _ in _bf16_args(op):
+        args[i] = args[i].float()
+    fn = getattr(ops, op)
+
+    def f(*a):
+        with torch.autocast("cpu", dtype=BF16):
+            return fn(*a)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+    got = _outs(compiled(*leaves))
+    want = _outs(f(*args))
+    assert [g.dtype for g in got] == [w.dtype for w in want] and all(torch.equal(g, w) for g, w in zip(got, want))
+    torch.autograd.backward(got, [torch.ones_like(g) for g in got])
+    assert all(a.grad is not None and a.grad.dtype == a.dtype for a in leaves if a.is_floating_point())

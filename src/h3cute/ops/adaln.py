@@ -134,13 +134,14 @@ def _projection_backward(ctx, grad):
 
 
 define("adaln_projection(Tensor temb, Tensor weight, Tensor bias) -> Tensor", _projection_cpu, _projection_cuda,
-       _projection_fake)
+       _projection_fake, bf16=("weight", "bias"))
 define(
     "adaln_projection_backward(Tensor grad, Tensor temb, Tensor weight) "
     "-> (Tensor dtemb, Tensor dweight, Tensor dbias)",
     _projection_backward_cpu,
     _projection_backward_cuda,
     _projection_backward_fake,
+    bf16=("grad", "weight"),
 )
 register_autograd("adaln_projection", _projection_backward, _projection_setup_context)
 
@@ -205,12 +206,14 @@ define(
     _gather_cpu,
     _gather_cuda,
     _gather_fake,
+    bf16=("table",),
 )
 define(
     "adaln_row_gather_backward(Tensor[] grads, Tensor adaln_indices, int table_rows) -> Tensor",
     _gather_backward_cpu,
     _gather_backward_cuda,
     _gather_backward_fake,
+    bf16=("grads",),
 )
 register_autograd("adaln_row_gather", _gather_backward, _gather_setup_context)
 
@@ -290,6 +293,7 @@ define(
     _norm_modulate_cpu,
     _norm_modulate_cuda,
     _norm_modulate_fake,
+    bf16=("x", "weight", "shift", "scale"),
 )
 define(
     "norm_modulate_backward(Tensor grad, Tensor x, Tensor weight, Tensor scale, Tensor adaln_indices, float eps, "
@@ -297,6 +301,7 @@ define(
     _norm_modulate_backward_cpu,
     _norm_modulate_backward_cuda,
     _norm_modulate_backward_fake,
+    bf16=("grad", "x", "weight", "scale"),
 )
 register_autograd("norm_modulate", _norm_modulate_backward, _norm_modulate_setup_context)
 
@@ -361,12 +366,14 @@ define(
     _gate_residual_cpu,
     _gate_residual_cuda,
     _gate_residual_fake,
+    bf16=("residual", "y", "gate"),
 )
 define(
     "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, Tensor adaln_indices) -> (Tensor dy, Tensor dgate)",
     _gate_residual_backward_cpu,
     _gate_residual_backward_cuda,
     _gate_residual_backward_fake,
+    bf16=("grad", "y", "gate"),
 )
 register_autograd("gate_residual", _gate_residual_backward, _gate_residual_setup_context)
 
@@ -458,12 +465,14 @@ def _final_backward(ctx, grad):
     return *grads, None, None, None
 
 
+_FINAL_BF16 = ("x", "norm_weight", "proj_weight", "proj_bias")  # temb is FP32
 define(
     "final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, Tensor proj_bias, "
     "Tensor timestep_indices, float eps=1e-05, bool check_indices=True) -> Tensor",
     _final_cpu,
     _final_cuda,
     _final_fake,
+    bf16=_FINAL_BF16,
 )
 # final_adaln_out's autograd forward: the output and the (T, 10752) projection the backward reuses.
 define(
@@ -472,6 +481,7 @@ define(
     _final_fwd_cpu,
     _final_fwd_cuda,
     _final_fwd_fake,
+    bf16=_FINAL_BF16,
 )
 define(
     "final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, "
@@ -480,5 +490,6 @@ define(
     _final_backward_cpu,
     _final_backward_cuda,
     _final_backward_fake,
+    bf16=("grad", *_FINAL_BF16, "table"),
 )
 register_autograd("final_adaln_out", _final_backward, _final_setup_context, forward_op="final_adaln_out_fwd")
