@@ -382,3 +382,236 @@ def test_torch_compile_under_autocast_agrees_with_eager(op):
     assert [g.dtype for g in got] == [w.dtype for w in want] and all(torch.equal(g, w) for g, w in zip(got, want))
     torch.autograd.backward(got, [torch.ones_like(g) for g in got])
     assert all(a.grad is not None and a.grad.dtype == a.dtype for a in leaves if a.is_floating_point())
+
+
+# ---- the disk cache -----------------------------------------------------------------------------------------
+# One real compile of test_runtime's tiny kernel per module; the tests then "build" by copying that library
+# (through the cache's own atomic write), so they exercise every file operation without compiling again.
+
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import stat  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from h3cute.runtime import bundle, cache, loader, sources  # noqa: E402
+from h3cute.runtime.spec import canonical_static  # noqa: E402
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+STATIC = dict(addend=3.0)
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    """(ADD spec, a compiled library of ADD for sm_90a with STATIC): readable by every user."""
+    from test_runtime import ADD
+
+    folder = Path(tempfile.mkdtemp(prefix="h3cute-template-"))
+    os.chmod(folder, 0o755)
+    old = os.environ.get("H3CUTE_CACHE_DIR")
+    os.environ["H3CUTE_CACHE_DIR"] = str(folder)
+    try:
+        cache.load_or_build(ADD.name, "sm_90a", STATIC, lambda: ADD)
+    finally:
+        if old is None:
+            del os.environ["H3CUTE_CACHE_DIR"]
+        else:
+            os.environ["H3CUTE_CACHE_DIR"] = old
+    [so] = folder.glob("*.so")
+    yield ADD, so
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def copy_builds(template, monkeypatch):
+    """cache._build copies the template library; returns the list of folders built into."""
+    _, so = template
+    built = []
+
+    def build(spec, arch, static, symbol, out):
+        assert static == STATIC, "the template holds only STATIC's library"
+        built.append(out.parent)
+        cache._atomic_write(out, lambda p: shutil.copyfile(so, p))
+
+    monkeypatch.setattr(cache, "_build", build)
+    monkeypatch.setattr(cache, "_fallbacks", {})
+    return built
+
+
+def _entry(root):
+    from test_runtime import ADD
+
+    key = cache.entry_key(ADD.name, "sm_90a", canonical_static(STATIC))
+    return root / f"{key}.so", root / f"{key}.json"
+
+
+def _load(template):
+    spec, _ = template
+    return cache.load_or_build(spec.name, "sm_90a", STATIC, lambda: spec)
+
+
+@pytest.mark.parametrize("sidecar", ["null", "[]", "7", '"x"', "{}", '{"sha256": 1, "symbol": "s"}',
+                                     '{"sha256": "ab", "symbol": null}', "\udcff"])
+def test_a_sidecar_of_the_wrong_type_heals(template, copy_builds, tmp_path, monkeypatch, sidecar):
+    """Before: valid JSON of the wrong type raised TypeError at every run, the entry never rebuilt."""
+    monkeypatch.setenv("H3CUTE_CACHE_DIR", str(tmp_path))
+    _load(template)
+    so, side = _entry(tmp_path)
+    side.write_bytes(sidecar.encode("utf-8", "surrogateescape"))
+    assert type(_load(template)).__name__ == "Function"
+    assert copy_builds == [tmp_path, tmp_path]
+    assert json.loads(side.read_text())["sha256"] == loader.sha256_file(so)
+
+
+def test_cache_files_are_world_readable_whatever_the_umask(template, copy_builds, tmp_path, monkeypatch):
+    root = tmp_path / "shared" / "h3cute"
+    monkeypatch.setenv("H3CUTE_CACHE_DIR", str(root))
+    old = os.umask(0o077)
+    try:
+        _load(template)
+    finally:
+        os.umask(old)
+    so, side = _entry(root)
+    assert stat.S_IMODE(so.stat().st_mode) == 0o644 and stat.S_IMODE(side.stat().st_mode) == 0o644
+    assert stat.S_IMODE(root.stat().st_mode) == 0o755 and stat.S_IMODE(root.parent.stat().st_mode) == 0o755
+    [lock] = root.glob("*.lock")
+    assert stat.S_IMODE(lock.stat().st_mode) == 0o666  # whoever may write the folder may build in it
+
+
+class _DeniedLock:
+    """FileLock for folders this user may not write: acquiring raises PermissionError."""
+
+    def __init__(self, path, mode=None):
+        self.path = path
+
+    def acquire(self):
+        raise PermissionError(13, "Permission denied", self.path)
+
+
+def _deny_locks_under(monkeypatch, *roots):
+    real = cache.FileLock
+
+    def lock(path, mode=None):
+        denied = any(Path(path).is_relative_to(r) for r in roots)
+        return _DeniedLock(path) if denied else real(path, mode=mode)
+
+    monkeypatch.setattr(cache, "FileLock", lock)
+
+
+def test_a_cache_this_user_cannot_write_serves_what_it_holds_and_falls_back_with_one_warning(
+        template, copy_builds, tmp_path, monkeypatch, caplog):
+    shared, home = tmp_path / "shared", tmp_path / "home"
+    monkeypatch.setenv("H3CUTE_CACHE_DIR", str(shared))
+    monkeypatch.setenv("HOME", str(home))
+    _load(template)  # built into the shared cache by someone who could write it
+    _deny_locks_under(monkeypatch, shared)
+    monkeypatch.setattr(cache, "_fallbacks", {})
+    assert _load(template) is not None and copy_builds == [shared]  # a hit needs no lock
+    for damaged in (True, False):  # a damaged shared entry, then a missing one: built in the fallback
+        so, side = _entry(shared)
+        side.write_text("null") if damaged else (side.unlink(), so.unlink())
+        with caplog.at_level(logging.WARNING, logger="h3cute.runtime"):
+            fn = _load(template)
+        assert type(fn).__name__ == "Function"
+    fallback = home / ".cache" / "h3cute"
+    assert copy_builds == [shared, fallback]  # the second time the fallback's entry is a hit
+    warnings = [r.getMessage() for r in caplog.records if "kernel cache" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f"H3CUTE_CACHE_DIR={shared}" in warnings[0] and str(fallback) in warnings[0]
+    assert "Permission denied" in warnings[0]
+
+
+def test_an_unusable_cache_and_fallback_raise_naming_the_variable_and_path(template, copy_builds, tmp_path,
+                                                                           monkeypatch, caplog):
+    shared, home = tmp_path / "shared", tmp_path / "home"
+    monkeypatch.setenv("H3CUTE_CACHE_DIR", str(shared))
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    _deny_locks_under(monkeypatch, tmp_path)
+    fallback = home / ".cache" / "h3cute"
+    with pytest.raises(cache.CacheError) as err:
+        _load(template)
+    assert str(err.value).startswith(f"kernel cache H3CUTE_CACHE_DIR={shared} is unusable (cannot lock {shared}/")
+    assert f"and so is the fallback cache folder {fallback}: cannot lock {fallback}/" in str(err.value)
+
+
+def test_a_cache_path_that_is_a_file_falls_back(template, copy_builds, tmp_path, monkeypatch, caplog):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("H3CUTE_CACHE_DIR", str(not_a_folder))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    with caplog.at_level(logging.WARNING, logger="h3cute.runtime"):
+        assert type(_load(template)).__name__ == "Function"
+    assert copy_builds == [tmp_path / "home" / ".cache" / "h3cute"]
+    assert f"H3CUTE_CACHE_DIR={not_a_folder}: cannot create {not_a_folder}" in caplog.text
+
+
+_NOBODY = 65534
+
+
+def _as_another_user(code: str, env: dict) -> subprocess.CompletedProcess:
+    """Runs `code` as the user nobody (needs root and setpriv), with this checkout's src first."""
+    full = {**os.environ, **env, "PYTHONPATH": str(SRC), "HOME": "/nonexistent"}
+    cmd = ["setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups", sys.executable, "-c",
+           textwrap.dedent(code)]
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=300)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                                reason="needs root and setpriv to act as a second user")
+
+
+@needs_root
+def test_a_cache_built_by_one_user_serves_another_who_falls_back_for_the_rest(template):
+    """Entries root wrote are read by nobody; an entry nobody cannot read (written 0600, as earlier versions did)
+    cannot be rebuilt in root's 0755 folder: it is built in a private folder, with one warning naming
+    H3CUTE_CACHE_DIR and the path."""
+    spec, template_so = template
+    shared = Path(tempfile.mkdtemp(prefix="h3cute-shared-"))
+    os.chmod(shared, 0o755)
+    env = {"H3CUTE_CACHE_DIR": str(shared / "cache")}
+    run = f"""
+        import logging, os, shutil, sys
+        logging.basicConfig(level=logging.WARNING, format="WARN %(message)s")
+        from h3cute.runtime import cache, sources
+        sources.source_fingerprint = lambda: {sources.source_fingerprint()!r}
+        assert os.getuid() == {_NOBODY}
+        built = []
+        def build(spec, arch, static, symbol, out):
+            built.append(str(out.parent))
+            cache._atomic_write(out, lambda p: shutil.copyfile({str(template_so)!r}, p))
+        cache._build = build
+        for _ in range(2):
+            fn = cache.load_or_build({spec.name!r}, "sm_90a", {STATIC!r}, lambda: None)
+            assert type(fn).__name__ == "Function"
+        print("BUILT", built)
+    """
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("H3CUTE_CACHE_DIR", env["H3CUTE_CACHE_DIR"])
+            mp.setattr(cache, "_build", lambda spec, arch, static, symbol, out: cache._atomic_write(
+                out, lambda p: shutil.copyfile(template_so, p)))
+            _load(template)  # root's entry
+        first = _as_another_user(run, env)
+        assert first.returncode == 0 and "BUILT []" in first.stdout and "WARN" not in first.stderr, first.stderr
+        for f in _entry(shared / "cache"):
+            os.chmod(f, 0o600)
+        second = _as_another_user(run, env)
+        assert second.returncode == 0, second.stderr
+        warnings = [line for line in second.stderr.splitlines() if line.startswith("WARN")]
+        assert len(warnings) == 1, second.stderr
+        assert warnings[0].startswith(f"WARN h3cute: kernel cache H3CUTE_CACHE_DIR={shared / 'cache'}: cannot ")
+        assert "Permission denied" in warnings[0]
+        # HOME (/nonexistent) cannot hold ~/.cache/h3cute: a private temporary folder; built once, then a hit
+        assert second.stdout.startswith("BUILT ['/tmp/h3cute-cache-") and second.stdout.count("h3cute-cache-") == 1
+    finally:
+        for leftover in Path(tempfile.gettempdir()).glob("h3cute-cache-*"):
+            if leftover.stat().st_uid == _NOBODY:
+                shutil.rmtree(leftover, ignore_errors=True)
+        shutil.rmtree(shared, ignore_errors=True)
