@@ -615,3 +615,119 @@ def test_a_cache_built_by_one_user_serves_another_who_falls_back_for_the_rest(te
             if leftover.stat().st_uid == _NOBODY:
                 shutil.rmtree(leftover, ignore_errors=True)
         shutil.rmtree(shared, ignore_errors=True)
+
+
+# ---- prebuilt bundles -------------------------------------------------------------------------------------
+
+def _manifest(**changes):
+    from test_runtime import ADD
+
+    good = {"format": bundle.FORMAT, "fingerprint": sources.source_fingerprint(), "dsl_version": "x",
+            "libraries": {"sm_90a": {"file": bundle.library_name("sm_90a"), "sha256": "0" * 64}},
+            "entries": [{"name": ADD.name, "module": "m", "arch": "sm_90a",
+                         "static": '[["addend",3.0]]', "symbol": "h3_test_add_0"}]}
+    return {**good, **changes}
+
+
+DAMAGES = {  # what the manifest's text is -> what the error says
+    "truncated": (json.dumps(_manifest())[:40], "is not JSON"),
+    "null": ("null", "holds NoneType, not an object"),
+    "list": ("[]", "holds list, not an object"),
+    "no_fingerprint": (json.dumps({k: v for k, v in _manifest().items() if k != "fingerprint"}),
+                       "has no source fingerprint"),
+    "fingerprint_int": (json.dumps(_manifest(fingerprint=7)), "has no source fingerprint"),
+    "entries_object": (json.dumps(_manifest(entries={})), "has no 'entries' list"),
+    "entry_without_symbol": (json.dumps(_manifest(entries=[{"name": "a", "arch": "sm_90a", "static": "[]"}])),
+                             "has no 'entries' list"),
+    "library_without_sha": (json.dumps(_manifest(libraries={"sm_90a": {}})), "has no 'libraries' object"),
+    "entry_arch_without_library": (json.dumps(_manifest(libraries={})), "has entries for ['sm_90a'] but no library"),
+    "not_utf8": ("\udcff", "cannot be read"),
+}
+
+
+def _write_bundle(folder: Path, text: str) -> Path:
+    folder.mkdir()
+    (folder / bundle.MANIFEST).write_bytes(text.encode("utf-8", "surrogateescape"))
+    return folder
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_manifest_names_h3cute_prebuilt_and_the_path(tmp_path, damage):
+    """Before: raw JSONDecodeError, AttributeError, KeyError or TypeError, naming nothing."""
+    text, what = DAMAGES[damage]
+    folder = _write_bundle(tmp_path / "bundle", text)
+    with pytest.raises(bundle.DamagedBundleError) as err:
+        bundle.open_bundle(folder)
+    message = str(err.value)
+    assert message.startswith(f"H3CUTE_PREBUILT={folder}: damaged bundle: {folder / bundle.MANIFEST} {what}"), message
+    with pytest.raises(bundle.DamagedBundleError):  # remembered, and raised again
+        bundle.open_bundle(folder)
+
+
+def test_a_missing_manifest_is_a_bundle_error(tmp_path):
+    with pytest.raises(bundle.DamagedBundleError, match=rf"H3CUTE_PREBUILT={tmp_path}: no manifest.json there"):
+        bundle.open_bundle(tmp_path)
+
+
+def test_a_valid_manifest_opens(tmp_path):
+    folder = _write_bundle(tmp_path / "bundle", json.dumps(_manifest()))
+    assert bundle.open_bundle(folder).variants_of("test_add", "sm_90a") == ['[["addend",3.0]]']
+
+
+def _run_without_dsl(code: str, env: dict) -> subprocess.CompletedProcess:
+    block = textwrap.dedent("""
+        import sys
+        class _NoCuteDSL:
+            def find_spec(self, name, path=None, target=None):
+                if name == "cutlass" or name.startswith("cutlass."):
+                    raise ImportError("the CuTe DSL is blocked in this test: " + name)
+        sys.meta_path.insert(0, _NoCuteDSL())
+    """)
+    prelude = block + textwrap.dedent(f"""
+        import h3cute.runtime.sources
+        h3cute.runtime.sources.source_fingerprint = lambda: {sources.source_fingerprint()!r}
+    """)
+    full = {**os.environ, **env, "PYTHONPATH": str(SRC)}
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=full, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_without_the_dsl_a_damaged_bundle_raises_the_bundle_error(tmp_path):
+    folder = _write_bundle(tmp_path / "bundle", "null")
+    result = _run_without_dsl("""
+        import h3cute.runtime as rt
+        from h3cute.runtime.bundle import DamagedBundleError
+        try:
+            rt.kernel_for_arch("test_add", "sm_90a", addend=3.0)
+        except DamagedBundleError as e:
+            print("REFUSED:", e)
+    """, {"H3CUTE_PREBUILT": str(folder)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"REFUSED: H3CUTE_PREBUILT={folder}: damaged bundle:"), result.stdout
+
+
+@pytest.mark.parametrize("damage", ["null", "truncated", "no_fingerprint", "library_sha256"])
+def test_where_the_dsl_is_a_damaged_bundle_falls_back_to_compiling_with_one_warning(
+        template, copy_builds, tmp_path, monkeypatch, caplog, damage):
+    import h3cute.runtime as rt
+
+    spec, template_so = template
+    if damage == "library_sha256":  # a manifest that checks out, a library that does not match it
+        folder = _write_bundle(tmp_path / "bundle", json.dumps(_manifest()))
+        shutil.copyfile(template_so, folder / bundle.library_name("sm_90a"))
+    else:
+        folder = _write_bundle(tmp_path / "bundle", DAMAGES[damage][0])
+    monkeypatch.setenv("H3CUTE_PREBUILT", str(folder))
+    monkeypatch.setenv("H3CUTE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(sources.kernels_package(), "get_spec", lambda name: spec)
+    with caplog.at_level(logging.WARNING, logger="h3cute.runtime"):
+        for _ in range(2):
+            fn = rt._resolve(spec.name, "sm_90a", STATIC, canonical_static(STATIC))
+            assert type(fn).__name__ == "Function"
+    assert copy_builds == [tmp_path / "cache"]  # compiled once, then served from the disk cache
+    warnings = [r.getMessage() for r in caplog.records if "H3CUTE_PREBUILT" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"H3CUTE_PREBUILT={folder}: damaged bundle: ")
+    assert warnings[0].endswith("; compiling with the CuTe DSL instead")
+    if damage == "library_sha256":
+        assert "sha256 does not match" in warnings[0]
