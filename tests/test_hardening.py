@@ -731,3 +731,80 @@ def test_where_the_dsl_is_a_damaged_bundle_falls_back_to_compiling_with_one_warn
     assert warnings[0].endswith("; compiling with the CuTe DSL instead")
     if damage == "library_sha256":
         assert "sha256 does not match" in warnings[0]
+
+
+# ---- a second checkout beside an editable install -----------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _checkout(folder: Path, marker: str) -> Path:
+    """A copy of this checkout's src/ and kernels/; `marker` in its kernels makes its fingerprint its own."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(REPO / "src", folder / "src", ignore=ignore)
+    shutil.copytree(REPO / "kernels", folder / "kernels", ignore=ignore)
+    (folder / "kernels" / "_checkout_marker.py").write_text(f"NAME = {marker!r}\n")
+    return folder
+
+
+def _editable_install(site: Path, checkout: Path) -> None:
+    """What `pip install -e checkout` leaves in site-packages: setuptools' import finder and its .pth."""
+    from setuptools.command.editable_wheel import _finder_template
+
+    site.mkdir()
+    mapping = {"h3cute": str(checkout / "src" / "h3cute"), "h3cute.kernels": str(checkout / "kernels")}
+    (site / "__editable___h3cute_test_finder.py").write_text(
+        _finder_template("__editable___h3cute_test_finder", mapping, {}))
+    (site / "__editable__.h3cute_test.pth").write_text(
+        "import __editable___h3cute_test_finder; __editable___h3cute_test_finder.install()\n")
+
+
+def _imports(site: Path | None, pythonpath: Path | None) -> dict:
+    """Where a fresh interpreter (no other site's finders: -S, then the venv's packages without their .pth files)
+    takes h3cute and h3cute.kernels from."""
+    import sysconfig
+
+    code = textwrap.dedent(f"""
+        import json, site, sys
+        sys.path.append({sysconfig.get_paths()["purelib"]!r})
+        if {str(site) if site else ''!r}:
+            site.addsitedir({str(site) if site else ''!r})
+        import h3cute, h3cute.kernels
+        from h3cute.kernels import _checkout_marker
+        from h3cute.runtime import sources
+        print(json.dumps(dict(h3cute=h3cute.__file__, kernels=h3cute.kernels.__file__, marker=_checkout_marker.NAME,
+                              kernels_dir=str(sources.kernels_dir()), fingerprint=sources.source_fingerprint())))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    result = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True,
+                            timeout=300, cwd="/")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_a_second_checkout_on_pythonpath_imports_its_own_kernels(tmp_path):
+    """Before: checkout B's h3cute with checkout A's kernels (the editable finder's mapping won)."""
+    a, b = _checkout(tmp_path / "A", "A"), _checkout(tmp_path / "B", "B")
+    _editable_install(tmp_path / "site", a)
+    only_a = _imports(tmp_path / "site", None)
+    assert only_a["h3cute"] == str(a / "src" / "h3cute" / "__init__.py")
+    assert only_a["marker"] == "A" and only_a["kernels_dir"] == str(a / "kernels")
+    b_first = _imports(tmp_path / "site", b / "src")
+    assert b_first["h3cute"] == str(b / "src" / "h3cute" / "__init__.py")
+    assert b_first["kernels"] == str(b / "kernels" / "__init__.py")
+    assert b_first["marker"] == "B" and b_first["kernels_dir"] == str(b / "kernels")
+    assert b_first["fingerprint"] != only_a["fingerprint"]
+
+
+def test_an_installed_package_imports_the_kernels_inside_it(tmp_path):
+    """A wheel's layout: h3cute/kernels is a subpackage of the installed h3cute."""
+    checkout = _checkout(tmp_path / "C", "wheel")
+    installed = tmp_path / "site-packages"
+    shutil.copytree(checkout / "src" / "h3cute", installed / "h3cute")
+    shutil.copytree(checkout / "kernels", installed / "h3cute" / "kernels")
+    (tmp_path / "kernels").mkdir()  # a stray kernels/ beside site-packages' parent is never taken
+    got = _imports(None, installed)
+    assert got["h3cute"] == str(installed / "h3cute" / "__init__.py")
+    assert got["marker"] == "wheel" and got["kernels_dir"] == str(installed / "h3cute" / "kernels")

@@ -3,6 +3,7 @@
 `import h3cute` registers the `h3` namespace (forward and backward ops); `h3cute.adaln_indices` builds
 the per-row block-table index `ti * 3 + tag` with validation.
 """
+import h3cute.runtime  # noqa: F401  (first: maps h3cute.kernels to this package's kernels, runtime/sources.py)
 from h3cute.ops import adaln as _adaln, timestep as _timestep  # noqa: F401  (registers torch.ops.h3)
 from h3cute.ops.adaln import adaln_indices
 
