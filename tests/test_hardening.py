@@ -808,3 +808,158 @@ def test_an_installed_package_imports_the_kernels_inside_it(tmp_path):
     got = _imports(None, installed)
     assert got["h3cute"] == str(installed / "h3cute" / "__init__.py")
     assert got["marker"] == "wheel" and got["kernels_dir"] == str(installed / "h3cute" / "kernels")
+
+
+# ---- command lines ------------------------------------------------------------------------------------------
+
+SEEDS = sorted((Path(__file__).parent / "data" / "seeds").glob("*.json"))
+
+
+def _paths(node, path=()):
+    """Every (path, value) inside a JSON document."""
+    yield path, node
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        yield from _paths(v, path + (k,))
+
+
+def _distinct_paths(doc):
+    """The paths of `doc`, one per shape: list items and row-count keys ("64") stand for their siblings."""
+    seen = set()
+    for path, _ in _paths(doc):
+        shape = tuple("#" if not isinstance(k, str) or k.isdigit() else k for k in path)
+        if shape not in seen:
+            seen.add(shape)
+            yield path
+
+
+def _replaced(doc, path, value):
+    doc = json.loads(json.dumps(doc))
+    if not path:
+        return value
+    node = doc
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return doc
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda p: p.name)
+def test_report_reader_refuses_every_malformed_value_with_a_report_error(seed, tmp_path):
+    """Any value anywhere replaced by one of another type: the reader accepts it (and compare then renders it) or
+    raises ReportError naming the file; never another exception."""
+    from h3cute.bench import report
+
+    good, other = json.loads(seed.read_text()), report.load_report(seed)
+    path = tmp_path / "r.json"
+    refused = 0
+    for where in list(_distinct_paths(good)):
+        for value in (None, [], {}, "x", "²", 7, -1.5, True):
+            path.write_text(json.dumps(_replaced(good, where, value)))
+            try:
+                rep = report.load_report(path)
+            except report.ReportError as e:
+                assert str(e).startswith(f"{path}: not an h3_prior_art report:\n  "), e
+                refused += 1
+                continue
+            report.compare_markdown(rep, other)
+    assert refused > 100
+
+
+def _bench(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "h3cute.bench", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(SRC)}, cwd=cwd)
+
+
+@pytest.mark.parametrize("text, what", [
+    (None, "cannot be read"),
+    ('{"kind": "h3_prior_art", "op": ', "not JSON"),
+    ("null", "not an h3_prior_art report:\n  report: must be a JSON object"),
+    ('{"kind": "h3_prior_art", "results": {"plain": {"c": {"source": "s", "batch_invariance": {"all_rows": []}}}}}',
+     "not an h3_prior_art report:"),
+])
+def test_compare_on_a_malformed_file_prints_one_error_naming_it(tmp_path, text, what):
+    """Before: a traceback (JSONDecodeError, AttributeError) that never named the file."""
+    bad = tmp_path / "bad.json"
+    if text is not None:
+        bad.write_text(text)
+    result = _bench("compare", SEEDS[0], bad)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"h3cute-bench compare: error: {bad}: {what}"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("plan, what", [
+    ("sweep_pool=abc", r"--plan sweep_pool=abc: the value is not JSON \("),
+    ("sweep_pool", r"--plan sweep_pool: the value is not JSON"),
+    ("sweep_pool=[256]", r"--plan sweep_pool=\[256\]: sweep_pool takes int, got \[256\]"),
+    ("accuracy_sizes=[1,\"x\"]", r"accuracy_sizes takes tuple\[int, \.\.\.\] \| None, got"),
+    ("graphs=1", r"graphs takes bool, got 1"),
+    ("no_such_field=1", r"--plan no_such_field=1: unknown field 'no_such_field'; fields: \["),
+])
+def test_bad_plan_overrides_print_one_error(tmp_path, capsys, plan, what):
+    from h3cute.bench.cli import main
+
+    for argv in (["prior-art", "--op", "timestep_sinusoid", "--out", str(tmp_path / "r.json")],
+                 ["sweep", "--op", "timestep_mlp", "--out", str(tmp_path / "s.json")]):
+        assert main([*argv, "--plan", plan]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"h3cute-bench {argv[0]}: error: ") and len(err.splitlines()) == 1, err
+        assert __import__("re").search(what, err), err
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_good_plan_overrides_are_parsed():
+    from h3cute.bench.cli import _overrides
+
+    assert _overrides(["sweep_pool=256", "accuracy_sizes=[1,64]", "full_batch=null", "graphs=false"]) == {
+        "sweep_pool": 256, "accuracy_sizes": [1, 64], "full_batch": None, "graphs": False}
+
+
+def _h3cute(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "h3cute", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(SRC)})
+
+
+def test_python_m_h3cute_help_exits_0_and_a_bad_command_2():
+    ok = _h3cute("--help")
+    assert ok.returncode == 0 and "python -m h3cute ptx-digest" in ok.stdout and "build" in ok.stdout
+    bad = _h3cute("nope")
+    assert bad.returncode == 2 and bad.stderr.startswith("usage: python -m h3cute build")
+
+
+def test_ptx_digest_names_the_valid_kernels_for_an_unknown_one(tmp_path):
+    result = _h3cute("ptx-digest", "--arch", "sm_90a", "--out", tmp_path / "d.json", "--kernel", "nope")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("python -m h3cute ptx-digest: error: unknown kernel(s) ['nope']; known: [")
+    assert "'timestep_sinusoid'" in last and "'norm_modulate_fwd'" in last
+
+
+@pytest.mark.parametrize("against, what", [
+    (None, "cannot be read as a digest file"),
+    ("{not json", "cannot be read as a digest file"),
+    ('["a"]', "not a digest file"),
+    ('{"sm_90a k []": 7}', "not a digest file"),
+])
+def test_ptx_digest_refuses_a_bad_against_file_before_compiling(tmp_path, monkeypatch, capsys, against, what):
+    from h3cute.runtime import ptx_digest
+
+    monkeypatch.setattr(ptx_digest, "digests", lambda *a, **k: pytest.fail("compiled before checking --against"))
+    path = tmp_path / "old.json"
+    if against is not None:
+        path.write_text(against)
+    with pytest.raises(SystemExit) as exit_:
+        ptx_digest.main(["--arch", "sm_90a", "--out", str(tmp_path / "new.json"), "--against", str(path)])
+    assert exit_.value.code == 2
+    assert f"error: --against {path}: {what}" in capsys.readouterr().err
+    assert not (tmp_path / "new.json").exists()
+
+
+def test_ptx_digest_refuses_an_out_in_a_missing_folder_before_compiling(tmp_path, monkeypatch, capsys):
+    from h3cute.runtime import ptx_digest
+
+    monkeypatch.setattr(ptx_digest, "digests", lambda *a, **k: pytest.fail("compiled before checking --out"))
+    with pytest.raises(SystemExit):
+        ptx_digest.main(["--arch", "sm_90a", "--out", str(tmp_path / "no" / "d.json")])
+    assert f"error: --out {tmp_path / 'no' / 'd.json'}: folder" in capsys.readouterr().err
