@@ -963,3 +963,129 @@ def test_ptx_digest_refuses_an_out_in_a_missing_folder_before_compiling(tmp_path
     with pytest.raises(SystemExit):
         ptx_digest.main(["--arch", "sm_90a", "--out", str(tmp_path / "no" / "d.json")])
     assert f"error: --out {tmp_path / 'no' / 'd.json'}: folder" in capsys.readouterr().err
+
+
+# ---- on the GPU: the same contracts through the CUDA impls (the C++ op layer where it is built) ----------------
+
+def _to(a, device):
+    if isinstance(a, list):
+        return [_to(t, device) for t in a]
+    return a.to(device) if isinstance(a, torch.Tensor) else a
+
+
+def _cuda():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_gpu_none_and_meta_are_refused_on_cuda(op):
+    dev = _cuda()
+    args = _to(valid_args(op), dev)
+    getattr(ops, op)(*args)  # the valid call runs
+    torch.cuda.synchronize()
+    if op == "timestep_sinusoid":
+        return  # one tensor argument: None leaves nothing to dispatch on, meta alone is the meta call
+    for i, name in tensor_args(op):
+        bad = list(args)
+        bad[i] = None
+        with pytest.raises(TypeError, match=rf"^h3::{shown(op)}: {name} is None; the op takes a"):
+            getattr(ops, op)(*bad)
+        bad[i] = args[i].to("meta")
+        want = rf"({name} is on meta, expected {dev}|[a-z_\[\]0-9]+ is on {dev}, expected meta)"
+        with pytest.raises(ValueError, match=rf"^h3::{shown(op)}: {want} \(the device of the other inputs\)"):
+            getattr(ops, op)(*bad)
+    getattr(ops, op)(*args)  # and the device is fine afterwards
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, dtype", AUTOCAST_CASES, ids=[f"{op}-{str(d)[6:]}" for op, d in AUTOCAST_CASES])
+def test_gpu_autocast_keeps_the_ops_dtypes_and_bits(op, dtype):
+    args = _to(random_args(op), _cuda())
+    want = _outs(getattr(ops, op)(*args))
+    with torch.autocast("cuda", dtype=dtype):
+        got = _outs(getattr(ops, op)(*args))
+    assert [g.dtype for g in got] == [w.dtype for w in want]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", WITH_BF16)
+def test_gpu_autocast_casts_fp32_into_bf16_arguments(op):
+    args = _to(random_args(op), _cuda())
+    widened = list(args)
+    for i, _ in _bf16_args(op):
+        widened[i] = [t.float() for t in args[i]] if isinstance(args[i], list) else args[i].float()
+    want = _outs(getattr(ops, op)(*args))
+    with torch.autocast("cuda", dtype=BF16):
+        got = _outs(getattr(ops, op)(*widened))
+    assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out",
+                                "adaln_row_gather", "adaln_projection"])
+def test_gpu_backward_under_autocast_is_the_plain_backward(op):
+    """FP32 leaves where the op takes BF16 (cast by the autocast kernel) get the BF16 call's gradients, widened;
+    FP32 leaves stay FP32. The backward runs inside the autocast region."""
+    args = _to(random_args(op), _cuda())
+    floating = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+    def run(widen, autocast):
+        leaves = list(args)
+        for i in floating:
+            leaves[i] = (args[i].float() if widen else args[i]).detach().clone().requires_grad_()
+        with torch.autocast("cuda", dtype=BF16, enabled=autocast):
+            outs = _outs(getattr(ops, op)(*leaves))
+            g = torch.Generator(device=outs[0].device).manual_seed(3)
+            torch.autograd.backward(outs, [torch.randn(o.shape, generator=g, device=o.device).to(o.dtype)
+                                           for o in outs])
+        return outs, [leaves[i].grad for i in floating], [leaves[i].dtype for i in floating]
+
+    outs, grads, dtypes = run(True, True)
+    ref_outs, ref_grads, _ = run(False, False)
+    assert all(torch.equal(o, r) for o, r in zip(outs, ref_outs))
+    for g, r, d in zip(grads, ref_grads, dtypes):
+        assert g.dtype == d and torch.equal(g, r.to(d))
+
+
+@pytest.mark.gpu
+def test_gpu_jvp_is_refused_by_the_python_autograd_kernels_on_cuda():
+    """H3CUTE_NATIVE=0: the Python autograd kernels serve CUDA tensors too, and name the op."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torch
+        from test_hardening import FORWARD_OPS, _split_floating, _to, valid_args
+        failures = []
+        for op in FORWARD_OPS[1:]:
+            args = _to(valid_args(op), torch.device("cuda"))
+            floating, call = _split_floating(args)
+            primals = tuple(args[i] for i in floating)
+            try:
+                torch.func.jvp(lambda *p: call(op, *p), primals, tuple(torch.ones_like(p) for p in primals))
+                failures.append(op + ": no error")
+            except RuntimeError as e:
+                if not str(e).startswith(f"h3::{{op}}: forward-mode AD"):
+                    failures.append(op + ": " + str(e))
+        print("FAILURES", failures)
+    """)
+    env = {**os.environ, "H3CUTE_NATIVE": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "FAILURES []" in result.stdout, result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", FORWARD_OPS[1:])
+def test_gpu_jvp_raises_in_this_process(op):
+    """Where the C++ op layer is built its autograd kernels serve; they refuse forward-mode AD with torch's C++
+    custom-Function errors (which do not name the op), the Python kernels with h3's own."""
+    args = _to(valid_args(op), _cuda())
+    floating, call = _split_floating(args)
+    primals = tuple(args[i] for i in floating)
+    with pytest.raises(RuntimeError, match=rf"^(h3::{op}: forward-mode AD|cannot use C\+\+ torch::autograd::"
+                                           r"Function with functorch transforms|jvp is not implemented)"):
+        torch.func.jvp(lambda *p: call(op, *p), primals, tuple(torch.ones_like(p) for p in primals))
