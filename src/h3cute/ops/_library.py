@@ -62,9 +62,7 @@ def define(schema: str, cpu, cuda, fake, bf16: tuple[str, ...] = ()) -> str:
 
 _AUTOCAST_KEYS = _C.DispatchKeySet(_C.DispatchKey.AutocastCPU) | _C.DispatchKeySet(_C.DispatchKey.AutocastCUDA)
 _CAST_TO_BF16 = (torch.float32, torch.float16)  # autocast's eligible dtypes (never FP64) other than BF16
-
-
-_BF16_ARGUMENTS: dict[str, tuple[str, ...]] = {}
+_BF16_ARGUMENTS: dict[str, tuple[str, ...]] = {}  # op -> the arguments its autocast kernel casts
 
 
 def autocast_bf16(name: str) -> tuple[str, ...]:

@@ -55,7 +55,7 @@ class _Unusable(Exception):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("H3CUTE_CACHE_DIR") or Path.home() / ".cache" / "h3cute")
+    return Path(os.environ.get("H3CUTE_CACHE_DIR") or _default_dir())
 
 
 def _default_dir() -> Path:
@@ -164,19 +164,21 @@ def _fallback_for(root: Path, why: _Unusable) -> Path:
     """The folder this process builds into instead of `root` (the per-user default, else a private temporary
     folder), with the one warning."""
     folder = _default_dir()
-    try:
-        if folder == root:
-            raise OSError("the unusable cache is the default one")
-        _make_dirs(folder)
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise OSError(f"{folder} is not writable")
-    except OSError:
+    if folder == root or not _writable(folder):
         try:
             folder = Path(tempfile.mkdtemp(prefix="h3cute-cache-"))
         except OSError as e:
             raise CacheError(f"kernel cache {why}, and no fallback folder could be made: {e}") from e
     log.warning("h3cute: kernel cache %s; kernels missing there are compiled into %s instead", why, folder)
     return folder
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        _make_dirs(folder)
+    except OSError:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 def _serve(root: Path, key: str, name: str, arch: str, static: dict, canon: tuple, get_spec):
