@@ -1086,6 +1086,6 @@ def test_gpu_jvp_raises_in_this_process(op):
     args = _to(valid_args(op), _cuda())
     floating, call = _split_floating(args)
     primals = tuple(args[i] for i in floating)
-    with pytest.raises(RuntimeError, match=rf"^(h3::{op}: forward-mode AD|cannot use C\+\+ torch::autograd::"
-                                           r"Function with functorch transforms|jvp is not implemented)"):
+    with pytest.raises(RuntimeError, match=rf"h3::{op}: forward-mode AD|C\+\+ torch::autograd::Function"
+                                           r"|jvp is not implemented"):
         torch.func.jvp(lambda *p: call(op, *p), primals, tuple(torch.ones_like(p) for p in primals))
