@@ -4,6 +4,7 @@
 the per-row block-table index `ti * 3 + tag` with validation; `h3cute.check_errors()` waits for the GPU
 and raises any bad input the kernels recorded (CUDA checks never sync the host: h3cute.launch.checks).
 """
+import h3cute.runtime  # noqa: F401  (first: maps h3cute.kernels to this package's kernels, runtime/sources.py)
 from h3cute.launch.checks import check_errors
 from h3cute.ops import adaln as _adaln, timestep as _timestep  # noqa: F401  (registers torch.ops.h3)
 from h3cute.ops.adaln import adaln_indices

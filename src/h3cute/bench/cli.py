@@ -42,17 +42,42 @@ def _log(msg: str) -> None:
     console.log(msg)
 
 
+class UsageError(Exception):
+    """A bad argument or input file: `main` prints the message, without a traceback, and returns 2."""
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON value fits a Plan field's type (int, bool, tuple[int, ...], X | None)."""
+    import types
+    import typing
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if typing.get_origin(hint) is tuple:
+        return isinstance(value, list) and all(_fits(v, typing.get_args(hint)[0]) for v in value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
 def _overrides(items) -> dict:
     """`--plan key=value` pairs (values JSON: `--plan accuracy_sizes=[1,64]`) checked against Plan."""
-    from dataclasses import fields
+    import typing
     from h3cute.bench.checks import Plan
-    known = {f.name for f in fields(Plan)}
+    hints = typing.get_type_hints(Plan)
     out = {}
     for item in items or ():
         key, _, value = item.partition("=")
-        if key not in known:
-            raise SystemExit(f"--plan {item}: unknown field {key!r}; fields: {sorted(known)}")
-        out[key] = json.loads(value)
+        if key not in hints:
+            raise UsageError(f"--plan {item}: unknown field {key!r}; fields: {sorted(hints)}")
+        try:
+            out[key] = json.loads(value)
+        except ValueError as e:
+            raise UsageError(f"--plan {item}: the value is not JSON ({e}); e.g. --plan accuracy_sizes=[1,64]") from e
+        if not _fits(out[key], hints[key]):
+            want = str(hints[key]).replace("<class '", "").replace("'>", "")
+            raise UsageError(f"--plan {item}: {key} takes {want}, got {value}")
     return out
 
 
@@ -71,7 +96,7 @@ def _prior_art(args) -> int:
         else:
             out = args.out
         console.rule(f"prior art: {op}")
-        prior_art(op, args.quick, out, overrides=_overrides(args.plan), log=_log)
+        prior_art(op, args.quick, out, overrides=args.overrides, log=_log)
     return 0
 
 
@@ -79,7 +104,7 @@ def _mode(args) -> int:
     """Child process of one cuBLAS mode (its environment was set by the parent)."""
     from h3cute.bench.prior_art import default_device, mode_problem_plan, run_mode
     device = default_device()
-    problem, plan = mode_problem_plan(args.op, args.quick, _overrides(args.plan), device)
+    problem, plan = mode_problem_plan(args.op, args.quick, args.overrides, device)
     with console.status(f"{args.op} [{args.mode}]"):
         run_mode(problem, args.mode, plan, device, out=args.out, log=lambda m: _log(f"[{args.mode}] {m}"))
     return 0
@@ -108,7 +133,7 @@ def _sweep(args) -> int:
             console.print(f"unknown configs {sorted(unknown)}; the op declares {[n for n, _ in configs]}")
             return 2
         configs = [(n, c) for n, c in configs if n in args.config]
-    plan = (checks.FULL if args.full else checks.QUICK).with_overrides(_overrides(args.plan))
+    plan = (checks.FULL if args.full else checks.QUICK).with_overrides(args.overrides)
     res = sweep(PROBLEMS[args.op], configs, mod.forward, plan, default_device(), log=_log)
     out = args.out or Path(f"h3_sweep_{args.op}.json")
     out.write_text(json.dumps(res, indent=2))
@@ -153,5 +178,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from h3cute.bench.report import ReportError
     args = parser().parse_args(argv)
-    return args.func(args)
+    try:
+        args.overrides = _overrides(getattr(args, "plan", None))  # checked before any work
+        return args.func(args)
+    except (UsageError, ReportError) as e:
+        print(f"h3cute-bench {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -96,6 +96,15 @@ def _num_or_none(v) -> bool:
     return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
+def _is_count(key) -> bool:
+    """A row-count key ("64"): ASCII digits only (str.isdigit also takes "²", which int() refuses)."""
+    return isinstance(key, str) and key.isascii() and key.isdigit()
+
+
+def _ints(d, keys) -> bool:
+    return isinstance(d, dict) and all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool) for k in keys)
+
+
 def _check_candidate(where: str, c, errors: list) -> None:
     if not isinstance(c, dict) or not isinstance(c.get("source"), str):
         errors.append(f"{where}: needs a dict with a 'source' string")
@@ -113,21 +122,30 @@ def _check_candidate(where: str, c, errors: list) -> None:
         for key in INVARIANCE_CHECKS + ("batch_invariant",):
             if key not in bi:
                 errors.append(f"{where}.batch_invariance.{key}: missing")
-        for n, v in (bi.get("all_rows") or {}).items():
-            if not (n.isdigit() and all(isinstance(v.get(k), int) for k in ("rows", "fwd_differ", "rowgrad_differ"))):
+        all_rows = bi.get("all_rows")
+        if not isinstance(all_rows, dict):
+            errors.append(f"{where}.batch_invariance.all_rows: must map row counts to results")
+            all_rows = {}
+        for n, v in all_rows.items():
+            if not (_is_count(n) and _ints(v, ("rows", "fwd_differ", "rowgrad_differ"))):
                 errors.append(f"{where}.batch_invariance.all_rows.{n}: needs int rows/fwd_differ/rowgrad_differ")
         if bi.get("params_repeatable") not in (True, False, None):
             errors.append(f"{where}.batch_invariance.params_repeatable: must be bool or null")
-        fvs = bi.get("full_vs_sub_batches") or {}
+        fvs = bi.get("full_vs_sub_batches")
         for k in ("full_batch", "sub_batches", "fwd_differ", "rowgrad_differ"):
-            if not isinstance(fvs.get(k), int):
+            if not _ints(fvs, (k,)):
                 errors.append(f"{where}.batch_invariance.full_vs_sub_batches.{k}: must be an int")
-        sw = bi.get("batch_size_sweep") or {}
+        sw = bi.get("batch_size_sweep")
         for k in ("comparisons", "differ"):
-            if not isinstance(sw.get(k), int):
+            if not _ints(sw, (k,)):
                 errors.append(f"{where}.batch_invariance.batch_size_sweep.{k}: must be an int")
-        for f in sw.get("first_failures", []):
-            if set(f) != {"seed", "batch", "position", "row"} or not all(isinstance(x, int) for x in f.values()):
+        failures = sw.get("first_failures", []) if isinstance(sw, dict) else []
+        if not isinstance(failures, list):
+            errors.append(f"{where}.batch_invariance.batch_size_sweep.first_failures: must be a list")
+            failures = []
+        for f in failures:
+            if not (isinstance(f, dict) and set(f) == {"seed", "batch", "position", "row"}
+                    and _ints(f, ("seed", "batch", "position", "row"))):
                 errors.append(f"{where}.batch_invariance.batch_size_sweep.first_failures: bad entry {f}")
         if not isinstance(bi.get("batch_invariant"), bool):
             errors.append(f"{where}.batch_invariance.batch_invariant: must be a bool")
@@ -137,7 +155,7 @@ def _check_candidate(where: str, c, errors: list) -> None:
         return
     for n, e in al.items():
         at = f"{where}.accuracy_latency.{n}"
-        if not n.isdigit() or not isinstance(e, dict):
+        if not _is_count(n) or not isinstance(e, dict):
             errors.append(f"{at}: keys are row counts, values dicts")
             continue
         for k in ("fwd_rel_err", "fwd_us"):
@@ -189,7 +207,16 @@ class ReportError(ValueError):
 
 
 def load_report(path) -> dict:
-    report = json.loads(Path(path).read_text())
+    """The report in `path`; ReportError naming the file when it cannot be read, is not JSON or breaks the
+    schema."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ReportError(f"{path}: cannot be read ({e})") from e
+    try:
+        report = json.loads(text)
+    except ValueError as e:
+        raise ReportError(f"{path}: not JSON ({e})") from e
     errors = validate_report(report)
     if errors:
         raise ReportError(f"{path}: not an h3_prior_art report:\n  " + "\n  ".join(errors[:20]))
@@ -395,14 +422,17 @@ def compare_markdown(a: dict, b: dict, label_a: str = "A", label_b: str = "B") -
     names = list(dict.fromkeys([*ca, *cb]))
     for name in names:
         lines.append(f"| `{name}` | {inv(ca.get(name))} | {inv(cb.get(name))} |")
+
+    def latency(c) -> dict:  # an unavailable candidate has none (the reader does not look inside it)
+        return {} if c is None or "unavailable" in c else c["accuracy_latency"]
     metrics = ("fwd_us", "fwd_bwd_us", "fwd_rel_err")
     lines += ["", _row("size", "candidate", *(f"{m} {label}" for m in metrics for label in (label_a, label_b))),
               _row(*["---"] * 8)]
-    sizes = sorted({int(n) for c in [*ca.values(), *cb.values()] for n in c.get("accuracy_latency", {})})
+    sizes = sorted({int(n) for c in [*ca.values(), *cb.values()] for n in latency(c)})
     for n in sizes:
         for name in names:
-            ea = (ca.get(name) or {}).get("accuracy_latency", {}).get(str(n)) or {}
-            eb = (cb.get(name) or {}).get("accuracy_latency", {}).get(str(n)) or {}
+            ea = latency(ca.get(name)).get(str(n)) or {}
+            eb = latency(cb.get(name)).get(str(n)) or {}
             if not ea and not eb:
                 continue
             lines.append(_row(n, f"`{name}`", *(_fmt(e.get(m)) for m in metrics for e in (ea, eb))))

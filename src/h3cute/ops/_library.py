@@ -12,6 +12,23 @@ C++ CUDA impls and autograd kernels (`h3cute.native`): ops the C++ layer impleme
 (or autograd kernel) here; `install_native` registers the C++ ones once every op is defined. The C++ impl
 hands any input off its fast path to the Python CUDA impl, so errors and rare cases keep one implementation.
 
+Autocast: every op has a kernel at AutocastCPU and AutocastCUDA (`torch.autocast`); without autocast the
+dispatcher never reaches those keys, so they cost nothing then. The kernel runs the op with autocast off, so the
+CPU references' F.linear and matmuls keep the dtypes the op defines instead of autocast's. The op's dtypes win over
+autocast's: an FP32 op (timestep_sinusoid, timestep_mlp and its backward) returns FP32, a BF16 op BF16, also under
+`autocast(dtype=torch.float16)`. Inputs: an FP32 or FP16 tensor passed where the schema requires BF16 (each
+op's `bf16` argument names) is cast to BF16, autocast's lower-precision policy, so modules holding FP32 weights
+run the BF16 ops under autocast as they run F.linear; as autocast does, FP64 is never cast. A BF16 or FP16 tensor
+where the op requires FP32 (the MLP's inputs, `temb`) is not cast up: autocast never produces one when the h3 ops
+are used end to end (timestep_sinusoid and timestep_mlp stay FP32), and the bits an upcast cannot restore are
+the H3 defects those checks exist to catch (a time embedder cast down, temb cast before the SiLU); it raises the
+dtype error it raises outside autocast. The casts are recorded by autograd, so gradients reach the FP32 originals.
+
+Forward-mode AD (`torch.func.jvp`, `torch.autograd.forward_ad`) is refused with an error naming the op: the ops
+define reverse-mode derivatives only, and a dual input would otherwise leave with a zero (or, where the CPU
+reference propagates it, a device-dependent) tangent. The check reads one module global per call unless a dual
+level is open.
+
 Launch modules (`h3cute.launch.<op>`) are resolved once, at import. An op whose module is absent gets a
 stand-in whose `forward`/`backward` raise `NotImplementedError`: the CUDA path never falls back to a
 library call that is not batch-invariant.
@@ -20,6 +37,7 @@ import importlib
 
 import torch
 from torch import _C
+from torch.autograd import forward_ad
 
 from h3cute import native
 from h3cute.launch import checks
@@ -29,16 +47,18 @@ NATIVE_OPS = native.native_ops()
 NATIVE_AUTOGRAD_OPS = native.native_autograd_ops()
 
 
-def define(schema: str, cpu, cuda, fake) -> str:
+def define(schema: str, cpu, cuda, fake, bf16: tuple[str, ...] = ()) -> str:
     """Defines `h3::<schema>` with its CPU and CUDA impls (the CUDA one in C++ where `h3cute.native` has
-    it) and its fake (meta) impl; returns the qualified name `h3::<op>`. A CUDA call first raises any bad
-    input an earlier call's kernels recorded (h3cute.launch.checks; the C++ impls do the same)."""
+    it), its fake (meta) impl and its autocast kernels; `bf16` names the tensor arguments the op requires in BF16
+    (the others are FP32 or int64). Returns the qualified name `h3::<op>`. A CUDA call first raises any bad input
+    an earlier call's kernels recorded (h3cute.launch.checks; the C++ impls do the same)."""
     name = schema.split("(", 1)[0]
     LIB.define(schema)
     LIB.impl(name, cpu, "CPU")
     if name not in NATIVE_OPS:
         LIB.impl(name, _raising_pending(cuda), "CUDA")
     torch.library.register_fake(f"h3::{name}", fake, lib=LIB)
+    _register_autocast(name, bf16)
     return f"h3::{name}"
 
 
@@ -51,10 +71,61 @@ def _raising_pending(cuda):
     return impl
 
 
+_AUTOCAST_KEYS = _C.DispatchKeySet(_C.DispatchKey.AutocastCPU) | _C.DispatchKeySet(_C.DispatchKey.AutocastCUDA)
+_CAST_TO_BF16 = (torch.float32, torch.float16)  # autocast's eligible dtypes (never FP64) other than BF16
+_BF16_ARGUMENTS: dict[str, tuple[str, ...]] = {}  # op -> the arguments its autocast kernel casts
+
+
+def autocast_bf16(name: str) -> tuple[str, ...]:
+    """The arguments of `h3::<name>` that its autocast kernel casts to BF16."""
+    return _BF16_ARGUMENTS[name]
+
+
+def _to_bf16(a):
+    if a.__class__ is list:  # Tensor[]
+        return [_to_bf16(t) for t in a]
+    return a.to(torch.bfloat16) if a is not None and a.dtype in _CAST_TO_BF16 else a
+
+
+def _register_autocast(name: str, bf16: tuple[str, ...]) -> None:
+    """The op's AutocastCPU / AutocastCUDA kernel (see the module docstring): casts the `bf16` arguments,
+    then runs the op with autocast off."""
+    op = getattr(torch.ops.h3, name).default
+    arguments = [a.name for a in op._schema.arguments]
+    unknown = set(bf16) - set(arguments)
+    if unknown:
+        raise ValueError(f"h3::{name}: bf16 names {sorted(unknown)}, not arguments of the op")
+    positions = [i for i, a in enumerate(arguments) if a in bf16]
+    _BF16_ARGUMENTS[name] = tuple(bf16)
+
+    def autocast_kernel(*args, **kwargs):
+        with _C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            if positions:
+                args = list(args)
+                for i in positions:
+                    if i < len(args):
+                        args[i] = _to_bf16(args[i])
+            return op(*args, **kwargs)
+
+    LIB.impl(name, autocast_kernel, "AutocastCPU")
+    LIB.impl(name, autocast_kernel, "AutocastCUDA")
+
+
 def install_native() -> None:
     """Registers the C++ CUDA impls (call after every op is defined); no-op without the C++ layer."""
     if NATIVE_OPS:
         native.load().install()
+
+
+def refuse_forward_ad(op: str, args) -> None:
+    """Raises if any tensor in `args` carries a forward-mode tangent (call only while a dual level is open:
+    `forward_ad._current_level >= 0`; torch.func.jvp opens one too)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None:
+            raise RuntimeError(
+                f"h3::{op}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is not supported; the op "
+                "defines reverse-mode gradients only (torch.autograd.grad, torch.func.vjp)"
+            )
 
 
 def register_autograd(name: str, backward, setup_context, forward_op: str | None = None) -> None:
@@ -88,6 +159,8 @@ def register_autograd(name: str, backward, setup_context, forward_op: str | None
     apply_plain = super(torch.autograd.Function, fn).apply
 
     def autograd_kernel(*args):
+        if forward_ad._current_level >= 0:
+            refuse_forward_ad(name, args)
         if _C.is_grad_enabled() and _C._any_requires_grad(*args):
             out = fn.apply(*args) if _C._are_functorch_transforms_active() else apply_plain(*args)
             return list(out) if returns_list else out

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from h3cute import reference
 from h3cute.ops import validate
 from h3cute.ops._library import define, register_autograd, resolve_launch
-from h3cute.ops.validate import (BF16, BLOCK_CHUNKS, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN, MODALITIES, PROJECTION,
-                                 TEMB)
+from h3cute.ops.validate import (BF16, BLOCK_CHUNKS, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN, MODALITIES, NO_ARG,
+                                 PROJECTION, TEMB)
 
 _INDICES = resolve_launch("adaln_indices")
 _PROJECTION = resolve_launch("adaln_projection")
@@ -46,7 +46,7 @@ def adaln_indices(timestep_indices: torch.Tensor, token_tags: torch.Tensor, num_
 
 def _check_index_pair(timestep_indices, token_tags):
     op = "adaln_indices"
-    d = timestep_indices.get_device()
+    d = validate.device_of(op, "timestep_indices", timestep_indices)
     validate.check_index_tensor(op, "timestep_indices", timestep_indices, d)
     validate.check_index_tensor(op, "token_tags", token_tags, d)
     if token_tags.shape != timestep_indices.shape:
@@ -137,19 +137,19 @@ def _projection_fake(temb, weight, bias):
 
 
 def _projection_backward_cpu(grad, temb, weight):
-    validate.check_adaln_projection(temb, weight, None, grad=grad)
+    validate.check_adaln_projection(temb, weight, grad=grad)
     return _projection_backward_fp32(grad.float(), temb, weight)
 
 
 def _projection_backward_cuda(grad, temb, weight):
-    validate.check_adaln_projection(temb, weight, None, grad=grad)
+    validate.check_adaln_projection(temb, weight, grad=grad)
     if temb.shape[0] == 0:
         return temb.new_empty((0, TEMB)), torch.zeros_like(weight), weight.new_zeros((PROJECTION,))
     return _PROJECTION.backward(grad, temb, weight)
 
 
 def _projection_backward_fake(grad, temb, weight):
-    validate.check_adaln_projection(temb, weight, None, grad=grad)
+    validate.check_adaln_projection(temb, weight, grad=grad)
     return torch.empty_like(temb), torch.empty_like(weight), weight.new_empty((PROJECTION,))
 
 
@@ -164,13 +164,14 @@ def _projection_backward(ctx, grad):
 
 
 define("adaln_projection(Tensor temb, Tensor weight, Tensor bias) -> Tensor", _projection_cpu, _projection_cuda,
-       _projection_fake)
+       _projection_fake, bf16=("weight", "bias"))
 define(
     "adaln_projection_backward(Tensor grad, Tensor temb, Tensor weight) "
     "-> (Tensor dtemb, Tensor dweight, Tensor dbias)",
     _projection_backward_cpu,
     _projection_backward_cuda,
     _projection_backward_fake,
+    bf16=("grad", "weight"),
 )
 register_autograd("adaln_projection", _projection_backward, _projection_setup_context)
 
@@ -233,12 +234,14 @@ define(
     _gather_cpu,
     _gather_cuda,
     _gather_fake,
+    bf16=("table",),
 )
 define(
     "adaln_row_gather_backward(Tensor[] grads, Tensor adaln_indices, int table_rows) -> Tensor",
     _gather_backward_cpu,
     _gather_backward_cuda,
     _gather_backward_fake,
+    bf16=("grads",),
 )
 register_autograd("adaln_row_gather", _gather_backward, _gather_setup_context)
 
@@ -265,7 +268,7 @@ def _norm_modulate_fake(x, weight, shift, scale, adaln_indices, eps=1e-5, check_
 
 
 def _norm_modulate_backward_cpu(grad, x, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_norm_modulate(x, weight, None, scale, adaln_indices, eps, grad=grad)
+    validate.check_norm_modulate(x, weight, NO_ARG, scale, adaln_indices, eps, grad=grad)
     _check_rows("norm_modulate_backward", "scale", scale, table_rows)
     dx, dweight, dshift_rows, dscale_rows = _modulate_backward_fp32(
         grad, x, weight, scale.float().index_select(0, adaln_indices), eps
@@ -276,7 +279,7 @@ def _norm_modulate_backward_cpu(grad, x, weight, scale, adaln_indices, eps, tabl
 
 
 def _norm_modulate_backward_cuda(grad, x, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_norm_modulate(x, weight, None, scale, adaln_indices, eps, grad=grad)
+    validate.check_norm_modulate(x, weight, NO_ARG, scale, adaln_indices, eps, grad=grad)
     _check_rows("norm_modulate_backward", "scale", scale, table_rows)
     if x.shape[0] == 0:
         zeros = scale.new_zeros((table_rows, HIDDEN))
@@ -285,7 +288,7 @@ def _norm_modulate_backward_cuda(grad, x, weight, scale, adaln_indices, eps, tab
 
 
 def _norm_modulate_backward_fake(grad, x, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_norm_modulate(x, weight, None, scale, adaln_indices, eps, grad=grad)
+    validate.check_norm_modulate(x, weight, NO_ARG, scale, adaln_indices, eps, grad=grad)
     _check_rows("norm_modulate_backward", "scale", scale, table_rows)
     return (torch.empty_like(x), torch.empty_like(weight), scale.new_empty((table_rows, HIDDEN)),
             scale.new_empty((table_rows, HIDDEN)))
@@ -316,6 +319,7 @@ define(
     _norm_modulate_cpu,
     _norm_modulate_cuda,
     _norm_modulate_fake,
+    bf16=("x", "weight", "shift", "scale"),
 )
 define(
     "norm_modulate_backward(Tensor grad, Tensor x, Tensor weight, Tensor scale, Tensor adaln_indices, float eps, "
@@ -323,6 +327,7 @@ define(
     _norm_modulate_backward_cpu,
     _norm_modulate_backward_cuda,
     _norm_modulate_backward_fake,
+    bf16=("grad", "x", "weight", "scale"),
 )
 register_autograd("norm_modulate", _norm_modulate_backward, _norm_modulate_setup_context)
 
@@ -349,7 +354,7 @@ def _gate_residual_fake(residual, y, gate, adaln_indices, check_indices=True):
 
 
 def _gate_residual_backward_cpu(grad, y, gate, adaln_indices):
-    validate.check_gate_residual(None, y, gate, adaln_indices, grad=grad)
+    validate.check_gate_residual(NO_ARG, y, gate, adaln_indices, grad=grad)
     g = grad.float()
     dy = g * gate.float().index_select(0, adaln_indices)
     dgate = _table_sum(g * y.float(), adaln_indices, gate.shape[0])
@@ -357,14 +362,14 @@ def _gate_residual_backward_cpu(grad, y, gate, adaln_indices):
 
 
 def _gate_residual_backward_cuda(grad, y, gate, adaln_indices):
-    validate.check_gate_residual(None, y, gate, adaln_indices, grad=grad)
+    validate.check_gate_residual(NO_ARG, y, gate, adaln_indices, grad=grad)
     if y.shape[0] == 0:
         return torch.empty_like(y), gate.new_zeros(gate.shape)
     return _GATE_RESIDUAL.backward(grad, y, gate, adaln_indices)
 
 
 def _gate_residual_backward_fake(grad, y, gate, adaln_indices):
-    validate.check_gate_residual(None, y, gate, adaln_indices, grad=grad)
+    validate.check_gate_residual(NO_ARG, y, gate, adaln_indices, grad=grad)
     return torch.empty_like(y), gate.new_empty(gate.shape)
 
 
@@ -385,12 +390,14 @@ define(
     _gate_residual_cpu,
     _gate_residual_cuda,
     _gate_residual_fake,
+    bf16=("residual", "y", "gate"),
 )
 define(
     "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, Tensor adaln_indices) -> (Tensor dy, Tensor dgate)",
     _gate_residual_backward_cpu,
     _gate_residual_backward_cuda,
     _gate_residual_backward_fake,
+    bf16=("grad", "y", "gate"),
 )
 register_autograd("gate_residual", _gate_residual_backward, _gate_residual_setup_context)
 
@@ -481,12 +488,14 @@ def _final_backward(ctx, grad):
     return *grads, None, None, None
 
 
+_FINAL_BF16 = ("x", "norm_weight", "proj_weight", "proj_bias")  # temb is FP32
 define(
     "final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, Tensor proj_bias, "
     "Tensor timestep_indices, float eps=1e-05, bool check_indices=True) -> Tensor",
     _final_cpu,
     _final_cuda,
     _final_fake,
+    bf16=_FINAL_BF16,
 )
 # final_adaln_out's autograd forward: the output and the (T, 10752) projection the backward reuses.
 define(
@@ -495,6 +504,7 @@ define(
     _final_fwd_cpu,
     _final_fwd_cuda,
     _final_fwd_fake,
+    bf16=_FINAL_BF16,
 )
 define(
     "final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, "
@@ -503,5 +513,6 @@ define(
     _final_backward_cpu,
     _final_backward_cuda,
     _final_backward_fake,
+    bf16=("grad", *_FINAL_BF16, "table"),
 )
 register_autograd("final_adaln_out", _final_backward, _final_setup_context, forward_op="final_adaln_out_fwd")

@@ -2,9 +2,11 @@
 
 timestep_sinusoid: (T,) t in [0, 1] -> (T, 256) FP32 `[cos(t f_k) | sin(t f_k)]`, f_k = 10000^(-k/128).
 BF16/FP16/FP64 t is widened to FP32 first, exactly as diffusers' `timesteps[:, None].float()` does. The op
-has no backward: H3 timesteps are data, not parameters, so asking for a gradient through it is an error
-(raised at the forward, where the mistake is made). The impls raise it themselves (t.requires_grad under
-grad mode is visible below autograd): the op has no autograd kernel, whose Python call would cost every call.
+has no backward: H3 timesteps are data, not parameters, so asking for a gradient (or passing a dual `t` of
+torch.autograd.forward_ad) through it is an error (raised at the forward, where the mistake is made). The impls
+raise it themselves (t.requires_grad under grad mode, and t's tangent, are visible below autograd): the op has
+no autograd kernel, whose Python call would cost every call (so torch.func.jvp, whose tangent the impls never
+see, gets a zero tangent).
 
 timestep_mlp: `linear(silu(linear(x, w1, b1)), w2, b2)`, all FP32, x (T, 256) -> (T, 2688). The CPU
 backward recomputes the hidden activation and works in FP32 throughout; CPU matmuls and sums are
@@ -12,10 +14,11 @@ deterministic, so the weight and bias gradients are bitwise repeatable.
 """
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad
 
 from h3cute import reference
 from h3cute.ops import validate
-from h3cute.ops._library import define, register_autograd, resolve_launch
+from h3cute.ops._library import define, refuse_forward_ad, register_autograd, resolve_launch
 from h3cute.ops.validate import F32, FREQ, TEMB
 
 _SINUSOID = resolve_launch("timestep_sinusoid")
@@ -34,6 +37,8 @@ def _check_sinusoid(t):
     validate.check_timestep_sinusoid(t)
     if t.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(_NO_GRAD)
+    if forward_ad._current_level >= 0:  # a tangent on t: refused as a gradient is
+        refuse_forward_ad("timestep_sinusoid", (t,))
 
 
 def _sinusoid_cpu(t, check_range=True):
@@ -81,7 +86,7 @@ def _mlp_fake(x, w1, b1, w2, b2):
 
 
 def _mlp_backward_cpu(grad, x, w1, b1, w2):
-    validate.check_timestep_mlp(x, w1, b1, w2, None, grad=grad)
+    validate.check_timestep_mlp(x, w1, b1, w2, grad=grad)
     h = F.linear(x, w1, b1)
     sig = torch.sigmoid(h)
     dw2 = grad.t() @ (h * sig)
@@ -91,7 +96,7 @@ def _mlp_backward_cpu(grad, x, w1, b1, w2):
 
 
 def _mlp_backward_cuda(grad, x, w1, b1, w2):
-    validate.check_timestep_mlp(x, w1, b1, w2, None, grad=grad)
+    validate.check_timestep_mlp(x, w1, b1, w2, grad=grad)
     if x.shape[0] == 0:
         return x.new_empty((0, FREQ)), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2), \
             w2.new_zeros((TEMB,))
@@ -99,7 +104,7 @@ def _mlp_backward_cuda(grad, x, w1, b1, w2):
 
 
 def _mlp_backward_fake(grad, x, w1, b1, w2):
-    validate.check_timestep_mlp(x, w1, b1, w2, None, grad=grad)
+    validate.check_timestep_mlp(x, w1, b1, w2, grad=grad)
     return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(b1), torch.empty_like(w2), \
         w2.new_empty((TEMB,))
 

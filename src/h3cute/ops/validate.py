@@ -32,18 +32,59 @@ TEMB_DTYPE_HINT = (
 
 CONTIGUOUS, ROW_STRIDED = "contiguous", "row-strided"
 
+# Device keys: the CUDA index, CPU for CPU, META for meta. `Tensor.get_device()` says -1 for both CPU and meta,
+# so a meta tensor among CPU inputs would pass for a CPU one (and the op would return uninitialised memory).
+CPU, META = -1, -2
+
+
+class _NoArg:
+    """`NO_ARG`: an argument the calling op does not have (a backward op's check skips the forward-only pieces).
+
+    Distinct from None: a `Tensor` schema argument given as None reaches the impls as None, and the checks refuse
+    it, naming the op and the argument."""
+
+    def __repr__(self):
+        return "NO_ARG"
+
+
+NO_ARG = _NoArg()
+
 
 def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _key(t) -> int:
+    d = t.get_device()
+    return META if d < 0 and t.is_meta else d
+
+
+def device_of(op, name, t) -> int:
+    """The device key of `t` (CUDA index, CPU or META): the device every other input of `op` must be on."""
+    if t is None:
+        raise TypeError(f"h3::{op}: {name} is None; the op takes a tensor there")
+    return _key(t)
+
+
+def _device_name(key) -> str:
+    return "meta" if key == META else "cpu" if key == CPU else f"cuda:{key}"
+
+
+def _shape_text(shape) -> str:
+    return "(" + ", ".join(str(w) for w in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
 def check_tensor(op, name, t, dtype, shape, device, layout=CONTIGUOUS, hint=""):
-    """Checks one tensor's dtype, rank, fixed widths (ints in `shape`; strs name free dims), layout and device.
+    """Checks one tensor's dtype, rank, fixed widths (ints in `shape`; strs name free dims), layout and device
+    (a key from `device_of`).
 
     `ROW_STRIDED` accepts a 2-D view whose rows are unit-stride and do not overlap (row stride >= width),
     such as a column chunk of the modulation table; `CONTIGUOUS` needs a dense tensor. The passing path is
     one short-circuit expression (it runs on every CUDA call); the messages are built only on failure.
     """
+    if t is None:
+        raise TypeError(f"h3::{op}: {name} is None; the op takes a {_name(dtype)} tensor of shape "
+                        f"{_shape_text(shape)} there")
     s = t.shape
     n = len(shape)
     if (
@@ -51,7 +92,7 @@ def check_tensor(op, name, t, dtype, shape, device, layout=CONTIGUOUS, hint=""):
         and len(s) == n
         and (shape[0].__class__ is str or s[0] == shape[0])
         and (n == 1 or s[1] == shape[1])
-        and t.get_device() == device
+        and (t.get_device() == device if device >= 0 else _key(t) == device)
         and (t.is_contiguous() if layout is CONTIGUOUS else t.stride(-1) == 1 and (s[0] <= 1 or t.stride(0) >= s[1]))
     ):
         return
@@ -62,10 +103,10 @@ def _explain(op, name, t, dtype, shape, device, layout, hint):
     if t.dtype != dtype:
         raise TypeError(f"h3::{op}: {name} must be {_name(dtype)}, got {_name(t.dtype)}{hint}")
     if t.dim() != len(shape) or any(type(w) is int and g != w for g, w in zip(t.shape, shape)):
-        want = "(" + ", ".join(str(w) for w in shape) + ("," if len(shape) == 1 else "") + ")"
-        raise ValueError(f"h3::{op}: {name} must have shape {want}, got {tuple(t.shape)}")
-    if t.get_device() != device:
-        raise ValueError(f"h3::{op}: {name} is on {t.device}, expected the device of the other inputs")
+        raise ValueError(f"h3::{op}: {name} must have shape {_shape_text(shape)}, got {tuple(t.shape)}")
+    if _key(t) != device:
+        raise ValueError(f"h3::{op}: {name} is on {t.device}, expected {_device_name(device)} "
+                         "(the device of the other inputs)")
     if layout is CONTIGUOUS:
         raise ValueError(
             f"h3::{op}: {name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)} "
@@ -89,6 +130,7 @@ def _eps(op, eps):
 
 def check_timestep_sinusoid(t):
     op = "timestep_sinusoid"
+    device_of(op, "t", t)  # refuses None
     if t.dim() != 1:
         raise ValueError(f"h3::{op}: t must be 1-D (T,) timesteps in [0, 1], got shape {tuple(t.shape)}")
     if t.dtype != F32 and t.dtype not in TIMESTEP_WIDENED:
@@ -135,16 +177,17 @@ def check_index_tensor(op, name, idx, device):
     check_tensor(op, name, idx, I64, ("S",), device)
 
 
-def check_timestep_mlp(x, w1, b1, w2, b2, grad=None):
-    op = "timestep_mlp" if grad is None else "timestep_mlp_backward"
-    d = x.get_device()
+def check_timestep_mlp(x, w1, b1, w2, b2=NO_ARG, grad=NO_ARG):
+    """The forward's arguments, or with `grad` the backward's (which has no b2)."""
+    op = "timestep_mlp" if grad is NO_ARG else "timestep_mlp_backward"
+    d = device_of(op, "x", x)
     check_tensor(op, "x", x, F32, ("T", FREQ), d, hint=MLP_DTYPE_HINT)
     check_tensor(op, "w1", w1, F32, (MLP_HIDDEN, FREQ), d, hint=MLP_DTYPE_HINT)
     check_tensor(op, "b1", b1, F32, (MLP_HIDDEN,), d, hint=MLP_DTYPE_HINT)
     check_tensor(op, "w2", w2, F32, (TEMB, MLP_HIDDEN), d, hint=MLP_DTYPE_HINT)
-    if b2 is not None:
+    if b2 is not NO_ARG:
         check_tensor(op, "b2", b2, F32, (TEMB,), d, hint=MLP_DTYPE_HINT)
-    if grad is not None:
+    if grad is not NO_ARG:
         check_tensor(op, "grad", grad, F32, ("T", TEMB), d)
         _rows(op, "grad", grad.shape[0], "x", x.shape[0])
 
@@ -152,29 +195,32 @@ def check_timestep_mlp(x, w1, b1, w2, b2, grad=None):
 def _check_temb_projection(op, temb, weight, bias, width, d):
     check_tensor(op, "temb", temb, F32, ("T", TEMB), d, hint=TEMB_DTYPE_HINT)
     check_tensor(op, "weight" if width == PROJECTION else "proj_weight", weight, BF16, (width, TEMB), d)
-    if bias is not None:
+    if bias is not NO_ARG:
         check_tensor(op, "bias" if width == PROJECTION else "proj_bias", bias, BF16, (width,), d)
 
 
-def check_adaln_projection(temb, weight, bias, grad=None):
-    op = "adaln_projection" if grad is None else "adaln_projection_backward"
-    d = temb.get_device()
+def check_adaln_projection(temb, weight, bias=NO_ARG, grad=NO_ARG):
+    """The forward's arguments, or with `grad` the backward's (which has no bias)."""
+    op = "adaln_projection" if grad is NO_ARG else "adaln_projection_backward"
+    d = device_of(op, "temb", temb)
     _check_temb_projection(op, temb, weight, bias, PROJECTION, d)
-    if grad is not None:
+    if grad is not NO_ARG:
         check_tensor(op, "grad", grad, BF16, ("T", PROJECTION), d)
         _rows(op, "grad", grad.shape[0], "temb", temb.shape[0])
 
 
-def check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=None, table=None):
-    op = "final_adaln_out" if grad is None else "final_adaln_out_backward"
-    d = x.get_device()
+def check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=NO_ARG,
+                          table=None):
+    """The forward's arguments, or with `grad` the backward's (`table` is the backward's optional argument)."""
+    op = "final_adaln_out" if grad is NO_ARG else "final_adaln_out_backward"
+    d = device_of(op, "x", x)
     check_tensor(op, "x", x, BF16, ("S", HIDDEN), d)
     check_tensor(op, "norm_weight", norm_weight, BF16, (HIDDEN,), d)
     _check_temb_projection(op, temb, proj_weight, proj_bias, FINAL_PROJECTION, d)
     check_index_tensor(op, "timestep_indices", timestep_indices, d)
     _rows(op, "timestep_indices", timestep_indices.shape[0], "x", x.shape[0])
     _eps(op, eps)
-    if grad is not None:
+    if grad is not NO_ARG:
         check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
         _rows(op, "grad", grad.shape[0], "x", x.shape[0])
     if table is not None:  # the forward's projection (h3::final_adaln_out_fwd)
@@ -184,7 +230,7 @@ def check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep
 
 def check_adaln_row_gather(table, adaln_indices):
     op = "adaln_row_gather"
-    d = table.get_device()
+    d = device_of(op, "table", table)
     check_tensor(op, "table", table, BF16, ("3T", BLOCK_TABLE), d, ROW_STRIDED)
     check_index_tensor(op, "adaln_indices", adaln_indices, d)
 
@@ -193,7 +239,7 @@ def check_adaln_row_gather_backward(grads, adaln_indices, table_rows):
     op = "adaln_row_gather_backward"
     if len(grads) != BLOCK_CHUNKS:
         raise ValueError(f"h3::{op}: grads must hold {BLOCK_CHUNKS} tensors (one per chunk), got {len(grads)}")
-    d = adaln_indices.get_device()
+    d = device_of(op, "adaln_indices", adaln_indices)
     check_index_tensor(op, "adaln_indices", adaln_indices, d)
     for c, g in enumerate(grads):
         check_tensor(op, f"grads[{c}]", g, BF16, ("S", HIDDEN), d)
@@ -202,33 +248,36 @@ def check_adaln_row_gather_backward(grads, adaln_indices, table_rows):
         raise ValueError(f"h3::{op}: table_rows must be >= 0, got {table_rows}")
 
 
-def check_norm_modulate(x, weight, shift, scale, adaln_indices, eps, grad=None):
-    op = "norm_modulate" if grad is None else "norm_modulate_backward"
-    d = x.get_device()
+def check_norm_modulate(x, weight, shift, scale, adaln_indices, eps, grad=NO_ARG):
+    """The forward's arguments, or with `grad` the backward's (shift `NO_ARG`: the backward has none)."""
+    op = "norm_modulate" if grad is NO_ARG else "norm_modulate_backward"
+    d = device_of(op, "x", x)
     check_tensor(op, "x", x, BF16, ("S", HIDDEN), d)
     check_tensor(op, "weight", weight, BF16, (HIDDEN,), d)
-    if shift is not None:
+    if shift is not NO_ARG:
         check_tensor(op, "shift", shift, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
-        _rows(op, "shift", shift.shape[0], "scale", scale.shape[0])
     check_tensor(op, "scale", scale, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
+    if shift is not NO_ARG:
+        _rows(op, "shift", shift.shape[0], "scale", scale.shape[0])
     check_index_tensor(op, "adaln_indices", adaln_indices, d)
     _rows(op, "adaln_indices", adaln_indices.shape[0], "x", x.shape[0])
     _eps(op, eps)
-    if grad is not None:
+    if grad is not NO_ARG:
         check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
         _rows(op, "grad", grad.shape[0], "x", x.shape[0])
 
 
-def check_gate_residual(residual, y, gate, adaln_indices, grad=None):
-    op = "gate_residual" if grad is None else "gate_residual_backward"
-    d = y.get_device()
-    if residual is not None:
+def check_gate_residual(residual, y, gate, adaln_indices, grad=NO_ARG):
+    """The forward's arguments, or with `grad` the backward's (residual `NO_ARG`: the backward has none)."""
+    op = "gate_residual" if grad is NO_ARG else "gate_residual_backward"
+    d = device_of(op, "y", y)
+    if residual is not NO_ARG:
         check_tensor(op, "residual", residual, BF16, ("S", HIDDEN), d)
         _rows(op, "residual", residual.shape[0], "y", y.shape[0])
     check_tensor(op, "y", y, BF16, ("S", HIDDEN), d)
     check_tensor(op, "gate", gate, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
     check_index_tensor(op, "adaln_indices", adaln_indices, d)
     _rows(op, "adaln_indices", adaln_indices.shape[0], "y", y.shape[0])
-    if grad is not None:
+    if grad is not NO_ARG:
         check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
         _rows(op, "grad", grad.shape[0], "y", y.shape[0])

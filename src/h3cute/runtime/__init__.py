@@ -40,6 +40,7 @@ _by_call: dict = {}  # (name, device, static items) -> function: the hot path
 _by_arch: dict = {}  # (name, arch, canonical static) -> function
 _arch_of_device: dict = {}
 _resolve_lock = threading.RLock()
+_bundle_warned: set = set()  # H3CUTE_PREBUILT values already warned about (a bundle that cannot serve)
 
 map_source_tree_kernels()
 
@@ -105,25 +106,27 @@ def _resolve(name: str, arch: str, static: dict, canon: tuple):
 
     prebuilt = os.environ.get("H3CUTE_PREBUILT")
     if prebuilt:
-        from .bundle import BundleMismatchError, open_bundle
+        from .bundle import BundleError, open_bundle
 
         try:
             bundle = open_bundle(prebuilt)
-        except BundleMismatchError as e:
+            fn = bundle.function(name, arch, canon)
+        except BundleError as e:  # built from other sources, or damaged
             if not dsl_available():
                 raise
-            log.warning("%s; compiling with the CuTe DSL instead", e)
+            if prebuilt not in _bundle_warned:
+                _bundle_warned.add(prebuilt)
+                log.warning("%s; compiling with the CuTe DSL instead", e)
         else:
-            fn = bundle.function(name, arch, canon)
             if fn is not None:
                 return fn
             if not dsl_available():
                 raise LookupError(
-                    f"prebuilt bundle {prebuilt} has no {arch} variant of {name} with static args {static}, "
+                    f"prebuilt bundle H3CUTE_PREBUILT={prebuilt} has no {arch} variant of {name} with static args {static}, "
                     f"and the CuTe DSL is not installed to compile it; bundled variants: "
                     f"{bundle.variants_of(name, arch)}"
                 )
-            log.warning("prebuilt bundle %s lacks %s %s %s; compiling it", prebuilt, name, arch, static)
+            log.warning("prebuilt bundle H3CUTE_PREBUILT=%s lacks %s %s %s; compiling it", prebuilt, name, arch, static)
     if not dsl_available():
         raise RuntimeError(
             f"kernel {name} ({arch}) needs compiling but the CuTe DSL (nvidia-cutlass-dsl) is not installed; "

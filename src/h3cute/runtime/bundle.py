@@ -7,8 +7,9 @@ its module, arch, canonical static args, symbol, and each library's sha256.
 
 With `H3CUTE_PREBUILT=DIR` the runtime serves kernels from the bundle with only apache-tvm-ffi and
 libcute_dsl_runtime.so present (the device has no CuTe DSL). A bundle built from other sources is
-never served: `open_bundle` raises BundleMismatchError, and the runtime compiles instead where the
-DSL is installed.
+never served (BundleMismatchError), nor is a damaged one (DamagedBundleError: a missing, truncated or
+malformed manifest, a library that is missing or fails its sha256); both are BundleError, whose messages
+name H3CUTE_PREBUILT and the path, and where the DSL is installed the runtime compiles instead, warning once.
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ import argparse
 import json
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .loader import get_function, load_library, sha256_file
+from .loader import CorruptLibraryError, get_function, load_library, sha256_file
 from . import sources
 from .sources import dsl_version
 from .spec import SUPPORTED_ARCHS, KernelSpec, canonical_static, static_key, symbol_name
@@ -29,8 +30,16 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 
 
-class BundleMismatchError(RuntimeError):
-    """The bundle was built from different kernel sources than the installed ones."""
+class BundleError(RuntimeError):
+    """H3CUTE_PREBUILT names a bundle this runtime cannot serve."""
+
+
+class BundleMismatchError(BundleError):
+    """The bundle was built from different kernel sources (or manifest format) than the installed ones."""
+
+
+class DamagedBundleError(BundleError, CorruptLibraryError):
+    """The bundle's manifest is missing or malformed, or a library is missing or fails its sha256."""
 
 
 def library_name(arch: str) -> str:
@@ -42,42 +51,89 @@ class Bundle:
     root: Path
     manifest: dict
     _symbols: dict  # (name, arch, static_key) -> symbol
+    _broken: dict = field(default_factory=dict)  # arch -> DamagedBundleError of its library
 
     def function(self, name: str, arch: str, canon: tuple):
-        """The bundled function, or None when the bundle lacks this variant."""
+        """The bundled function, or None when the bundle lacks this variant; DamagedBundleError when its library
+        is missing, fails its sha256 or lacks the symbol (remembered: a bad library is read once)."""
         symbol = self._symbols.get((name, arch, static_key(canon)))
         if symbol is None:
             return None
+        if arch in self._broken:
+            raise self._broken[arch]
         lib = self.root / library_name(arch)
-        return get_function(load_library(lib, self.manifest["libraries"][arch]["sha256"]), symbol, lib)
+        try:
+            return get_function(load_library(lib, self.manifest["libraries"][arch]["sha256"]), symbol, lib)
+        except (CorruptLibraryError, OSError) as e:
+            self._broken[arch] = DamagedBundleError(f"H3CUTE_PREBUILT={self.root}: damaged bundle: {e}")
+            raise self._broken[arch] from e
 
     def variants_of(self, name: str, arch: str) -> list[str]:
         return [s for (n, a, s) in self._symbols if n == name and a == arch]
 
 
-_open: dict[Path, Bundle] = {}
+_open: dict[Path, Bundle | BundleError] = {}
 
 
 def open_bundle(root: str | Path) -> Bundle:
-    """Read and check DIR/manifest.json (memoized per folder)."""
+    """Read and check DIR/manifest.json (memoized per folder, a failure too): BundleError when unusable."""
     root = Path(root).resolve()
-    if root in _open:
-        return _open[root]
+    opened = _open.get(root)
+    if opened is None:
+        try:
+            opened = _read_bundle(root)
+        except BundleError as e:
+            opened = e
+        _open[root] = opened
+    if isinstance(opened, BundleError):
+        raise opened
+    return opened
+
+
+def _read_bundle(root: Path) -> Bundle:
     path = root / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"H3CUTE_PREBUILT={root}: no {MANIFEST} there (build one: python -m h3cute build)")
-    manifest = json.loads(path.read_text())
+
+    def damaged(what: str) -> DamagedBundleError:
+        return DamagedBundleError(f"H3CUTE_PREBUILT={root}: damaged bundle: {path} {what} "
+                                  "(rebuild it: python -m h3cute build --out ...)")
+
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise DamagedBundleError(f"H3CUTE_PREBUILT={root}: no {MANIFEST} there (build one: python -m h3cute build)")
+    except (OSError, UnicodeDecodeError) as e:
+        raise damaged(f"cannot be read ({e})") from e
+    try:
+        manifest = json.loads(text)
+    except ValueError as e:
+        raise damaged(f"is not JSON ({e})") from e
+    if not isinstance(manifest, dict):
+        raise damaged(f"holds {type(manifest).__name__}, not an object")
     if manifest.get("format") != FORMAT:
-        raise BundleMismatchError(f"{path}: format {manifest.get('format')!r}, this runtime reads {FORMAT}")
-    if manifest["fingerprint"] != sources.source_fingerprint():
+        raise BundleMismatchError(f"H3CUTE_PREBUILT={root}: {path} has format {manifest.get('format')!r}, this "
+                                  f"runtime reads {FORMAT}")
+    fingerprint = manifest.get("fingerprint")
+    if not isinstance(fingerprint, str):
+        raise damaged(f"has no source fingerprint (got {fingerprint!r})")
+    if fingerprint != sources.source_fingerprint():
         raise BundleMismatchError(
-            f"prebuilt bundle {root} was built from kernel sources {manifest['fingerprint'][:12]} "
+            f"prebuilt bundle H3CUTE_PREBUILT={root} was built from kernel sources {fingerprint[:12]} "
             f"but the installed sources are {sources.source_fingerprint()[:12]}: rebuild it "
             "(python -m h3cute build --out ...) or unset H3CUTE_PREBUILT"
         )
-    symbols = {(e["name"], e["arch"], e["static"]): e["symbol"] for e in manifest["entries"]}
-    bundle = _open[root] = Bundle(root, manifest, symbols)
-    return bundle
+    libraries, entries = manifest.get("libraries"), manifest.get("entries")
+    if not (isinstance(libraries, dict)
+            and all(isinstance(v, dict) and isinstance(v.get("sha256"), str) for v in libraries.values())):
+        raise damaged("has no 'libraries' object mapping each arch to its library's sha256")
+    keys = ("name", "arch", "static", "symbol")
+    if not (isinstance(entries, list)
+            and all(isinstance(e, dict) and all(isinstance(e.get(k), str) for k in keys) for e in entries)):
+        raise damaged(f"has no 'entries' list of objects with string {', '.join(keys)}")
+    unlisted = sorted({e["arch"] for e in entries} - set(libraries))
+    if unlisted:
+        raise damaged(f"has entries for {unlisted} but no library for them")
+    symbols = {(e["name"], e["arch"], e["static"]): e["symbol"] for e in entries}
+    return Bundle(root, manifest, symbols)
 
 
 def build_bundle(out: Path, archs: Sequence[str], specs: Iterable[KernelSpec], modules: dict[str, str], log=print) -> dict:

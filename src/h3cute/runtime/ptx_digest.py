@@ -22,17 +22,24 @@ from typing import Sequence
 from .spec import SUPPORTED_ARCHS, canonical_static, static_key
 
 
-def digests(archs: Sequence[str], names: Sequence[str] | None = None, log=print,
-            ptx_dir: Path | None = None) -> dict[str, str]:
-    """{"<arch> <kernel> <static>": sha256 of the variant's PTX} for every variant of the named kernels;
-    with `ptx_dir`, each variant's PTX is written there as <arch>.<kernel>.<static values>.<i>.ptx."""
-    from .dsl import compile_variant
+def kernel_specs(names: Sequence[str] | None) -> dict:
+    """Every kernel spec by name; ValueError naming the unknown and the known kernels if `names` has others."""
     from .sources import kernels_package
 
     specs = kernels_package().all_specs()
     unknown = sorted(set(names or ()) - set(specs))
     if unknown:
         raise ValueError(f"unknown kernel(s) {unknown}; known: {sorted(specs)}")
+    return specs
+
+
+def digests(archs: Sequence[str], names: Sequence[str] | None = None, log=print,
+            ptx_dir: Path | None = None) -> dict[str, str]:
+    """{"<arch> <kernel> <static>": sha256 of the variant's PTX} for every variant of the named kernels;
+    with `ptx_dir`, each variant's PTX is written there as <arch>.<kernel>.<static values>.<i>.ptx."""
+    from .dsl import compile_variant
+
+    specs = kernel_specs(names)
     out = {}
     for arch in archs:
         for name in sorted(names or specs):
@@ -59,6 +66,17 @@ def compare(new: dict[str, str], old: dict[str, str]) -> list[str]:
     return lines
 
 
+def _read_digests(parser: argparse.ArgumentParser, path: Path) -> dict[str, str]:
+    """An earlier digest file (`--against`), or the parser's error naming it."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        parser.error(f"--against {path}: cannot be read as a digest file ({e})")
+    if not (isinstance(old, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in old.items())):
+        parser.error(f"--against {path}: not a digest file (a JSON object of variant -> sha256, from --out)")
+    return old
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m h3cute ptx-digest`: PTX digests of kernel variants, optionally compared with an earlier file."""
     parser = argparse.ArgumentParser(prog="python -m h3cute ptx-digest", description=main.__doc__)
@@ -69,13 +87,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--against", type=Path, help="an earlier digest file: report and fail on differences")
     parser.add_argument("--ptx-dir", type=Path, help="also write each variant's PTX into this folder")
     args = parser.parse_args(argv)
+    # Everything that can be wrong with the arguments fails here, before minutes of compiling.
+    try:
+        kernel_specs(args.kernel)
+    except ValueError as e:
+        parser.error(str(e))
+    old = None if args.against is None else _read_digests(parser, args.against)
+    if not args.out.parent.is_dir():
+        parser.error(f"--out {args.out}: folder {args.out.parent} does not exist")
     if args.ptx_dir is not None:
         args.ptx_dir.mkdir(parents=True, exist_ok=True)
     new = digests(args.arch, args.kernel, log=lambda line: None, ptx_dir=args.ptx_dir)
     args.out.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")
     print(f"{len(new)} variants -> {args.out}")
-    if args.against is None:
+    if old is None:
         return 0
-    lines = compare(new, json.loads(args.against.read_text()))
+    lines = compare(new, old)
     print("\n".join(lines) if lines else f"identical PTX for all {len(new)} variants")
     return 1 if lines else 0

@@ -4,8 +4,12 @@ The source fingerprint (sha256 over every file of the `h3cute.kernels` package p
 keys the disk cache and stamps prebuilt bundles: compiled code is only ever served for the exact
 sources it was built from.
 
-`h3cute.kernels` is mapped to the top-level `kernels/` folder by the package build. In a source tree
-that is only on PYTHONPATH (`src/`), `kernels_package()` maps it the same way itself.
+`h3cute.kernels` is always the kernels of the `h3cute` package that was imported: in an installed wheel the
+package's own `h3cute/kernels/`; in a checkout (`<repo>/src/h3cute`, on PYTHONPATH or installed editable) the
+checkout's top-level `kernels/` folder, which `map_source_tree_kernels` (run by `import h3cute`, before anything
+imports a kernel module) puts in `sys.modules` itself. An editable install's import finder maps `h3cute.kernels`
+to the kernels of the checkout it was installed from, so a second checkout on PYTHONPATH would otherwise import
+its own `h3cute` with the first checkout's kernels.
 """
 from __future__ import annotations
 
@@ -19,18 +23,36 @@ from pathlib import Path
 from types import ModuleType
 
 _RUNTIME_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = _RUNTIME_DIR.parent  # the h3cute package that was imported
 _SOURCE_TREE_KERNELS = _RUNTIME_DIR.parents[2] / "kernels"  # <repo>/src/h3cute/runtime -> <repo>/kernels
 
 
+def _checkout_kernels() -> Path | None:
+    """The `kernels/` folder of the checkout the imported h3cute lives in; None for an installed package (its
+    `h3cute/kernels` is a subpackage that the ordinary import finds)."""
+    if (_PACKAGE_DIR / "kernels" / "__init__.py").is_file():
+        return None
+    if _PACKAGE_DIR.parent.name == "src" and (_SOURCE_TREE_KERNELS / "__init__.py").is_file():
+        return _SOURCE_TREE_KERNELS
+    return None
+
+
 def map_source_tree_kernels() -> None:
-    """Make `import h3cute.kernels` work from a source tree on PYTHONPATH (a no-op when installed)."""
-    if "h3cute.kernels" in sys.modules or importlib.util.find_spec("h3cute.kernels") is not None:
+    """Make `h3cute.kernels` the kernels of this checkout (a no-op for an installed package), whatever import
+    finder (an editable install's) would map it elsewhere."""
+    folder = _checkout_kernels()
+    if folder is None:
         return
-    init = _SOURCE_TREE_KERNELS / "__init__.py"
-    if not init.is_file():
+    loaded = sys.modules.get("h3cute.kernels")
+    if loaded is not None:
+        where = Path(loaded.__path__[0]).resolve()
+        if where != folder:
+            raise ImportError(f"h3cute.kernels was imported from {where}, but h3cute comes from {_PACKAGE_DIR}, whose "
+                              f"kernels are {folder}: import h3cute before anything imports h3cute.kernels")
         return
+    init = folder / "__init__.py"
     spec = importlib.util.spec_from_file_location(
-        "h3cute.kernels", init, submodule_search_locations=[str(_SOURCE_TREE_KERNELS)]
+        "h3cute.kernels", init, submodule_search_locations=[str(folder)]
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules["h3cute.kernels"] = module
