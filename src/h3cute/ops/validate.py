@@ -205,30 +205,65 @@ def check_adaln_row_gather_backward(grads, adaln_indices, table_rows):
 def check_norm_modulate(x, weight, shift, scale, adaln_indices, eps, grad=None):
     op = "norm_modulate" if grad is None else "norm_modulate_backward"
     d = x.get_device()
-    check_tensor(op, "x", x, BF16, ("S", HIDDEN), d)
+    _check_row_tensor(op, "x", x, d)
+    _check_modulation(op, weight, shift, scale, d)
+    check_index_tensor(op, "adaln_indices", adaln_indices, d)
+    _rows(op, "adaln_indices", adaln_indices.shape[0], "x", x.shape[0])
+    _eps(op, eps)
+    if grad is not None:
+        _check_row_tensor(op, "grad", grad, d, "x", x)
+
+
+def check_gate_residual(residual, y, gate, adaln_indices, grad=None, *, op=None, grad_name="grad"):
+    """`op`/`grad_name`: how the fused op's checks name them (its gate_residual half)."""
+    op = op or ("gate_residual" if grad is None else "gate_residual_backward")
+    d = y.get_device()
+    if residual is not None:
+        _check_row_tensor(op, "residual", residual, d, "y", y)
+    _check_row_tensor(op, "y", y, d)
+    check_tensor(op, "gate", gate, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
+    check_index_tensor(op, "adaln_indices", adaln_indices, d)
+    _rows(op, "adaln_indices", adaln_indices.shape[0], "y", y.shape[0])
+    if grad is not None:
+        _check_row_tensor(op, grad_name, grad, d, "y", y)
+
+
+def check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps):
+    """The fused op's forward: gate_residual's checks, then norm_modulate's on the tables (its x is the h it
+    computes); one `adaln_indices` addresses all three tables, so they have the same row count."""
+    op = "gate_residual_norm_modulate"
+    check_gate_residual(residual, y, gate, adaln_indices, op=op)
+    _check_modulation(op, weight, shift, scale, y.get_device())
+    _rows(op, "scale", scale.shape[0], "gate", gate.shape[0])
+    _eps(op, eps)
+
+
+def check_gate_residual_norm_modulate_backward(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices, eps,
+                                               table_rows):
+    op = "gate_residual_norm_modulate_backward"
+    d = y.get_device()
+    check_gate_residual(None, y, gate, adaln_indices, grad_out, op=op, grad_name="grad_out")
+    _check_row_tensor(op, "h", h, d, "y", y)
+    if grad_h is not None:  # None: h itself has no consumer, its gradient is norm_modulate's dx alone
+        _check_row_tensor(op, "grad_h", grad_h, d, "y", y)
+    _check_modulation(op, weight, None, scale, d)
+    _eps(op, eps)
+    for name, t in (("gate", gate), ("scale", scale)):
+        if t.shape[0] != table_rows:
+            raise ValueError(f"h3::{op}: {name} has {t.shape[0]} rows but table_rows = {table_rows}")
+
+
+def _check_row_tensor(op, name, t, d, other=None, like=None):
+    """An (S, H) BF16 row tensor; with `like`, its rows must agree with `other`'s."""
+    check_tensor(op, name, t, BF16, ("S", HIDDEN), d)
+    if like is not None:
+        _rows(op, name, t.shape[0], other, like.shape[0])
+
+
+def _check_modulation(op, weight, shift, scale, d):
+    """The RMSNorm weight and the (3T, H) shift / scale tables (row-strided views allowed)."""
     check_tensor(op, "weight", weight, BF16, (HIDDEN,), d)
     if shift is not None:
         check_tensor(op, "shift", shift, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
         _rows(op, "shift", shift.shape[0], "scale", scale.shape[0])
     check_tensor(op, "scale", scale, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
-    check_index_tensor(op, "adaln_indices", adaln_indices, d)
-    _rows(op, "adaln_indices", adaln_indices.shape[0], "x", x.shape[0])
-    _eps(op, eps)
-    if grad is not None:
-        check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
-        _rows(op, "grad", grad.shape[0], "x", x.shape[0])
-
-
-def check_gate_residual(residual, y, gate, adaln_indices, grad=None):
-    op = "gate_residual" if grad is None else "gate_residual_backward"
-    d = y.get_device()
-    if residual is not None:
-        check_tensor(op, "residual", residual, BF16, ("S", HIDDEN), d)
-        _rows(op, "residual", residual.shape[0], "y", y.shape[0])
-    check_tensor(op, "y", y, BF16, ("S", HIDDEN), d)
-    check_tensor(op, "gate", gate, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
-    check_index_tensor(op, "adaln_indices", adaln_indices, d)
-    _rows(op, "adaln_indices", adaln_indices.shape[0], "y", y.shape[0])
-    if grad is not None:
-        check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
-        _rows(op, "grad", grad.shape[0], "y", y.shape[0])
