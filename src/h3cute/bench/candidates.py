@@ -6,6 +6,8 @@ A candidate is a callable taking the op's tensor arguments in schema order. The 
 - `diffusers`: the op-for-op replay `h3cute.reference.<op>_replay` (GEMM ops: `diffusers[<mode>]`);
 - `diffusers_module`: the real diffusers module where `import diffusers` works and an adapter exists;
 - `torch_bare_op` (timestep_sinusoid only): `t + 1`, the one-launch floor of any op call;
+- `h3cute_two_ops` (gate_residual_norm_modulate only): `h3::gate_residual` then `h3::norm_modulate`, the pair
+  the fused op replaces;
 - peers (sglang, vllm, liger, transformer_engine, megatron): looked up without importing them; the
   harness has no H3 adapter for them yet, so an installed peer is recorded as unavailable with that
   reason and a missing one as not installed.
@@ -93,6 +95,15 @@ def _h3cute(problem: Problem) -> Candidate:
     return Candidate("h3cute", source, lambda *a: op(*a, **kw), has_backward=problem.has_backward)
 
 
+def _h3cute_two_ops(problem: Problem) -> Candidate:
+    source = "torch.ops.h3.gate_residual then torch.ops.h3.norm_modulate (check_indices=False)"
+
+    def call(residual, y, gate, weight, shift, scale, adaln_indices):
+        h = torch.ops.h3.gate_residual(residual, y, gate, adaln_indices, False)
+        return h, torch.ops.h3.norm_modulate(h, weight, shift, scale, adaln_indices, 1e-5, False)
+    return Candidate("h3cute_two_ops", source, call)
+
+
 def _replay(problem: Problem, name: str, mode: str) -> Candidate:
     source = problem.diffusers_source + (f" [{mode}]" if problem.gemm else "")
     try:
@@ -174,5 +185,7 @@ def candidates_for(problem: Problem, mode: str) -> list[Candidate]:
         if problem.op == "timestep_sinusoid":
             out.append(Candidate("torch_bare_op", "t + 1 (one elementwise launch: the floor of any op call)",
                                  lambda t: t + 1, has_backward=False, comparable=False))
+        if problem.op == "gate_residual_norm_modulate":
+            out.append(_h3cute_two_ops(problem))
         out.extend(_peer(p) for p in PEERS)
     return out
