@@ -174,6 +174,19 @@ def test_torch_compile_fullgraph_traces_forward_and_backward(op):
         assert all(x.grad is not None for x in a if x.is_floating_point())
 
 
+@pytest.mark.parametrize("op", ["timestep_mlp", "final_adaln_out", "gate_residual_norm_modulate"])
+def test_ops_keep_their_dtypes_under_autocast(op):
+    """The ops have no autocast kernel: under autocast they compute exactly as without it (the CPU impls switch
+    CPU autocast off around the replay's torch ops)."""
+    a = inputs(op)
+    want = _flat(getattr(torch.ops.h3, op)(*a))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _flat(getattr(torch.ops.h3, op)(*a))
+        if op == "timestep_mlp":  # the control: autocast does recast the replay's torch ops
+            assert R.REPLAY[op](*a).dtype == torch.bfloat16
+    assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(got, want))
+
+
 def test_gradient_through_timestep_sinusoid_is_refused():
     t = torch.rand(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="timestep_sinusoid has no backward"):

@@ -60,12 +60,14 @@ class H3Calls(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.calls = []
+        self.calls, self.outs = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if func.namespace == "h3":
             self.calls.append((func._opname, args))
-        return func(*args, **(kwargs or {}))
+            self.outs.append(list(out) if isinstance(out, (tuple, list)) else [out])
+        return out
 
     @property
     def names(self):
@@ -291,6 +293,21 @@ def test_patched_modules_pickle_by_name(model):
         again = pickle.loads(pickle.dumps(model.time_proj))
         assert type(again) is type(model.time_proj) and again._h3cute_armed
         assert torch.equal(again(torch.tensor([0.25])), torch.ops.h3.timestep_sinusoid(torch.tensor([0.25])))
+
+
+def test_under_autocast_every_op_call_gives_its_eager_bits(model, inputs, patched):
+    """CPU autocast (the GPU test does CUDA's): the patched model runs, and every h3 call, replayed eagerly
+    without autocast on the arguments it received, gives the bits it gave."""
+    with H3Calls() as mode, torch.autocast("cpu", dtype=BF16):
+        run(model, inputs)
+    assert mode.names == ALL_OPS
+    replay = H3Calls()
+    with replay:
+        for name, args in mode.calls:
+            getattr(torch.ops.h3, name)(*args)
+    assert len(replay.outs) == len(mode.outs)
+    for name, a, b in zip(mode.names, mode.outs, replay.outs):
+        assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(a, b)), name
 
 
 def test_autocast_fp32_rows_are_cast_to_bf16():

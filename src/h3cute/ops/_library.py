@@ -33,11 +33,22 @@ def define(schema: str, cpu, cuda, fake) -> str:
     it) and its fake (meta) impl; returns the qualified name `h3::<op>`."""
     name = schema.split("(", 1)[0]
     LIB.define(schema)
-    LIB.impl(name, cpu, "CPU")
+    LIB.impl(name, _without_autocast(cpu), "CPU")
     if name not in NATIVE_OPS:
         LIB.impl(name, cuda, "CUDA")
     torch.library.register_fake(f"h3::{name}", fake, lib=LIB)
     return f"h3::{name}"
+
+
+def _without_autocast(cpu):
+    """The ops compute in their own dtypes under autocast (no autocast kernel: the dispatcher passes them
+    through). The CUDA impls launch kernels; the CPU impls are torch ops, which CPU autocast would otherwise
+    recast (the replay's FP32 F.linear to BF16)."""
+    def impl(*args):
+        with torch.autocast("cpu", enabled=False):
+            return cpu(*args)
+    impl.__name__ = cpu.__name__
+    return impl
 
 
 def install_native() -> None:
