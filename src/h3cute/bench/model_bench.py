@@ -154,7 +154,9 @@ def _call(fn, inputs, phase, upstream):
     torch.autograd.backward([out.sample, out.audio_sample], upstream)
 
 
-def measure(model, fn, inputs, phase, plan: Plan, device, compiled: bool, timer: SiteTimer | None) -> dict:
+def measure(model, fn, inputs, phase, plan: Plan, device, compiled: bool) -> dict:
+    """One variant of one configuration: the median time, and (eager, `plan.share`) the conditioning share."""
+    share = plan.share and not compiled
     upstream = None
     if phase == "fwd_bwd":  # the outputs have the video / audio inputs' shapes, FP32 (proj_out is an FP32 module)
         g = torch.Generator(device=device).manual_seed(9)
@@ -173,23 +175,24 @@ def measure(model, fn, inputs, phase, plan: Plan, device, compiled: bool, timer:
     for _ in range(plan.warmup + (1 if compiled else 0)):
         call()
     entry = {}
-    if plan.max_samples > 1 or timer is None:
+    if plan.max_samples > 1 or not share:
         first_ms = timing.timer(device, 0, 1)(call) / 1e3  # also the per-call estimate
         samples = min(plan.max_samples, max(plan.min_samples, int(plan.target_s * 1e3 / max(first_ms, 1e-3))))
         ms = timing.timer(device, 0, samples)(call) / 1e3 if samples > 1 else first_ms
         entry = {"ms": ms, "samples": samples, "first_ms": first_ms}
     if device.type == "cuda":
         entry["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
-    if timer is not None:
+    if share:  # hooks only for this call: the timed calls above ran without them
         model.zero_grad(set_to_none=True)
-        timer.active, timer.marks = True, []
+        timer = SiteTimer(model, device)
+        timer.active = True
         try:
             timer.mark(("all", "model", "start"))
             call()
             timer.mark(("all", "model", "end"))
             sites = timer.durations_ms()
         finally:
-            timer.active = False
+            timer.close()
         whole = sites[("all", "model")]
         if "ms" not in entry:  # a one-sample smoke run: the instrumented call is the sample
             entry.update(ms=whole, samples=1, first_ms=whole)
@@ -242,7 +245,7 @@ def run(plan: Plan, out: Path, device=None, resume: bool = False, budget_s: floa
         log("every configuration is in " + ", ".join(str(p) for p in write_outputs(rep, out)))
         return rep
 
-    log(f"building the model ({plan.size.layers} blocks, {plan.size.heads} heads x {plan.size.head_dim}, "
+    log(f"building the model ({plan.size.layers} block(s), {plan.size.heads} heads x {plan.size.head_dim}, "
         f"FFN {plan.size.ffn}, text {plan.size.text_dim}) on {device}")
     model = build_model(plan.size, device=device, seed=0)
     rep["model"] = {**asdict(plan.size), "parameters": sum(p.numel() for p in model.parameters())}
@@ -256,48 +259,42 @@ def run(plan: Plan, out: Path, device=None, resume: bool = False, budget_s: floa
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
         compiled = torch.compile(model, backend=plan.backend, dynamic=False)
-    timer = SiteTimer(model, device) if plan.share else None
     task = progress.add_task("model", total=len(todo) * len(VARIANTS)) if progress else None
     inputs_cache = {}
-    try:
-        for mode, s, b, phase in todo:
-            if budget_s is not None and time.perf_counter() - started > budget_s:
-                log(f"budget of {budget_s:.0f} s spent: stopping before {mode} S={s} B={b} {phase} "
-                    "(run again with --resume)")
-                break
-            if (s, b) not in inputs_cache:
-                inputs_cache.clear()
-                inputs_cache[(s, b)] = packed_inputs(plan.size, **layout(s), timesteps=plan.timesteps, batch=b,
-                                                     device=device, seed=1)
-            inputs = inputs_cache[(s, b)]
-            entry = {"mode": mode, "S": s, "B": b, "phase": phase}
-            for variant in VARIANTS:
-                log(f"{mode} S={s} B={b} {phase}: {variant}")
-                patch = h3cute.patch(model) if variant == "patched" else None
-                try:
-                    fn = model if mode == "eager" else compiled
-                    entry[variant] = measure(model, fn, inputs, phase, plan, device, mode == "compile",
-                                             timer if mode == "eager" else None)
-                except Exception as e:  # e.g. out of memory at one size: record it, keep going
-                    entry[variant] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-                    log(f"  {entry[variant]['error']}")
-                finally:
-                    if patch is not None:
-                        patch.unpatch()
-                    model.zero_grad(set_to_none=True)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                if task is not None:
-                    progress.advance(task)
-            u, p = entry["unpatched"].get("ms"), entry["patched"].get("ms")
-            entry["speedup"] = u / p if u and p else None
-            if u and p:
-                log(f"  {u:.2f} ms unpatched, {p:.2f} ms patched: {u / p:.3f}x")
-            rep["results"].append(entry)
-            _save(rep, out)
-    finally:
-        if timer is not None:
-            timer.close()
+    for mode, s, b, phase in todo:
+        if budget_s is not None and time.perf_counter() - started > budget_s:
+            log(f"budget of {budget_s:.0f} s spent: stopping before {mode} S={s} B={b} {phase} "
+                "(run again with --resume)")
+            break
+        if (s, b) not in inputs_cache:
+            inputs_cache.clear()
+            inputs_cache[(s, b)] = packed_inputs(plan.size, **layout(s), timesteps=plan.timesteps, batch=b,
+                                                 device=device, seed=1)
+        inputs = inputs_cache[(s, b)]
+        entry = {"mode": mode, "S": s, "B": b, "phase": phase}
+        for variant in VARIANTS:
+            log(f"{mode} S={s} B={b} {phase}: {variant}")
+            patch = h3cute.patch(model) if variant == "patched" else None
+            try:
+                fn = model if mode == "eager" else compiled
+                entry[variant] = measure(model, fn, inputs, phase, plan, device, mode == "compile")
+            except Exception as e:  # e.g. out of memory at one size: record it, keep going
+                entry[variant] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                log(f"  {entry[variant]['error']}")
+            finally:
+                if patch is not None:
+                    patch.unpatch()
+                model.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if task is not None:
+                progress.advance(task)
+        u, p = entry["unpatched"].get("ms"), entry["patched"].get("ms")
+        entry["speedup"] = u / p if u and p else None
+        if u and p:
+            log(f"  {u:.2f} ms unpatched, {p:.2f} ms patched: {u / p:.3f}x")
+        rep["results"].append(entry)
+        _save(rep, out)
     order = {c: i for i, c in enumerate(_configs(plan))}
     rep["results"].sort(key=lambda r: order.get(_key(r), len(order)))
     done = {_key(r) for r in rep["results"] if all("ms" in r.get(v, {}) for v in VARIANTS)}
