@@ -212,8 +212,8 @@ def test_fused_op_cpu_report_has_its_baseline_and_the_two_ops(tmp_path):
     """`prior-art --op gate_residual_norm_modulate`'s mode run on CPU at smoke scale: the op, the diffusers replay
     and the two h3cute ops are judged and all three give the replay's bits."""
     problem = PROBLEMS["gate_residual_norm_modulate"]
-    plan = TINY.with_overrides(dict(all_rows_sizes=[5], accuracy_sizes=[3], full_batch=16, sub_batch_sizes=[1, 7],
-                                    sweep_pool=9))
+    plan = TINY.with_overrides(dict(all_rows_sizes=[3], accuracy_sizes=[3], full_batch=8, sub_batch_sizes=[1, 7],
+                                    sweep_pool=5))
     part = prior_art.run_mode(problem, "plain", plan, CPU)
     rep = prior_art.merge(problem.op, [part], quick=True)
     assert report.validate_report(rep) == []

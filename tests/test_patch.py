@@ -483,6 +483,9 @@ def test_apply_to_minimax_h3_patches_models_built_later_and_undo_restores(inputs
         m = build_model(ONE_BLOCK, seed=4)
         assert type(m.transformer_blocks[0]).__name__ == "MiniMaxH3TransformerBlock"
         assert not m.transformer_blocks[0]._h3cute_armed and m not in minimax_h3._PATCHES  # until its forward
+        # hooks that wrap a block between construction and the first forward (context parallelism, accelerate)
+        # wrap the patched forward: the first forward still arms it
+        HookRegistry.check_if_exists_or_initialize(m.transformer_blocks[0]).register_hook(ModelHook(), "x")
         with H3Calls() as mode:
             got = run(m, inputs)
         assert mode.names == ALL_OPS[:6] + ["final_adaln_out"]
@@ -505,6 +508,7 @@ def test_apply_to_minimax_h3_patches_models_built_later_and_undo_restores(inputs
     assert mh3.MiniMaxH3Transformer3DModel.__init__ is init
     assert all(getattr(mh3, n) is c for n, c in names.items())
     assert all(type(x).__module__.startswith(("diffusers", "torch")) for x in m.modules())
+    m.transformer_blocks[0]._diffusers_hook.remove_hook("x")
     assert not p.active and not m._forward_pre_hooks and not any("_h3cute_armed" in x.__dict__ for x in m.modules())
     with H3Calls() as mode:
         plain = run(m, inputs)

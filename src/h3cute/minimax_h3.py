@@ -246,7 +246,7 @@ def _module_problems(name: str, m: nn.Module, cls: type, forward) -> list[tuple[
         return [(name, f"is a {type(m).__qualname__}, not diffusers' {cls.__name__}")]
     if type(m).forward not in (cls.forward, forward):
         return [(name, f"its class {type(m).__qualname__} overrides {cls.__name__}.forward")]
-    if "forward" in m.__dict__:
+    if "forward" in m.__dict__ and type(m).forward is not forward:  # (a wrapper of the patched forward is fine)
         by = ("diffusers hooks" if hasattr(m, "_diffusers_hook") else "an accelerate hook" if hasattr(m, "_hf_hook")
               else "an instance attribute")
         return [(name, f"its forward is already wrapped ({by}), and the wrapper would bypass the patch: call "
