@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3cute import reference as R
 from h3cute.bench import checks, prior_art, report, timing
 from h3cute.bench.candidates import Candidate, candidates_for, modes_for
 from h3cute.bench.cli import main
@@ -133,7 +134,7 @@ def test_row_layout_and_problem_table():
     assert tags[:3].tolist() == [0, 1, 2] and set(tags.tolist()) <= {0, 1, 2} and set(ti.tolist()) <= {0, 1, 2}
     assert torch.equal(row_layout(100, 3)[1], ti) and not torch.equal(row_layout(100, 4)[1], ti)
     for op in ("timestep_sinusoid", "timestep_mlp", "final_adaln_out", "adaln_row_gather", "norm_modulate",
-               "gate_residual"):
+               "gate_residual", "gate_residual_norm_modulate"):
         p = PROBLEMS[op]
         inputs = p.draw(6, 3, CPU)
         assert tuple(inputs) == p.args
@@ -201,6 +202,33 @@ def test_modes_and_candidates():
         "diffusers[vllm]", "diffusers_module[vllm]"]
     names = [c.name for c in candidates_for(PROBLEMS["gate_residual"], "plain")]
     assert names[:3] == ["h3cute", "diffusers", "diffusers_module"] and "torch_bare_op" not in names
+    assert "h3cute_two_ops" not in names
+    fused = {c.name: c for c in candidates_for(PROBLEMS["gate_residual_norm_modulate"], "plain")}
+    assert list(fused)[:4] == ["h3cute", "diffusers", "diffusers_module", "h3cute_two_ops"]
+    assert fused["diffusers"].fn is R.gate_residual_norm_modulate_replay
+
+
+def test_fused_op_cpu_report_has_its_baseline_and_the_two_ops(tmp_path):
+    """`prior-art --op gate_residual_norm_modulate`'s mode run on CPU at smoke scale: the op, the diffusers replay
+    and the two h3cute ops are judged and all three give the replay's bits."""
+    problem = PROBLEMS["gate_residual_norm_modulate"]
+    plan = TINY.with_overrides(dict(all_rows_sizes=[3], accuracy_sizes=[3], full_batch=8, sub_batch_sizes=[1, 7],
+                                    sweep_pool=5))
+    part = prior_art.run_mode(problem, "plain", plan, CPU)
+    rep = prior_art.merge(problem.op, [part], quick=True)
+    assert report.validate_report(rep) == []
+    res = rep["results"]["plain"]
+    for name in ("h3cute", "diffusers", "h3cute_two_ops"):
+        assert res[name]["batch_invariance"]["batch_invariant"] is True, name
+        e = res[name]["accuracy_latency"]["3"]
+        assert 0 < e["fwd_rel_err"] < 8e-3 and set(e["grad_rel_err"]) == {"residual", "y", "gate", "w", "shift",
+                                                                         "scale"}
+    assert "unavailable" in res["diffusers_module"]
+    inputs = problem.draw(3, 0, CPU)
+    args = [inputs[a] for a in problem.args]
+    outs = [checks._as_list(c.fn(*args)) for c in candidates_for(problem, "plain")[:4] if c.fn is not None]
+    assert len(outs) == 3 and all(torch.equal(u, v) for o in outs[1:] for u, v in zip(o, outs[0]))
+    assert rep["floors"]["3"]["bytes_fwd"] == 4 * 3 * 5376 * 2 + 3 * 9 * 5376 * 2 + 5376 * 2 + 3 * 8
 
 
 def test_sweep_flags_configs_that_change_bits():

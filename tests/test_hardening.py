@@ -48,13 +48,18 @@ def _build_valid_args(op):
         "final_adaln_out_fwd": lambda: final,
         "final_adaln_out_backward": lambda: [_z(S, H), *final, 1e-5, _z(T, 2 * H)],
         "adaln_indices": lambda: [_idx(S), _idx(S), T],
+        "gate_residual_norm_modulate": lambda: [_z(S, H), _z(S, H), _z(3 * T, H), _z(H), _z(3 * T, H), _z(3 * T, H),
+                                                _idx(S)],
+        "gate_residual_norm_modulate_backward": lambda: [_z(S, H), _z(S, H), _z(S, H), _z(3 * T, H), _z(S, H), _z(H),
+                                                         _z(3 * T, H), _idx(S), 1e-5, 3 * T],
     }[op]()
 
 
 ALL_OPS = ["timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "adaln_projection",
            "adaln_projection_backward", "adaln_row_gather", "adaln_row_gather_backward", "norm_modulate",
            "norm_modulate_backward", "gate_residual", "gate_residual_backward", "final_adaln_out",
-           "final_adaln_out_fwd", "final_adaln_out_backward", "adaln_indices"]
+           "final_adaln_out_fwd", "final_adaln_out_backward", "adaln_indices", "gate_residual_norm_modulate",
+           "gate_residual_norm_modulate_backward"]
 
 
 def test_all_ops_lists_every_registered_op():

@@ -17,6 +17,7 @@ BACKWARD = {  # ops with an autograd formula -> their backward op
     "adaln_row_gather": "adaln_row_gather_backward",
     "norm_modulate": "norm_modulate_backward",
     "gate_residual": "gate_residual_backward",
+    "gate_residual_norm_modulate": "gate_residual_norm_modulate_backward",
 }
 FORWARD = {"final_adaln_out": "final_adaln_out_fwd"}  # ops whose autograd runs another forward op (saving more)
 ROWS = {"timestep_sinusoid": 5, "timestep_mlp": 3, "adaln_projection": 2}  # T for the T-ops; S = 7 otherwise
@@ -55,6 +56,10 @@ def backward_args(op):
         return [grad, x, w, scale, idx, 1e-5, shift.shape[0]]
     if op == "gate_residual":
         return [grad, *a[1:]]
+    if op == "gate_residual_norm_modulate":
+        res, y, gate, w, shift, scale, idx = a
+        h, _ = torch.ops.h3.gate_residual_norm_modulate(*a)
+        return [grad[0], grad[1], y, gate, h, w, scale, idx, 1e-5, gate.shape[0]]
     raise AssertionError(op)
 
 
@@ -66,7 +71,7 @@ def documented_schemas():
 
 def test_every_documented_schema_is_registered_exactly():
     schemas = documented_schemas()
-    assert len(schemas) == 14
+    assert len(schemas) == 16
     for s in schemas:
         name = s.split("(", 1)[0]
         assert getattr(torch.ops.h3, name).default._schema == torch._C.parse_schema("h3::" + s), name
@@ -113,8 +118,9 @@ def test_final_adaln_out_fwd_and_backward_with_its_table():
 @pytest.mark.parametrize("op", R.OPS)
 def test_cpu_forward_is_the_diffusers_replay(op):
     a = inputs(op)
-    out, ref = getattr(torch.ops.h3, op)(*a), R.REPLAY[op](*a)
-    for o, r in zip(out if isinstance(out, list) else [out], ref if isinstance(ref, list) else [ref]):
+    out, ref = _flat(getattr(torch.ops.h3, op)(*a)), _flat(R.REPLAY[op](*a))
+    assert len(out) == len(ref)
+    for o, r in zip(out, ref):
         assert torch.equal(o, r)
 
 
@@ -166,6 +172,19 @@ def test_torch_compile_fullgraph_traces_forward_and_backward(op):
     if op in BACKWARD:
         torch.autograd.backward(_flat(out), _flat(upstream(out)))
         assert all(x.grad is not None for x in a if x.is_floating_point())
+
+
+@pytest.mark.parametrize("op", ["timestep_mlp", "final_adaln_out", "gate_residual_norm_modulate"])
+def test_ops_keep_their_dtypes_under_autocast(op):
+    """The ops have no autocast kernel: under autocast they compute exactly as without it (the CPU impls switch
+    CPU autocast off around the replay's torch ops)."""
+    a = inputs(op)
+    want = _flat(getattr(torch.ops.h3, op)(*a))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _flat(getattr(torch.ops.h3, op)(*a))
+        if op == "timestep_mlp":  # the control: autocast does recast the replay's torch ops
+            assert R.REPLAY[op](*a).dtype == torch.bfloat16
+    assert all(torch.equal(u, v) and u.dtype == v.dtype for u, v in zip(got, want))
 
 
 def test_gradient_through_timestep_sinusoid_is_refused():
@@ -220,6 +239,8 @@ def _empty_args(op):
         return [a[0], a[1][:0]]
     if op == "gate_residual":
         return [a[0][:0], a[1][:0], a[2], a[3][:0]]
+    if op == "gate_residual_norm_modulate":
+        return [a[0][:0], a[1][:0], *a[2:6], a[6][:0]]
     return [a[0][:0], *a[1:4], a[4][:0]]
 
 
@@ -253,6 +274,7 @@ CUDA_IMPLS = [  # (module, launch attribute, CUDA impl of the op, CUDA impl of i
     ("adaln", "_ROW_GATHER", "adaln_row_gather", "_gather_cuda", "_gather_backward_cuda"),
     ("adaln", "_NORM_MODULATE", "norm_modulate", "_norm_modulate_cuda", "_norm_modulate_backward_cuda"),
     ("adaln", "_GATE_RESIDUAL", "gate_residual", "_gate_residual_cuda", "_gate_residual_backward_cuda"),
+    ("adaln", "_GATE_RESIDUAL_NORM_MODULATE", "gate_residual_norm_modulate", "_fused_cuda", "_fused_backward_cuda"),
     ("adaln", "_FINAL", "final_adaln_out", "_final_cuda", "_final_backward_cuda"),
 ]
 

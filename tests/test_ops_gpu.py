@@ -15,10 +15,11 @@ OPS = [op for op in R.OPS if not isinstance(_library.resolve_launch(op), _librar
 ROW_ARGS = {  # positional arguments that carry one entry per row
     "timestep_sinusoid": (0,), "timestep_mlp": (0,), "adaln_projection": (0,), "final_adaln_out": (0, 5),
     "adaln_row_gather": (1,), "norm_modulate": (0, 4), "gate_residual": (0, 1, 3),
+    "gate_residual_norm_modulate": (0, 1, 6),
 }
 ROW_GRADS = {  # float row arguments whose gradients are per-row (batch-invariant, not reductions)
     "timestep_sinusoid": (), "timestep_mlp": (0,), "adaln_projection": (0,), "final_adaln_out": (0,),
-    "adaln_row_gather": (), "norm_modulate": (0,), "gate_residual": (0, 1),
+    "adaln_row_gather": (), "norm_modulate": (0,), "gate_residual": (0, 1), "gate_residual_norm_modulate": (0, 1),
 }
 T_OPS = ("timestep_sinusoid", "timestep_mlp", "adaln_projection")
 DIFFERENTIABLE = lambda op: op != "timestep_sinusoid"  # noqa: E731

@@ -68,6 +68,13 @@ def gate_residual_replay(residual, y, gate, adaln_indices):
     return residual + gate.index_select(0, adaln_indices) * y
 
 
+def gate_residual_norm_modulate_replay(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5):
+    """A block's attention-half gated residual followed by its MLP-half norm/modulate of the same rows:
+    `h = gate_residual_replay(...)`, `out = norm_modulate_replay(h, ...)`; returns (h, out), BF16."""
+    h = gate_residual_replay(residual, y, gate, adaln_indices)
+    return h, norm_modulate_replay(h, weight, shift, scale, adaln_indices, eps)
+
+
 def final_projection_table(temb, proj_weight, proj_bias):
     """`MiniMaxH3AdaLayerNormOut`'s (T, 10752) projection: shift | scale."""
     return F.linear(F.silu(temb).to(proj_weight.dtype), proj_weight, proj_bias)
@@ -133,6 +140,14 @@ def gate_residual_fp64(residual, y, gate, adaln_indices):
     return residual + gate[adaln_indices] * y
 
 
+def gate_residual_norm_modulate_fp64(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5):
+    # `out` is defined on h as the op returns it, rounded to BF16 (the bits the two-op chain and diffusers
+    # normalize); the rounding is straight-through, as autograd sees it, so h's FP64 gradient is grad_h + dx.
+    h = gate_residual_fp64(residual, y, gate, adaln_indices)
+    h_bf16 = h + (h.to(torch.bfloat16).to(torch.float64) - h).detach()
+    return h, norm_modulate_fp64(h_bf16, weight, shift, scale, adaln_indices, eps)
+
+
 def final_adaln_out_fp64(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5):
     shift, scale = adaln_projection_fp64(temb, proj_weight, proj_bias).chunk(2, dim=-1)
     return norm_modulate_fp64(x, norm_weight, shift, scale, timestep_indices, eps)
@@ -141,7 +156,7 @@ def final_adaln_out_fp64(x, norm_weight, temb, proj_weight, proj_bias, timestep_
 # ---- example inputs (the seed reports' recipe) -------------------------------------------------------
 
 OPS = ("timestep_sinusoid", "timestep_mlp", "adaln_projection", "final_adaln_out", "adaln_row_gather",
-       "norm_modulate", "gate_residual")
+       "norm_modulate", "gate_residual", "gate_residual_norm_modulate")
 
 
 def row_layout(rows: int, num_timesteps: int, seed: int = 0):
@@ -191,6 +206,11 @@ def example_inputs(op: str, rows: int, *, num_timesteps: int = 3, device="cpu", 
                 randn(3 * T, HIDDEN, scale=0.5, dtype=bf16), idx)
     if op == "gate_residual":
         return (x, randn(rows, HIDDEN, dtype=bf16), randn(3 * T, HIDDEN, scale=0.5, dtype=bf16), idx)
+    if op == "gate_residual_norm_modulate":
+        y, gate = randn(rows, HIDDEN, dtype=bf16), randn(3 * T, HIDDEN, scale=0.5, dtype=bf16)
+        norm_weight = (0.5 + torch.rand(HIDDEN, generator=g, device=device)).to(bf16)
+        return (x, y, gate, norm_weight, randn(3 * T, HIDDEN, scale=0.5, dtype=bf16),
+                randn(3 * T, HIDDEN, scale=0.5, dtype=bf16), idx)
     raise ValueError(f"unknown h3 op {op!r}; expected one of {OPS}")
 
 
@@ -202,6 +222,7 @@ FP64 = {
     "adaln_row_gather": adaln_row_gather_fp64,
     "norm_modulate": norm_modulate_fp64,
     "gate_residual": gate_residual_fp64,
+    "gate_residual_norm_modulate": gate_residual_norm_modulate_fp64,
 }
 REPLAY = {
     "timestep_sinusoid": timestep_sinusoid_replay,
@@ -211,4 +232,5 @@ REPLAY = {
     "adaln_row_gather": adaln_row_gather_replay,
     "norm_modulate": norm_modulate_replay,
     "gate_residual": gate_residual_replay,
+    "gate_residual_norm_modulate": gate_residual_norm_modulate_replay,
 }

@@ -6,6 +6,8 @@ A candidate is a callable taking the op's tensor arguments in schema order. The 
 - `diffusers`: the op-for-op replay `h3cute.reference.<op>_replay` (GEMM ops: `diffusers[<mode>]`);
 - `diffusers_module`: the real diffusers module where `import diffusers` works and an adapter exists;
 - `torch_bare_op` (timestep_sinusoid only): `t + 1`, the one-launch floor of any op call;
+- `h3cute_two_ops` (gate_residual_norm_modulate only): `h3::gate_residual` then `h3::norm_modulate`, the pair
+  the fused op replaces;
 - the peers a user would pick instead (`h3cute.bench.peers`): `torch.compile` of the replay, vllm-omni's
   MiniMax-H3 Triton kernels, liger's and quack's RMSNorm; a peer that cannot run here is recorded with why.
 
@@ -126,6 +128,15 @@ def _h3cute(problem: Problem) -> Candidate:
     return Candidate("h3cute", source, lambda *a: op(*a, **kw), has_backward=problem.has_backward)
 
 
+def _h3cute_two_ops(problem: Problem) -> Candidate:
+    source = "torch.ops.h3.gate_residual then torch.ops.h3.norm_modulate (check_indices=False)"
+
+    def call(residual, y, gate, weight, shift, scale, adaln_indices):
+        h = torch.ops.h3.gate_residual(residual, y, gate, adaln_indices, False)
+        return h, torch.ops.h3.norm_modulate(h, weight, shift, scale, adaln_indices, 1e-5, False)
+    return Candidate("h3cute_two_ops", source, call)
+
+
 def _replay(problem: Problem, name: str, mode: str) -> Candidate:
     source = problem.diffusers_source + (f" [{mode}]" if problem.gemm else "")
     if mode not in CUBLAS_MODES:
@@ -197,5 +208,7 @@ def candidates_for(problem: Problem, mode: str, plan=None, device=None) -> list[
         if problem.op == "timestep_sinusoid":
             out.append(Candidate("torch_bare_op", "t + 1 (one elementwise launch: the floor of any op call)",
                                  lambda t: t + 1, has_backward=False, comparable=False))
+        if problem.op == "gate_residual_norm_modulate":
+            out.append(_h3cute_two_ops(problem))
         out.extend(peers.peer_candidates(problem, plan, device))
     return out

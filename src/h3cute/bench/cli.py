@@ -8,6 +8,9 @@
       --plan inductor_dynamic=false (a graph per row count).
   h3cute-bench compare A.json B.json [--labels A B]
   h3cute-bench sweep --op OP [--config NAME ...] [--full] [--out FILE.json]
+  h3cute-bench model [--quick] [--out FILE.json] [--resume] [--budget-s SECONDS] [--sizes S ...] [--batches B ...]
+      diffusers' MiniMax-H3 model with h3cute.patch against it unpatched (2 blocks at H3's widths): FILE.json,
+      FILE.md, FILE.png. --resume continues FILE.json; --budget-s stops starting configurations after that long.
 """
 from __future__ import annotations
 
@@ -144,6 +147,22 @@ def _sweep(args) -> int:
     return 0 if res["all_identical"] and res["all_invariant"] else 1
 
 
+def _model(args) -> int:
+    from h3cute.bench import model_bench
+    plan = model_bench.plan_from_args(args)
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        rep = model_bench.run(plan, args.out, resume=args.resume, budget_s=args.budget_s, log=_log)
+    else:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as progress:
+            rep = model_bench.run(plan, args.out, resume=args.resume, budget_s=args.budget_s,
+                                  log=progress.console.log, progress=progress)
+    sys.stdout.write(model_bench.markdown(rep))
+    return 0 if rep["complete"] else 3
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="h3cute-bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -167,6 +186,20 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", type=Path)
     sw.add_argument("--plan", action="append", metavar="FIELD=JSON", help="override a field of the check plan")
     sw.set_defaults(func=_sweep)
+    mb = sub.add_parser("model", help="diffusers' MiniMax-H3 model patched against unpatched, eager and compiled")
+    mb.add_argument("--quick", action="store_true",
+                    help="smoke scale (a CPU run in CI): 1 block, S = 48, B = 2, aot_eager, one sample")
+    mb.add_argument("--out", type=Path, default=Path("h3_model.json"))
+    mb.add_argument("--resume", action="store_true", help="keep the configurations --out already holds")
+    mb.add_argument("--budget-s", type=float, default=480.0,
+                    help="start no configuration after this many seconds (default 480: a 10-minute device call)")
+    mb.add_argument("--sizes", type=int, nargs="+", metavar="S", help="packed rows (default 4097 32768)")
+    mb.add_argument("--batches", type=int, nargs="+", metavar="B", help="replicas (default 1 4)")
+    mb.add_argument("--modes", nargs="+", choices=("eager", "compile"))
+    mb.add_argument("--phases", nargs="+", choices=("fwd", "fwd_bwd"))
+    mb.add_argument("--backend", help="torch.compile backend (default inductor; --quick: aot_eager)")
+    mb.add_argument("--no-share", action="store_true", help="skip the conditioning path's instrumented call")
+    mb.set_defaults(func=_model)
     md = sub.add_parser("_mode", help=argparse.SUPPRESS)
     md.add_argument("--op", required=True, choices=OPS)
     md.add_argument("--mode", required=True)

@@ -117,7 +117,7 @@ def _adaln_indices(n, seed, device):
     return (ti * 3 + tags).to(device)
 
 
-# ---- the seven ops -------------------------------------------------------------------------------
+# ---- the ops -------------------------------------------------------------------------------------
 
 def _draw_sinusoid(n, seed, device):
     return {"t": rand((n,), seed, 0, device)}
@@ -183,6 +183,19 @@ def _draw_gate_residual(n, seed, device):
         "residual": randn((n, H), seed, 0, device, 2.0, bf),
         "y": randn((n, H), seed, 1, device, 2.0, bf),
         "gate": randn((3 * T_S_OPS, H), seed, 2, device, 1.0, bf),
+        "adaln_indices": _adaln_indices(n, seed, device),
+    }
+
+
+def _draw_gate_residual_norm_modulate(n, seed, device):
+    bf = torch.bfloat16
+    return {
+        "residual": randn((n, H), seed, 0, device, 2.0, bf),
+        "y": randn((n, H), seed, 1, device, 2.0, bf),
+        "gate": randn((3 * T_S_OPS, H), seed, 2, device, 1.0, bf),
+        "weight": (0.5 + rand((H,), seed, 3, device)).to(bf),
+        "shift": randn((3 * T_S_OPS, H), seed, 4, device, 1.0, bf),
+        "scale": randn((3 * T_S_OPS, H), seed, 5, device, 1.0, bf),
         "adaln_indices": _adaln_indices(n, seed, device),
     }
 
@@ -253,6 +266,15 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
         accuracy_sizes=S_OP_ACCURACY_SIZES, full_batch=_S_FULL, sub_batch_sizes=_S_SUBS,
         h3_kwargs={"check_indices": False},
         diffusers_source="diffusers gated residual (op-for-op replay)",
+    ),
+    Problem(
+        op="gate_residual_norm_modulate", out_dtype=torch.bfloat16,
+        args=("residual", "y", "gate", "weight", "shift", "scale", "adaln_indices"),
+        row_args=("residual", "y", "adaln_indices"), row_grads=("residual", "y"),
+        param_grads=("gate", "weight", "shift", "scale"), grad_names={"weight": "w"},
+        draw=_draw_gate_residual_norm_modulate, accuracy_sizes=S_OP_ACCURACY_SIZES, full_batch=_S_FULL,
+        sub_batch_sizes=_S_SUBS, h3_kwargs={"check_indices": False},
+        diffusers_source="diffusers gated residual, then RMSNorm + modulation of its rows (op-for-op replay)",
     ),
 )}
 

@@ -1,5 +1,6 @@
 """The AdaLN ops of H3: `h3::adaln_projection`, `h3::adaln_row_gather`, `h3::norm_modulate`,
-`h3::gate_residual`, `h3::final_adaln_out` (each with its `_backward` op), and `adaln_indices`.
+`h3::gate_residual`, `h3::gate_residual_norm_modulate`, `h3::final_adaln_out` (each with its `_backward` op),
+and `adaln_indices`.
 
 Row layout: a packed sequence row s carries `timestep_indices[s]` (one of T distinct timesteps) and a
 modality tag in {0 video, 1 text, 2 audio}; `adaln_indices = ti * 3 + tag` addresses the (3T, ...) block
@@ -27,6 +28,7 @@ _PROJECTION = resolve_launch("adaln_projection")
 _ROW_GATHER = resolve_launch("adaln_row_gather")
 _NORM_MODULATE = resolve_launch("norm_modulate")
 _GATE_RESIDUAL = resolve_launch("gate_residual")
+_GATE_RESIDUAL_NORM_MODULATE = resolve_launch("gate_residual_norm_modulate")
 _FINAL = resolve_launch("final_adaln_out")
 
 
@@ -400,6 +402,104 @@ define(
     bf16=("grad", "y", "gate"),
 )
 register_autograd("gate_residual", _gate_residual_backward, _gate_residual_setup_context)
+
+
+# ---- gate_residual_norm_modulate -----------------------------------------------------------------------
+# A block's attention-half gated residual and its MLP-half norm/modulate of the same rows in one op:
+# h = residual + gate[idx] * y, out = norm_modulate(h, ...), both bitwise the two ops back to back. Backward:
+# h's gradient is grad_h (from h's other consumer, the next residual) plus norm_modulate's dx, summed in BF16
+# as autograd sums the two-op chain's; gate_residual's backward then runs on it and d_residual is that sum.
+
+def _fused_cpu(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+    validate.check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps)
+    if check_indices:
+        _check_table_indices("gate_residual_norm_modulate", adaln_indices, gate.shape[0])
+    return reference.gate_residual_norm_modulate_replay(residual, y, gate, weight, shift, scale, adaln_indices, eps)
+
+
+def _fused_cuda(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+    validate.check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps)
+    if y.shape[0] == 0:
+        return torch.empty_like(y), torch.empty_like(y)
+    return _GATE_RESIDUAL_NORM_MODULATE.forward(residual, y, gate, weight, shift, scale, adaln_indices, eps,
+                                                check_indices)
+
+
+def _fused_fake(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+    validate.check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps)
+    return torch.empty_like(y), torch.empty_like(y)
+
+
+def _fused_backward_cpu(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices, eps, table_rows):
+    validate.check_gate_residual_norm_modulate_backward(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices,
+                                                        eps, table_rows)
+    dx, dweight, dshift, dscale = _norm_modulate_backward_cpu(grad_out, h, weight, scale, adaln_indices, eps,
+                                                              table_rows)
+    dh = dx if grad_h is None else grad_h + dx
+    dy, dgate = _gate_residual_backward_cpu(dh, y, gate, adaln_indices)
+    return dh, dy, dgate, dweight, dshift, dscale
+
+
+def _fused_backward_cuda(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices, eps, table_rows):
+    validate.check_gate_residual_norm_modulate_backward(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices,
+                                                        eps, table_rows)
+    if y.shape[0] == 0:
+        zeros = scale.new_zeros((table_rows, HIDDEN))
+        return (torch.empty_like(y), torch.empty_like(y), zeros, torch.zeros_like(weight), zeros.clone(),
+                zeros.clone())
+    return _GATE_RESIDUAL_NORM_MODULATE.backward(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices, eps,
+                                                 table_rows)
+
+
+def _fused_backward_fake(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices, eps, table_rows):
+    validate.check_gate_residual_norm_modulate_backward(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices,
+                                                        eps, table_rows)
+    table = scale.new_empty((table_rows, HIDDEN))
+    return (torch.empty_like(y), torch.empty_like(y), table, torch.empty_like(weight), torch.empty_like(table),
+            torch.empty_like(table))
+
+
+def _fused_setup_context(ctx, inputs, output):
+    _, y, gate, weight, shift, scale, idx, eps, _ = inputs
+    ctx.save_for_backward(y, gate, output[0], weight, scale, idx)
+    ctx.eps, ctx.table_rows = eps, shift.shape[0]
+    # An output nobody used gets None, not zeros: h is often consumed only through `out` (grad_h None), and
+    # a missing grad_out leaves gate_residual's backward alone (the two-op chain would not run norm_modulate's).
+    ctx.set_materialize_grads(False)
+
+
+def _fused_backward(ctx, grad_h, grad_out):
+    y, gate, h, weight, scale, idx = ctx.saved_tensors
+    if grad_h is not None:
+        grad_h = grad_h.contiguous()
+    if grad_out is None:
+        if grad_h is None:
+            return (None,) * 9
+        dy, dgate = torch.ops.h3.gate_residual_backward(grad_h, y, gate, idx)
+        return grad_h, dy, dgate, None, None, None, None, None, None
+    grads = torch.ops.h3.gate_residual_norm_modulate_backward(grad_h, grad_out.contiguous(), y, gate, h, weight,
+                                                               scale, idx, ctx.eps, ctx.table_rows)
+    return *grads, None, None, None
+
+
+define(
+    "gate_residual_norm_modulate(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor shift, Tensor scale, "
+    "Tensor adaln_indices, float eps=1e-05, bool check_indices=True) -> (Tensor h, Tensor out)",
+    _fused_cpu,
+    _fused_cuda,
+    _fused_fake,
+    bf16=("residual", "y", "gate", "weight", "shift", "scale"),
+)
+define(
+    "gate_residual_norm_modulate_backward(Tensor? grad_h, Tensor grad_out, Tensor y, Tensor gate, Tensor h, "
+    "Tensor weight, Tensor scale, Tensor adaln_indices, float eps, int table_rows) "
+    "-> (Tensor d_residual, Tensor dy, Tensor dgate, Tensor dweight, Tensor dshift, Tensor dscale)",
+    _fused_backward_cpu,
+    _fused_backward_cuda,
+    _fused_backward_fake,
+    bf16=("grad_h", "grad_out", "y", "gate", "h", "weight", "scale"),
+)
+register_autograd("gate_residual_norm_modulate", _fused_backward, _fused_setup_context)
 
 
 # ---- final_adaln_out -----------------------------------------------------------------------------------

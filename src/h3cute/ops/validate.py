@@ -252,32 +252,69 @@ def check_norm_modulate(x, weight, shift, scale, adaln_indices, eps, grad=NO_ARG
     """The forward's arguments, or with `grad` the backward's (shift `NO_ARG`: the backward has none)."""
     op = "norm_modulate" if grad is NO_ARG else "norm_modulate_backward"
     d = device_of(op, "x", x)
-    check_tensor(op, "x", x, BF16, ("S", HIDDEN), d)
+    _check_row_tensor(op, "x", x, d)
+    _check_modulation(op, weight, shift, scale, d)
+    check_index_tensor(op, "adaln_indices", adaln_indices, d)
+    _rows(op, "adaln_indices", adaln_indices.shape[0], "x", x.shape[0])
+    _eps(op, eps)
+    if grad is not NO_ARG:
+        _check_row_tensor(op, "grad", grad, d, "x", x)
+
+
+def check_gate_residual(residual, y, gate, adaln_indices, grad=NO_ARG, *, op=None, grad_name="grad"):
+    """The forward's arguments, or with `grad` the backward's (residual `NO_ARG`: the backward has none).
+    `op`/`grad_name`: how the fused op's checks name them (its gate_residual half)."""
+    op = op or ("gate_residual" if grad is NO_ARG else "gate_residual_backward")
+    d = device_of(op, "y", y)
+    if residual is not NO_ARG:
+        _check_row_tensor(op, "residual", residual, d, "y", y)
+    _check_row_tensor(op, "y", y, d)
+    check_tensor(op, "gate", gate, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
+    check_index_tensor(op, "adaln_indices", adaln_indices, d)
+    _rows(op, "adaln_indices", adaln_indices.shape[0], "y", y.shape[0])
+    if grad is not NO_ARG:
+        _check_row_tensor(op, grad_name, grad, d, "y", y)
+
+
+def check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps):
+    """The fused op's forward: gate_residual's checks, then norm_modulate's on the tables (its x is the h it
+    computes); one `adaln_indices` addresses all three tables, so they have the same row count."""
+    op = "gate_residual_norm_modulate"
+    check_gate_residual(residual, y, gate, adaln_indices, op=op)
+    _check_modulation(op, weight, shift, scale, device_of(op, "y", y))
+    _rows(op, "scale", scale.shape[0], "gate", gate.shape[0])
+    _eps(op, eps)
+
+
+def check_gate_residual_norm_modulate_backward(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices, eps,
+                                               table_rows):
+    """`grad_h` None (the schema's `Tensor?`): h itself has no consumer, its gradient is norm_modulate's dx."""
+    op = "gate_residual_norm_modulate_backward"
+    d = device_of(op, "y", y)
+    check_gate_residual(NO_ARG, y, gate, adaln_indices, grad_out, op=op, grad_name="grad_out")
+    _check_row_tensor(op, "h", h, d, "y", y)
+    if grad_h is not None:
+        _check_row_tensor(op, "grad_h", grad_h, d, "y", y)
+    _check_modulation(op, weight, NO_ARG, scale, d)
+    _eps(op, eps)
+    for name, t in (("gate", gate), ("scale", scale)):
+        if t.shape[0] != table_rows:
+            raise ValueError(f"h3::{op}: {name} has {t.shape[0]} rows but table_rows = {table_rows}")
+
+
+def _check_row_tensor(op, name, t, d, other=None, like=None):
+    """An (S, H) BF16 row tensor; with `like`, its rows must agree with `other`'s."""
+    check_tensor(op, name, t, BF16, ("S", HIDDEN), d)
+    if like is not None:
+        _rows(op, name, t.shape[0], other, like.shape[0])
+
+
+def _check_modulation(op, weight, shift, scale, d):
+    """The RMSNorm weight and the (3T, H) shift / scale tables (row-strided views allowed; shift `NO_ARG`: the
+    backward's)."""
     check_tensor(op, "weight", weight, BF16, (HIDDEN,), d)
     if shift is not NO_ARG:
         check_tensor(op, "shift", shift, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
     check_tensor(op, "scale", scale, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
     if shift is not NO_ARG:
         _rows(op, "shift", shift.shape[0], "scale", scale.shape[0])
-    check_index_tensor(op, "adaln_indices", adaln_indices, d)
-    _rows(op, "adaln_indices", adaln_indices.shape[0], "x", x.shape[0])
-    _eps(op, eps)
-    if grad is not NO_ARG:
-        check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
-        _rows(op, "grad", grad.shape[0], "x", x.shape[0])
-
-
-def check_gate_residual(residual, y, gate, adaln_indices, grad=NO_ARG):
-    """The forward's arguments, or with `grad` the backward's (residual `NO_ARG`: the backward has none)."""
-    op = "gate_residual" if grad is NO_ARG else "gate_residual_backward"
-    d = device_of(op, "y", y)
-    if residual is not NO_ARG:
-        check_tensor(op, "residual", residual, BF16, ("S", HIDDEN), d)
-        _rows(op, "residual", residual.shape[0], "y", y.shape[0])
-    check_tensor(op, "y", y, BF16, ("S", HIDDEN), d)
-    check_tensor(op, "gate", gate, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
-    check_index_tensor(op, "adaln_indices", adaln_indices, d)
-    _rows(op, "adaln_indices", adaln_indices.shape[0], "y", y.shape[0])
-    if grad is not NO_ARG:
-        check_tensor(op, "grad", grad, BF16, ("S", HIDDEN), d)
-        _rows(op, "grad", grad.shape[0], "y", y.shape[0])

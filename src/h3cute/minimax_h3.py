@@ -1,0 +1,569 @@
+"""`h3cute.patch`: diffusers' MiniMax-H3 transformer with its conditioning path on `torch.ops.h3`.
+
+`patch(transformer)` switches one `MiniMaxH3Transformer3DModel` (diffusers 0.42.1,
+`models/transformers/transformer_minimax_h3.py`) and returns a `Patch` (`unpatch()`, `report()`);
+`apply_to_minimax_h3()` switches the classes, so that a model built afterwards (`from_pretrained`) is patched
+before its first forward computes anything; `undo_minimax_h3()` switches them back and unpatches those models.
+
+The call sites (`Patch.report()` lists each one, replaced or left to diffusers):
+
+| module | what diffusers computes there | h3 op |
+| --- | --- | --- |
+| `time_proj` | `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)` | `timestep_sinusoid` |
+| `time_embedder` | `TimestepEmbedding`: linear_1, SiLU, linear_2 (FP32) | `timestep_mlp` |
+| `transformer_blocks.i.adaln_proj` | `linear(silu(temb).bf16)`, viewed (3T, 6H), six chunks | `adaln_projection` |
+| `transformer_blocks.i` | `norm1(x) * (1 + scale_msa[idx]) + shift_msa[idx]` | `norm_modulate` |
+| `transformer_blocks.i` | `h = x + gate_msa[idx] * attn`, then `norm2(h) * (1 + scale_mlp[idx]) + shift_mlp[idx]` | `gate_residual_norm_modulate` |
+| `transformer_blocks.i` | `h + gate_mlp[idx] * ff` | `gate_residual` |
+| `norm_out` | `MiniMaxH3AdaLayerNormOut` | `final_adaln_out` |
+
+The six chunks stay row-strided views of the projection's (3T, 6H) table and are indexed inside the ops (no
+gather pass); the rope, the input projections, the token refiner, every block's attention and feed-forward and
+the output heads are not conditioning ops and stay diffusers'.
+
+How a module is switched. Its class becomes a subclass of its own class, made once per class, with the same
+`__name__` (diffusers' `_no_split_modules` / `_repeated_blocks` match names) and a `forward` of the same
+signature (diffusers' context-parallel hooks read it to find `adaln_indices` / `timestep_indices`). Parameters,
+buffers, submodules, their names and the state_dict are untouched, so checkpoints load and save as before,
+gradient checkpointing wraps the block call as before, and torch hooks on the module still run. The patched
+`forward` takes the h3 path only while its instance is *armed* and otherwise runs the base class's `forward`:
+a wrapper that captured the bound `forward` after the patch (diffusers' context-parallel, cache or offload
+hooks, accelerate) keeps calling it, and `unpatch()` disarms the instance, so such wrappers go back to diffusers
+with the rest. `unpatch()` also puts back the original class where the class is still the patched one (FSDP2's
+`fully_shard` may have subclassed it since: then the instance is only disarmed).
+
+Where the rows are validated. The model's `forward` builds `adaln_indices = timestep_indices * 3 + token_tags`
+inline and hands it to every block; under context parallelism each block's hook splits its own copy first. A
+hook on the first block would see `adaln_indices` only, not `timestep_indices`, `token_tags` and T, and
+replacing the model's `forward` would replace all of diffusers' forward. So a forward pre-hook on the model (a
+torch hook: no module, parameter or signature changes) calls `h3cute.adaln_indices(timestep_indices,
+token_tags, len(timestep))` once per forward, before any compute and before any split: every row's timestep
+index is then below T and its tag in {0, 1, 2}, so the model's `adaln_indices` address the (3T, ...) block
+tables and `timestep_indices` the (T, ...) final table, and the block and `norm_out` ops run with
+`check_indices=False`.
+
+Rows. Hidden states are (B, S, 5376) with B a replication axis: they flatten to (B*S, 5376) (a view;
+`reshape` copies only a non-contiguous input such as a context-parallel shard of B > 1) and the per-row indices
+repeat B times. Under CUDA autocast `nn.RMSNorm` runs in FP32, so the token refiner's final norm hands the
+block stack FP32 rows (diffusers' residual stream then stays FP32); the patched block and `norm_out` cast such
+rows to BF16, the checkpoint's residual dtype, which is what the ops serve. The ops themselves are not
+autocast: each computes in its own dtypes under autocast and torch.compile alike.
+
+Refused (a `PatchError` naming the module and the reason, before anything changes; `strict=False` leaves the
+module to diffusers and `report()` says why): widths other than hidden 5376, time embedding 2688, sinusoid 256;
+a `time_proj` other than `Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)`; a `TimestepEmbedding`
+with `cond_proj`, `post_act` or an activation other than SiLU; dtypes other than the checkpoint's (time embedder
+FP32, AdaLN projections and norm weights BF16); a replaced linear that is not a plain `nn.Linear` (LoRA / PEFT
+adapters: the op would use the base weight and drop the adapter's delta); hooks on a submodule the patched
+module no longer calls (they would not run); a module whose `forward` was wrapped before the patch (the wrapper
+would bypass it: patch first, then enable context parallelism, caches or offloading).
+
+Not fused across blocks: fusing block i's MLP gate with block i+1's norm1 would make block i compute with
+block i+1's norm weight and table, and the boundary between two blocks is where gradient checkpointing,
+context-parallel and cache hooks and FSDP units cut the model.
+"""
+
+import functools
+import weakref
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from h3cute.ops.adaln import adaln_indices
+from h3cute.ops.validate import BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN, PROJECTION, TEMB
+
+BF16, F32 = torch.bfloat16, torch.float32
+_ARMED = "_h3cute_armed"
+_WIDTHS = f"h3cute serves hidden {HIDDEN}, time embedding {TEMB}, sinusoid {FREQ}"
+_NOT_CONDITIONING = ("rope, proj_in, audio_proj_in, context_embedder, token_refiner, every block's attn and ff, "
+                     "proj_out, audio_proj_out")
+
+
+class PatchError(ValueError):
+    """A module `h3cute.patch` cannot serve with its ops; the message names each module and why."""
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """One place where the model computes a conditioning op. `left` is None when an h3 op computes it, else why
+    diffusers still does."""
+    module: str
+    computes: str
+    op: str
+    left: str | None = None
+
+
+# ---- the patched forwards ------------------------------------------------------------------------------
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., H) hidden states as (rows, H) BF16: a view of a contiguous input; FP32 rows under BF16 autocast are
+    cast (see the module docstring)."""
+    x = t.reshape(-1, HIDDEN)
+    if x.dtype != BF16:
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == BF16:
+            x = x.to(BF16)
+    return x
+
+
+def _row_index(index: torch.Tensor, rows: int) -> torch.Tensor:
+    """The per-row index of (B*S, H) rows from the (S,) one: B is a replication axis, so it repeats B times."""
+    n = index.shape[0]
+    if rows == n:
+        return index
+    if n == 0 or rows % n:
+        raise ValueError(f"h3cute: {rows} rows of hidden states for {n} per-row indices; the batch axis of "
+                         "(B, S, 5376) hidden states repeats the S indexed rows")
+    return index.repeat(rows // n)
+
+
+def _eps(norm: nn.RMSNorm) -> float:
+    return norm.eps if norm.eps is not None else torch.finfo(BF16).eps  # what F.rms_norm uses for BF16 rows
+
+
+def _base_forward(self):
+    """diffusers' forward of this module: its class is the patched one, a subclass of it (FSDP2), or after
+    `unpatch()` the base itself (a wrapper that captured the patched forward still calls it)."""
+    cls = type(self)
+    return getattr(cls, "_h3cute_base", cls).forward
+
+
+def _time_proj_forward(self, timesteps: torch.Tensor) -> torch.Tensor:
+    if not getattr(self, _ARMED, False):
+        return _base_forward(self)(self, timesteps)
+    return torch.ops.h3.timestep_sinusoid(timesteps)
+
+
+def _time_embedder_forward(self, sample, condition=None) -> torch.Tensor:
+    if not getattr(self, _ARMED, False) or condition is not None:  # a condition needs cond_proj, refused
+        return _base_forward(self)(self, sample, condition)
+    l1, l2 = self.linear_1, self.linear_2
+    return torch.ops.h3.timestep_mlp(sample, l1.weight, l1.bias, l2.weight, l2.bias)
+
+
+def _block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    adaln_indices: torch.Tensor,
+    rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if not getattr(self, _ARMED, False):
+        return _base_forward(self)(self, hidden_states, temb, adaln_indices, rotary_emb, attention_mask)
+    shape = hidden_states.shape
+    x = _rows(hidden_states)
+    idx = _row_index(adaln_indices, x.shape[0])
+    proj = self.adaln_proj.linear
+    table = torch.ops.h3.adaln_projection(temb, proj.weight, proj.bias).view(-1, BLOCK_TABLE)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
+    normed = torch.ops.h3.norm_modulate(x, self.norm1.weight, shift_msa, scale_msa, idx, _eps(self.norm1), False)
+    attn_output = self.attn(normed.view(shape), rotary_emb, attention_mask)
+    h, normed = torch.ops.h3.gate_residual_norm_modulate(x, _rows(attn_output), gate_msa, self.norm2.weight,
+                                                         shift_mlp, scale_mlp, idx, _eps(self.norm2), False)
+    ff_output = self.ff(normed.view(shape))
+    return torch.ops.h3.gate_residual(h, _rows(ff_output), gate_mlp, idx, False).view(shape)
+
+
+def _norm_out_forward(self, hidden_states: torch.Tensor, temb: torch.Tensor,
+                      timestep_indices: torch.Tensor) -> torch.Tensor:
+    if not getattr(self, _ARMED, False):
+        return _base_forward(self)(self, hidden_states, temb, timestep_indices)
+    x = _rows(hidden_states)
+    ti = _row_index(timestep_indices, x.shape[0])
+    out = torch.ops.h3.final_adaln_out(x, self.norm.weight, temb, self.linear.weight, self.linear.bias, ti,
+                                       _eps(self.norm), False)
+    return out.view(hidden_states.shape)
+
+
+# ---- the patched classes -------------------------------------------------------------------------------
+
+_PATCHED: dict[type, type] = {}  # base class -> its patched subclass
+_CLASS_NAMES = ("Timesteps", "TimestepEmbedding", "MiniMaxH3TransformerBlock", "MiniMaxH3AdaLayerNormOut")
+
+
+@functools.cache
+def _diffusers() -> SimpleNamespace:
+    """diffusers' classes (imported on first use: `import h3cute` does not import diffusers)."""
+    from diffusers.models import embeddings
+    from diffusers.models.transformers import transformer_minimax_h3 as module
+
+    def base(cls):
+        return cls.__dict__.get("_h3cute_base", cls)
+    return SimpleNamespace(
+        module=module, Model=module.MiniMaxH3Transformer3DModel, Modulation=module.MiniMaxH3AdaLayerNormModulation,
+        Timesteps=embeddings.Timesteps, TimestepEmbedding=embeddings.TimestepEmbedding,
+        Block=base(module.MiniMaxH3TransformerBlock), NormOut=base(module.MiniMaxH3AdaLayerNormOut),
+    )
+
+
+def _kinds() -> dict[str, tuple[type, object]]:
+    """kind -> (diffusers class, patched forward)."""
+    d = _diffusers()
+    return {"time_proj": (d.Timesteps, _time_proj_forward),
+            "time_embedder": (d.TimestepEmbedding, _time_embedder_forward),
+            "block": (d.Block, _block_forward), "norm_out": (d.NormOut, _norm_out_forward)}
+
+
+def _patched_class(cls: type, forward) -> type:
+    if "_h3cute_base" in cls.__dict__:
+        return cls
+    patched = _PATCHED.get(cls)
+    if patched is None:
+        patched = type(cls.__name__, (cls,), {
+            "forward": forward, "_h3cute_base": cls, _ARMED: False, "__doc__": cls.__doc__,
+            # pickle finds the four diffusers classes' subclasses here by name (module __getattr__ below)
+            "__module__": __name__, "__qualname__": cls.__qualname__ if cls.__name__ in _CLASS_NAMES
+            else f"patched_{cls.__qualname__}",
+        })
+        _PATCHED[cls] = patched
+    return patched
+
+
+def __getattr__(name: str):
+    if name in _CLASS_NAMES:
+        for cls, forward in _kinds().values():
+            if cls.__name__ == name:
+                return _patched_class(cls, forward)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---- guards --------------------------------------------------------------------------------------------
+
+def _bypassed(path: str, m: nn.Module) -> list[tuple[str, str]]:
+    """A submodule the patched module reads parameters from without calling it: its hooks would not run."""
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks \
+            or "forward" in m.__dict__:
+        return [(path, "has hooks or a wrapped forward that would not run: the patched module reads its "
+                       "parameters without calling it")]
+    return []
+
+
+def _module_problems(name: str, m: nn.Module, cls: type, forward) -> list[tuple[str, str]]:
+    if not isinstance(m, cls):
+        return [(name, f"is a {type(m).__qualname__}, not diffusers' {cls.__name__}")]
+    if type(m).forward not in (cls.forward, forward):
+        return [(name, f"its class {type(m).__qualname__} overrides {cls.__name__}.forward")]
+    if "forward" in m.__dict__ and type(m).forward is not forward:  # (a wrapper of the patched forward is fine)
+        by = ("diffusers hooks" if hasattr(m, "_diffusers_hook") else "an accelerate hook" if hasattr(m, "_hf_hook")
+              else "an instance attribute")
+        return [(name, f"its forward is already wrapped ({by}), and the wrapper would bypass the patch: call "
+                       "h3cute.patch before enabling context parallelism, caches, offloading or device-map hooks")]
+    return []
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _linear_problems(path: str, lin, shape: tuple[int, int], dtype, dtype_why: str) -> list[tuple[str, str]]:
+    if hasattr(lin, "base_layer") or hasattr(lin, "lora_A"):
+        return [(path, "carries a LoRA / PEFT adapter (base_layer, lora_A): the op would compute with the base "
+                       "weight and drop the adapter's delta; fuse or merge the adapter into the weight, or unload it")]
+    if type(lin) is not nn.Linear:
+        return [(path, f"is a {type(lin).__qualname__}, not a plain torch.nn.Linear (the op reads weight and bias)")]
+    out = []
+    if tuple(lin.weight.shape) != shape:
+        out.append((path, f"weight has shape {tuple(lin.weight.shape)}, not {shape}: {_WIDTHS}"))
+    if lin.bias is None:
+        out.append((path, "has no bias (the op adds one)"))
+    dtypes = {lin.weight.dtype} | ({lin.bias.dtype} if lin.bias is not None else set())
+    if dtypes != {dtype}:
+        got = "/".join(sorted(_dtype_name(d) for d in dtypes))
+        out.append((path, f"is {got}; the checkpoint keeps it {_dtype_name(dtype)} ({dtype_why})"))
+    return out + _bypassed(path, lin)
+
+
+def _norm_problems(path: str, norm) -> list[tuple[str, str]]:
+    if not isinstance(norm, nn.RMSNorm) or type(norm).forward is not nn.RMSNorm.forward:
+        return [(path, f"is a {type(norm).__qualname__}, not torch.nn.RMSNorm")]
+    if norm.weight is None:
+        return [(path, "has no weight (elementwise_affine=False); the op scales by one")]
+    if tuple(norm.weight.shape) != (HIDDEN,):
+        return [(path, f"normalizes {tuple(norm.weight.shape)} rows: {_WIDTHS}")]
+    out = []
+    if norm.weight.dtype != BF16:
+        out.append((path, f"weight is {_dtype_name(norm.weight.dtype)}; the checkpoint's norm weights are bfloat16"))
+    return out + _bypassed(path, norm)
+
+
+def _time_proj_problems(name, m) -> list[tuple[str, str]]:
+    if (m.num_channels, m.flip_sin_to_cos, m.downscale_freq_shift, m.scale) != (FREQ, True, 0, 1):
+        return [(name, f"is Timesteps({m.num_channels}, flip_sin_to_cos={m.flip_sin_to_cos}, "
+                       f"downscale_freq_shift={m.downscale_freq_shift}, scale={m.scale}); h3cute computes "
+                       f"Timesteps({FREQ}, flip_sin_to_cos=True, downscale_freq_shift=0)")]
+    return []
+
+
+def _time_embedder_problems(name, m) -> list[tuple[str, str]]:
+    out = []
+    if m.cond_proj is not None:
+        out.append((f"{name}.cond_proj", "a TimestepEmbedding with cond_proj takes a condition input; "
+                                         "timestep_mlp has none"))
+    if m.post_act is not None:
+        out.append((f"{name}.post_act", "a TimestepEmbedding with post_act applies an activation after "
+                                        "linear_2; timestep_mlp does not"))
+    if type(m.act) is not nn.SiLU:
+        out.append((f"{name}.act", f"is {type(m.act).__name__}; timestep_mlp applies SiLU"))
+    else:
+        out += _bypassed(f"{name}.act", m.act)
+    why = "_keep_in_fp32_modules: the time embedder is FP32"
+    out += _linear_problems(f"{name}.linear_1", m.linear_1, (MLP_HIDDEN, FREQ), F32, why)
+    out += _linear_problems(f"{name}.linear_2", m.linear_2, (TEMB, MLP_HIDDEN), F32, why)
+    return out
+
+
+def _block_problems(name, m) -> list[tuple[str, str]]:
+    d = _diffusers()
+    proj = m.adaln_proj
+    path = f"{name}.adaln_proj"
+    if not isinstance(proj, d.Modulation) or type(proj).forward is not d.Modulation.forward:
+        out = [(path, f"is a {type(proj).__qualname__}, not diffusers' MiniMaxH3AdaLayerNormModulation")]
+    else:
+        out = _bypassed(path, proj) + _linear_problems(f"{path}.linear", proj.linear, (PROJECTION, TEMB), BF16,
+                                                       "the AdaLN projections are BF16")
+    return out + _norm_problems(f"{name}.norm1", m.norm1) + _norm_problems(f"{name}.norm2", m.norm2)
+
+
+def _norm_out_problems(name, m) -> list[tuple[str, str]]:
+    return _norm_problems(f"{name}.norm", m.norm) + _linear_problems(
+        f"{name}.linear", m.linear, (FINAL_PROJECTION, TEMB), BF16, "the AdaLN projections are BF16")
+
+
+_PROBLEMS = {"time_proj": _time_proj_problems, "time_embedder": _time_embedder_problems, "block": _block_problems,
+             "norm_out": _norm_out_problems}
+
+
+def _sites(kind: str, name: str, left: str | None = None) -> list[CallSite]:
+    if kind == "time_proj":
+        rows = [(name, "Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)", "timestep_sinusoid")]
+    elif kind == "time_embedder":
+        rows = [(name, "TimestepEmbedding: linear_1, SiLU, linear_2 (FP32)", "timestep_mlp")]
+    elif kind == "block":
+        rows = [(f"{name}.adaln_proj", "linear(silu(temb).bf16) -> six (3T, 5376) chunks", "adaln_projection"),
+                (name, "norm1(x) * (1 + scale_msa[idx]) + shift_msa[idx]", "norm_modulate"),
+                (name, "h = x + gate_msa[idx] * attn; norm2(h) * (1 + scale_mlp[idx]) + shift_mlp[idx]",
+                 "gate_residual_norm_modulate"),
+                (name, "h + gate_mlp[idx] * ff", "gate_residual")]
+    else:
+        rows = [(name, "MiniMaxH3AdaLayerNormOut: shift, scale = linear(silu(temb).bf16); "
+                       "norm(x) * (1 + scale[ti]) + shift[ti]", "final_adaln_out")]
+    return [CallSite(m, what, op, left) for m, what, op in rows]
+
+
+def _targets(model) -> list[tuple[str, nn.Module, str]]:
+    return [("time_proj", model.time_proj, "time_proj"), ("time_embedder", model.time_embedder, "time_embedder"),
+            *((f"transformer_blocks.{i}", b, "block") for i, b in enumerate(model.transformer_blocks)),
+            ("norm_out", model.norm_out, "norm_out")]
+
+
+# ---- row validation, once per forward --------------------------------------------------------------------
+
+_ROW_ARGS = ((3, "timestep"), (4, "timestep_indices"), (5, "token_tags"))  # in MiniMaxH3Transformer3DModel.forward
+
+
+def _check_rows(model, args, kwargs):
+    """Forward pre-hook of a patched model: validates the packed rows (see the module docstring). On CUDA the
+    check raises later (h3cute.launch.checks), so a bad row's timestep index becomes -1 here: the model's own
+    `ti * 3 + tag` is then negative too and every h3 op writes NaN for that row instead of reading another row's
+    parameters."""
+    t, ti, tags = (kwargs[n] if n in kwargs else args[i] if i < len(args) else None for i, n in _ROW_ARGS)
+    if t is None or ti is None or tags is None:
+        return None  # diffusers' forward names the missing argument
+    if t.dim() != 1:
+        raise ValueError(f"h3cute: timestep must be the (T,) distinct timesteps, got shape {tuple(t.shape)}")
+    idx = adaln_indices(ti, tags, t.shape[0])  # on CPU a bad row raises here
+    if not ti.is_cuda:
+        return None
+    safe = torch.where(idx >= 0, ti, -1)
+    position, name = _ROW_ARGS[1]
+    if name in kwargs:
+        return args, {**kwargs, name: safe}
+    return (*args[:position], safe, *args[position + 1:]), kwargs
+
+
+# ---- Patch ---------------------------------------------------------------------------------------------
+
+class Patch:
+    """What `h3cute.patch` changed on one model: `sites`, `unpatch()`, `report()`; a context manager too."""
+
+    def __init__(self, model, sites, changed, hook, strict):
+        self._model = weakref.ref(model)
+        self.sites: tuple[CallSite, ...] = tuple(sites)
+        self._changed = changed  # [(module, class it had before the patch, or None when already patched)]
+        self._hook = hook
+        self.strict = strict
+        self.active = True
+
+    @property
+    def replaced(self) -> tuple[CallSite, ...]:
+        return tuple(s for s in self.sites if s.left is None)
+
+    @property
+    def left(self) -> tuple[CallSite, ...]:
+        return tuple(s for s in self.sites if s.left is not None)
+
+    def unpatch(self) -> None:
+        """Puts the model back exactly as it was before `patch` (a second call does nothing)."""
+        if not self.active:
+            return
+        for m, before in self._changed:
+            m.__dict__.pop(_ARMED, None)
+            if before is not None and type(m) is _PATCHED.get(before):
+                m.__class__ = before
+        if self._hook is not None:
+            self._hook.remove()
+        model = self._model()
+        if model is not None:
+            if _PATCHES.get(model) is self:
+                del _PATCHES[model]
+            first = _FIRST_FORWARD.pop(model, None)
+            if first is not None:
+                first.remove()
+        self.active = False
+
+    def report(self) -> str:
+        model = self._model()
+        title = type(model).__name__ if model is not None else "model"
+        lines = [f"h3cute.patch of {title} ({'active' if self.active else 'unpatched'}, strict={self.strict}): "
+                 f"{len(self.replaced)} call sites on torch.ops.h3, {len(self.left)} left to diffusers"]
+        width = max(len(s.module) for s in self.sites)
+        for s in self.sites:
+            state = "replaced" if s.left is None else "left"
+            lines.append(f"  {state:<8}  {s.module:<{width}}  {s.computes}  ->  h3::{s.op}")
+            if s.left is not None:
+                lines.append(f"  {'':<8}  {'':<{width}}  left to diffusers: {s.left}")
+        if self._hook is not None:
+            lines.append("  rows: validated once per forward by h3cute.adaln_indices(timestep_indices, token_tags, T) "
+                         "in a forward pre-hook of the model; the block and norm_out ops run with check_indices=False")
+        lines.append(f"  not conditioning ops, diffusers' own: {_NOT_CONDITIONING}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<h3cute.Patch {len(self.replaced)} replaced, {len(self.left)} left, active={self.active}>"
+
+    def __enter__(self) -> "Patch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.unpatch()
+
+
+_PATCHES: "weakref.WeakKeyDictionary[nn.Module, Patch]" = weakref.WeakKeyDictionary()
+
+
+def patch(transformer, *, strict: bool = True) -> Patch:
+    """Computes `transformer`'s conditioning path (time_proj, time_embedder, every MiniMaxH3TransformerBlock's
+    AdaLN projection, norm/modulates and gated residuals, norm_out) with `torch.ops.h3` (see the module
+    docstring). A model that is already patched returns its Patch unchanged.
+
+    strict: a module h3cute cannot serve raises PatchError (each module and reason) before anything changes;
+    with strict=False such a module stays diffusers' and `report()` says why.
+    """
+    d = _diffusers()
+    if not isinstance(transformer, d.Model):
+        raise TypeError(f"h3cute.patch: expected diffusers' MiniMaxH3Transformer3DModel, got "
+                        f"{type(transformer).__qualname__}")
+    existing = _PATCHES.get(transformer)
+    if existing is not None:
+        return existing
+    kinds = _kinds()
+    plan = []
+    for name, m, kind in _targets(transformer):
+        cls, forward = kinds[kind]
+        problems = _module_problems(name, m, cls, forward) or _PROBLEMS[kind](name, m)
+        plan.append((name, m, kind, problems))
+    problems = [p for *_, probs in plan for p in probs]
+    if strict and problems:
+        raise PatchError("h3cute.patch refused (nothing was changed; strict=False leaves these modules to "
+                         "diffusers):\n  " + "\n  ".join(f"{path}: {why}" for path, why in problems))
+    sites, changed = [], []
+    for name, m, kind, probs in plan:
+        if probs:
+            sites += _sites(kind, name, left="; ".join(f"{path}: {why}" for path, why in probs))
+            continue
+        sites += _sites(kind, name)
+        before = None
+        # A class with a patched forward in its MRO (built under apply_to_minimax_h3, or FSDP2's subclass of one
+        # patched earlier) is only armed: a patched class over it would call the patched forward as its base's.
+        if getattr(type(m), "_h3cute_base", None) is None:
+            before = type(m)
+            m.__class__ = _patched_class(before, kinds[kind][1])
+        m.__dict__[_ARMED] = True
+        changed.append((m, before))
+    rows_indexed = any(kind in ("block", "norm_out") and not probs for _, _, kind, probs in plan)
+    hook = (transformer.register_forward_pre_hook(_check_rows, with_kwargs=True, prepend=True)
+            if rows_indexed else None)
+    result = Patch(transformer, sites, changed, hook, strict)
+    _PATCHES[transformer] = result
+    return result
+
+
+# ---- the class-level switch ----------------------------------------------------------------------------
+
+_CLASS_LEVEL: dict = {}  # while apply_to_minimax_h3 is in force: what it replaced
+_BUILT: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models built meanwhile
+_FIRST_FORWARD: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+@torch.compiler.disable  # patches modules: runs eagerly, once, ahead of what torch.compile traces
+def _patch_at_first_forward(model, args, kwargs, *, strict):
+    result = patch(model, strict=strict)  # raises (every forward, until fixed) when a guard refuses
+    handle = _FIRST_FORWARD.pop(model, None)
+    if handle is not None:
+        handle.remove()
+    if result.active and result._hook is not None:
+        return _check_rows(model, args, kwargs)  # this forward's rows: the Patch's own hook runs from the next one on
+    return None
+
+
+def apply_to_minimax_h3(*, strict: bool = True) -> None:
+    """Switches diffusers' MiniMax-H3 classes: a MiniMaxH3Transformer3DModel built from now on (`from_pretrained`
+    included) is built with the patched block, time-step and norm_out classes (unarmed), and `patch(model,
+    strict=strict)` runs in a forward pre-hook before its first forward computes anything, when the loaded
+    weights' dtypes are final. Only the names in diffusers' transformer_minimax_h3 module change, so other diffusers
+    models keep their Timesteps / TimestepEmbedding. A second call does nothing; `undo_minimax_h3` reverts."""
+    if _CLASS_LEVEL:
+        return
+    d = _diffusers()
+    saved = {name: getattr(d.module, name) for name in _CLASS_NAMES}
+    init = d.Model.__dict__["__init__"]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _BUILT.add(self)
+        _FIRST_FORWARD[self] = self.register_forward_pre_hook(
+            functools.partial(_patch_at_first_forward, strict=strict), with_kwargs=True, prepend=True)
+
+    for cls, forward in _kinds().values():
+        setattr(d.module, cls.__name__, _patched_class(cls, forward))
+    d.Model.__init__ = __init__
+    _CLASS_LEVEL.update(saved=saved, init=init)
+
+
+def undo_minimax_h3() -> None:
+    """Reverts `apply_to_minimax_h3`: diffusers' classes are back, and every model built while it was in force is
+    unpatched and put back to diffusers' classes. Does nothing when it is not in force."""
+    if not _CLASS_LEVEL:
+        return
+    d = _diffusers()
+    for name, cls in _CLASS_LEVEL["saved"].items():
+        setattr(d.module, name, cls)
+    d.Model.__init__ = _CLASS_LEVEL["init"]
+    for model in list(_BUILT):
+        handle = _FIRST_FORWARD.pop(model, None)
+        if handle is not None:
+            handle.remove()
+        result = _PATCHES.get(model)
+        if result is not None:
+            result.unpatch()
+        for m in model.modules():
+            if getattr(type(m), "_h3cute_base", None) is not None:
+                m.__dict__.pop(_ARMED, None)
+                if type(m) is _PATCHED.get(m._h3cute_base):  # else a later subclass (FSDP2): disarmed only
+                    m.__class__ = m._h3cute_base
+    _BUILT.clear()
+    _CLASS_LEVEL.clear()
