@@ -243,6 +243,31 @@ def test_gate_residual_cpp_equals_python_impl(table_rows):
                        adaln._gate_residual_backward_cuda(grad, y, gate, idx))
 
 
+@gpu
+@pytest.mark.parametrize("table_rows", [9, 30])
+def test_gate_residual_norm_modulate_cpp_equals_python_impl_and_autograd(table_rows):
+    rows = 1031
+    residual, y = _seeded((rows, 5376), 21, torch.bfloat16), _seeded((rows, 5376), 22, torch.bfloat16)
+    x, weight, shift, scale, idx = _norm_inputs(rows, table_rows)
+    gate = _seeded((table_rows, 5376), 23, torch.bfloat16)
+    args = (residual, y, gate, weight, shift, scale, idx)
+    for check in (False, True):
+        assert same_bits(torch.ops.h3.gate_residual_norm_modulate(*args, 1e-5, check),
+                         adaln._fused_cuda(*args, 1e-5, check))
+    # the C++ autograd kernel: both outputs used, only out, only h (no norm backward), as the Python kernel does
+    grad_h, grad_out = _seeded((rows, 5376), 24, torch.bfloat16), _seeded((rows, 5376), 25, torch.bfloat16)
+    for used in ((0, 1), (1,), (0,)):
+        leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+        outs = torch.ops.h3.gate_residual_norm_modulate(*leaves)
+        torch.autograd.backward([outs[i] for i in used], [(grad_h, grad_out)[i] for i in used])
+        want = adaln._fused_backward_cuda(grad_h if 0 in used else None, grad_out, y, gate, outs[0].detach(), weight,
+                                          scale, idx, 1e-5, table_rows)
+        if 1 not in used:
+            want = (grad_h, *torch.ops.h3.gate_residual_backward(grad_h, y, gate, idx), None, None, None)
+        for got, ref in zip([a.grad for a in leaves[:6]], want):
+            assert (got is None) == (ref is None) and (ref is None or same_bits(got, ref)), used
+
+
 def _autograd_grads(op, args, grad):
     """Gradients of every floating argument through the op's autograd kernel."""
     leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
@@ -449,8 +474,8 @@ class _FakeKernel:
 def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     # Each answer the C++ tables cache: which kernels, in launch order, with which launch constants.
     from h3cute import runtime
-    from h3cute.launch import (adaln_projection, adaln_row_gather, final_adaln_out, gate_residual, norm_modulate,
-                               timestep_mlp, timestep_sinusoid)
+    from h3cute.launch import (adaln_projection, adaln_row_gather, final_adaln_out, gate_residual,
+                               gate_residual_norm_modulate, norm_modulate, timestep_mlp, timestep_sinusoid)
 
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
@@ -476,6 +501,8 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     assert asked(timestep_sinusoid, 1, 5) == (["timestep_sinusoid"], list(checks.slot_addresses(0, "timestep_sinusoid", "t")))
     assert asked(timestep_sinusoid, 0, 5)[1] == list(checks.slot_addresses(0, "timestep_sinusoid", "t", False))
     assert asked(norm_modulate, 0, 5) == (["norm_modulate_fwd"], check_constants("norm_modulate"))
+    assert asked(gate_residual_norm_modulate, 0, 5) == (["gate_residual_norm_modulate_fwd"],
+                                                        check_constants("gate_residual_norm_modulate"))
     assert asked(adaln_row_gather, 0, 5) == (["adaln_row_gather_fwd"], check_constants("adaln_row_gather"))
     if arch != "sm_90a":
         assert asked(timestep_mlp, 0, 3) == (["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"], [0])

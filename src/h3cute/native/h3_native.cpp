@@ -746,6 +746,33 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_backward_cuda(const at::Tensor&
   return {dy, dgate};
 }
 
+// ---- gate_residual_norm_modulate (h3cute/launch/gate_residual_norm_modulate.py) ------------------------------
+
+KernelTable gated_norm_kernels("h3cute.launch.gate_residual_norm_modulate");  // 0: [fwd] and its check constants
+
+std::tuple<at::Tensor, at::Tensor> gate_residual_norm_modulate_cuda(const at::Tensor& residual, const at::Tensor& y,
+                                                                    const at::Tensor& gate, const at::Tensor& weight,
+                                                                    const at::Tensor& shift, const at::Tensor& scale,
+                                                                    const at::Tensor& idx, double eps,
+                                                                    bool check_indices) {
+  const int d = y.is_cuda() ? y.get_device() : -1;
+  const bool fast = eps > 0 && rows_fast(y, d) && rows_fast(residual, d) && residual.size(0) == y.size(0) &&
+                    dense(weight, at::kBFloat16, d, {kHidden}) && aligned16(weight) && table_fast(gate, d) &&
+                    table_fast(shift, d) && table_fast(scale, d) && gate.size(0) == scale.size(0) &&
+                    shift.size(0) == scale.size(0) && dense(idx, at::kLong, d, {y.size(0)}) && !errors_pending(d);
+  if (!fast) {
+    using R = std::tuple<at::Tensor, at::Tensor>;
+    return python_impl<R>("h3cute.ops.adaln", "_fused_cuda", residual, y, gate, weight, shift, scale, idx, eps,
+                          check_indices);
+  }
+  const KernelTable::Entry& k = gated_norm_kernels.get(d, 0, y.size(0));
+  const int64_t* slot = check_slot(k, check_indices);
+  at::Tensor h = at::empty_like(y), out = at::empty_like(y);
+  StreamScope stream(d);
+  call_kernel(k.fns[0], {residual, y, gate, weight, shift, scale, idx, h, out, eps, slot[0], slot[1]});
+  return {h, out};
+}
+
 // ---- adaln_row_gather (h3cute/launch/adaln_row_gather.py) ---------------------------------------------
 
 constexpr int64_t kChunks = 6, kBlockTable = kChunks * kHidden;
@@ -937,7 +964,50 @@ struct AdalnProjectionFn : torch::autograd::Function<AdalnProjectionFn> {
   }
 };
 
+// h's gradient is grad_h (its other consumer's) plus norm_modulate's dx; an output nobody used has no gradient (not
+// zeros): without grad_out only gate_residual's backward runs, as in the two-op chain (h3cute/ops/adaln.py).
+struct GateResidualNormModulateFn : torch::autograd::Function<GateResidualNormModulateFn> {
+  static variable_list forward(AutogradContext* ctx, CT residual, CT y, CT gate, CT weight, CT shift, CT scale,
+                               CT idx, double eps, bool check) {
+    static auto op = h3_op<std::tuple<T, T>(CT, CT, CT, CT, CT, CT, CT, double, bool)>("h3::gate_residual_norm_modulate");
+    ctx->set_materialize_grads(false);
+    T h, out;
+    {
+      at::AutoDispatchBelowADInplaceOrView below;
+      std::tie(h, out) = op.call(residual, y, gate, weight, shift, scale, idx, eps, check);
+    }
+    ctx->save_for_backward({y, gate, h, weight, scale, idx});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["table_rows"] = shift.size(0);
+    return {h, out};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto fused = h3_op<std::tuple<T, T, T, T, T, T>(const std::optional<T>&, CT, CT, CT, CT, CT, CT, CT, double,
+                                                           int64_t)>("h3::gate_residual_norm_modulate_backward");
+    static auto gated = h3_op<std::tuple<T, T>(CT, CT, CT, CT)>("h3::gate_residual_backward");
+    auto s = ctx->get_saved_variables();
+    const T& grad_h = grads[0];
+    const T& grad_out = grads[1];
+    if (!grad_out.defined()) {
+      if (!grad_h.defined()) return variable_list(9);
+      T g = grad_h.contiguous();
+      auto [dy, dgate] = gated.call(g, s[0], s[1], s[5]);
+      return {g, dy, dgate, T(), T(), T(), T(), T(), T()};
+    }
+    std::optional<T> gh = grad_h.defined() ? std::optional<T>(grad_h.contiguous()) : std::nullopt;
+    auto [dres, dy, dgate, dweight, dshift, dscale] =
+        fused.call(gh, grad_out.contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], ctx->saved_data["eps"].toDouble(),
+                   ctx->saved_data["table_rows"].toInt());
+    return {dres, dy, dgate, dweight, dshift, dscale, T(), T(), T()};
+  }
+};
+
 T timestep_mlp_autograd(CT x, CT w1, CT b1, CT w2, CT b2) { return TimestepMlpFn::apply(x, w1, b1, w2, b2); }
+std::tuple<T, T> gate_residual_norm_modulate_autograd(CT residual, CT y, CT gate, CT weight, CT shift, CT scale, CT idx,
+                                                      double eps, bool check) {
+  auto outs = GateResidualNormModulateFn::apply(residual, y, gate, weight, shift, scale, idx, eps, check);
+  return {outs[0], outs[1]};
+}
 T norm_modulate_autograd(CT x, CT w, CT shift, CT scale, CT idx, double eps, bool check) {
   return NormModulateFn::apply(x, w, shift, scale, idx, eps, check);
 }
@@ -967,6 +1037,7 @@ void each_cuda_impl(Visit&& visit) {
   visit("final_adaln_out_backward", TORCH_FN(final_adaln_out_backward_cuda));
   visit("adaln_row_gather", TORCH_FN(adaln_row_gather_cuda));
   visit("adaln_row_gather_backward", TORCH_FN(adaln_row_gather_backward_cuda));
+  visit("gate_residual_norm_modulate", TORCH_FN(gate_residual_norm_modulate_cuda));
   visit("adaln_projection", TORCH_FN(adaln_projection_cuda));
   visit("adaln_projection_backward", TORCH_FN(adaln_projection_backward_cuda));
 }
@@ -979,6 +1050,7 @@ void each_autograd_kernel(Visit&& visit) {
   visit("gate_residual", TORCH_FN(gate_residual_autograd));
   visit("final_adaln_out", TORCH_FN(final_adaln_out_autograd));
   visit("adaln_row_gather", TORCH_FN(adaln_row_gather_autograd));
+  visit("gate_residual_norm_modulate", TORCH_FN(gate_residual_norm_modulate_autograd));
   visit("adaln_projection", TORCH_FN(adaln_projection_autograd));
 }
 
