@@ -8,6 +8,8 @@ import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 from h3cute.launch import adaln_row_gather as launch
 
+from poison import poison_allocator
+
 H = reference.HIDDEN
 BF16 = torch.bfloat16
 
@@ -29,11 +31,6 @@ def _inputs(rows, seed=0, T=3):
     return [t.cuda() for t in reference.example_inputs("adaln_row_gather", rows, num_timesteps=T, seed=seed)]
 
 
-def _poison_allocator(numel):
-    junk = torch.full((numel,), float("nan"), dtype=torch.float32, device="cuda")
-    del junk
-
-
 def _table_grad_fp64(grads, idx, table_rows):
     return torch.cat([torch.zeros(table_rows, H, dtype=torch.float64, device="cuda").index_add_(0, idx, g.double())
                       for g in grads], dim=1)
@@ -47,7 +44,7 @@ def _rel_err(out, ref):
 @pytest.mark.parametrize("rows", [1, 2, 7, 257, 4097])
 def test_forward_is_index_select(rows):
     table, idx = _inputs(rows, seed=rows)
-    _poison_allocator(12 * rows * H)
+    poison_allocator()
     outs = torch.ops.h3.adaln_row_gather(table, idx)
     assert len(outs) == 6
     for out, ref in zip(outs, reference.adaln_row_gather_replay(table, idx)):
@@ -72,7 +69,7 @@ def test_backward_matches_fp64_and_is_repeatable(rows):
     """44 * 17 rows: each of the 44 row groups has one 16-row step and one single-row tail step."""
     table, idx = _inputs(rows, seed=rows + 2)
     grads = [torch.randn(rows, H, device="cuda").to(BF16) for _ in range(6)]
-    _poison_allocator(4 * 60 * 6 * H)
+    poison_allocator()
     got = torch.ops.h3.adaln_row_gather_backward(grads, idx, table.shape[0])
     assert got.shape == table.shape and got.dtype == BF16 and not got.isnan().any()
     ref = _table_grad_fp64(grads, idx, table.shape[0])

@@ -8,6 +8,8 @@ import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 from h3cute.launch import gate_residual as launch
 
+from poison import poison_allocator
+
 H = reference.HIDDEN
 BF16 = torch.bfloat16
 
@@ -30,11 +32,6 @@ def _inputs(rows, seed=0, T=3):
     return [t.cuda() for t in reference.example_inputs("gate_residual", rows, num_timesteps=T, seed=seed)]
 
 
-def _poison_allocator(numel):
-    junk = torch.full((numel,), float("nan"), dtype=torch.float32, device="cuda")
-    del junk
-
-
 def _rel_err(out, ref):
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
@@ -43,7 +40,7 @@ def _rel_err(out, ref):
 @pytest.mark.parametrize("rows", [1, 2, 7, 257, 4097])
 def test_forward_is_bitwise_the_replay(rows):
     res, y, gate, idx = _inputs(rows, seed=rows)
-    _poison_allocator(4 * rows * H)
+    poison_allocator()
     out = torch.ops.h3.gate_residual(res, y, gate, idx)
     assert not out.isnan().any()
     assert torch.equal(out, reference.gate_residual_replay(res, y, gate, idx))
@@ -55,7 +52,7 @@ def test_forward_is_bitwise_the_replay(rows):
 def test_backward_bits_accuracy_and_repeatability(rows):
     res, y, gate, idx = _inputs(rows, seed=rows + 1)
     grad = torch.randn_like(y)
-    _poison_allocator(4 * rows * H + 4 * 100 * H)
+    poison_allocator()
     dy, dgate = torch.ops.h3.gate_residual_backward(grad, y, gate, idx)
     assert not dy.isnan().any() and not dgate.isnan().any()
     # dy is torch autograd's BF16 product exactly

@@ -14,6 +14,7 @@ from h3cute import native, reference
 from h3cute.ops import adaln, timestep
 
 from bitwise import same_bits
+from poison import poison_allocator
 
 # The ops the C++ layer implements (their CUDA impls); every other op keeps its Python CUDA impl.
 NATIVE_OPS = ("timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate", "norm_modulate_backward",
@@ -322,15 +323,6 @@ def block_projection():
     return _seeded((96768, 2688), 50, torch.bfloat16, 0.02), _seeded((96768,), 51, torch.bfloat16, 0.02)
 
 
-def _poison_allocator():
-    """Best effort: leave freed blocks of 0xFF bytes (NaN in BF16 and FP32) in both pools of torch's caching
-    allocator (one 2 GiB block; 1 MiB blocks for the small pool that serves d_bias and small d_temb), so the
-    next outputs and scratch buffers are carved from NaN memory: an element a kernel does not write stays NaN."""
-    torch.empty(1 << 31, dtype=torch.uint8, device="cuda").fill_(255)
-    small = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda").fill_(255) for _ in range(64)]
-    del small
-
-
 def _finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
@@ -344,9 +336,9 @@ def test_adaln_projection_cpp_equals_python_impl(block_projection, timesteps):
     slow = adaln._projection_cuda(temb, weight, bias)
     slow_grads = adaln._projection_backward_cuda(grad, temb, weight)
     assert _finite([slow, *slow_grads])
-    _poison_allocator()
+    poison_allocator()
     fast = torch.ops.h3.adaln_projection(temb, weight, bias)
-    _poison_allocator()
+    poison_allocator()
     fast_grads = torch.ops.h3.adaln_projection_backward(grad, temb, weight)
     assert same_bits(fast, slow) and same_bits(fast_grads, slow_grads)
     assert _dispatches_to_native("adaln_projection") and _dispatches_to_native("adaln_projection_backward")
