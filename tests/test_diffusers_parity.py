@@ -6,8 +6,8 @@ Built from diffusers' own classes (`Timesteps`, `TimestepEmbedding`, `MiniMaxH3A
 attention and feed-forward are replaced by recorders that return fixed tensors, so its real `forward`
 exercises the norm/modulate/gate-residual code while the test sees every intermediate.
 
-CI installs diffusers==0.42.1 and sets CI (or H3CUTE_REQUIRE_DIFFUSERS=1): there a missing or different
-diffusers fails the test; elsewhere it is skipped.
+CI installs diffusers==0.42.1 and sets CI (or H3CUTE_REQUIRE_DIFFUSERS=1): there, and on every CUDA machine, a
+missing or different diffusers fails; only a CPU machine outside CI skips these tests without it.
 """
 import importlib.util
 import os
@@ -20,8 +20,9 @@ from h3cute import reference as R
 
 DIFFUSERS = "0.42.1"
 if importlib.util.find_spec("diffusers") is None:
-    if os.environ.get("CI") or os.environ.get("H3CUTE_REQUIRE_DIFFUSERS"):
-        pytest.fail(f"diffusers=={DIFFUSERS} is required in CI for the parity tests", pytrace=False)
+    if os.environ.get("CI") or os.environ.get("H3CUTE_REQUIRE_DIFFUSERS") or torch.cuda.is_available():
+        pytest.fail(f"diffusers=={DIFFUSERS} is required in CI and on CUDA machines for the parity tests",
+                    pytrace=False)
     pytest.skip(f"diffusers=={DIFFUSERS} not installed", allow_module_level=True)
 
 import diffusers  # noqa: E402

@@ -459,7 +459,8 @@ def _gpu_add(arch: str, static: dict):
         assert fn is not None, f"{test_bundle} lacks {ADD.name} {arch} {static}"
         return fn
     if not sources.dsl_available():
-        pytest.skip("no CuTe DSL here and H3CUTE_TEST_BUNDLE is unset (see perf/device_run.sh)")
+        pytest.fail("no CuTe DSL here and H3CUTE_TEST_BUNDLE is unset: build the runtime's test bundle "
+                    "(python tests/test_runtime.py DIR, see perf/device_run.sh)")
     return cache.load_or_build(ADD.name, arch, static, lambda: ADD)
 
 
