@@ -26,6 +26,11 @@ from h3cute.launch import adaln_projection as launch
 from h3cute.ops import validate
 
 from bitwise import assert_same_bits
+from numerics import BF16_ERR_CEILING, DTEMB_TOL, REPLAY_SLACK  # noqa: F401  (the accuracy bar)
+from numerics import assert_no_worse_than_replay as _assert_no_worse_than_replay
+from numerics import projection_grads_fp64 as _fp64_grads
+from numerics import projection_replay as _replay
+from numerics import rel_err as _rel_err
 
 D = 2688
 N_BLOCK = 96768
@@ -593,45 +598,6 @@ def block_params():
 
 def _temb(rows, seed):
     return torch.randn((rows, D), generator=_gen(seed), device="cuda")
-
-
-def _rel_err(out, ref):
-    out = out.double()
-    assert torch.isfinite(out).all(), "non-finite output"
-    return ((out - ref).abs().max() / ref.abs().max()).item()
-
-
-# Our BF16 results may be at most this much worse than the replay's (max-error statistics of two
-# different roundings of nearly the same FP32 values), and never above the ceiling.
-REPLAY_SLACK = 1.05
-BF16_ERR_CEILING = 5e-3
-DTEMB_TOL = 1e-5
-
-
-def _replay(temb, w, b, grad=None):
-    """The diffusers replay (cuBLAS) and, given an upstream grad, its autograd (dtemb, dW, db)."""
-    if grad is None:
-        with torch.no_grad():
-            return reference.adaln_projection_replay(temb, w, b)
-    leaves = [x.detach().clone().requires_grad_() for x in (temb, w, b)]
-    out = reference.adaln_projection_replay(*leaves)
-    out.backward(grad)
-    return out.detach(), *(x.grad for x in leaves)
-
-
-def _assert_no_worse_than_replay(ours, replay, ref, what):
-    """max-rel error of `ours` <= REPLAY_SLACK x the replay's on the same inputs, and <= the ceiling."""
-    err, replay_err = _rel_err(ours, ref), _rel_err(replay, ref)
-    assert err <= BF16_ERR_CEILING, f"{what}: rel err {err:.3g} above the ceiling {BF16_ERR_CEILING}"
-    assert err <= REPLAY_SLACK * replay_err + 1e-7, f"{what}: rel err {err:.4g} vs replay (cuBLAS) {replay_err:.4g}"
-
-
-def _fp64_grads(grad, temb, weight):
-    """FP64 dtemb, dW, db of linear(bf16(silu(temb)), W, b) (the BF16 cast passes the gradient through)."""
-    g, t, w = grad.double(), temb.double(), weight.double()
-    act = torch.nn.functional.silu(temb).to(torch.bfloat16).double()
-    s = torch.sigmoid(t)
-    return (g @ w) * (s * (1 + t * (1 - s))), g.t() @ act, g.sum(0)
 
 
 @gpu
