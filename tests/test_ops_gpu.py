@@ -106,7 +106,7 @@ def test_opcheck_cuda(op):
 
 # ---- each op's numeric contract (docs/timestep_sinusoid.md, timestep_mlp.md, adaln_projection.md, row_kernels.md) --
 
-MLP_FWD_TOL, MLP_GRAD_TOL = 2e-6, 1e-5  # docs/timestep_mlp.md: FP32 accuracy on tensor cores (tests/test_timestep_mlp.py)
+MLP_FWD_TOL, MLP_GRAD_TOL = 2e-6, 1e-5  # docs/timestep_mlp.md: FP32 accuracy on tensor cores (test_timestep_mlp.py)
 H = R.HIDDEN
 
 
@@ -137,8 +137,8 @@ def _final_contract(args, ups, outs, grads):
     x, nw, temb, w, b, ti = args
     out, table = torch.ops.h3.final_adaln_out_fwd(*args)
     assert_same_bits(out, outs[0], "final_adaln_out_fwd's output vs final_adaln_out's")
-    numerics.assert_no_worse_than_replay(table, R.final_projection_table(temb, w, b), R.adaln_projection_fp64(temb, w, b),
-                                         "final_adaln_out table")
+    numerics.assert_no_worse_than_replay(table, R.final_projection_table(temb, w, b),
+                                         R.adaln_projection_fp64(temb, w, b), "final_adaln_out table")
     assert_same_bits(out, R.norm_modulate_replay(x, nw, table[:, :H], table[:, H:], ti), "the norm on the table")
     numerics.assert_final_adaln_out_backward(grads[:5], ups[0], x, nw, temb, w, b, ti, table, "final_adaln_out")
 
