@@ -1208,12 +1208,35 @@ def test_tma_store_wgrad_instructions():
                 _ptxas_report(ptx[0], (config, n), serialized=("C7511", "C7512", "C7514", "C7515"))
 
 
+def _coordinates(part) -> list:
+    """The (m, n) of every element of a partitioned identity tensor, in `part[i]`'s order, from its static layout:
+    the thread's start coordinate (`part.iterator`) plus, over the flattened modes (leftmost fastest), digit x
+    scaled-basis stride. Indexing the DSL tensor element by element costs about a millisecond each."""
+    def flat(x):
+        return [y for e in x for y in flat(e)] if isinstance(x, tuple) else [x]
+
+    layout = part.layout
+    start = tuple(part.iterator)
+    modes = []  # (size, coordinate mode, step) per flattened mode; an int stride is the 0 of a size-1 mode
+    for size, step in zip(flat(layout.shape), flat(layout.stride)):
+        modes.append((size, 0, 0) if isinstance(step, int) else (size, *step.mode, int(step.value)))
+    coords = []
+    for i in range(math.prod(size for size, _, _ in modes)):
+        c = list(start)
+        for size, mode, step in modes:
+            i, digit = divmod(i, size)
+            c[mode] += digit * step
+        coords.append(tuple(c))
+    return coords
+
+
 @pytest.mark.slow
 def test_tma_store_wgrad_registers_reach_their_own_columns():
     """For every thread of every TMA-store dW tile, the BF16 register i handed to stmatrix holds the accumulator
     element at the (m, n) that register i is stored to (`r2s_source_order`). The one-warpgroup 128-row tile is
     the case where `r2s.retile(acc)` is wrong (its wgmma tile repeats along M): on the H200 that version put
-    3 of 4 dW values in wrong columns."""
+    3 of 4 dW values in wrong columns. Each thread's partitions come from the DSL; their elements' coordinates
+    from `_coordinates`, checked against the DSL's own indexing on the first and last thread of every tile."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.utils import LayoutEnum
@@ -1248,9 +1271,13 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
             for t in cutlass.range_constexpr(threads):
                 acc = tiled_mma.get_slice(t).partition_C(full)
                 src = r2s.get_slice(t).partition_S(full)
-                seen[(name, t)] = [(tuple(src[i]), tuple(acc[order[i]])) for i in range(len(order))]
+                acc_mn, src_mn = _coordinates(acc), _coordinates(src)
+                if cutlass.const_expr(t in (0, threads - 1)):  # a Python if (the DSL would trace an scf.if)
+                    assert acc_mn == [tuple(acc[j]) for j in range(cute.size(acc))], (name, t)
+                    assert src_mn == [tuple(src[i]) for i in range(cute.size(src))], (name, t)
+                seen[(name, t)] = [(src_mn[i], acc_mn[order[i]]) for i in range(len(order))]
                 # The forward's bias: a thread's accumulator rows are its first one's plus offsets common to all.
-                row_offsets[(name, t)] = [acc[j][0] - acc[0][0] for j in range(cute.size(acc))]
+                row_offsets[(name, t)] = [mn[0] - acc_mn[0][0] for mn in acc_mn]
 
         cute.compile(probe, options="--gpu-arch sm_90a")
         assert all(row_offsets[(name, t)] == row_offsets[(name, 0)] for t in range(threads)), name
