@@ -26,6 +26,7 @@ from h3cute.launch import adaln_projection as launch
 from h3cute.ops import validate
 
 from bitwise import assert_same_bits
+from compiled_ptx import ptx_of
 from numerics import BF16_ERR_CEILING, DTEMB_TOL, REPLAY_SLACK  # noqa: F401  (the accuracy bar)
 from numerics import assert_no_worse_than_replay as _assert_no_worse_than_replay
 from numerics import projection_grads_fp64 as _fp64_grads
@@ -52,7 +53,6 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
     wgmma m64nNk16 with N the config's bn. (Variants, markers, atomics: tests/test_compile_kernels.py.)"""
     import re
 
-    from h3cute.runtime.dsl import compile_variant
     from h3cute.runtime.sources import kernels_package
 
     kernels_package()
@@ -62,7 +62,7 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
     for name in ("adaln_proj_fwd", "adaln_proj_dgrad"):
         for arch in ("sm_90a", "sm_100a"):
             for config in launch.CONFIGS:
-                _, ptx = compile_variant(specs[name], arch, dict(out_features=N_FINAL, config=config), keep_ptx=True)
+                ptx = ptx_of(specs[name], arch, dict(out_features=N_FINAL, config=config))
                 text = "\n".join(ptx)
                 mmas = set(re.findall(r"(?:mma|wgmma)\.[\w.]+", text))
                 assert mmas == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}, (name, arch, config, mmas)
@@ -75,8 +75,7 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
                     assert text.count("add.f32") == 4 * text.count("mma.sync"), config
         tma = launch.TMA_CONFIGS if name == "adaln_proj_fwd" else launch.TMA_DGRAD_CONFIGS
         for config in launch.WGMMA_CONFIGS + tma:
-            _, ptx = compile_variant(specs[name + "_wgmma"], "sm_90a", dict(out_features=N_FINAL, config=config),
-                                     keep_ptx=True)
+            ptx = ptx_of(specs[name + "_wgmma"], "sm_90a", dict(out_features=N_FINAL, config=config))
             mmas = set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)[\w.]+", "\n".join(ptx)))
             tile = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS}[config]
             # d_temb runs the 256-wide tile as two halves of wgmma N = 128.
@@ -278,8 +277,6 @@ def test_tma_mainloop_instructions():
     import re
     import shutil
 
-    from h3cute.runtime.dsl import compile_variant
-
     k = _tma_kernels()
     specs = _specs()
     cases = [("adaln_proj_fwd_wgmma", c, {}) for c in launch.TMA_CONFIGS]
@@ -288,8 +285,7 @@ def test_tma_mainloop_instructions():
     cases += [("adaln_proj_wgrad_fold", c, {}) for c in launch.FOLD_WARP_WGRAD_CONFIGS]
     for name, config, extra in cases:
         tile = {**k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS, **k.TMA_WGRAD_CONFIGS}[config]
-        _, ptx = compile_variant(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra),
-                                 keep_ptx=True)
+        ptx = ptx_of(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra))
         text = "\n".join(ptx)
         halves = k.dgrad_n_halves(tile) if name == "adaln_proj_dgrad_wgmma" else 1
         for marker in ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes",
@@ -387,12 +383,9 @@ def test_multicast_instructions(name, config, twin, extra, shared):
     import re
     import shutil
 
-    from h3cute.runtime.dsl import compile_variant
-
     spec = _specs()[name]
     for n in (N_BLOCK, N_FINAL):
-        texts = {c: "\n".join(compile_variant(spec, "sm_90a", dict(out_features=n, config=c, **extra),
-                                              keep_ptx=True)[1]) for c in (twin, config)}
+        texts = {c: "\n".join(ptx_of(spec, "sm_90a", dict(out_features=n, config=c, **extra))) for c in (twin, config)}
         text, plain = texts[config], texts[twin]
         loads = re.findall(r"cp\.async\.bulk\.tensor\.[\w:.]+", text)
         assert sum(".multicast::cluster" in x and "shared::cluster" in x for x in loads) >= 1, (n, loads)
@@ -1188,14 +1181,12 @@ def test_tma_store_wgrad_instructions():
     import re
     import shutil
 
-    from h3cute.runtime.dsl import compile_variant
-
     k = _tma_kernels()
     spec = _specs()["adaln_proj_wgrad_wgmma"]
     for config in sorted(k.WGRAD_TMA_STORE):
         tile = k.WGRAD_WGMMA_CONFIGS[config]
         for n in k.OUT_FEATURES:
-            _, ptx = compile_variant(spec, "sm_90a", dict(out_features=n, config=config, wgmma=True), keep_ptx=True)
+            ptx = ptx_of(spec, "sm_90a", dict(out_features=n, config=config, wgmma=True))
             text = "\n".join(ptx)
             for marker in (f"wgmma.mma_async.sync.aligned.m64n{tile.bn}k16.f32.bf16.bf16", "cp.async.cg.shared.global",
                            "stmatrix.sync.aligned.m8n8.x4.shared.b16", "fence.proxy.async.shared::cta",

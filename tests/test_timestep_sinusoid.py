@@ -18,6 +18,8 @@ import torch
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 
+from compiled_ptx import ptx_of
+
 WIDTH = 256
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +44,6 @@ def _assert_bitwise(out, ref):
 
 @pytest.fixture(scope="module")
 def ptx_by_arch():
-    from h3cute.runtime.dsl import compile_variant
     from h3cute.runtime.sources import kernels_package
 
     spec = kernels_package().all_specs()["timestep_sinusoid"]
@@ -51,7 +52,7 @@ def ptx_by_arch():
         variants = {v["check_range"]: v for v in spec.variants(arch)}
         assert set(variants) == {True, False}, "one variant with the in-kernel range check, one without"
         for check, variant in variants.items():
-            _, ptx = compile_variant(spec, arch, variant, keep_ptx=True)
+            ptx = ptx_of(spec, arch, variant)
             assert len(ptx) == 1, "timestep_sinusoid is one compiled function"
             out[arch, check] = ptx[0]
     return spec, out
