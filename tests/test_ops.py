@@ -12,7 +12,7 @@ from h3cute import reference as R
 from h3cute.ops import _library
 
 import numerics
-from bitwise import assert_same_bits
+from bitwise import assert_same_bits, same_bits
 
 BACKWARD = {  # ops with an autograd formula -> their backward op
     "timestep_mlp": "timestep_mlp_backward",
@@ -103,12 +103,12 @@ def test_final_adaln_out_fwd_and_backward_with_its_table():
     table is bitwise the backward that computes it again; both pass opcheck."""
     a = inputs("final_adaln_out")
     out, table = torch.ops.h3.final_adaln_out_fwd(*a)
-    assert torch.equal(out, torch.ops.h3.final_adaln_out(*a))
-    assert torch.equal(table, R.final_projection_table(*a[2:5]))
+    assert same_bits(out, torch.ops.h3.final_adaln_out(*a))
+    assert same_bits(table, R.final_projection_table(*a[2:5]))
     torch.library.opcheck(torch.ops.h3.final_adaln_out_fwd.default, a, test_utils=_opcheck_utils("final_adaln_out"))
     args = backward_args("final_adaln_out")
     with_table = torch.ops.h3.final_adaln_out_backward(*args, table)
-    assert all(torch.equal(u, v) for u, v in zip(with_table, torch.ops.h3.final_adaln_out_backward(*args)))
+    assert all(same_bits(u, v) for u, v in zip(with_table, torch.ops.h3.final_adaln_out_backward(*args)))
     torch.library.opcheck(torch.ops.h3.final_adaln_out_backward.default, [*args, table],
                           test_utils=_opcheck_utils("final_adaln_out"))
     for bad, err in ((table[:1], ValueError), (table.float(), TypeError), (table[:, :5376], ValueError)):
@@ -259,7 +259,7 @@ def test_torch_compile_fullgraph_traces_forward_and_backward(op):
     a = inputs(op, requires_grad=True)
     out = compiled(*a)
     for o, r in zip(_flat(out), _flat(fn(*inputs(op)))):
-        assert torch.equal(o, r)
+        assert same_bits(o, r)
     if op in BACKWARD:
         torch.autograd.backward(_flat(out), _flat(upstream(out)))
         assert all(x.grad is not None for x in a if x.is_floating_point())
@@ -282,7 +282,7 @@ def test_row_gather_gradient_with_every_calling_convention():
         outs = torch.ops.h3.adaln_row_gather(leaf, idx, *extra)
         torch.autograd.backward(outs[2:4], upstream(outs[2:4]))
         expected = leaf.grad if expected is None else expected
-        assert torch.equal(leaf.grad, expected)
+        assert same_bits(leaf.grad, expected)
         assert leaf.grad[:, : 2 * 5376].count_nonzero() == 0  # chunks 0, 1 got no gradient
 
 
@@ -292,16 +292,16 @@ def test_row_strided_tables_match_contiguous_copies():
     table = inputs("adaln_row_gather")[0]
     shift, scale, gate = table[:, :5376], table[:, 5376:10752], table[:, 10752:16128]
     assert shift.stride() == (6 * 5376, 1)
-    assert torch.equal(torch.ops.h3.norm_modulate(x, w, shift, scale, idx),
+    assert same_bits(torch.ops.h3.norm_modulate(x, w, shift, scale, idx),
                        torch.ops.h3.norm_modulate(x, w, shift.contiguous(), scale.contiguous(), idx))
-    assert torch.equal(torch.ops.h3.gate_residual(x, x, gate, idx),
+    assert same_bits(torch.ops.h3.gate_residual(x, x, gate, idx),
                        torch.ops.h3.gate_residual(x, x, gate.contiguous(), idx))
 
 
 def test_adaln_indices():
     ti = torch.tensor([0, 1, 1, 0, 2])
     tags = torch.tensor([0, 1, 2, 2, 1])
-    assert torch.equal(h3cute.adaln_indices(ti, tags, 3), torch.tensor([0, 4, 5, 2, 7]))
+    assert same_bits(h3cute.adaln_indices(ti, tags, 3), torch.tensor([0, 4, 5, 2, 7]))
     assert h3cute.adaln_indices(ti[:0], tags[:0], 0).shape == (0,)
 
 
