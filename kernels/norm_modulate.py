@@ -855,8 +855,9 @@ SPECS = [
         name="gate_residual_norm_modulate_fwd",
         build=build_gated_forward,
         variants=lambda arch: [dict(width=HIDDEN, vec=vec) for vec in ROW_VECS],
-        # gate_residual's and norm_modulate's forward markers: both sets of roundings in one kernel
-        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "div.rn.f32", "cvt.rn.bf16x2.f32",
+        # gate_residual's and norm_modulate's forward markers: both sets of roundings in one kernel; vector
+        # accesses of 16 (vec 8) or 8 bytes (vec 4)
+        ptx_markers=("ld.global.v", "st.global.v", "rsqrt.approx.f32", "div.rn.f32", "cvt.rn.bf16x2.f32",
                      "mul.bf16x2", "shfl.sync.bfly", "red.global.min.s64"),
         ptx_forbidden=("atom.", "red.global.add", "red.shared"),
     ),
@@ -864,7 +865,7 @@ SPECS = [
         name="norm_modulate_bwd_rows",
         build=build_backward_rows,
         variants=lambda arch: [dict(width=HIDDEN)],
-        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "shfl.sync.bfly"),
+        ptx_markers=("ld.global.v4.b16", "st.global.v2.b32", "rsqrt.approx.f32", "shfl.sync.bfly"),  # 8-byte vectors
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),
     KernelSpec(

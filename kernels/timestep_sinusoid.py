@@ -119,8 +119,9 @@ SPECS = [
         variants=lambda arch: [dict(width=SINUSOID_WIDTH, check_range=c) for c in (True, False)],
         # mul.rn: the explicitly rounded products (k*c, *2^-7, t*f); 0f32A57060: the low word of log2(e) in __nv_expf's
         # reduction; 0f47CE4780 (105615): __nv_sinf/__nv_cosf's switch from the 3-term Cody-Waite
-        # reduction to Payne-Hanek; st.global.v4: the 16-byte stores.
-        ptx_markers=("mul.rn.f32", "0f32A57060", "0f47CE4780", "st.global.v4.b32"),
+        # reduction to Payne-Hanek; st.global.v: the 16-byte stores (v4.b32, or v2.b64 where sm_100a merges the
+        # checked variant's NaN rows into them).
+        ptx_markers=("mul.rn.f32", "0f32A57060", "0f47CE4780", "st.global.v"),
         # The precise path's only approximate instruction is ex2.approx.ftz inside __nv_expf (on a reduced
         # argument); no hardware sin/cos, and no flush-to-zero arithmetic anywhere else.
         ptx_forbidden=("sin.approx", "cos.approx", "rn.ftz.f32", "mul.ftz.f32", "add.ftz.f32"),

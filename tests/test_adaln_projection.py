@@ -26,6 +26,12 @@ from h3cute.launch import adaln_projection as launch
 from h3cute.ops import validate
 
 from bitwise import assert_same_bits
+from compiled_ptx import ptx_of
+from numerics import BF16_ERR_CEILING, DTEMB_TOL, REPLAY_SLACK  # noqa: F401  (the accuracy bar)
+from numerics import assert_no_worse_than_replay as _assert_no_worse_than_replay
+from numerics import projection_grads_fp64 as _fp64_grads
+from numerics import projection_replay as _replay
+from numerics import rel_err as _rel_err
 
 D = 2688
 N_BLOCK = 96768
@@ -47,7 +53,6 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
     wgmma m64nNk16 with N the config's bn. (Variants, markers, atomics: tests/test_compile_kernels.py.)"""
     import re
 
-    from h3cute.runtime.dsl import compile_variant
     from h3cute.runtime.sources import kernels_package
 
     kernels_package()
@@ -57,7 +62,7 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
     for name in ("adaln_proj_fwd", "adaln_proj_dgrad"):
         for arch in ("sm_90a", "sm_100a"):
             for config in launch.CONFIGS:
-                _, ptx = compile_variant(specs[name], arch, dict(out_features=N_FINAL, config=config), keep_ptx=True)
+                ptx = ptx_of(specs[name], arch, dict(out_features=N_FINAL, config=config))
                 text = "\n".join(ptx)
                 mmas = set(re.findall(r"(?:mma|wgmma)\.[\w.]+", text))
                 assert mmas == {"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"}, (name, arch, config, mmas)
@@ -70,8 +75,7 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
                     assert text.count("add.f32") == 4 * text.count("mma.sync"), config
         tma = launch.TMA_CONFIGS if name == "adaln_proj_fwd" else launch.TMA_DGRAD_CONFIGS
         for config in launch.WGMMA_CONFIGS + tma:
-            _, ptx = compile_variant(specs[name + "_wgmma"], "sm_90a", dict(out_features=N_FINAL, config=config),
-                                     keep_ptx=True)
+            ptx = ptx_of(specs[name + "_wgmma"], "sm_90a", dict(out_features=N_FINAL, config=config))
             mmas = set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)[\w.]+", "\n".join(ptx)))
             tile = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS}[config]
             # d_temb runs the 256-wide tile as two halves of wgmma N = 128.
@@ -273,8 +277,6 @@ def test_tma_mainloop_instructions():
     import re
     import shutil
 
-    from h3cute.runtime.dsl import compile_variant
-
     k = _tma_kernels()
     specs = _specs()
     cases = [("adaln_proj_fwd_wgmma", c, {}) for c in launch.TMA_CONFIGS]
@@ -283,8 +285,7 @@ def test_tma_mainloop_instructions():
     cases += [("adaln_proj_wgrad_fold", c, {}) for c in launch.FOLD_WARP_WGRAD_CONFIGS]
     for name, config, extra in cases:
         tile = {**k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS, **k.TMA_WGRAD_CONFIGS}[config]
-        _, ptx = compile_variant(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra),
-                                 keep_ptx=True)
+        ptx = ptx_of(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra))
         text = "\n".join(ptx)
         halves = k.dgrad_n_halves(tile) if name == "adaln_proj_dgrad_wgmma" else 1
         for marker in ("cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes",
@@ -382,12 +383,9 @@ def test_multicast_instructions(name, config, twin, extra, shared):
     import re
     import shutil
 
-    from h3cute.runtime.dsl import compile_variant
-
     spec = _specs()[name]
     for n in (N_BLOCK, N_FINAL):
-        texts = {c: "\n".join(compile_variant(spec, "sm_90a", dict(out_features=n, config=c, **extra),
-                                              keep_ptx=True)[1]) for c in (twin, config)}
+        texts = {c: "\n".join(ptx_of(spec, "sm_90a", dict(out_features=n, config=c, **extra))) for c in (twin, config)}
         text, plain = texts[config], texts[twin]
         loads = re.findall(r"cp\.async\.bulk\.tensor\.[\w:.]+", text)
         assert sum(".multicast::cluster" in x and "shared::cluster" in x for x in loads) >= 1, (n, loads)
@@ -593,45 +591,6 @@ def block_params():
 
 def _temb(rows, seed):
     return torch.randn((rows, D), generator=_gen(seed), device="cuda")
-
-
-def _rel_err(out, ref):
-    out = out.double()
-    assert torch.isfinite(out).all(), "non-finite output"
-    return ((out - ref).abs().max() / ref.abs().max()).item()
-
-
-# Our BF16 results may be at most this much worse than the replay's (max-error statistics of two
-# different roundings of nearly the same FP32 values), and never above the ceiling.
-REPLAY_SLACK = 1.05
-BF16_ERR_CEILING = 5e-3
-DTEMB_TOL = 1e-5
-
-
-def _replay(temb, w, b, grad=None):
-    """The diffusers replay (cuBLAS) and, given an upstream grad, its autograd (dtemb, dW, db)."""
-    if grad is None:
-        with torch.no_grad():
-            return reference.adaln_projection_replay(temb, w, b)
-    leaves = [x.detach().clone().requires_grad_() for x in (temb, w, b)]
-    out = reference.adaln_projection_replay(*leaves)
-    out.backward(grad)
-    return out.detach(), *(x.grad for x in leaves)
-
-
-def _assert_no_worse_than_replay(ours, replay, ref, what):
-    """max-rel error of `ours` <= REPLAY_SLACK x the replay's on the same inputs, and <= the ceiling."""
-    err, replay_err = _rel_err(ours, ref), _rel_err(replay, ref)
-    assert err <= BF16_ERR_CEILING, f"{what}: rel err {err:.3g} above the ceiling {BF16_ERR_CEILING}"
-    assert err <= REPLAY_SLACK * replay_err + 1e-7, f"{what}: rel err {err:.4g} vs replay (cuBLAS) {replay_err:.4g}"
-
-
-def _fp64_grads(grad, temb, weight):
-    """FP64 dtemb, dW, db of linear(bf16(silu(temb)), W, b) (the BF16 cast passes the gradient through)."""
-    g, t, w = grad.double(), temb.double(), weight.double()
-    act = torch.nn.functional.silu(temb).to(torch.bfloat16).double()
-    s = torch.sigmoid(t)
-    return (g @ w) * (s * (1 + t * (1 - s))), g.t() @ act, g.sum(0)
 
 
 @gpu
@@ -1222,14 +1181,12 @@ def test_tma_store_wgrad_instructions():
     import re
     import shutil
 
-    from h3cute.runtime.dsl import compile_variant
-
     k = _tma_kernels()
     spec = _specs()["adaln_proj_wgrad_wgmma"]
     for config in sorted(k.WGRAD_TMA_STORE):
         tile = k.WGRAD_WGMMA_CONFIGS[config]
         for n in k.OUT_FEATURES:
-            _, ptx = compile_variant(spec, "sm_90a", dict(out_features=n, config=config, wgmma=True), keep_ptx=True)
+            ptx = ptx_of(spec, "sm_90a", dict(out_features=n, config=config, wgmma=True))
             text = "\n".join(ptx)
             for marker in (f"wgmma.mma_async.sync.aligned.m64n{tile.bn}k16.f32.bf16.bf16", "cp.async.cg.shared.global",
                            "stmatrix.sync.aligned.m8n8.x4.shared.b16", "fence.proxy.async.shared::cta",
@@ -1242,12 +1199,35 @@ def test_tma_store_wgrad_instructions():
                 _ptxas_report(ptx[0], (config, n), serialized=("C7511", "C7512", "C7514", "C7515"))
 
 
+def _coordinates(part) -> list:
+    """The (m, n) of every element of a partitioned identity tensor, in `part[i]`'s order, from its static layout:
+    the thread's start coordinate (`part.iterator`) plus, over the flattened modes (leftmost fastest), digit x
+    scaled-basis stride. Indexing the DSL tensor element by element costs about a millisecond each."""
+    def flat(x):
+        return [y for e in x for y in flat(e)] if isinstance(x, tuple) else [x]
+
+    layout = part.layout
+    start = tuple(part.iterator)
+    modes = []  # (size, coordinate mode, step) per flattened mode; an int stride is the 0 of a size-1 mode
+    for size, step in zip(flat(layout.shape), flat(layout.stride)):
+        modes.append((size, 0, 0) if isinstance(step, int) else (size, *step.mode, int(step.value)))
+    coords = []
+    for i in range(math.prod(size for size, _, _ in modes)):
+        c = list(start)
+        for size, mode, step in modes:
+            i, digit = divmod(i, size)
+            c[mode] += digit * step
+        coords.append(tuple(c))
+    return coords
+
+
 @pytest.mark.slow
 def test_tma_store_wgrad_registers_reach_their_own_columns():
     """For every thread of every TMA-store dW tile, the BF16 register i handed to stmatrix holds the accumulator
     element at the (m, n) that register i is stored to (`r2s_source_order`). The one-warpgroup 128-row tile is
     the case where `r2s.retile(acc)` is wrong (its wgmma tile repeats along M): on the H200 that version put
-    3 of 4 dW values in wrong columns."""
+    3 of 4 dW values in wrong columns. Each thread's partitions come from the DSL; their elements' coordinates
+    from `_coordinates`, checked against the DSL's own indexing on the first and last thread of every tile."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.utils import LayoutEnum
@@ -1282,9 +1262,13 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
             for t in cutlass.range_constexpr(threads):
                 acc = tiled_mma.get_slice(t).partition_C(full)
                 src = r2s.get_slice(t).partition_S(full)
-                seen[(name, t)] = [(tuple(src[i]), tuple(acc[order[i]])) for i in range(len(order))]
+                acc_mn, src_mn = _coordinates(acc), _coordinates(src)
+                if cutlass.const_expr(t in (0, threads - 1)):  # a Python if (the DSL would trace an scf.if)
+                    assert acc_mn == [tuple(acc[j]) for j in range(cute.size(acc))], (name, t)
+                    assert src_mn == [tuple(src[i]) for i in range(cute.size(src))], (name, t)
+                seen[(name, t)] = [(src_mn[i], acc_mn[order[i]]) for i in range(len(order))]
                 # The forward's bias: a thread's accumulator rows are its first one's plus offsets common to all.
-                row_offsets[(name, t)] = [acc[j][0] - acc[0][0] for j in range(cute.size(acc))]
+                row_offsets[(name, t)] = [mn[0] - acc_mn[0][0] for mn in acc_mn]
 
         cute.compile(probe, options="--gpu-arch sm_90a")
         assert all(row_offsets[(name, t)] == row_offsets[(name, 0)] for t in range(threads)), name

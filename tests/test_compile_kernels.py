@@ -1,13 +1,11 @@
 """Compile-only CI test: every variant of every kernel spec, for sm_90a and sm_100a, on a CPU.
 
-Each (spec, arch) compiles once per session through the runtime's own compile path
-(`dsl.compile_variant`, PTX kept), then its PTX is checked: the `.target` is the arch, every
-`ptx_markers` substring is present and no `ptx_forbidden` substring is. Specs are discovered the
-way the runtime discovers them (`h3cute.kernels.all_specs()`), so a new kernel module is covered
-as soon as it defines SPECS; a module that fails to import fails collection.
+Each variant compiles once per session through the runtime's own compile path (`dsl.compile_variant`,
+PTX kept; tests/compiled_ptx.py shares it with the per-family instruction tests), then its PTX is checked:
+the `.target` is the arch, every `ptx_markers` substring is present and no `ptx_forbidden` substring is.
+Specs are discovered the way the runtime discovers them (`h3cute.kernels.all_specs()`), so a new kernel
+module is covered as soon as it defines SPECS; a module that fails to import fails collection.
 """
-import functools
-
 import pytest
 
 pytest.importorskip("cutlass", reason="compiling needs the CuTe DSL (the device runs prebuilt kernels only)",
@@ -16,22 +14,20 @@ pytest.importorskip("cutlass", reason="compiling needs the CuTe DSL (the device 
 from h3cute.runtime import SUPPORTED_ARCHS, canonical_static
 from h3cute.runtime.sources import kernels_package
 
+from compiled_ptx import ptx_of
+
 SPECS = kernels_package().all_specs()
 CASES = [(name, arch) for name, spec in sorted(SPECS.items()) for arch in SUPPORTED_ARCHS if arch in spec.archs]
 
 
-@functools.cache
 def compiled_variants(name: str, arch: str) -> list:
     """[(static, [ptx, ...])] for every distinct variant of `name` on `arch` (compiled once per session)."""
-    from h3cute.runtime import dsl
-
     spec, out, seen = SPECS[name], [], set()
     for static in spec.variants(arch):
         canon = canonical_static(static)
         if canon not in seen:
             seen.add(canon)
-            _, ptx = dsl.compile_variant(spec, arch, dict(static), keep_ptx=True)
-            out.append((dict(static), ptx))
+            out.append((dict(static), ptx_of(spec, arch, static)))
     return out
 
 

@@ -15,6 +15,7 @@ from h3cute.launch import checks
 from h3cute.ops import adaln, timestep
 
 from bitwise import same_bits
+from poison import poison_allocator
 
 # The ops the C++ layer implements (their CUDA impls); every other op keeps its Python CUDA impl.
 NATIVE_OPS = ("timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate", "norm_modulate_backward",
@@ -70,20 +71,84 @@ def test_builds_against_this_torch_and_registers_the_cuda_impl(tmp_path):
     assert proc.stdout.strip() == str(list(NATIVE_OPS)) and "building" not in proc.stderr, proc.stderr
 
 
-def test_disabled_by_environment():
-    code = "from h3cute import native; import sys; sys.exit(native.load() is not None)"
-    env = dict(os.environ, H3CUTE_NATIVE="0")
-    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+def test_load_builds_where_cuda_is_visible_unless_disabled(monkeypatch):
+    """load() with the build and the CUDA query stubbed: H3CUTE_NATIVE=0 never builds, unset or 1 builds where
+    CUDA is visible, no CUDA never builds, a failing build leaves the Python impls (None)."""
+    built = []
+
+    def build(verbose=False):
+        built.append(os.environ.get("H3CUTE_NATIVE"))
+        return "the C++ module"
+
+    monkeypatch.setattr(native, "build", build)
+    for cuda, setting, want in ((True, "0", None), (True, "1", "the C++ module"), (True, None, "the C++ module"),
+                                (False, "1", None)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(native, "_loaded", {})
+        if setting is None:
+            monkeypatch.delenv("H3CUTE_NATIVE", raising=False)
+        else:
+            monkeypatch.setenv("H3CUTE_NATIVE", setting)
+        assert native.load() == want, (cuda, setting)
+        assert native.load() == want  # decided once per process
+    assert built == ["1", None]
+
+    def broken(verbose=False):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(native, "build", broken)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("H3CUTE_NATIVE", "1")
+    assert native.load() is None and native.native_ops() == frozenset()
 
 
-def test_build_folder_tracks_the_source_and_torch():
-    folder = native.build_dir()
-    assert folder.parent.name == "native" and len(folder.name) == 16
+def test_build_folder_changes_with_the_source_torch_and_tvm_ffi(tmp_path, monkeypatch):
+    """The library's folder is keyed by h3_native.cpp and the ABIs it binds: an edited source, another torch or
+    another tvm-ffi each get their own folder (a stale library is never imported); the same inputs the same one."""
+    import tvm_ffi
+
+    from h3cute.runtime.cache import cache_dir
+
+    base = native.build_dir()
+    assert base.parent == cache_dir() / "native" and len(base.name) == 16 and int(base.name, 16) >= 0
+    source = tmp_path / "h3_native.cpp"
+    source.write_bytes(native.SOURCE.read_bytes())
+    monkeypatch.setattr(native, "SOURCE", source)
+    assert native.build_dir() == base
+    folders = {base}
+    source.write_bytes(source.read_bytes() + b"\n// one edit\n")
+    folders.add(native.build_dir())
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    folders.add(native.build_dir())
+    monkeypatch.setattr(tvm_ffi, "__version__", tvm_ffi.__version__ + ".other")
+    folders.add(native.build_dir())
+    assert len(folders) == 4
 
 
 # ---- GPU: the C++ impl is the one that runs, with the Python impl's results ---------------------------
 
 gpu = pytest.mark.gpu
+
+
+_DISPATCH_SCRIPT = """
+import torch, h3cute
+from h3cute import native
+cuda = [line for line in torch._C._dispatch_dump("h3::norm_modulate").splitlines() if line.startswith("CUDA:")]
+print(native.load() is not None, len(cuda) == 1 and "h3_native.cpp" in cuda[0])
+"""
+
+
+@gpu
+def test_environment_variable_switches_the_cuda_impls():
+    """On the GPU machine the C++ layer serves the CUDA impls by default, and H3CUTE_NATIVE=0 leaves the Python
+    impls registered (fresh processes: the choice is made at import)."""
+    for setting, want in (("1", "True True"), ("0", "False False")):
+        env = dict(os.environ, H3CUTE_NATIVE=setting)
+        proc = subprocess.run([sys.executable, "-c", _DISPATCH_SCRIPT], env=env, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.strip().splitlines()[-1] == want, (setting, proc.stdout, proc.stderr)
 
 
 def _dispatches_to_native(op: str, key: str = "CUDA") -> bool:
@@ -349,15 +414,6 @@ def block_projection():
     return _seeded((96768, 2688), 50, torch.bfloat16, 0.02), _seeded((96768,), 51, torch.bfloat16, 0.02)
 
 
-def _poison_allocator():
-    """Best effort: leave freed blocks of 0xFF bytes (NaN in BF16 and FP32) in both pools of torch's caching
-    allocator (one 2 GiB block; 1 MiB blocks for the small pool that serves d_bias and small d_temb), so the
-    next outputs and scratch buffers are carved from NaN memory: an element a kernel does not write stays NaN."""
-    torch.empty(1 << 31, dtype=torch.uint8, device="cuda").fill_(255)
-    small = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda").fill_(255) for _ in range(64)]
-    del small
-
-
 def _finite(tensors) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
@@ -371,9 +427,9 @@ def test_adaln_projection_cpp_equals_python_impl(block_projection, timesteps):
     slow = adaln._projection_cuda(temb, weight, bias)
     slow_grads = adaln._projection_backward_cuda(grad, temb, weight)
     assert _finite([slow, *slow_grads])
-    _poison_allocator()
+    poison_allocator()
     fast = torch.ops.h3.adaln_projection(temb, weight, bias)
-    _poison_allocator()
+    poison_allocator()
     fast_grads = torch.ops.h3.adaln_projection_backward(grad, temb, weight)
     assert same_bits(fast, slow) and same_bits(fast_grads, slow_grads)
     assert _dispatches_to_native("adaln_projection") and _dispatches_to_native("adaln_projection_backward")

@@ -182,10 +182,46 @@ def test_real_kernel_specs_have_unique_names():
     assert all(name == spec.name for name, spec in specs.items())
 
 
-def test_fingerprint_covers_kernels_and_dsl_helpers():
-    fp = sources.source_fingerprint()
-    assert len(fp) == 64 and int(fp, 16) >= 0
-    assert (sources.kernels_dir() / "__init__.py").is_file()
+def test_fingerprint_and_cache_key_change_with_every_kernel_source(tmp_path, monkeypatch, request):
+    """On a copy of kernels/ and runtime/dsl.py: the copy hashes like the tree; one edited byte in a kernel module,
+    an edit of a helper module without kernels, a new file, or an edited dsl.py each give a new source fingerprint
+    and a new disk-cache key (compiled code is never served for other sources); bytecode caches do not count. A
+    new DSL version gives a new key too."""
+    import shutil
+
+    request.addfinalizer(sources.source_fingerprint.cache_clear)  # the tree's own fingerprint after this test
+    real = sources.source_fingerprint()
+    kernels, runtime_dir = tmp_path / "kernels", tmp_path / "runtime"
+    shutil.copytree(sources.kernels_dir(), kernels, ignore=shutil.ignore_patterns("__pycache__"))
+    runtime_dir.mkdir()
+    shutil.copy(Path(rt.__file__).with_name("dsl.py"), runtime_dir / "dsl.py")
+    monkeypatch.setattr(sources, "kernels_dir", lambda: kernels)
+    monkeypatch.setattr(sources, "_RUNTIME_DIR", runtime_dir)
+    canon = canonical_static(dict(width=256))
+
+    def fingerprint_and_key():
+        sources.source_fingerprint.cache_clear()
+        return sources.source_fingerprint(), cache.entry_key("timestep_sinusoid", "sm_90a", canon)
+
+    first = fingerprint_and_key()
+    assert first[0] == real and len(real) == 64
+    seen = {first}
+    edits = [
+        lambda: (kernels / "timestep_sinusoid.py").write_text((kernels / "timestep_sinusoid.py").read_text() + " "),
+        lambda: (kernels / "_tiles.py").write_text((kernels / "_tiles.py").read_text() + "# a comment\n"),
+        lambda: (kernels / "new_family.py").write_text("SPECS = []\n"),
+        lambda: (runtime_dir / "dsl.py").write_text((runtime_dir / "dsl.py").read_text() + "\n"),
+    ]
+    for i, edit in enumerate(edits):
+        edit()
+        now = fingerprint_and_key()
+        assert now[0] not in {f for f, _ in seen} and now[1] not in {k for _, k in seen}, i
+        seen.add(now)
+    (kernels / "__pycache__").mkdir()
+    (kernels / "__pycache__" / "timestep_sinusoid.cpython-312.pyc").write_bytes(b"bytecode")
+    assert fingerprint_and_key() == now
+    monkeypatch.setattr(cache, "dsl_version", lambda: "0.0.0-other")
+    assert fingerprint_and_key()[1] != now[1]
 
 
 # --- disk cache ------------------------------------------------------------------------------------
@@ -459,7 +495,8 @@ def _gpu_add(arch: str, static: dict):
         assert fn is not None, f"{test_bundle} lacks {ADD.name} {arch} {static}"
         return fn
     if not sources.dsl_available():
-        pytest.skip("no CuTe DSL here and H3CUTE_TEST_BUNDLE is unset (see perf/device_run.sh)")
+        pytest.fail("no CuTe DSL here and H3CUTE_TEST_BUNDLE is unset: build the runtime's test bundle "
+                    "(python tests/test_runtime.py DIR, see perf/device_run.sh)")
     return cache.load_or_build(ADD.name, arch, static, lambda: ADD)
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from bitwise import bits
+from compiled_ptx import ptx_of
 
 M, N, HIDDEN, K_SLICE = 64, 2688, 5376, 896
 PROBE_VARIANTS = (
@@ -41,12 +42,11 @@ _VARIANT_IDS = ["k8", "k32", "k32_zero_c", "k32_mask_small"]
 def test_probe_compiles_to_tf32_wgmma(static, tmp_path):
     pytest.importorskip("cutlass", exc_type=ImportError)
     from h3cute.kernels import wgmma_tf32 as W
-    from h3cute.runtime.dsl import compile_variant
 
     assert [dict(v) for v in W.PROBE_VARIANTS] == list(PROBE_VARIANTS)
     spec = W.SPECS[0]
     assert spec.archs == ("sm_90a",)
-    _, ptxs = compile_variant(spec, "sm_90a", static, keep_ptx=True)
+    ptxs = ptx_of(spec, "sm_90a", static)
     ptx = "\n".join(ptxs)
     assert "wgmma.mma_async.sync.aligned.m64n" in ptx and ".tf32" in ptx
     chunks = static["tile_k"] // 8
@@ -134,13 +134,15 @@ def _describe_difference(got, want) -> str:
             f"{got[tuple(first)].item()!r} vs {want[tuple(first)].item()!r}")
 
 
+# Every probe variant at every K that is a multiple of its tile_k (a probe runs whole k tiles only).
+_PROBE_CASES = [(static, k) for static in PROBE_VARIANTS for k in (8, 64, 896) if k % static["tile_k"] == 0]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("data", ("normal", "wide_exponents", "cancellation", "subnormal_products"))
-@pytest.mark.parametrize("k", (8, 64, 896))
-@pytest.mark.parametrize("static", PROBE_VARIANTS, ids=_VARIANT_IDS)
+@pytest.mark.parametrize("static, k", _PROBE_CASES,
+                         ids=[f"{_VARIANT_IDS[PROBE_VARIANTS.index(s)]}-{k}" for s, k in _PROBE_CASES])
 def test_probe_gives_the_mma_sync_bits(static, k, data):
-    if k % static["tile_k"]:
-        pytest.skip(f"K = {k} is not a multiple of tile_k = {static['tile_k']}")
     seed = 1000 * k + sum(map(ord, data))
     pairs = [_pair(data, k, seed + 10 * s) for s in range(HIDDEN // K_SLICE)]
     want = _mma_sync_partials(*zip(*pairs))
@@ -197,12 +199,11 @@ def _tma_gemm_ptx(name: str, tmp_path, loads_per_k_tile: int):
     accumulator register (64 x bn over 128 threads) per chunk, no local memory, no atomics; ptxas: no spills,
     no serialization warning."""
     from h3cute.kernels import get_spec
-    from h3cute.runtime.dsl import compile_variant
 
     spec = get_spec(name)
     assert spec.archs == ("sm_90a",)
     for static in spec.variants("sm_90a"):
-        _, ptxs = compile_variant(spec, "sm_90a", static, keep_ptx=True)
+        ptxs = ptx_of(spec, "sm_90a", static)
         ptx = "\n".join(ptxs)
         bn, bk, _ = static["tile"]
         chunks = bk // 8
@@ -274,11 +275,10 @@ def test_perf_script_times_every_wgmma_tile():
 def test_split_compiles_to_vector_copies(tmp_path):
     pytest.importorskip("cutlass", exc_type=ImportError)
     from h3cute.kernels import get_spec
-    from h3cute.runtime.dsl import compile_variant
 
     spec = get_spec("tf32_split")
     for static in spec.variants("sm_90a"):
-        _, ptxs = compile_variant(spec, "sm_90a", static, keep_ptx=True)
+        ptxs = ptx_of(spec, "sm_90a", static)
         ptx = "\n".join(ptxs)
         assert "and.b32" in ptx and "db, 4096;" in ptx
         if not static["transpose"]:

@@ -17,6 +17,8 @@ import torch
 from h3cute.launch import timestep_mlp as L
 
 from bitwise import same_bits
+from compiled_ptx import ptx_of
+from poison import poison_allocator
 
 F1, HIDDEN, D = 256, 5376, 2688
 REPORT_SIZES = (1, 3, 4, 64, 256, 2048)
@@ -127,11 +129,9 @@ def _expected_mma_per_k_tile(tile):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_every_variant_compiles_with_three_tf32_mma_per_step(K, arch):
-    from h3cute.runtime.dsl import compile_variant
-
     for spec in K.SPECS:
         for static in spec.variants(arch):
-            _, ptxs = compile_variant(spec, arch, static, keep_ptx=True)
+            ptxs = ptx_of(spec, arch, static)
             ptx = "\n".join(ptxs)
             assert f".target {arch}" in ptx
             for marker in spec.ptx_markers:
@@ -279,15 +279,6 @@ def _rel(out, ref):
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def _poison_allocator():
-    """Leave NaN in freed caching-allocator blocks so an output element the kernels miss shows up."""
-    junk = torch.full((1 << 28,), float("nan"), device="cuda")
-    del junk
-    for n in (1 << 20, 1 << 22, 1 << 24):
-        blocks = [torch.full((n,), float("nan"), device="cuda") for _ in range(4)]
-        del blocks
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_rows", (1, 5, 33, 100))
 def test_each_gemm_role_against_fp64(num_rows):
@@ -296,7 +287,7 @@ def test_each_gemm_role_against_fp64(num_rows):
 
     w1, b1, w2, b2 = _params(7)
     x = _randn((num_rows, F1), 71)
-    _poison_allocator()
+    poison_allocator()
     z, h = L._fc1(x, w1, b1, L.SMALL_T.fc1)
     z64 = x.double() @ w1.double().t() + b1.double()
     assert _rel(z, z64) <= FWD_TOL
@@ -366,10 +357,10 @@ def test_accuracy_against_fp64(num_rows):
     x = _randn((num_rows, F1), 11)
     grad = _randn((num_rows, D), 9)
     ref_out, (dx, dw1, db1, dw2, db2) = _fp64(x, w1, b1, w2, b2, grad)
-    _poison_allocator()
+    poison_allocator()
     out = L.forward(x, w1, b1, w2, b2)
     assert _rel(out, ref_out) <= FWD_TOL
-    _poison_allocator()
+    poison_allocator()
     got = L.backward(grad, x, w1, b1, w2)
     for name, g, r in zip(("dx", "dw1", "db1", "dw2", "db2"), got, (dx, dw1, db1, dw2, db2)):
         assert g.shape == r.shape and g.dtype == torch.float32, name
@@ -443,9 +434,9 @@ def _both_paths(x, w1, b1, w2, b2, grad):
     """(forward, backward) of the mma.sync path and of the wgmma path, each on NaN-poisoned memory."""
     runs = []
     for wgmma in (False, True):
-        _poison_allocator()
+        poison_allocator()
         out = L.forward(x, w1, b1, w2, b2, wgmma=wgmma)
-        _poison_allocator()
+        poison_allocator()
         runs.append((out, L.backward(grad, x, w1, b1, w2, wgmma=wgmma)))
     return runs
 
@@ -518,7 +509,7 @@ def test_parameter_gradients_are_repeatable(num_rows):
     x = _randn((num_rows, F1), 51)
     grad = _randn((num_rows, D), 52)
     first = L.backward(grad, x, w1, b1, w2)
-    _poison_allocator()
+    poison_allocator()
     second = L.backward(grad, x, w1, b1, w2)
     for name, a, b in zip(("dx", "dw1", "db1", "dw2", "db2"), first, second):
         assert same_bits(a, b), name
