@@ -38,6 +38,9 @@ def poison_allocator() -> None:
     fresh 0xFF segments to both pools, so that the next allocations are carved from NaN memory."""
     device = torch.cuda.current_device()
     stream = torch.cuda.current_stream().cuda_stream
+    # The last call's fresh segments go back to the driver first: without this the cache grows by them at every
+    # call (a session of poisoned tests ran the H200 out of memory).
+    torch.cuda.empty_cache()
     held = []
     # Largest first, each request the size of a free block (small-pool pieces capped at what that pool serves):
     # best fit then takes exactly the blocks seen. A request that found no block opened a new segment whose rest

@@ -511,8 +511,9 @@ def test_gpu_liger_norm_modulate_runs_forward_and_backward():
     c = peers.liger_candidate(p, CUDA)
     assert c.unavailable is None, c.unavailable
     e = checks.accuracy_latency(c, p, SMALL_GPU, CUDA, checks.Reference(p, CUDA, replay_bits=True))["257"]
-    # the replay's own bound (tests/test_norm_modulate.py): four BF16 roundings of the modulated row
-    assert e["fwd_rel_err"] < 1.6e-2 and max(e["grad_rel_err"].values()) < 2 ** -6
+    # the replay's own bounds: four BF16 roundings of the modulated row (tests/test_norm_modulate.py); the table
+    # gradients are diffusers' modulation in torch, BF16 index_add sums (0.02-0.05 from FP64 in the H200 reports)
+    assert e["fwd_rel_err"] < 1.6e-2 and max(e["grad_rel_err"].values()) < 0.1
     assert e["fwd_us"] > 0 and e["fwd_bwd_us"] > 0 and "equal" in e["fwd_bits_vs_diffusers"]
 
 

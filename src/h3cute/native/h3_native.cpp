@@ -247,9 +247,13 @@ bool errors_pending(int device) {
   return false;
 }
 
-// Fast-path predicate: dtype, device, exact sizes (-1: any), dense row-major layout.
+// The CUDA device of an input, -1 for any other (or for None: an undefined tensor, which the Python impl refuses
+// naming the argument).
+int cuda_device(const at::Tensor& t) { return t.defined() && t.is_cuda() ? t.get_device() : -1; }
+
+// Fast-path predicate: defined, dtype, device, exact sizes (-1: any), dense row-major layout.
 bool dense(const at::Tensor& t, at::ScalarType dtype, int device, std::initializer_list<int64_t> sizes) {
-  if (t.scalar_type() != dtype || !t.is_cuda() || t.get_device() != device ||
+  if (!t.defined() || t.scalar_type() != dtype || !t.is_cuda() || t.get_device() != device ||
       t.dim() != static_cast<int64_t>(sizes.size()))
     return false;
   int d = 0;
@@ -269,7 +273,7 @@ KernelTable sinusoid_kernels("h3cute.launch.timestep_sinusoid");  // variant = c
 at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
   // Fast path: 1-D contiguous FP32, no gradient asked for. Anything else (widening, errors with their
   // messages, the no-gradient refusal) is the Python impl's.
-  const bool fast = t.dim() == 1 && t.scalar_type() == at::kFloat && (t.size(0) <= 1 || t.stride(0) == 1) &&
+  const bool fast = t.defined() && t.dim() == 1 && t.scalar_type() == at::kFloat && (t.size(0) <= 1 || t.stride(0) == 1) &&
                     !(t.requires_grad() && at::GradMode::is_enabled()) && t.is_cuda() && !errors_pending(t.get_device());
   if (!fast) return python_impl<at::Tensor>("h3cute.ops.timestep", "_sinusoid_cuda", t, check_range);
   const int64_t rows = t.size(0);
@@ -353,7 +357,7 @@ View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
 
 at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                              const at::Tensor& b2) {
-  const int d = x.is_cuda() ? x.get_device() : -1;
+  const int d = cuda_device(x);
   if (!(mlp_fast(x, w1, b1, w2, d) && dense(b2, at::kFloat, d, {kTemb}) && !errors_pending(d)))
     return python_impl<at::Tensor>("h3cute.ops.timestep", "_mlp_cuda", x, w1, b1, w2, b2);
   const int64_t rows = x.size(0);
@@ -461,7 +465,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2) {
-  const int d = x.is_cuda() ? x.get_device() : -1;
+  const int d = cuda_device(x);
   if (!(mlp_fast(x, w1, b1, w2, d) && dense(grad, at::kFloat, d, {x.size(0), kTemb}) && !errors_pending(d))) {
     using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
     return python_impl<R>("h3cute.ops.timestep", "_mlp_backward_cuda", grad, x, w1, b1, w2);
@@ -551,7 +555,7 @@ bool rows_fast(const at::Tensor& x, int d) {
 
 // A (R, H) BF16 table read in place with 16-byte row loads: unit column stride, rows 16-byte aligned.
 bool table_fast(const at::Tensor& t, int d, int64_t width = kHidden) {
-  return t.scalar_type() == at::kBFloat16 && t.is_cuda() && t.get_device() == d && t.dim() == 2 &&
+  return t.defined() && t.scalar_type() == at::kBFloat16 && t.is_cuda() && t.get_device() == d && t.dim() == 2 &&
          t.size(0) > 0 && t.size(1) == width && t.stride(1) == 1 && t.stride(0) >= width &&
          t.stride(0) % 8 == 0 && aligned16(t);
 }
@@ -563,7 +567,7 @@ const int64_t* check_slot(const KernelTable::Entry& k, bool check) { return k.pa
 at::Tensor norm_modulate_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& shift,
                               const at::Tensor& scale, const at::Tensor& idx, double eps, bool check_indices) {
   // check_indices: the kernel checks every index itself and records a bad one in the op's check slot.
-  const int d = x.is_cuda() ? x.get_device() : -1;
+  const int d = cuda_device(x);
   const bool fast = eps > 0 && rows_fast(x, d) && dense(weight, at::kBFloat16, d, {kHidden}) &&
                     aligned16(weight) && table_fast(shift, d) && table_fast(scale, d) &&
                     shift.size(0) == scale.size(0) && dense(idx, at::kLong, d, {x.size(0)}) && !errors_pending(d);
@@ -583,7 +587,7 @@ std::tuple<at::Tensor, at::Tensor> final_adaln_out_fwd_cuda(const at::Tensor& x,
                                                             const at::Tensor& temb, const at::Tensor& proj_weight,
                                                             const at::Tensor& proj_bias, const at::Tensor& ti,
                                                             double eps, bool check_indices) {
-  const int d = x.is_cuda() ? x.get_device() : -1;
+  const int d = cuda_device(x);
   const bool fast = eps > 0 && rows_fast(x, d) && dense(norm_weight, at::kBFloat16, d, {kHidden}) &&
                     aligned16(norm_weight) && dense(temb, at::kFloat, d, {-1, kTemb}) && aligned16(temb) &&
                     temb.size(0) > 0 && dense(proj_weight, at::kBFloat16, d, {kFinalProjection, kTemb}) &&
@@ -659,7 +663,7 @@ NormGrads norm_backward_fused(const KernelTable::Entry& k, int fused, int fold_f
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
     const at::Tensor& idx, double eps, int64_t table_rows) {
-  const int d = x.is_cuda() ? x.get_device() : -1;
+  const int d = cuda_device(x);
   const bool fast = eps > 0 && rows_fast(x, d) && rows_fast(grad, d) && grad.size(0) == x.size(0) &&
                     dense(weight, at::kBFloat16, d, {kHidden}) && aligned16(weight) && table_fast(scale, d) &&
                     scale.size(0) == table_rows && table_rows <= kMaxFusedTableRows &&
@@ -685,7 +689,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& nw, const at::Tensor& temb,
     const at::Tensor& pw, const at::Tensor& pb, const at::Tensor& ti, double eps,
     const std::optional<at::Tensor>& table) {
-  const int d = x.is_cuda() ? x.get_device() : -1;
+  const int d = cuda_device(x);
   const bool fast = eps > 0 && rows_fast(x, d) && rows_fast(grad, d) && grad.size(0) == x.size(0) &&
                     dense(nw, at::kBFloat16, d, {kHidden}) && aligned16(nw) && dense(temb, at::kFloat, d, {-1, kTemb}) &&
                     aligned16(temb) && temb.size(0) > 0 && temb.size(0) <= kMaxFusedTableRows &&
@@ -713,7 +717,7 @@ KernelTable gate_residual_kernels("h3cute.launch.gate_residual");  // 0: [fwd]; 
 
 at::Tensor gate_residual_cuda(const at::Tensor& residual, const at::Tensor& y, const at::Tensor& gate,
                               const at::Tensor& idx, bool check_indices) {
-  const int d = y.is_cuda() ? y.get_device() : -1;
+  const int d = cuda_device(y);
   const bool fast = rows_fast(y, d) && rows_fast(residual, d) && residual.size(0) == y.size(0) &&
                     table_fast(gate, d) && dense(idx, at::kLong, d, {y.size(0)}) && !errors_pending(d);
   if (!fast)
@@ -728,7 +732,7 @@ at::Tensor gate_residual_cuda(const at::Tensor& residual, const at::Tensor& y, c
 
 std::tuple<at::Tensor, at::Tensor> gate_residual_backward_cuda(const at::Tensor& grad, const at::Tensor& y,
                                                                const at::Tensor& gate, const at::Tensor& idx) {
-  const int d = y.is_cuda() ? y.get_device() : -1;
+  const int d = cuda_device(y);
   const bool fast = rows_fast(y, d) && rows_fast(grad, d) && grad.size(0) == y.size(0) && table_fast(gate, d) &&
                     gate.size(0) <= kMaxTableRows && dense(idx, at::kLong, d, {y.size(0)}) && !errors_pending(d);
   if (!fast)
@@ -755,7 +759,7 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_norm_modulate_cuda(const at::Te
                                                                     const at::Tensor& shift, const at::Tensor& scale,
                                                                     const at::Tensor& idx, double eps,
                                                                     bool check_indices) {
-  const int d = y.is_cuda() ? y.get_device() : -1;
+  const int d = cuda_device(y);
   const bool fast = eps > 0 && rows_fast(y, d) && rows_fast(residual, d) && residual.size(0) == y.size(0) &&
                     dense(weight, at::kBFloat16, d, {kHidden}) && aligned16(weight) && table_fast(gate, d) &&
                     table_fast(shift, d) && table_fast(scale, d) && gate.size(0) == scale.size(0) &&
@@ -779,7 +783,7 @@ constexpr int64_t kChunks = 6, kBlockTable = kChunks * kHidden;
 KernelTable row_gather_kernels("h3cute.launch.adaln_row_gather");  // 0: [fwd]; R rows: [bwd, fold], [groups]
 
 std::vector<at::Tensor> adaln_row_gather_cuda(const at::Tensor& table, const at::Tensor& idx, bool check_indices) {
-  const int d = table.is_cuda() ? table.get_device() : -1;
+  const int d = cuda_device(table);
   const bool fast = table_fast(table, d, kBlockTable) && dense(idx, at::kLong, d, {-1}) && idx.size(0) > 0 &&
                     !errors_pending(d);
   if (!fast)
@@ -795,7 +799,7 @@ std::vector<at::Tensor> adaln_row_gather_cuda(const at::Tensor& table, const at:
 }
 
 at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor& idx, int64_t table_rows) {
-  const int d = idx.is_cuda() ? idx.get_device() : -1;
+  const int d = cuda_device(idx);
   bool fast = grads.size() == kChunks && dense(idx, at::kLong, d, {-1}) && idx.size(0) > 0 && table_rows > 0 &&
               table_rows <= kMaxTableRows && !errors_pending(d);
   for (size_t c = 0; fast && c < grads.size(); ++c) fast = rows_fast(grads[c], d) && grads[c].size(0) == idx.size(0);
@@ -824,7 +828,7 @@ bool projection_fast(const at::Tensor& temb, const at::Tensor& weight, int d) {
 }
 
 at::Tensor adaln_projection_cuda(const at::Tensor& temb, const at::Tensor& weight, const at::Tensor& bias) {
-  const int d = temb.is_cuda() ? temb.get_device() : -1;
+  const int d = cuda_device(temb);
   if (!(projection_fast(temb, weight, d) && dense(bias, at::kBFloat16, d, {kBlockProjection}) && aligned16(bias)))
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_projection_cuda", temb, weight, bias);
   const int64_t timesteps = temb.size(0);
@@ -838,7 +842,7 @@ at::Tensor adaln_projection_cuda(const at::Tensor& temb, const at::Tensor& weigh
 std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_projection_backward_cuda(const at::Tensor& grad,
                                                                               const at::Tensor& temb,
                                                                               const at::Tensor& weight) {
-  const int d = temb.is_cuda() ? temb.get_device() : -1;
+  const int d = cuda_device(temb);
   if (!(projection_fast(temb, weight, d) && dense(grad, at::kBFloat16, d, {temb.size(0), kBlockProjection}) &&
         aligned16(grad)))
     return python_impl<std::tuple<at::Tensor, at::Tensor, at::Tensor>>("h3cute.ops.adaln", "_projection_backward_cuda",
@@ -863,6 +867,9 @@ c10::TypedOperatorHandle<Sig> h3_op(const char* name) {
 using T = at::Tensor;
 using CT = const at::Tensor&;
 
+// A table's row count for the backward; 0 for None (the op below refuses it, naming the argument).
+int64_t rows_or_zero(CT t) { return t.defined() ? t.size(0) : 0; }
+
 struct TimestepMlpFn : torch::autograd::Function<TimestepMlpFn> {
   static T forward(AutogradContext* ctx, CT x, CT w1, CT b1, CT w2, CT b2) {
     static auto op = h3_op<T(CT, CT, CT, CT, CT)>("h3::timestep_mlp");
@@ -883,7 +890,7 @@ struct NormModulateFn : torch::autograd::Function<NormModulateFn> {
     static auto op = h3_op<T(CT, CT, CT, CT, CT, double, bool)>("h3::norm_modulate");
     ctx->save_for_backward({x, weight, scale, idx});
     ctx->saved_data["eps"] = eps;
-    ctx->saved_data["table_rows"] = shift.size(0);
+    ctx->saved_data["table_rows"] = rows_or_zero(shift);
     at::AutoDispatchBelowADInplaceOrView below;
     return op.call(x, weight, shift, scale, idx, eps, check);
   }
@@ -936,7 +943,7 @@ struct RowGatherFn : torch::autograd::Function<RowGatherFn> {
   static variable_list forward(AutogradContext* ctx, CT table, CT idx, bool check) {
     static auto op = h3_op<std::vector<T>(CT, CT, bool)>("h3::adaln_row_gather");
     ctx->save_for_backward({idx});
-    ctx->saved_data["table_rows"] = table.size(0);
+    ctx->saved_data["table_rows"] = rows_or_zero(table);
     at::AutoDispatchBelowADInplaceOrView below;
     return op.call(table, idx, check);
   }
@@ -978,7 +985,7 @@ struct GateResidualNormModulateFn : torch::autograd::Function<GateResidualNormMo
     }
     ctx->save_for_backward({y, gate, h, weight, scale, idx});
     ctx->saved_data["eps"] = eps;
-    ctx->saved_data["table_rows"] = shift.size(0);
+    ctx->saved_data["table_rows"] = rows_or_zero(shift);
     return {h, out};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
