@@ -18,6 +18,7 @@
 #include <tvm/ffi/extra/c_env_api.h>
 
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <optional>
 #include <string>
@@ -1009,23 +1010,58 @@ struct GateResidualNormModulateFn : torch::autograd::Function<GateResidualNormMo
   }
 };
 
-T timestep_mlp_autograd(CT x, CT w1, CT b1, CT w2, CT b2) { return TimestepMlpFn::apply(x, w1, b1, w2, b2); }
+// An input is None (an undefined tensor), which autograd's Function cannot take: the op runs below autograd, where its
+// Python impl refuses it naming the argument.
+bool any_undefined(std::initializer_list<std::reference_wrapper<const at::Tensor>> tensors) {
+  for (const at::Tensor& t : tensors)
+    if (!t.defined()) return true;
+  return false;
+}
+template <typename Sig, typename... Args>
+auto below_autograd(const char* name, const Args&... args) {
+  auto op = h3_op<Sig>(name);
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(args...);
+}
+
+T timestep_mlp_autograd(CT x, CT w1, CT b1, CT w2, CT b2) {
+  if (any_undefined({x, w1, b1, w2, b2})) return below_autograd<T(CT, CT, CT, CT, CT)>("h3::timestep_mlp", x, w1, b1, w2, b2);
+  return TimestepMlpFn::apply(x, w1, b1, w2, b2);
+}
 std::tuple<T, T> gate_residual_norm_modulate_autograd(CT residual, CT y, CT gate, CT weight, CT shift, CT scale, CT idx,
                                                       double eps, bool check) {
+  if (any_undefined({residual, y, gate, weight, shift, scale, idx}))
+    return below_autograd<std::tuple<T, T>(CT, CT, CT, CT, CT, CT, CT, double, bool)>(
+        "h3::gate_residual_norm_modulate", residual, y, gate, weight, shift, scale, idx, eps, check);
   auto outs = GateResidualNormModulateFn::apply(residual, y, gate, weight, shift, scale, idx, eps, check);
   return {outs[0], outs[1]};
 }
 T norm_modulate_autograd(CT x, CT w, CT shift, CT scale, CT idx, double eps, bool check) {
+  if (any_undefined({x, w, shift, scale, idx}))
+    return below_autograd<T(CT, CT, CT, CT, CT, double, bool)>("h3::norm_modulate", x, w, shift, scale, idx, eps, check);
   return NormModulateFn::apply(x, w, shift, scale, idx, eps, check);
 }
 T gate_residual_autograd(CT residual, CT y, CT gate, CT idx, bool check) {
+  if (any_undefined({residual, y, gate, idx}))
+    return below_autograd<T(CT, CT, CT, CT, bool)>("h3::gate_residual", residual, y, gate, idx, check);
   return GateResidualFn::apply(residual, y, gate, idx, check);
 }
-std::vector<T> adaln_row_gather_autograd(CT table, CT idx, bool check) { return RowGatherFn::apply(table, idx, check); }
+std::vector<T> adaln_row_gather_autograd(CT table, CT idx, bool check) {
+  if (any_undefined({table, idx}))
+    return below_autograd<std::vector<T>(CT, CT, bool)>("h3::adaln_row_gather", table, idx, check);
+  return RowGatherFn::apply(table, idx, check);
+}
 T final_adaln_out_autograd(CT x, CT nw, CT temb, CT pw, CT pb, CT ti, double eps, bool check) {
+  if (any_undefined({x, nw, temb, pw, pb, ti}))
+    return below_autograd<T(CT, CT, CT, CT, CT, CT, double, bool)>("h3::final_adaln_out", x, nw, temb, pw, pb, ti, eps,
+                                                                     check);
   return FinalAdalnOutFn::apply(x, nw, temb, pw, pb, ti, eps, check);
 }
-T adaln_projection_autograd(CT temb, CT weight, CT bias) { return AdalnProjectionFn::apply(temb, weight, bias); }
+T adaln_projection_autograd(CT temb, CT weight, CT bias) {
+  if (any_undefined({temb, weight, bias}))
+    return below_autograd<T(CT, CT, CT)>("h3::adaln_projection", temb, weight, bias);
+  return AdalnProjectionFn::apply(temb, weight, bias);
+}
 
 // The ops this library implements, each with its impl: `visit(name, TORCH_FN(impl))` once per op. install()
 // registers them and the module's OPS / AUTOGRAD_OPS list their names, so the two never disagree.
