@@ -21,9 +21,9 @@ from cutlass import Float32, Int32, Int64
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
-from .rowwise import (COL_TILE, MAX_TABLE_ROWS, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, check_row, fake_indices,
-                      fake_partials, fake_rows, fake_table, guarded_row, load_f32, next_owned, reduction_block,
-                      round_bf16, row_range, row_slots, smem_vec, store_bf16, vec_view, window_chunk)
+from .rowwise import (COL_TILE, MAX_TABLE_ROWS, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, checked_row,
+                      fake_indices, fake_partials, fake_rows, fake_table, guarded_row, load_f32, reduction_block,
+                      round_bf16, row_range, row_slots, smem_vec, store_bf16, take_owned, vec_view, window_chunk)
 
 HIDDEN = 5376
 
@@ -35,10 +35,7 @@ def _forward_kernel(mRes: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor, mIdx
     row, _, _ = cute.arch.block_idx()
     num_vecs = width // VEC
     base = Int64(row) * width
-    idx = Int64(mIdx[row])
-    if tidx == 0:
-        check_row(idx, mGate.shape[0], row, err_rows, err_host)
-    r, poison = guarded_row(idx, mGate.shape[0])
+    r, poison = checked_row(mIdx, row, mGate.shape[0], tidx, err_rows, err_host)
     gate_base = r * mGate.stride[0]
     for k in cutlass.range_constexpr(row_slots(width, ROW_THREADS)):
         vi = tidx + k * ROW_THREADS
@@ -79,10 +76,7 @@ def _backward_chunk_windowed(mG, mY, mGate, mIdx, mDy, sGate, base, chunk, end, 
     table_rows = mGate.shape[0]
     mask, local, inside = window_chunk(mIdx, chunk, end, table_rows, base, cap, lane, True)
     for _ in cutlass.range_constexpr(32 // UNROLL):
-        taken = []
-        for _ in cutlass.range_constexpr(UNROLL):
-            has, src, mask = next_owned(mask)
-            taken.append((has, src))
+        taken, mask = take_owned(mask, UNROLL)
         locs = [cute.arch.shuffle_sync(local, src) for _, src in taken]
         ins = [cute.arch.shuffle_sync(Int32(inside), src) != 0 for _, src in taken]
         offs = [Int64(chunk + src) * width + col for _, src in taken]

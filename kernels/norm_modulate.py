@@ -47,9 +47,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
-from .rowwise import (COL_TILE, MAX_TABLE_ROWS, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNROLL, VEC, check_row,
-                      fake_indices, fake_partials, fake_rows, fake_table, fake_vector, guarded_row, load_f32,
-                      next_owned, reduction_block, round_bf16, row_range, smem_vec, store_bf16, torch_sumsq,
+from .rowwise import (COL_TILE, MAX_TABLE_ROWS, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNROLL, VEC,
+                      checked_row, fake_indices, fake_partials, fake_rows, fake_table, fake_vector, guarded_row,
+                      load_f32, reduction_block, round_bf16, row_range, smem_vec, take_owned, torch_sumsq,
                       torch_sumsq_v4, vec_view, window_chunk)
 
 HIDDEN = 5376
@@ -180,12 +180,8 @@ def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mShift: cute.Tensor, mScal
     row, _, _ = cute.arch.block_idx()
     smem = cutlass.memory.SmemAllocator()
     sRed = smem.allocate_tensor(Float32, cute.make_layout(TORCH_WARPS), byte_alignment=16)
-    num_vecs = width // VEC
     base = Int64(row) * width
-    idx = Int64(mIdx[row])
-    if tidx == 0:
-        check_row(idx, mScale.shape[0], row, err_rows, err_host)
-    r, poison = guarded_row(idx, mScale.shape[0])
+    r, poison = checked_row(mIdx, row, mScale.shape[0], tidx, err_rows, err_host)
     xs = load_row(mX, base, tidx, width)
     rstd = row_rstd(xs, sRed, tidx, eps, width)
     _modulate_row(xs, rstd, mW, mShift, mScale, mOut, r, poison, base, tidx, width)
@@ -241,10 +237,7 @@ def _gated_forward_kernel(mRes: cute.Tensor, mY: cute.Tensor, mGate: cute.Tensor
     sRed = smem.allocate_tensor(Float32, cute.make_layout(TORCH_WARPS), byte_alignment=16)
     num_vecs = width // vec
     base = Int64(row) * width
-    idx = Int64(mIdx[row])
-    if tidx == 0:
-        check_row(idx, mScale.shape[0], row, err_rows, err_host)
-    r, poison = guarded_row(idx, mScale.shape[0])
+    r, poison = checked_row(mIdx, row, mScale.shape[0], tidx, err_rows, err_host)
     gate_base = r * mGate.stride[0]
     res = load_row(mRes, base, tidx, width, vec)
     ys = load_row(mY, base, tidx, width, vec)
@@ -388,10 +381,7 @@ def _params_chunk_windowed(mG, mX, mScale, mIdx, mRstd, w, accW, sShift, sScale,
     (window_chunk) are loaded UNROLL at a time and added in row order."""
     mask, local, _ = window_chunk(mIdx, chunk, end, mScale.shape[0], base, cap, lane, False)
     for _ in cutlass.range_constexpr(32 // UNROLL):
-        taken = []
-        for _ in cutlass.range_constexpr(UNROLL):
-            has, src, mask = next_owned(mask)
-            taken.append((has, src))
+        taken, mask = take_owned(mask, UNROLL)
         locs = [cute.arch.shuffle_sync(local, src) for _, src in taken]
         offs = [Int64(chunk + src) * width + col for _, src in taken]
         gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(UNROLL)]

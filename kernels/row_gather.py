@@ -24,8 +24,8 @@ from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
 
 from .rowwise import (COL_TILE, MAX_TABLE_ROWS, ROW_THREADS, TABLE_ROWS_CAPS, VEC, check_row, fake_indices,
-                      fake_partials, fake_rows, fake_table, load_f32, next_owned, reduction_block, row_range,
-                      row_slots, smem_vec, store_bf16, vec_view, window_chunk)
+                      fake_partials, fake_rows, fake_table, load_f32, reduction_block, row_range, row_slots, smem_vec,
+                      store_bf16, take_owned, vec_view, window_chunk)
 
 HIDDEN = 5376
 CHUNKS = 6
@@ -84,10 +84,7 @@ def _backward_rows_windowed(mG, mIdx, sAcc, table_rows, base, chunk, end, col, l
     (window_chunk) are loaded GATHER_UNROLL at a time and added in row order."""
     mask, local, _ = window_chunk(mIdx, chunk, end, table_rows, base, cap, lane, False)
     for _ in cutlass.range_constexpr(32 // GATHER_UNROLL):
-        taken = []
-        for _ in cutlass.range_constexpr(GATHER_UNROLL):
-            has, src, mask = next_owned(mask)
-            taken.append((has, src))
+        taken, mask = take_owned(mask, GATHER_UNROLL)
         locs = [cute.arch.shuffle_sync(local, src) for _, src in taken]
         gs = [cute.make_rmem_tensor((VEC,), Float32) for _ in range(GATHER_UNROLL)]
         for i in cutlass.range_constexpr(GATHER_UNROLL):

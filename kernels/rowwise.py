@@ -190,6 +190,15 @@ def record_bad_row(err_rows: Int64, err_host: Int64, row, bound, *, loc=None, ip
 
 
 @cute.jit
+def checked_row(mIdx: cute.Tensor, row, table_rows, tidx, err_rows: Int64, err_host: Int64):
+    """guarded_row of `row`'s index, thread 0 recording a bad one in the call's check slot (check_row)."""
+    idx = Int64(mIdx[row])
+    if tidx == 0:
+        check_row(idx, table_rows, row, err_rows, err_host)
+    return guarded_row(idx, table_rows)
+
+
+@cute.jit
 def check_row(r, table_rows, row, err_rows: Int64, err_host: Int64):
     """Records table row `r` of `row` in its check slot when it lies outside [0, R) (one thread per row calls it;
     guarded_row makes the row NaN)."""
@@ -236,6 +245,16 @@ def next_owned(mask):
     lane) and the mask without it. Taking rows lowest first keeps them in row order."""
     low = mask & (Int32(0) - mask)
     return mask != 0, cute.arch.popc(low - 1), mask ^ low
+
+
+@cute.jit
+def take_owned(mask, rows: cutlass.Constexpr):
+    """The next `rows` rows of a ballot mask, lowest first (next_owned): [(any, lane)] and the mask left."""
+    taken = []
+    for _ in cutlass.range_constexpr(rows):
+        has, src, mask = next_owned(mask)
+        taken.append((has, src))
+    return taken, mask
 
 
 @cute.jit
