@@ -304,15 +304,7 @@ def _bwd_rows_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mScale: 
     ws = [fused_vec(mW, cols[k], cute.AddressSpace.gmem).load().to(Float32) for k in range(CLUSTER)]
     sums = []
     for k in cutlass.range_constexpr(CLUSTER):
-        dxhat = gs[k].to(Float32) * gains[k] * ws[k]
-        x = xs[k].to(Float32)
-        ss = Float32(0.0)
-        dot = Float32(0.0)
-        for e in cutlass.range_constexpr(FUSED_VEC):
-            ss = cute.math.fma(x[e], x[e], ss)
-            dot = cute.math.fma(dxhat[e], x[e], dot)
-        sums.append(ss)
-        sums.append(dot)
+        sums.extend(_vector_sums(xs[k], gs[k].to(Float32) * gains[k] * ws[k]))
     for off in cutlass.range_constexpr(5):
         sums = [v + cute.arch.shuffle_sync_bfly(v, 16 >> off) for v in sums]
     if lane == 0:
@@ -479,6 +471,19 @@ def _fused_terms(g, sGain: cute.Tensor, tab_off, w):
 
 
 @cute.jit
+def _vector_sums(x_bf16, dxhat):
+    """(sum x^2, sum dxhat * x) of one FUSED_VEC vector, elements in order: the first step of a row's two sums on
+    both backward paths (the fused kernel's push and bwd_rows), hence one function."""
+    x = x_bf16.to(Float32)
+    ss = Float32(0.0)
+    dot = Float32(0.0)
+    for e in cutlass.range_constexpr(FUSED_VEC):
+        ss = cute.math.fma(x[e], x[e], ss)
+        dot = cute.math.fma(dxhat[e], x[e], dot)
+    return ss, dot
+
+
+@cute.jit
 def _flush_run(sShift: cute.Tensor, sScale: cute.Tensor, run: cute.Tensor, runShift: cute.Tensor,
                runScale: cute.Tensor):
     """Add the run's sums to its table row's shared accumulators (this thread's columns) and clear them."""
@@ -565,15 +570,7 @@ def _fused_push(gs, xs, tab, sTab, w, sWarp, sPub, sBar, step, rank, tidx,
     warps = threads // 32
     parts = []
     for i in cutlass.range_constexpr(rows):
-        _, dxhat = _fused_terms(gs[i], sTab, tab[i], w)
-        x = xs[i].to(Float32)
-        ss = Float32(0.0)
-        dot = Float32(0.0)
-        for e in cutlass.range_constexpr(FUSED_VEC):
-            ss = cute.math.fma(x[e], x[e], ss)
-            dot = cute.math.fma(dxhat[e], x[e], dot)
-        parts.append(ss)
-        parts.append(dot)
+        parts.extend(_vector_sums(xs[i], _fused_terms(gs[i], sTab, tab[i], w)[1]))
     # Warp sums: the xor butterfly (offsets 16..1) as a reduce-scatter. Each stage a lane keeps half of its
     # values (the upper half where its offset bit is set) and adds the partner's copy of that half: the same
     # pairwise sums as the all-reduce, bitwise, in 31 shuffles for 32 values instead of 160.

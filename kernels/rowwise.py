@@ -109,6 +109,16 @@ def round_bf16(value):
 
 
 @cute.jit
+def _torch_warp_fold(sRed: cute.Tensor):
+    """The sum of torch's TORCH_WARPS warp sums in sRed, folded as torch's block reduction does (halves: 2, 1)."""
+    w = [sRed[y] for y in range(TORCH_WARPS)]
+    for _ in cutlass.range_constexpr(TORCH_WARPS.bit_length() - 1):
+        half = len(w) // 2
+        w = [w[y] + w[y + half] for y in range(half)]
+    return w[0]
+
+
+@cute.jit
 def torch_sumsq(xs, sRed: cute.Tensor, tidx):
     """Sum of squares of a row held as `xs` (this thread's BF16 8-vectors u, u + 64, ...; absent ones zero)
     in torch's fused rms_norm order, for a NORM_THREADS CTA. `sRed`: TORCH_WARPS FP32 of shared memory.
@@ -127,11 +137,7 @@ def torch_sumsq(xs, sRed: cute.Tensor, tidx):
     if tidx % 16 == 0:
         sRed[tidx // 16] = lo + hi  # torch warp 2w (our lane 0) and 2w + 1 (our lane 16)
     cute.arch.sync_threads()
-    w = [sRed[y] for y in range(TORCH_WARPS)]
-    for _ in cutlass.range_constexpr(TORCH_WARPS.bit_length() - 1):
-        half = len(w) // 2
-        w = [w[y] + w[y + half] for y in range(half)]
-    return w[0]
+    return _torch_warp_fold(sRed)
 
 
 @cute.jit
@@ -149,11 +155,7 @@ def torch_sumsq_v4(xs, sRed: cute.Tensor, tidx):
     if tidx % 32 == 0:
         sRed[tidx // 32] = acc
     cute.arch.sync_threads()
-    w = [sRed[y] for y in range(TORCH_WARPS)]
-    for _ in cutlass.range_constexpr(TORCH_WARPS.bit_length() - 1):
-        half = len(w) // 2
-        w = [w[y] + w[y + half] for y in range(half)]
-    return w[0]
+    return _torch_warp_fold(sRed)
 
 
 @cute.jit
