@@ -20,11 +20,11 @@ from poison import poison_allocator
 # The ops the C++ layer implements (their CUDA impls); every other op keeps its Python CUDA impl.
 NATIVE_OPS = ("timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate", "norm_modulate_backward",
               "gate_residual", "gate_residual_backward", "final_adaln_out", "final_adaln_out_fwd",
-              "final_adaln_out_backward", "adaln_row_gather", "adaln_row_gather_backward", "adaln_projection",
-              "adaln_projection_backward")
+              "final_adaln_out_backward", "adaln_row_gather", "adaln_row_gather_backward",
+              "gate_residual_norm_modulate", "adaln_projection", "adaln_projection_backward")
 # The ops whose autograd kernel is the C++ one.
 NATIVE_AUTOGRAD_OPS = ("timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out", "adaln_row_gather",
-                       "adaln_projection")
+                       "gate_residual_norm_modulate", "adaln_projection")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 no_compiler = shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None
