@@ -188,15 +188,16 @@ def _draw_gate_residual(n, seed, device):
 
 
 def _draw_gate_residual_norm_modulate(n, seed, device):
+    """gate_residual's draw (the same residual, y, gate and rows), then the norm's weight and tables."""
     bf = torch.bfloat16
+    gated = _draw_gate_residual(n, seed, device)
+    idx = gated.pop("adaln_indices")  # last, in schema order
     return {
-        "residual": randn((n, H), seed, 0, device, 2.0, bf),
-        "y": randn((n, H), seed, 1, device, 2.0, bf),
-        "gate": randn((3 * T_S_OPS, H), seed, 2, device, 1.0, bf),
+        **gated,
         "weight": (0.5 + rand((H,), seed, 3, device)).to(bf),
         "shift": randn((3 * T_S_OPS, H), seed, 4, device, 1.0, bf),
         "scale": randn((3 * T_S_OPS, H), seed, 5, device, 1.0, bf),
-        "adaln_indices": _adaln_indices(n, seed, device),
+        "adaln_indices": idx,
     }
 
 

@@ -22,15 +22,20 @@ def kernel_handles(device: int, variant: int, num_rows: int):
     return row_op_kernel_handles(device, variant, "gate_residual_backward", "gate_residual_fwd", "gate_residual_bwd")
 
 
+def check_residual_rows(op: str, residual, y, width: int) -> None:
+    """residual and y: contiguous (S, width) BF16 rows of one shape (the gated residual's operands)."""
+    check_rows(op, "residual", residual, width)
+    check_rows(op, "y", y, width)
+    if residual.shape != y.shape:
+        raise ValueError(f"h3::{op}: residual {tuple(residual.shape)} and y {tuple(y.shape)} differ")
+
+
 def forward(residual, y, gate, adaln_indices, check_indices=True):
     """(S, H) BF16 `residual + gate[idx] * y`; a bad index writes a NaN row and, with `check_indices`, is recorded
     in the op's check slot (h3cute.launch.checks)."""
     op = "gate_residual"
     width = y.shape[-1]
-    check_rows(op, "residual", residual, width)
-    check_rows(op, "y", y, width)
-    if residual.shape != y.shape:
-        raise ValueError(f"h3::{op}: residual {tuple(residual.shape)} and y {tuple(y.shape)} differ")
+    check_residual_rows(op, residual, y, width)
     gate = table_view(op, "gate", gate, width)
     idx = index_vector(op, adaln_indices, y.shape[0])
     out = torch.empty_like(y)

@@ -32,10 +32,7 @@ def forward(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, ch
     """(h, out), both (S, H) BF16; a bad index writes NaN rows and, with `check_indices`, is recorded in the op's
     check slot (h3cute.launch.checks). `vec`: the kernel's row layout (FORWARD_VEC)."""
     width = y.shape[-1]
-    for name, t in (("residual", residual), ("y", y)):
-        norm_modulate.check_rows(OP, name, t, width)
-    if residual.shape != y.shape:
-        raise ValueError(f"h3::{OP}: residual {tuple(residual.shape)} and y {tuple(y.shape)} differ")
+    gate_residual.check_residual_rows(OP, residual, y, width)
     norm_modulate._check_vector(OP, "weight", weight, width)
     gate, shift, scale = (norm_modulate.table_view(OP, name, t, width)
                           for name, t in (("gate", gate), ("shift", shift), ("scale", scale)))
