@@ -7,6 +7,8 @@
       --plan 'inductor_modes=["default"]' (leave max-autotune out), --plan inductor_compile_budget_s=300,
       --plan inductor_dynamic=false (a graph per row count).
   h3cute-bench compare A.json B.json [--labels A B]
+  h3cute-bench status DIR
+      the fastest-peer table (each op, size, phase) over every prior-art report in DIR: the README's status table.
   h3cute-bench sweep --op OP [--config NAME ...] [--full] [--out FILE.json]
   h3cute-bench model [--quick] [--out FILE.json] [--resume] [--budget-s SECONDS] [--sizes S ...] [--batches B ...]
       diffusers' MiniMax-H3 model with h3cute.patch against it unpatched (2 blocks at H3's widths): FILE.json,
@@ -121,6 +123,22 @@ def _compare(args) -> int:
     return 0
 
 
+def _status(args) -> int:
+    from h3cute.bench.report import status_markdown, load_report
+    order = [*OPS, "gate_residual_norm_modulate"]
+    paths = {p.stem: p for p in sorted(args.folder.glob("*.json"))}
+    reports = {}
+    for op in sorted(paths, key=lambda o: (order.index(o) if o in order else len(order), o)):
+        try:
+            reports[op] = load_report(paths[op])
+        except Exception:  # another script's JSON in the same folder (row_kernels.json, model.json, ...)
+            continue
+    if not reports:
+        raise UsageError(f"{args.folder}: no prior-art report (h3cute-bench prior-art --out DIR/OP.json)")
+    sys.stdout.write("\n".join(status_markdown(reports)) + "\n")
+    return 0
+
+
 def _sweep(args) -> int:
     from h3cute.bench import checks
     from h3cute.bench.prior_art import default_device
@@ -179,6 +197,9 @@ def parser() -> argparse.ArgumentParser:
     cp.add_argument("b", type=Path)
     cp.add_argument("--labels", nargs=2)
     cp.set_defaults(func=_compare)
+    st = sub.add_parser("status", help="one fastest-peer table over every prior-art report in a folder")
+    st.add_argument("folder", type=Path)
+    st.set_defaults(func=_status)
     sw = sub.add_parser("sweep", help="judge and rank every tile config of an op")
     sw.add_argument("--op", required=True, choices=OPS)
     sw.add_argument("--config", action="append", help="only these config names (repeatable)")

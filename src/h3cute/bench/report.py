@@ -297,29 +297,55 @@ def _bits_cell(e: dict) -> str:
     return "yes" if b["equal"] else f"no ({_fmt(100 * b['differing'])}% differ)"
 
 
-def fastest_markdown(report: dict) -> list[str]:
-    """The fastest-peer table of a report and, in words, every size where a peer beats h3cute."""
+_FASTEST_HEADER = ("h3cute µs", "fastest peer", "µs", "h3cute / peer", "fastest batch-invariant peer", "µs",
+                   "h3cute / peer")
+
+
+def _fastest_rows(report: dict):
+    """(size, phase, cells under _FASTEST_HEADER, sentence or None when a peer beats h3cute) per size and phase."""
     fastest = report.get("fastest_peer") or fastest_peers(report)
-    if not fastest:
-        return []
-    lines = ["## Fastest peer", "",
-             "h3cute / peer below 1: h3cute is faster. Peers: every other candidate whose output is the op's.", "",
-             _row("size", "phase", "h3cute µs", "fastest peer", "µs", "h3cute / peer", "fastest batch-invariant peer",
-                  "µs", "h3cute / peer"), _row(*["---"] * 9)]
-    faster = []
     for n in sorted(fastest, key=int):
         for phase, e in fastest[n].items():
-            cells = []
+            cells, beaten = [_fmt(e["h3cute_us"])], None
             for key in ("fastest", "fastest_invariant"):
                 f = e.get(key)
                 cells += [f"`{f['peer']}`", _fmt(f["us"]), _fmt(f["h3cute_over_peer"])] if f else ["–", "–", "–"]
                 if f and key == "fastest" and f["h3cute_over_peer"] is not None and f["h3cute_over_peer"] > 1:
-                    faster.append(f"{phase} at {n} rows: `{f['peer']}` {_fmt(f['us'])} µs against h3cute "
-                                  f"{_fmt(e['h3cute_us'])} µs ({_fmt(f['h3cute_over_peer'])}x)"
-                                  + ("" if f["batch_invariant"] else "; that peer is not batch-invariant"))
-            lines.append(_row(n, phase, _fmt(e["h3cute_us"]), *cells))
+                    beaten = (f"{phase} at {n} rows: `{f['peer']}` {_fmt(f['us'])} µs against h3cute "
+                              f"{_fmt(e['h3cute_us'])} µs ({_fmt(f['h3cute_over_peer'])}x)"
+                              + ("" if f["batch_invariant"] else "; that peer is not batch-invariant"))
+            yield n, phase, cells, beaten
+
+
+def fastest_markdown(report: dict) -> list[str]:
+    """The fastest-peer table of a report and, in words, every size where a peer beats h3cute."""
+    rows = list(_fastest_rows(report))
+    if not rows:
+        return []
+    lines = ["## Fastest peer", "",
+             "h3cute / peer below 1: h3cute is faster. Peers: every other candidate whose output is the op's.", "",
+             _row("size", "phase", *_FASTEST_HEADER), _row(*["---"] * (2 + len(_FASTEST_HEADER)))]
+    lines += [_row(n, phase, *cells) for n, phase, cells, _ in rows]
+    faster = [b for *_, b in rows if b]
     lines += ["", ("A peer is faster than h3cute here: " + "; ".join(faster) + ".") if faster
               else "No peer is faster than h3cute at any size measured here."]
+    return lines
+
+
+def status_markdown(reports: dict[str, dict]) -> list[str]:
+    """One fastest-peer table over several ops' reports ({op: report}, in the order given): the README's status
+    table. Each op's row names the commit its report measured, so a stale report shows as one."""
+    lines = [_row("op", "report's commit", "size", "phase", *_FASTEST_HEADER),
+             _row(*["---"] * (4 + len(_FASTEST_HEADER)))]
+    faster = []
+    for op, rep in reports.items():
+        commit = ((rep.get("environment") or {}).get("h3cute") or {}).get("commit") or "–"
+        for n, phase, cells, beaten in _fastest_rows(rep):
+            lines.append(_row(f"`{op}`", commit, n, phase, *cells))
+            if beaten:
+                faster.append(f"`{op}` {beaten}")
+    lines += ["", ("A peer is faster than h3cute at: " + "; ".join(faster) + ".") if faster
+              else "No peer is faster than h3cute at any size measured."]
     return lines
 
 
