@@ -247,7 +247,7 @@ def fastest_peers(report: dict) -> dict:
                 e = (c.get("accuracy_latency") or {}).get(n) or {}
                 if e.get(phase) is not None:
                     rows.append((e[phase], name, c["batch_invariance"]["batch_invariant"], e.get("fwd_rel_err")))
-            entry = {"h3cute_us": mine}
+            entry = {"h3cute_us": mine, "h3cute_fwd_rel_err": h3e.get("fwd_rel_err")}
             for key, pool in (("fastest", rows), ("fastest_invariant", [r for r in rows if r[2]])):
                 if pool:
                     us, name, inv, err = min(pool)
@@ -297,23 +297,33 @@ def _bits_cell(e: dict) -> str:
     return "yes" if b["equal"] else f"no ({_fmt(100 * b['differing'])}% differ)"
 
 
-_FASTEST_HEADER = ("h3cute µs", "fastest peer", "µs", "h3cute / peer", "fastest batch-invariant peer", "µs",
-                   "h3cute / peer")
+_FASTEST_HEADER = ("h3cute µs", "h3cute fwd err", "fastest peer", "µs", "fwd err", "h3cute / peer",
+                   "fastest batch-invariant peer", "µs", "fwd err", "h3cute / peer")
+
+
+def _error_note(peer_err, h3_err) -> str:
+    """Says when the faster peer is also far less accurate (10x or more h3cute's forward error against FP64)."""
+    if peer_err is None or not h3_err or peer_err < 10 * h3_err:
+        return ""
+    return f"; its forward error against FP64 is {_fmt(peer_err)}, {peer_err / h3_err:.0f}x h3cute's {_fmt(h3_err)}"
 
 
 def _fastest_rows(report: dict):
-    """(size, phase, cells under _FASTEST_HEADER, sentence or None when a peer beats h3cute) per size and phase."""
-    fastest = report.get("fastest_peer") or fastest_peers(report)
+    """(size, phase, cells under _FASTEST_HEADER, sentence or None when a peer beats h3cute) per size and phase.
+    Recomputed from the results (a stored `fastest_peer` may predate a field)."""
+    fastest = fastest_peers(report)
     for n in sorted(fastest, key=int):
         for phase, e in fastest[n].items():
-            cells, beaten = [_fmt(e["h3cute_us"])], None
+            cells, beaten = [_fmt(e["h3cute_us"]), _fmt(e.get("h3cute_fwd_rel_err"))], None
             for key in ("fastest", "fastest_invariant"):
                 f = e.get(key)
-                cells += [f"`{f['peer']}`", _fmt(f["us"]), _fmt(f["h3cute_over_peer"])] if f else ["–", "–", "–"]
+                cells += ([f"`{f['peer']}`", _fmt(f["us"]), _fmt(f["fwd_rel_err"]), _fmt(f["h3cute_over_peer"])]
+                          if f else ["–"] * 4)
                 if f and key == "fastest" and f["h3cute_over_peer"] is not None and f["h3cute_over_peer"] > 1:
                     beaten = (f"{phase} at {n} rows: `{f['peer']}` {_fmt(f['us'])} µs against h3cute "
                               f"{_fmt(e['h3cute_us'])} µs ({_fmt(f['h3cute_over_peer'])}x)"
-                              + ("" if f["batch_invariant"] else "; that peer is not batch-invariant"))
+                              + ("" if f["batch_invariant"] else "; that peer is not batch-invariant")
+                              + _error_note(f.get("fwd_rel_err"), e.get("h3cute_fwd_rel_err")))
             yield n, phase, cells, beaten
 
 
@@ -332,6 +342,9 @@ def fastest_markdown(report: dict) -> list[str]:
     return lines
 
 
+_PHASE_LABEL = {"fwd_us": "fwd", "fwd_bwd_us": "fwd+bwd"}
+
+
 def status_markdown(reports: dict[str, dict]) -> list[str]:
     """One fastest-peer table over several ops' reports ({op: report}, in the order given): the README's status
     table. Each op's row names the commit its report measured, so a stale report shows as one."""
@@ -341,7 +354,7 @@ def status_markdown(reports: dict[str, dict]) -> list[str]:
     for op, rep in reports.items():
         commit = ((rep.get("environment") or {}).get("h3cute") or {}).get("commit") or "–"
         for n, phase, cells, beaten in _fastest_rows(rep):
-            lines.append(_row(f"`{op}`", commit, n, phase, *cells))
+            lines.append(_row(f"`{op}`", commit, n, _PHASE_LABEL.get(phase, phase), *cells))
             if beaten:
                 faster.append(f"`{op}` {beaten}")
     lines += ["", ("A peer is faster than h3cute at: " + "; ".join(faster) + ".") if faster
