@@ -80,10 +80,9 @@ LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dg
 CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
-# sm_90a from this many rows: the fc2-sized GEMMs and fc1 on TF32 wgmma (speed only: same bits). H200 at 47bb99d
-# (perf/results/h200/mlp_kernels_47bb99d.log, graph us fwd + bwd): T = 256 wgmma 98.5 + 296.0 vs mma.sync 169.5 + 395.8;
-# 512 183.1 + 483.0 vs 333.9 + 727.6; 2048 688.6 + 1695.6 vs 1306.6 + 2631.8; at T = 128 the wgmma backward
-# only ties (209.1 vs 213.4). The C++ layer runs the same sequences (no Python on the way).
+# sm_90a from this many rows: the fc2-sized GEMMs and fc1 on TF32 wgmma (speed only: same bits). From T = 256 the
+# wgmma path is faster forward and backward on the H200; at T = 128 its backward only ties the mma.sync path's
+# (per-launch times: perf/mlp_kernels.py). The C++ layer runs the same sequences (no Python on the way).
 WGMMA_MIN_ROWS = 256
 WGMMA_TILE = (128, 32, 3)  # wgmma_tf32.LAUNCH_TILE (bn, bk, stages): every role's variant is built in it
 WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a multiple of it
