@@ -49,13 +49,11 @@ import cutlass.cute as cute
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
+from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, TEMB  # TEMB: D, K of the forward GEMM
 
 from .rowwise import vec_view
 
-TEMB_WIDTH = 2688  # D: the time-embedding width, K of the forward GEMM
-BLOCK_OUT_FEATURES = 96768  # 18 AdaLN rows x 5376, the per-call block table
-FINAL_OUT_FEATURES = 10752  # shift | scale of the final AdaLN
-OUT_FEATURES = (BLOCK_OUT_FEATURES, FINAL_OUT_FEATURES)
+OUT_FEATURES = (BLOCK_PROJECTION, FINAL_PROJECTION)  # the block table per call, the final AdaLN's shift | scale
 # d_temb = grad @ W reduces over N_out; it is split into this many fixed, equal K chunks so that
 # the whole GPU streams W even at T = 1. Never depends on T (batch invariance of d_temb).
 DGRAD_SPLITS = 12
@@ -1922,10 +1920,10 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
         rows = cute.size(temb, mode=[0])
         lanes = self.tile.persistent_ctas * 32 * self._FOLD_WARPS
         me = cta * (32 * self._FOLD_WARPS) + (warp_idx - 1) * 32 + cute.arch.lane_idx()
-        plane = cutlass.Int64(rows) * TEMB_WIDTH
+        plane = cutlass.Int64(rows) * TEMB
         d_act = cute.make_rmem_tensor(cute.make_layout(_FOLD_COLS), cutlass.Float32)
         x = cute.make_rmem_tensor(cute.make_layout(_FOLD_COLS), cutlass.Float32)
-        for v in range(me, rows * (TEMB_WIDTH // _FOLD_COLS), lanes):
+        for v in range(me, rows * (TEMB // _FOLD_COLS), lanes):
             at = cutlass.Int64(v) * _FOLD_COLS
             d_act.fill(0.0)
             for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
@@ -2009,8 +2007,8 @@ def _build_fwd(arch: str, *, out_features: int, config: str):
     return compile_for(
         arch,
         adaln_proj_fwd,
-        _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
-        _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.BFloat16, (rows, TEMB), (1, 0)),
+        _fake(cutlass.BFloat16, (out_features, TEMB), (1, 0)),
         _fake(cutlass.BFloat16, (out_features,)),
         _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
         env_stream(),
@@ -2040,8 +2038,8 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
         arch,
         adaln_proj_dgrad,
         _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
-        _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
-        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB_WIDTH), (2, 1, 0)),
+        _fake(cutlass.BFloat16, (out_features, TEMB), (1, 0)),
+        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB), (2, 1, 0)),
         env_stream(),
     )
 
@@ -2055,7 +2053,7 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
             else _TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm
         # The TMA-stored C tile has no bounds checks of its own (TMA clips, but the tiles must be whole); a cluster
         # of M tiles needs whole clusters along grid y.
-        assert cls is not _WgmmaTmaStoreGemm or (out_features % tile.bm == 0 and TEMB_WIDTH % tile.bn == 0), config
+        assert cls is not _WgmmaTmaStoreGemm or (out_features % tile.bm == 0 and TEMB % tile.bn == 0), config
         assert out_features % (tile.bm * tile.cluster_m) == 0, (out_features, config)
         gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True, dbias_rows=True)
     else:
@@ -2080,8 +2078,8 @@ def _transposed(grad: cute.Tensor, act: cute.Tensor):
 
 def _wgrad_fakes(rows, out_features: int) -> tuple:
     """grad (T, N_out), act (T, D), dweight (N_out, D), dbias (N_out,): the dW kernels' first four arguments."""
-    return (_fake(cutlass.BFloat16, (rows, out_features), (1, 0)), _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
-            _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)), _fake(cutlass.BFloat16, (out_features,)))
+    return (_fake(cutlass.BFloat16, (rows, out_features), (1, 0)), _fake(cutlass.BFloat16, (rows, TEMB), (1, 0)),
+            _fake(cutlass.BFloat16, (out_features, TEMB), (1, 0)), _fake(cutlass.BFloat16, (out_features,)))
 
 
 def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
@@ -2107,9 +2105,9 @@ def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
         arch,
         adaln_proj_wgrad_fold,
         *_wgrad_fakes(rows, out_features),
-        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB_WIDTH), (2, 1, 0)),
-        _fake(cutlass.Float32, (rows, TEMB_WIDTH), (1, 0)),
-        _fake(cutlass.Float32, (rows, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB), (2, 1, 0)),
+        _fake(cutlass.Float32, (rows, TEMB), (1, 0)),
+        _fake(cutlass.Float32, (rows, TEMB), (1, 0)),
         _fake(cutlass.Float32, (blocks, out_features), (1, 0)),
         env_stream(),
     )
@@ -2139,7 +2137,7 @@ def _dtemb_scale(d_act, x):
 
 
 _SILU_COLS = 8  # columns per thread: two 16-byte FP32 loads, one 16-byte BF16 store
-_SILU_ROW_VECTORS = TEMB_WIDTH // _SILU_COLS  # 336
+_SILU_ROW_VECTORS = TEMB // _SILU_COLS  # 336
 
 
 @cute.kernel
@@ -2155,7 +2153,7 @@ def _silu_cast_kernel(temb: cute.Tensor, act: cute.Tensor):
 
 
 def _build_silu_cast(arch: str, *, width: int):
-    assert width == TEMB_WIDTH and width % _SILU_COLS == 0
+    assert width == TEMB and width % _SILU_COLS == 0
 
     @cute.jit
     def adaln_silu_cast(temb: cute.Tensor, act: cute.Tensor, stream):
@@ -2179,7 +2177,7 @@ def _dtemb_fold_kernel(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tens
     tidx, _, _ = cute.arch.thread_idx()
     col_block, row, _ = cute.arch.block_idx()
     col = col_block * _EW_THREADS + tidx
-    if col < TEMB_WIDTH:
+    if col < TEMB:
         d_act = cutlass.Float32(0.0)
         for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
             d_act = d_act + partial[s, row, col]
@@ -2189,7 +2187,7 @@ def _dtemb_fold_kernel(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tens
 
 
 def _build_dtemb_fold(arch: str, *, width: int):
-    assert width == TEMB_WIDTH
+    assert width == TEMB
 
     @cute.jit
     def adaln_dtemb_fold(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, act: cute.Tensor, stream):
@@ -2318,14 +2316,14 @@ SPECS = [
     KernelSpec(
         name="adaln_silu_cast",
         build=_build_silu_cast,
-        variants=lambda arch: [dict(width=TEMB_WIDTH)],
+        variants=lambda arch: [dict(width=TEMB)],
         ptx_markers=("cvt.rn.bf16x2.f32", "ld.global.v4", "st.global.v4", "div.rn.f32"),
         ptx_forbidden=_NO_ATOMICS,
     ),
     KernelSpec(
         name="adaln_dtemb_fold",
         build=_build_dtemb_fold,
-        variants=lambda arch: [dict(width=TEMB_WIDTH)],
+        variants=lambda arch: [dict(width=TEMB)],
         ptx_forbidden=_NO_ATOMICS,
     ),
     KernelSpec(

@@ -27,10 +27,11 @@ from h3cute import runtime
 from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
 from h3cute.launch import adaln_projection as L
+from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, TEMB
 
 SIZES = (1, 4, 64, 256, 2048)
 WARMUP, SAMPLES = 5, 20
-D, N = L.TEMB_WIDTH, 96768
+D, N = TEMB, BLOCK_PROJECTION
 BF16, F32 = 2, 4
 
 
@@ -125,7 +126,8 @@ def _args(argv):
     parser.add_argument("--family", choices=("warp", "wgmma"), action="append",
                         help="time only this MMA family (repeatable; default every family the device runs)")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the step list (median and range)")
-    parser.add_argument("--out-features", type=int, choices=(96768, 10752), default=96768,
+    parser.add_argument("--out-features", type=int, choices=(BLOCK_PROJECTION, FINAL_PROJECTION),
+                        default=BLOCK_PROJECTION,
                         help="N: the block table (default) or the final AdaLN's")
     args = parser.parse_args(argv)
     if args.rounds < 1:

@@ -25,8 +25,8 @@ from h3cute import runtime
 from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
 from h3cute.launch import adaln_row_gather, gate_residual, gate_residual_norm_modulate, norm_modulate
+from h3cute.widths import BLOCK_CHUNKS, BLOCK_TABLE, HIDDEN as H, NORM_EPS
 
-H = 5376
 WARMUP, SAMPLES = 10, 50
 
 
@@ -85,15 +85,15 @@ def _inputs(op, rows, table_rows, gen):
         x, grad = randn(rows, H, scale=2.0), randn(rows, H)
         w = (0.5 + torch.rand(H, generator=gen, device="cuda")).to(torch.bfloat16)
         shift, scale = randn(table_rows, H, scale=0.1), randn(table_rows, H, scale=0.1)
-        return (lambda: norm_modulate.forward(x, w, shift, scale, idx, 1e-5),
-                lambda: norm_modulate.backward(grad, x, w, scale, idx, 1e-5, table_rows))
+        return (lambda: norm_modulate.forward(x, w, shift, scale, idx, NORM_EPS),
+                lambda: norm_modulate.backward(grad, x, w, scale, idx, NORM_EPS, table_rows))
     if op == "gate_residual":
         res, y, grad, gate = randn(rows, H), randn(rows, H), randn(rows, H), randn(table_rows, H, scale=0.1)
         return (lambda: gate_residual.forward(res, y, gate, idx),
                 lambda: gate_residual.backward(grad, y, gate, idx))
     if op == "adaln_row_gather":
-        table = randn(table_rows, 6 * H)
-        grads = [randn(rows, H) for _ in range(6)]
+        table = randn(table_rows, BLOCK_TABLE)
+        grads = [randn(rows, H) for _ in range(BLOCK_CHUNKS)]
         return (lambda: adaln_row_gather.forward(table, idx),
                 lambda: adaln_row_gather.backward(grads, idx, table_rows))
     if op.startswith("gate_residual_norm_modulate"):  # "...@4" / "...@8": that forward row layout
@@ -101,9 +101,9 @@ def _inputs(op, rows, table_rows, gen):
         res, y, grad_h, grad_out = randn(rows, H), randn(rows, H), randn(rows, H), randn(rows, H)
         w = (0.5 + torch.rand(H, generator=gen, device="cuda")).to(torch.bfloat16)
         gate, shift, scale = (randn(table_rows, H, scale=0.1) for _ in range(3))
-        h, _ = gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, 1e-5, vec=vec)
-        return (lambda: gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, 1e-5, vec=vec),
-                lambda: gate_residual_norm_modulate.backward(grad_h, grad_out, y, gate, h, w, scale, idx, 1e-5,
+        h, _ = gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, NORM_EPS, vec=vec)
+        return (lambda: gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, NORM_EPS, vec=vec),
+                lambda: gate_residual_norm_modulate.backward(grad_h, grad_out, y, gate, h, w, scale, idx, NORM_EPS,
                                                              table_rows))
     raise ValueError(op)
 

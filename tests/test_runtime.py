@@ -183,10 +183,10 @@ def test_real_kernel_specs_have_unique_names():
 
 
 def test_fingerprint_and_cache_key_change_with_every_kernel_source(tmp_path, monkeypatch, request):
-    """On a copy of kernels/ and runtime/dsl.py: the copy hashes like the tree; one edited byte in a kernel module,
-    an edit of a helper module without kernels, a new file, or an edited dsl.py each give a new source fingerprint
-    and a new disk-cache key (compiled code is never served for other sources); bytecode caches do not count. A
-    new DSL version gives a new key too."""
+    """On a copy of kernels/, runtime/dsl.py and widths.py: the copy hashes like the tree; one edited byte in a kernel
+    module, an edit of a helper module without kernels, a new file, an edited dsl.py or an edited widths.py (the
+    kernels compile with both) each give a new source fingerprint and a new disk-cache key (compiled code is never
+    served for other sources); bytecode caches do not count. A new DSL version gives a new key too."""
     import shutil
 
     request.addfinalizer(sources.source_fingerprint.cache_clear)  # the tree's own fingerprint after this test
@@ -195,6 +195,7 @@ def test_fingerprint_and_cache_key_change_with_every_kernel_source(tmp_path, mon
     shutil.copytree(sources.kernels_dir(), kernels, ignore=shutil.ignore_patterns("__pycache__"))
     runtime_dir.mkdir()
     shutil.copy(Path(rt.__file__).with_name("dsl.py"), runtime_dir / "dsl.py")
+    shutil.copy(Path(rt.__file__).parents[1] / "widths.py", tmp_path / "widths.py")
     monkeypatch.setattr(sources, "kernels_dir", lambda: kernels)
     monkeypatch.setattr(sources, "_RUNTIME_DIR", runtime_dir)
     canon = canonical_static(dict(width=256))
@@ -211,6 +212,7 @@ def test_fingerprint_and_cache_key_change_with_every_kernel_source(tmp_path, mon
         lambda: (kernels / "_tiles.py").write_text((kernels / "_tiles.py").read_text() + "# a comment\n"),
         lambda: (kernels / "new_family.py").write_text("SPECS = []\n"),
         lambda: (runtime_dir / "dsl.py").write_text((runtime_dir / "dsl.py").read_text() + "\n"),
+        lambda: (tmp_path / "widths.py").write_text((tmp_path / "widths.py").read_text().replace("= 5376", "= 5120", 1)),
     ]
     for i, edit in enumerate(edits):
         edit()
