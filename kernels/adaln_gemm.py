@@ -9,7 +9,7 @@ unchanged on sm_90a and sm_100a. C = A B^T with A (M, K) and B (N, K):
 | kernel | M | N | K | A | B | C |
 | --- | --- | --- | --- | --- | --- | --- |
 | adaln_proj_fwd | N_out | T | D | W (K-major) | a (K-major) | out^T + bias, BF16 |
-| adaln_proj_dgrad | D | T | N_out, split in `DGRAD_SPLITS` fixed chunks | W^T (M-major) | grad (K-major) | FP32 partials |
+| adaln_proj_dgrad | D | T | N_out in `DGRAD_SPLITS` fixed chunks | W^T (M-major) | grad (K-major) | FP32 partials |
 | adaln_proj_wgrad | N_out | D | T | grad^T (M-major) | a (N-major) | dW, BF16 |
 
 Numeric contract (what makes the forward and d_temb batch-invariant): every output element is
@@ -31,8 +31,9 @@ ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGR
 `_TmaWgmmaPersistentGemm` (the TMA mainloop in a fixed grid of `PERSISTENT_CTAS` CTAs that walk the output
 tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`, and `*_pingpong`, whose consumer
 warpgroups take whole tiles in turn; `_TmaWgmmaPersistentFoldGemm`, `adaln_proj_wgrad_fold`, whose idle producer
-warps fold d_temb and sum db from global memory meanwhile). The forward's `tma_wide_n256_mc2` runs `_TmaWgmmaGemm` in 2-CTA clusters
-that share the activation tile by TMA multicast (`GemmTile.cluster_m`; `cluster_n` shares A along grid x); d_temb
+warps fold d_temb and sum db from global memory meanwhile). The forward's `tma_wide_n256_mc2` runs `_TmaWgmmaGemm`
+in 2-CTA clusters that share the activation tile by TMA multicast (`GemmTile.cluster_m`; `cluster_n` shares A along
+grid x); d_temb
 runs its 192- and 256-wide tiles on one block tile, the warpgroups taking turns (`_ieee_serial_mainloop`), and the
 256-wide tile's thin last round of CTAs as 128-wide halves (`GemmTile.tail_halves`, `tail_units`). All the same bits.
 
@@ -125,7 +126,8 @@ class GemmTile:
         assert self.bm % (16 * self.warps_m) == 0 and self.bn % (16 * self.warps_n) == 0, self
         assert self.bk % 16 == 0 and self.stages >= 3, self
         assert self.threads % (self.bk // 8) == 0 and self.threads // (self.bk // 8) <= min(self.bm, self.bn), self
-        assert all(self.threads % (mn // 8) == 0 and self.threads // (mn // 8) <= self.bk for mn in (self.bm, self.bn)), self
+        assert all(self.threads % (mn // 8) == 0 and self.threads // (mn // 8) <= self.bk
+                   for mn in (self.bm, self.bn)), self
 
 
 # Projection tiles by name; launch/adaln_projection.py picks one from T. Bits never depend on the
@@ -445,8 +447,10 @@ class _WarpMmaGemm:
         gB = cute.domain_offset((0, residual_k, 0), gB)
         gA = cute.make_tensor(gA.iterator.align(16), gA.layout)
         gB = cute.make_tensor(gB.iterator.align(16), gB.layout)
-        cA = cute.domain_offset((0, residual_k, 0), cute.local_tile(cute.make_identity_tensor(mA.shape), (t.bm, t.bk), (m_tile, None)))
-        cB = cute.domain_offset((0, residual_k, 0), cute.local_tile(cute.make_identity_tensor(mB.shape), (t.bn, t.bk), (n_tile, None)))
+        cA = cute.domain_offset((0, residual_k, 0),
+                                cute.local_tile(cute.make_identity_tensor(mA.shape), (t.bm, t.bk), (m_tile, None)))
+        cB = cute.domain_offset((0, residual_k, 0),
+                                cute.local_tile(cute.make_identity_tensor(mB.shape), (t.bn, t.bk), (n_tile, None)))
 
         k_tile_count = cute.size(gA, mode=[2])
         k_tile_first = cutlass.Int32(0)
@@ -655,8 +659,10 @@ class _WarpMmaGemm:
                 cute.copy(s2r_B, tCsB_p[None, None, k_next], tCrB_view[None, None, k_next])
                 if k_block == 0:
                     if k_tile + num_stages - 1 < k_tile_count:
-                        cute.copy(copy_A, tAgA[None, None, None, k_tile_index], tAsA[None, None, None, smem_write], pred=tApA)
-                        cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, smem_write], pred=tBpB)
+                        cute.copy(copy_A, tAgA[None, None, None, k_tile_index], tAsA[None, None, None, smem_write],
+                                  pred=tApA)
+                        cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, smem_write],
+                                  pred=tBpB)
                     k_tile_index = k_tile_index + 1
                     cute.arch.cp_async_commit_group()
                     smem_write = smem_read
@@ -806,7 +812,8 @@ class _WgmmaGemm(_WarpMmaGemm):
             else:
                 cute.nvgpu.warpgroup.fence()
                 for k_block in cutlass.range(num_k_block, unroll_full=True):
-                    cute.gemm(tiled_mma, acc, tCrA[None, None, k_block, smem_read], tCrB[None, None, k_block, smem_read], acc)
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, k_block, smem_read],
+                              tCrB[None, None, k_block, smem_read], acc)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
             smem_write = smem_read
@@ -2237,7 +2244,8 @@ def _dbias_block_sum(grad: cute.Tensor, first, col0):
         for c, acc in enumerate(chains):
             r = first + c * DBIAS_CHAIN_ROWS + i
             if r >= 0:
-                acc.store(acc.load() + vec_view(grad, cutlass.Int64(r) * grad.stride[0] + col0).load().to(cutlass.Float32))
+                acc.store(acc.load()
+                          + vec_view(grad, cutlass.Int64(r) * grad.stride[0] + col0).load().to(cutlass.Float32))
     total = chains[0].load()
     for acc in chains[1:]:
         total = total + acc.load()

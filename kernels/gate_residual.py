@@ -177,7 +177,8 @@ SPECS = [
         build=build_backward,
         variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS]
         + [dict(width=HIDDEN, cap=MAX_TABLE_ROWS, windowed=True)],
-        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "ld.shared.v", "st.shared.v"),  # 16-byte smem: v4.b32 or v2.b64
+        # 16-byte shared memory accesses: v4.b32 or v2.b64
+        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "ld.shared.v", "st.shared.v"),
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),
 ]

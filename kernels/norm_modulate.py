@@ -1,11 +1,11 @@
 """norm_modulate: out = rms_norm(x, w, eps) * (1 + scale[idx]) + shift[idx], BF16, forward and backward.
 
 Forward (`norm_modulate_fwd`; `gate_residual_norm_modulate_fwd` first forms the row h = residual + gate[idx] * y
-with gate_residual's roundings, stores it and normalizes it from registers): one 64-thread CTA per row (kernels/rowwise.py, NORM_THREADS): each thread
-issues its 10-11 16-byte loads of the row at once and keeps them in registers (BF16); the shift/scale rows of idx[row] are gathered in the kernel
-(tables may be row-strided views, e.g. halves of the final layer's (T, 2H) projection); out is written
-once. Numerics replay the diffusers composition `F.rms_norm(x, (H,), w, eps) * (1 + scale[idx]) +
-shift[idx]` on CUDA op for op:
+with gate_residual's roundings, stores it and normalizes it from registers): one 64-thread CTA per row
+(kernels/rowwise.py, NORM_THREADS): each thread issues its 10-11 16-byte loads of the row at once and keeps them in
+registers (BF16); the shift/scale rows of idx[row] are gathered in the kernel (tables may be row-strided views, e.g.
+halves of the final layer's (T, 2H) projection); out is written once. Numerics replay the diffusers composition
+`F.rms_norm(x, (H,), w, eps) * (1 + scale[idx]) + shift[idx]` on CUDA op for op:
     ss   = sum x^2 in torch's fused rms_norm order (rowwise.torch_sumsq), FP32
     rstd = rsqrt.approx(ss / H + eps)             (div.rn; CUDA rsqrtf is rsqrt.approx.f32)
     n    = bf16(w * (rstd * x))                   (torch: gamma * (rstd * x), one rounding)

@@ -12,8 +12,8 @@ roundings (`mul.rn`, which ptxas may not contract into an FMA), and `cute.math.e
 fastmath off, which lower to the libdevice precise paths, the same bitcode nvcc inlines for torch's
 `::exp`/`::sin`/`::cos` (3-term Cody-Waite reduction below |a| = 105615, Payne-Hanek above, no
 `sin.approx`/`cos.approx`; expf's only approximation is ex2.approx on a reduced argument), with
-__CUDA_FTZ off so subnormal t behave as in torch. The frequency table is recomputed per thread (4 expf): no host table, no extra
-argument, nothing that could drift from what torch's exp computes on the same GPU.
+__CUDA_FTZ off so subnormal t behave as in torch. The frequency table is recomputed per thread (4 expf): no host
+table, no extra argument, nothing that could drift from what torch's exp computes on the same GPU.
 
 Layout: one warp per row; lane j owns k = 4j..4j+3, so the cos half and the sin half of a row are each
 written by one warp as 32 coalesced 16-byte stores. A CTA holds ROWS_PER_CTA warps; the grid is

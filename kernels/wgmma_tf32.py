@@ -727,7 +727,8 @@ def _split_transpose_kernel(mXt: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Te
 @cute.jit
 def _split_launch(mX: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Tensor, stream, transpose: cutlass.Constexpr):
     if cutlass.const_expr(transpose):
-        grid = (cute.ceil_div(cute.size(mBig, mode=[0]), TRANSPOSE_TILE), cute.size(mBig, mode=[1]) // TRANSPOSE_TILE, 1)
+        grid = (cute.ceil_div(cute.size(mBig, mode=[0]), TRANSPOSE_TILE), cute.size(mBig, mode=[1]) // TRANSPOSE_TILE,
+                1)
         _split_transpose_kernel(mX, mBig, mSmall).launch(grid=grid, block=(TRANSPOSE_TILE, 8, 1), stream=stream,
                                                           use_pdl=True)
     else:

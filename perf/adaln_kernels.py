@@ -200,7 +200,7 @@ def main(argv) -> int:
                     print(f"  {r['kind']:<4} {name:<34} {r['us']:9.1f} us{spread} {r['gbps']:7.0f} GB/s "
                           f"{r['tflops']:6.1f} TFLOP/s")
             print("  op   " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in ops.items()))
-        del buf
+        buf = None  # frees this size's buffers (the timed lambdas refer to the name) before the next size's
         torch.cuda.empty_cache()
     # The fastest config of each GEMM per T and family: what config_for_rows / wgrad_config_for_rows
     # should pick (every config of a family gives the same bits).

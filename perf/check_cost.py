@@ -14,7 +14,6 @@ $H3CUTE_OUT/check_cost.json, else ./check_cost.json; a table goes to stdout.
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import torch

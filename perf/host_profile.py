@@ -5,8 +5,8 @@ Each row is the median CUDA-event time of one whole call from Python, calls back
 samples, as `h3cute.bench.checks` measures `fwd_us`): when the host is slower than the GPU this is the host
 time of the call. Rows, cheapest first, so neighbouring differences are the cost of one layer:
 
-  floors     an empty Python call (the event pair alone), `t + 1`, `torch.ops.aten.add`, `torch.empty`, a no-op Python-impl op, a trivial autograd
-             round trip (`x * 2` forward and backward through the engine)
+  floors     an empty Python call (the event pair alone), `t + 1`, `torch.ops.aten.add`, `torch.empty`, a no-op
+             Python-impl op, a trivial autograd round trip (`x * 2` forward and backward through the engine)
   per op     raw kernel call(s), launcher, the op's CUDA impl called directly, `torch.ops.h3.<op>`, and
              for differentiable ops the backward launcher, the backward op, and the harness's fwd+bwd
   cprofile   the Python functions that take the host time of each op's fwd+bwd (top 25 by own time)

@@ -1,6 +1,6 @@
 """Per-launch device time and achieved bandwidth of the row ops' kernels (norm_modulate, gate_residual,
-adaln_row_gather, gate_residual_norm_modulate), forward and backward, at S = 4097, 32768, 131072. A device script: it runs on the
-prebuilt bundle (`bash perf/device_run.sh python3 perf/row_kernels.py`) and never compiles.
+adaln_row_gather, gate_residual_norm_modulate), forward and backward, at S = 4097, 32768, 131072. A device script: it
+runs on the prebuilt bundle (`bash perf/device_run.sh python3 perf/row_kernels.py`) and never compiles.
 
 How: each op is called once through its launch module (h3cute.launch.*) with `h3cute.runtime.kernel`
 wrapped so that every kernel launch it makes is recorded (name, static args, the tensors it got). Each
@@ -125,8 +125,8 @@ def measure(op, rows, table_rows, copy_gbs):
             gbs = nbytes / us / 1e3
             launches.append(dict(kernel=name, static=static, us=round(us, 2), bytes=nbytes, gb_s=round(gbs, 1),
                                  of_copy=round(gbs / copy_gbs, 3)))
-        total_us = sum(l["us"] for l in launches)
-        total_bytes = sum(l["bytes"] for l in launches)
+        total_us = sum(launch["us"] for launch in launches)
+        total_bytes = sum(launch["bytes"] for launch in launches)
         result[direction] = dict(launches=launches, total_us=round(total_us, 2), total_bytes=total_bytes,
                                  floor_us_at_copy_bw=round(total_bytes / copy_gbs / 1e3, 2))
         del keep, rec
@@ -161,10 +161,10 @@ def main(argv=None):
             for direction in ("fwd", "bwd"):
                 if direction not in res:
                     continue
-                for l in res[direction]["launches"]:
-                    label = l["kernel"]
-                    print(f"{op:18} {rows:7} {direction:3} {label:28} {l['us']:9.1f} {l['bytes'] / 1e6:9.1f} "
-                          f"{l['gb_s']:7.0f} {l['of_copy']:7.2f}")
+                for launch in res[direction]["launches"]:
+                    label = launch["kernel"]
+                    print(f"{op:18} {rows:7} {direction:3} {label:28} {launch['us']:9.1f} {launch['bytes'] / 1e6:9.1f} "
+                          f"{launch['gb_s']:7.0f} {launch['of_copy']:7.2f}")
                 r = res[direction]
                 print(f"{op:18} {rows:7} {direction:3} {'= total':28} {r['total_us']:9.1f} "
                       f"{r['total_bytes'] / 1e6:9.1f}   floor {r['floor_us_at_copy_bw']:.1f} us")

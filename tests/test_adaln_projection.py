@@ -266,10 +266,11 @@ def test_tail_units_split_only_a_thin_last_round():
 @pytest.mark.slow
 def test_tma_mainloop_instructions():
     """Every TMA config compiles for sm_90a to the warp-specialized mainloop: TMA loads on mbarriers, no
-    cp.async.cg, the setmaxnreg split, one wgmma batch kept in flight (the one-block-tile d_temb drains each block), the named epilogue barrier of the
-    consumer threads, no atomics. d_temb (the ieee_steps contract): wgmmas in DGRAD_K_BLOCK blocks of 4, the
-    first from zero (scale-d = 0), and exactly one FP32 add per block-tile element per block. Where ptxas is
-    installed: no spills, and no serialized wgmmas (ptxas C7514 / C7515 / C7511, which would undo the overlap)."""
+    cp.async.cg, the setmaxnreg split, one wgmma batch kept in flight (the one-block-tile d_temb drains each block),
+    the named epilogue barrier of the consumer threads, no atomics. d_temb (the ieee_steps contract): wgmmas in
+    DGRAD_K_BLOCK blocks of 4, the first from zero (scale-d = 0), and exactly one FP32 add per block-tile element per
+    block. Where ptxas is installed: no spills, and no serialized wgmmas (ptxas C7514 / C7515 / C7511, which would
+    undo the overlap)."""
     import re
     import shutil
 
@@ -520,7 +521,8 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     wgrad_config = launch.wgrad_config_for_rows(rows, wgmma)
     folds = launch.wgrad_folds(wgrad_config, wgmma)
     assert folds == (wgmma and rows > 384)  # the picks beyond 384 are the fold-warp tiles
-    assert ("adaln_proj_dgrad" + sfx, dict(out_features=n, config=launch.dgrad_config_for_rows(rows, wgmma))) in emu.calls
+    dgrad = dict(out_features=n, config=launch.dgrad_config_for_rows(rows, wgmma))
+    assert ("adaln_proj_dgrad" + sfx, dgrad) in emu.calls
     names = [name for name, _ in emu.calls]
     if folds:
         # The dW kernel's fold warps write d_temb and db; its operand comes from silu_cast, launched first.

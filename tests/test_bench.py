@@ -400,8 +400,8 @@ def test_perf_scripts_import(script):
 def test_adaln_kernels_rounds_time_every_step_in_turn():
     """perf/adaln_kernels.py --rounds: every launch is timed once per pass over the whole step list (round-robin, so
     a slow spell hits every config alike), reported as the median of the passes with their range; a missing kernel
-    is recorded as missing, never timed. Its arguments: sizes, repeatable --family, --rounds >= 1, --out-features (one of
-    the two tables)."""
+    is recorded as missing, never timed. Its arguments: sizes, repeatable --family, --rounds >= 1, --out-features
+    (one of the two tables)."""
     import runpy
 
     mod = runpy.run_path(str(Path(__file__).parents[1] / "perf" / "adaln_kernels.py"), run_name="imported")
@@ -450,7 +450,8 @@ def test_host_trace_kernel_timeline_counts_overlaps_and_gaps():
     picked = mod["_kernels_between"](kernels, 0, 0, {1, 3})
     assert [k["name"] for k in picked] == ["fc1", "fold"]
     assert [k["name"] for k in mod["_kernels_between"](kernels, 104, 131)] == ["fc2", "fold"]
-    marks = [{"cat": "user_annotation", "name": "op#1", "ts": 50.0}, {"cat": "user_annotation", "name": "op#0", "ts": 10.0},
+    marks = [{"cat": "user_annotation", "name": "op#1", "ts": 50.0},
+             {"cat": "user_annotation", "name": "op#0", "ts": 10.0},
              {"cat": "user_annotation", "name": "other#0", "ts": 5.0}, {"cat": "cpu_op", "name": "op#2", "ts": 1.0}]
     assert [m["name"] for m in mod["_calls"](marks, "op")] == ["op#0", "op#1"]
     assert mod["_kernel_lines"]([]) == ["    (no kernels recorded)"]

@@ -554,8 +554,8 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
     slots = {}  # check slot addresses as (op, argument, checked) stand-ins: no CUDA memory on a CPU machine
-    monkeypatch.setattr(checks, "slot_addresses",
-                        lambda device, op, arg, checked=True: slots.setdefault((op, arg, checked), (len(slots) + 1,) * 2))
+    monkeypatch.setattr(checks, "slot_addresses", lambda device, op, arg, checked=True:
+                        slots.setdefault((op, arg, checked), (len(slots) + 1,) * 2))
 
     def check_constants(op, arg="adaln_indices"):
         return [*checks.slot_addresses(0, op, arg), *checks.slot_addresses(0, op, arg, False)]
@@ -572,7 +572,8 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     assert asked(adaln_row_gather, 9, 5) == (["adaln_row_gather_bwd", "rowwise_fold"], [groups])
     fused = norm_modulate.FUSED_ROW_GROUPS[arch][12]
     assert asked(norm_modulate, 9, 5) == (["norm_modulate_bwd_fused", "rowwise_fold"], [fused])
-    assert asked(timestep_sinusoid, 1, 5) == (["timestep_sinusoid"], list(checks.slot_addresses(0, "timestep_sinusoid", "t")))
+    sinusoid_slot = list(checks.slot_addresses(0, "timestep_sinusoid", "t"))
+    assert asked(timestep_sinusoid, 1, 5) == (["timestep_sinusoid"], sinusoid_slot)
     assert asked(timestep_sinusoid, 0, 5)[1] == list(checks.slot_addresses(0, "timestep_sinusoid", "t", False))
     assert asked(norm_modulate, 0, 5) == (["norm_modulate_fwd"], check_constants("norm_modulate"))
     assert asked(gate_residual_norm_modulate, 0, 5) == (["gate_residual_norm_modulate_fwd"],

@@ -113,7 +113,8 @@ def test_reduction_order_check_has_power():
 
 
 
-@pytest.mark.parametrize("values", [32, 16, 2])  # 2 x rows of a step: 16 (the most it takes), 8 (FUSED_STEP), a tail row
+# 2 x rows of a step: 16 (the most it takes), 8 (FUSED_STEP), a tail row
+@pytest.mark.parametrize("values", [32, 16, 2])
 def test_fused_warp_reduce_scatter_is_the_xor_butterfly(values):
     """The fused backward's warp sums (kernels/norm_modulate._fused_step): a reduce-scatter over offsets
     16..1, lane l ending with value l // (32 / values), must give the xor all-reduce's bits for every value."""

@@ -103,7 +103,8 @@ def test_every_op_has_its_launch_module(op):
 
 @pytest.mark.parametrize("op", OPS)
 def test_opcheck_cuda(op):
-    torch.library.opcheck(getattr(torch.ops.h3, op).default, cuda_inputs(op, 3 if op in T_OPS else 9, requires_grad=True))
+    args = cuda_inputs(op, 3 if op in T_OPS else 9, requires_grad=True)
+    torch.library.opcheck(getattr(torch.ops.h3, op).default, args)
 
 
 # ---- each op's numeric contract (docs/timestep_sinusoid.md, timestep_mlp.md, adaln_projection.md, row_kernels.md) --

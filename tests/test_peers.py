@@ -42,7 +42,7 @@ def test_a_peer_missing_everywhere_says_so(monkeypatch, tmp_path):
         peers.locate(pf)
     monkeypatch.setenv(peers.PEER_FILES_ENV, str(tmp_path))
     _extracted(tmp_path, "h3cute-no-such-peer", "dev", "pkg/mod.py", "")   # not a version: ignored
-    with pytest.raises(peers.PeerUnavailable, match=f"holds none of its files"):
+    with pytest.raises(peers.PeerUnavailable, match="holds none of its files"):
         peers.locate(pf)
 
 

@@ -79,7 +79,8 @@ def test_norm_modulate_rows_ignore_table_rows():
         assert not dsh[USED:].any() and not dsc[USED:].any(), rows  # unused table rows: exact zeros
         ref = [t.double().requires_grad_() for t in (x, w, shift, scale)]
         reference.norm_modulate_fp64(*ref, idx).backward(grad.double())
-        for name, got, leaf in (("dweight", dw, ref[1]), ("dshift", dsh[:USED], ref[2]), ("dscale", dsc[:USED], ref[3])):
+        checked = (("dweight", dw, ref[1]), ("dshift", dsh[:USED], ref[2]), ("dscale", dsc[:USED], ref[3]))
+        for name, got, leaf in checked:
             assert _rel_err(got, leaf.grad) < 1e-2, (rows, name)
         if first is None:
             first = (out.detach(), dx)

@@ -93,7 +93,8 @@ def main():
         base = outs[VARIANTS[0]]
         for v, o in outs.items():
             same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(o, base))
-            print(f"N={n_out} T={rows} {v}: the product's bits {same}, NaN left {any(x.isnan().any().item() for x in o)}")
+            nan_left = any(x.isnan().any().item() for x in o)
+            print(f"N={n_out} T={rows} {v}: the product's bits {same}, NaN left {nan_left}")
         if (n_out, rows) != (BLOCK_PROJECTION, 2048):
             continue
         args = (grad, act, *base[:2], partial, temb, *base[2:])

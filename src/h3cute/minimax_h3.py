@@ -13,7 +13,7 @@ The call sites (`Patch.report()` lists each one, replaced or left to diffusers):
 | `time_embedder` | `TimestepEmbedding`: linear_1, SiLU, linear_2 (FP32) | `timestep_mlp` |
 | `transformer_blocks.i.adaln_proj` | `linear(silu(temb).bf16)`, viewed (3T, 6H), six chunks | `adaln_projection` |
 | `transformer_blocks.i` | `norm1(x) * (1 + scale_msa[idx]) + shift_msa[idx]` | `norm_modulate` |
-| `transformer_blocks.i` | `h = x + gate_msa[idx] * attn`, then `norm2(h) * (1 + scale_mlp[idx]) + shift_mlp[idx]` | `gate_residual_norm_modulate` |
+| `transformer_blocks.i` | `h = x + gate_msa[idx] * attn`; `norm2(h)`, mlp modulation | `gate_residual_norm_modulate` |
 | `transformer_blocks.i` | `h + gate_mlp[idx] * ff` | `gate_residual` |
 | `norm_out` | `MiniMaxH3AdaLayerNormOut` | `final_adaln_out` |
 

@@ -6,12 +6,12 @@ The backward: `adaln_proj_dgrad` (grad @ W as `DGRAD_SPLITS` fixed-chunk FP32 pa
 `adaln_dtemb_fold` (sum in split order, times silu'(temb), FP32: the BF16 cast passes the gradient
 through unrounded; it also recomputes a, with silu_cast's bits, for the next kernel);
 `adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out; also db where `wgrad_writes_dbias`: the dW kernels
-with db warps (`DB_WARP_WGRAD_CONFIGS`) at every T, the others for T <= `FUSED_DBIAS_ROWS`); `adaln_bias_grad` otherwise (db = sum_t
-grad: FP32 sums of `DBIAS_ROW_BLOCK`-row blocks, each of four row chains, folded in block order, BF16 out;
-the dW kernels use the same order, so the same bits). Beyond T = 384 on the wgmma family (`wgrad_folds`) the dW kernel
-`adaln_proj_wgrad_fold` also does the d_temb fold and db's block sums in its idle producer warps (db's blocks from
-the dW stages, folded by a second launch of the same compiled function: the same sums, the same bits), after
-`adaln_silu_cast` makes its operand. No atomics: every result is bitwise repeatable.
+with db warps (`DB_WARP_WGRAD_CONFIGS`) at every T, the others for T <= `FUSED_DBIAS_ROWS`); `adaln_bias_grad`
+otherwise (db = sum_t grad: FP32 sums of `DBIAS_ROW_BLOCK`-row blocks, each of four row chains, folded in block
+order, BF16 out; the dW kernels use the same order, so the same bits). Beyond T = 384 on the wgmma family
+(`wgrad_folds`) the dW kernel `adaln_proj_wgrad_fold` also does the d_temb fold and db's block sums in its idle
+producer warps (db's blocks from the dW stages, folded by a second launch of the same compiled function: the same
+sums, the same bits), after `adaln_silu_cast` makes its operand. No atomics: every result is bitwise repeatable.
 
 The tile config is picked from T (`config_for_rows`) purely for speed: every config runs the same
 k16 MMA sequence per output element, so the bits do not depend on it (tests check this). Used with

@@ -133,9 +133,9 @@ def check_constants(device: torch.device, op: str, argument: str = "adaln_indice
 
 def row_op_kernel_handles(device: int, variant: int, op: str, forward_kernel: str, backward_kernel: str):
     """kernel_handles of a row op with a one-kernel forward and a backward of `backward_kernel` (by table cap)
-    plus `rowwise_fold` over ROW_GROUPS: variant 0, [forward] and its check_constants; variant R (table rows, at most MAX_TABLE_ROWS:
-    the C++ impls hand larger tables to Python), [backward, fold] and [row groups]. Every row count shares the
-    answer."""
+    plus `rowwise_fold` over ROW_GROUPS: variant 0, [forward] and its check_constants; variant R (table rows, at
+    most MAX_TABLE_ROWS: the C++ impls hand larger tables to Python), [backward, fold] and [row groups]. Every row
+    count shares the answer."""
     dev = torch.device("cuda", device)
     if variant == 0:
         return (0, runtime.MAX_ROWS, [runtime.kernel(forward_kernel, dev, width=HIDDEN).__chandle__()],
