@@ -9,7 +9,7 @@ unchanged on sm_90a and sm_100a. C = A B^T with A (M, K) and B (N, K):
 | kernel | M | N | K | A | B | C |
 | --- | --- | --- | --- | --- | --- | --- |
 | adaln_proj_fwd | N_out | T | D | W (K-major) | a (K-major) | out^T + bias, BF16 |
-| adaln_proj_dgrad | D | T | N_out, split in `DGRAD_SPLITS` fixed chunks | W^T (M-major) | grad (K-major) | FP32 partials |
+| adaln_proj_dgrad | D | T | N_out in `DGRAD_SPLITS` fixed chunks | W^T (M-major) | grad (K-major) | FP32 partials |
 | adaln_proj_wgrad | N_out | D | T | grad^T (M-major) | a (N-major) | dW, BF16 |
 
 Numeric contract (what makes the forward and d_temb batch-invariant): every output element is
@@ -31,8 +31,9 @@ ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGR
 `_TmaWgmmaPersistentGemm` (the TMA mainloop in a fixed grid of `PERSISTENT_CTAS` CTAs that walk the output
 tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`, and `*_pingpong`, whose consumer
 warpgroups take whole tiles in turn; `_TmaWgmmaPersistentFoldGemm`, `adaln_proj_wgrad_fold`, whose idle producer
-warps fold d_temb and sum db from global memory meanwhile). The forward's `tma_wide_n256_mc2` runs `_TmaWgmmaGemm` in 2-CTA clusters
-that share the activation tile by TMA multicast (`GemmTile.cluster_m`; `cluster_n` shares A along grid x); d_temb
+warps fold d_temb and sum db from global memory meanwhile). The forward's `tma_wide_n256_mc2` runs `_TmaWgmmaGemm`
+in 2-CTA clusters that share the activation tile by TMA multicast (`GemmTile.cluster_m`; `cluster_n` shares A along
+grid x); d_temb
 runs its 192- and 256-wide tiles on one block tile, the warpgroups taking turns (`_ieee_serial_mainloop`), and the
 256-wide tile's thin last round of CTAs as 128-wide halves (`GemmTile.tail_halves`, `tail_units`). All the same bits.
 
@@ -49,13 +50,11 @@ import cutlass.cute as cute
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
+from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, TEMB  # TEMB: D, K of the forward GEMM
 
 from .rowwise import vec_view
 
-TEMB_WIDTH = 2688  # D: the time-embedding width, K of the forward GEMM
-BLOCK_OUT_FEATURES = 96768  # 18 AdaLN rows x 5376, the per-call block table
-FINAL_OUT_FEATURES = 10752  # shift | scale of the final AdaLN
-OUT_FEATURES = (BLOCK_OUT_FEATURES, FINAL_OUT_FEATURES)
+OUT_FEATURES = (BLOCK_PROJECTION, FINAL_PROJECTION)  # the block table per call, the final AdaLN's shift | scale
 # d_temb = grad @ W reduces over N_out; it is split into this many fixed, equal K chunks so that
 # the whole GPU streams W even at T = 1. Never depends on T (batch invariance of d_temb).
 DGRAD_SPLITS = 12
@@ -127,7 +126,8 @@ class GemmTile:
         assert self.bm % (16 * self.warps_m) == 0 and self.bn % (16 * self.warps_n) == 0, self
         assert self.bk % 16 == 0 and self.stages >= 3, self
         assert self.threads % (self.bk // 8) == 0 and self.threads // (self.bk // 8) <= min(self.bm, self.bn), self
-        assert all(self.threads % (mn // 8) == 0 and self.threads // (mn // 8) <= self.bk for mn in (self.bm, self.bn)), self
+        assert all(self.threads % (mn // 8) == 0 and self.threads // (mn // 8) <= self.bk
+                   for mn in (self.bm, self.bn)), self
 
 
 # Projection tiles by name; launch/adaln_projection.py picks one from T. Bits never depend on the
@@ -447,8 +447,10 @@ class _WarpMmaGemm:
         gB = cute.domain_offset((0, residual_k, 0), gB)
         gA = cute.make_tensor(gA.iterator.align(16), gA.layout)
         gB = cute.make_tensor(gB.iterator.align(16), gB.layout)
-        cA = cute.domain_offset((0, residual_k, 0), cute.local_tile(cute.make_identity_tensor(mA.shape), (t.bm, t.bk), (m_tile, None)))
-        cB = cute.domain_offset((0, residual_k, 0), cute.local_tile(cute.make_identity_tensor(mB.shape), (t.bn, t.bk), (n_tile, None)))
+        cA = cute.domain_offset((0, residual_k, 0),
+                                cute.local_tile(cute.make_identity_tensor(mA.shape), (t.bm, t.bk), (m_tile, None)))
+        cB = cute.domain_offset((0, residual_k, 0),
+                                cute.local_tile(cute.make_identity_tensor(mB.shape), (t.bn, t.bk), (n_tile, None)))
 
         k_tile_count = cute.size(gA, mode=[2])
         k_tile_first = cutlass.Int32(0)
@@ -657,8 +659,10 @@ class _WarpMmaGemm:
                 cute.copy(s2r_B, tCsB_p[None, None, k_next], tCrB_view[None, None, k_next])
                 if k_block == 0:
                     if k_tile + num_stages - 1 < k_tile_count:
-                        cute.copy(copy_A, tAgA[None, None, None, k_tile_index], tAsA[None, None, None, smem_write], pred=tApA)
-                        cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, smem_write], pred=tBpB)
+                        cute.copy(copy_A, tAgA[None, None, None, k_tile_index], tAsA[None, None, None, smem_write],
+                                  pred=tApA)
+                        cute.copy(copy_B, tBgB[None, None, None, k_tile_index], tBsB[None, None, None, smem_write],
+                                  pred=tBpB)
                     k_tile_index = k_tile_index + 1
                     cute.arch.cp_async_commit_group()
                     smem_write = smem_read
@@ -808,7 +812,8 @@ class _WgmmaGemm(_WarpMmaGemm):
             else:
                 cute.nvgpu.warpgroup.fence()
                 for k_block in cutlass.range(num_k_block, unroll_full=True):
-                    cute.gemm(tiled_mma, acc, tCrA[None, None, k_block, smem_read], tCrB[None, None, k_block, smem_read], acc)
+                    cute.gemm(tiled_mma, acc, tCrA[None, None, k_block, smem_read],
+                              tCrB[None, None, k_block, smem_read], acc)
                 cute.nvgpu.warpgroup.commit_group()
                 cute.nvgpu.warpgroup.wait_group(0)
             smem_write = smem_read
@@ -1922,10 +1927,10 @@ class _TmaWgmmaPersistentFoldGemm(_TmaWgmmaPersistentGemm):
         rows = cute.size(temb, mode=[0])
         lanes = self.tile.persistent_ctas * 32 * self._FOLD_WARPS
         me = cta * (32 * self._FOLD_WARPS) + (warp_idx - 1) * 32 + cute.arch.lane_idx()
-        plane = cutlass.Int64(rows) * TEMB_WIDTH
+        plane = cutlass.Int64(rows) * TEMB
         d_act = cute.make_rmem_tensor(cute.make_layout(_FOLD_COLS), cutlass.Float32)
         x = cute.make_rmem_tensor(cute.make_layout(_FOLD_COLS), cutlass.Float32)
-        for v in range(me, rows * (TEMB_WIDTH // _FOLD_COLS), lanes):
+        for v in range(me, rows * (TEMB // _FOLD_COLS), lanes):
             at = cutlass.Int64(v) * _FOLD_COLS
             d_act.fill(0.0)
             for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
@@ -2009,8 +2014,8 @@ def _build_fwd(arch: str, *, out_features: int, config: str):
     return compile_for(
         arch,
         adaln_proj_fwd,
-        _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
-        _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.BFloat16, (rows, TEMB), (1, 0)),
+        _fake(cutlass.BFloat16, (out_features, TEMB), (1, 0)),
         _fake(cutlass.BFloat16, (out_features,)),
         _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
         env_stream(),
@@ -2040,8 +2045,8 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
         arch,
         adaln_proj_dgrad,
         _fake(cutlass.BFloat16, (rows, out_features), (1, 0)),
-        _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)),
-        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB_WIDTH), (2, 1, 0)),
+        _fake(cutlass.BFloat16, (out_features, TEMB), (1, 0)),
+        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB), (2, 1, 0)),
         env_stream(),
     )
 
@@ -2055,7 +2060,7 @@ def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: s
             else _TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm
         # The TMA-stored C tile has no bounds checks of its own (TMA clips, but the tiles must be whole); a cluster
         # of M tiles needs whole clusters along grid y.
-        assert cls is not _WgmmaTmaStoreGemm or (out_features % tile.bm == 0 and TEMB_WIDTH % tile.bn == 0), config
+        assert cls is not _WgmmaTmaStoreGemm or (out_features % tile.bm == 0 and TEMB % tile.bn == 0), config
         assert out_features % (tile.bm * tile.cluster_m) == 0, (out_features, config)
         gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True, dbias_rows=True)
     else:
@@ -2080,8 +2085,8 @@ def _transposed(grad: cute.Tensor, act: cute.Tensor):
 
 def _wgrad_fakes(rows, out_features: int) -> tuple:
     """grad (T, N_out), act (T, D), dweight (N_out, D), dbias (N_out,): the dW kernels' first four arguments."""
-    return (_fake(cutlass.BFloat16, (rows, out_features), (1, 0)), _fake(cutlass.BFloat16, (rows, TEMB_WIDTH), (1, 0)),
-            _fake(cutlass.BFloat16, (out_features, TEMB_WIDTH), (1, 0)), _fake(cutlass.BFloat16, (out_features,)))
+    return (_fake(cutlass.BFloat16, (rows, out_features), (1, 0)), _fake(cutlass.BFloat16, (rows, TEMB), (1, 0)),
+            _fake(cutlass.BFloat16, (out_features, TEMB), (1, 0)), _fake(cutlass.BFloat16, (out_features,)))
 
 
 def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
@@ -2107,9 +2112,9 @@ def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
         arch,
         adaln_proj_wgrad_fold,
         *_wgrad_fakes(rows, out_features),
-        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB_WIDTH), (2, 1, 0)),
-        _fake(cutlass.Float32, (rows, TEMB_WIDTH), (1, 0)),
-        _fake(cutlass.Float32, (rows, TEMB_WIDTH), (1, 0)),
+        _fake(cutlass.Float32, (DGRAD_SPLITS, rows, TEMB), (2, 1, 0)),
+        _fake(cutlass.Float32, (rows, TEMB), (1, 0)),
+        _fake(cutlass.Float32, (rows, TEMB), (1, 0)),
         _fake(cutlass.Float32, (blocks, out_features), (1, 0)),
         env_stream(),
     )
@@ -2139,7 +2144,7 @@ def _dtemb_scale(d_act, x):
 
 
 _SILU_COLS = 8  # columns per thread: two 16-byte FP32 loads, one 16-byte BF16 store
-_SILU_ROW_VECTORS = TEMB_WIDTH // _SILU_COLS  # 336
+_SILU_ROW_VECTORS = TEMB // _SILU_COLS  # 336
 
 
 @cute.kernel
@@ -2155,7 +2160,7 @@ def _silu_cast_kernel(temb: cute.Tensor, act: cute.Tensor):
 
 
 def _build_silu_cast(arch: str, *, width: int):
-    assert width == TEMB_WIDTH and width % _SILU_COLS == 0
+    assert width == TEMB and width % _SILU_COLS == 0
 
     @cute.jit
     def adaln_silu_cast(temb: cute.Tensor, act: cute.Tensor, stream):
@@ -2179,7 +2184,7 @@ def _dtemb_fold_kernel(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tens
     tidx, _, _ = cute.arch.thread_idx()
     col_block, row, _ = cute.arch.block_idx()
     col = col_block * _EW_THREADS + tidx
-    if col < TEMB_WIDTH:
+    if col < TEMB:
         d_act = cutlass.Float32(0.0)
         for s in cutlass.range_constexpr(DGRAD_SPLITS):  # fixed split order
             d_act = d_act + partial[s, row, col]
@@ -2189,7 +2194,7 @@ def _dtemb_fold_kernel(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tens
 
 
 def _build_dtemb_fold(arch: str, *, width: int):
-    assert width == TEMB_WIDTH
+    assert width == TEMB
 
     @cute.jit
     def adaln_dtemb_fold(partial: cute.Tensor, temb: cute.Tensor, dtemb: cute.Tensor, act: cute.Tensor, stream):
@@ -2239,7 +2244,8 @@ def _dbias_block_sum(grad: cute.Tensor, first, col0):
         for c, acc in enumerate(chains):
             r = first + c * DBIAS_CHAIN_ROWS + i
             if r >= 0:
-                acc.store(acc.load() + vec_view(grad, cutlass.Int64(r) * grad.stride[0] + col0).load().to(cutlass.Float32))
+                acc.store(acc.load()
+                          + vec_view(grad, cutlass.Int64(r) * grad.stride[0] + col0).load().to(cutlass.Float32))
     total = chains[0].load()
     for acc in chains[1:]:
         total = total + acc.load()
@@ -2318,14 +2324,14 @@ SPECS = [
     KernelSpec(
         name="adaln_silu_cast",
         build=_build_silu_cast,
-        variants=lambda arch: [dict(width=TEMB_WIDTH)],
+        variants=lambda arch: [dict(width=TEMB)],
         ptx_markers=("cvt.rn.bf16x2.f32", "ld.global.v4", "st.global.v4", "div.rn.f32"),
         ptx_forbidden=_NO_ATOMICS,
     ),
     KernelSpec(
         name="adaln_dtemb_fold",
         build=_build_dtemb_fold,
-        variants=lambda arch: [dict(width=TEMB_WIDTH)],
+        variants=lambda arch: [dict(width=TEMB)],
         ptx_forbidden=_NO_ATOMICS,
     ),
     KernelSpec(

@@ -13,10 +13,10 @@ from cutlass import Int64
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
+from h3cute.widths import MODALITIES
 
 from .rowwise import fake_indices, record_bad_row
 
-MODALITIES = 3
 THREADS = 256
 
 

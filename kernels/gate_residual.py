@@ -20,12 +20,12 @@ from cutlass import Float32, Int32, Int64
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
+from h3cute.widths import HIDDEN
 
 from .rowwise import (COL_TILE, MAX_TABLE_ROWS, ROW_THREADS, TABLE_ROWS_CAPS, UNROLL, VEC, checked_row,
                       fake_indices, fake_partials, fake_rows, fake_table, guarded_row, load_f32, reduction_block,
                       round_bf16, row_range, row_slots, smem_vec, store_bf16, take_owned, vec_view, window_chunk)
 
-HIDDEN = 5376
 
 
 @cute.kernel
@@ -177,7 +177,8 @@ SPECS = [
         build=build_backward,
         variants=lambda arch: [dict(width=HIDDEN, cap=cap) for cap in TABLE_ROWS_CAPS]
         + [dict(width=HIDDEN, cap=MAX_TABLE_ROWS, windowed=True)],
-        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "ld.shared.v", "st.shared.v"),  # 16-byte smem: v4.b32 or v2.b64
+        # 16-byte shared memory accesses: v4.b32 or v2.b64
+        ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "ld.shared.v", "st.shared.v"),
         ptx_forbidden=("atom.", "red.global", "red.shared"),
     ),
 ]

@@ -1,11 +1,11 @@
 """norm_modulate: out = rms_norm(x, w, eps) * (1 + scale[idx]) + shift[idx], BF16, forward and backward.
 
 Forward (`norm_modulate_fwd`; `gate_residual_norm_modulate_fwd` first forms the row h = residual + gate[idx] * y
-with gate_residual's roundings, stores it and normalizes it from registers): one 64-thread CTA per row (kernels/rowwise.py, NORM_THREADS): each thread
-issues its 10-11 16-byte loads of the row at once and keeps them in registers (BF16); the shift/scale rows of idx[row] are gathered in the kernel
-(tables may be row-strided views, e.g. halves of the final layer's (T, 2H) projection); out is written
-once. Numerics replay the diffusers composition `F.rms_norm(x, (H,), w, eps) * (1 + scale[idx]) +
-shift[idx]` on CUDA op for op:
+with gate_residual's roundings, stores it and normalizes it from registers): one 64-thread CTA per row
+(kernels/rowwise.py, NORM_THREADS): each thread issues its 10-11 16-byte loads of the row at once and keeps them in
+registers (BF16); the shift/scale rows of idx[row] are gathered in the kernel (tables may be row-strided views, e.g.
+halves of the final layer's (T, 2H) projection); out is written once. Numerics replay the diffusers composition
+`F.rms_norm(x, (H,), w, eps) * (1 + scale[idx]) + shift[idx]` on CUDA op for op:
     ss   = sum x^2 in torch's fused rms_norm order (rowwise.torch_sumsq), FP32
     rstd = rsqrt.approx(ss / H + eps)             (div.rn; CUDA rsqrtf is rsqrt.approx.f32)
     n    = bf16(w * (rstd * x))                   (torch: gamma * (rstd * x), one rounding)
@@ -46,13 +46,13 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
+from h3cute.widths import HIDDEN, NORM_EPS
 
 from .rowwise import (COL_TILE, MAX_TABLE_ROWS, NORM_THREADS, TABLE_ROWS_CAPS, TORCH_WARPS, UNROLL, VEC,
                       checked_row, fake_indices, fake_partials, fake_rows, fake_table, fake_vector, guarded_row,
                       load_f32, reduction_block, round_bf16, row_range, smem_vec, take_owned, torch_sumsq,
                       torch_sumsq_v4, vec_view, window_chunk)
 
-HIDDEN = 5376
 CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768
 # BF16 per thread of the fused backward (one 8-byte vector): 192 threads per 768-column slice, 12 warps per SM
 # at 2 CTAs per SM. With 16-byte vectors (96 threads) the SM had 6 warps, too few to hide the latency of the
@@ -783,7 +783,7 @@ def build_forward(arch: str, *, width: int):
     _check_width(width)
     s = cute.sym_int()
     return compile_for(arch, _forward_launch, fake_rows(s, width), fake_vector(width), fake_table(width),
-                       fake_table(width), fake_indices(s), fake_rows(s, width), Float32(1e-5), Int64(0), Int64(0),
+                       fake_table(width), fake_indices(s), fake_rows(s, width), Float32(NORM_EPS), Int64(0), Int64(0),
                        env_stream(), width)
 
 
@@ -794,7 +794,7 @@ def build_gated_forward(arch: str, *, width: int, vec: int):
     s = cute.sym_int()
     return compile_for(arch, _gated_forward_launch, fake_rows(s, width), fake_rows(s, width), fake_table(width),
                        fake_vector(width), fake_table(width), fake_table(width), fake_indices(s), fake_rows(s, width),
-                       fake_rows(s, width), Float32(1e-5), Int64(0), Int64(0), env_stream(), width, vec)
+                       fake_rows(s, width), Float32(NORM_EPS), Int64(0), Int64(0), env_stream(), width, vec)
 
 
 def build_backward_rows(arch: str, *, width: int):
@@ -802,7 +802,7 @@ def build_backward_rows(arch: str, *, width: int):
     s = cute.sym_int()
     return compile_for(arch, _bwd_rows_launch, fake_rows(s, width), fake_rows(s, width), fake_vector(width),
                        fake_table(width), fake_indices(s), fake_rows(s, width), fake_vector(s, Float32),
-                       Float32(1e-5), env_stream(), width)
+                       Float32(NORM_EPS), env_stream(), width)
 
 
 def build_backward_params(arch: str, *, width: int, cap: int, windowed: bool = False):
@@ -825,7 +825,7 @@ def build_backward_fused(arch: str, *, width: int, cap: int, step: int):
     return compile_for(arch, _bwd_fused_launch, fake_rows(s, width), fake_rows(s, width), fake_vector(width),
                        fake_table(width, table_rows), fake_indices(s), fake_rows(s, width), part_w,
                        fake_partials(groups, table_rows, width), fake_partials(groups, table_rows, width),
-                       Float32(1e-5), env_stream(), width, cap, step)
+                       Float32(NORM_EPS), env_stream(), width, cap, step)
 
 
 SPECS = [

@@ -22,13 +22,12 @@ from cutlass import Float32, Int32, Int64
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
+from h3cute.widths import BLOCK_CHUNKS, HIDDEN
 
 from .rowwise import (COL_TILE, MAX_TABLE_ROWS, ROW_THREADS, TABLE_ROWS_CAPS, VEC, check_row, fake_indices,
                       fake_partials, fake_rows, fake_table, load_f32, reduction_block, row_range, row_slots, smem_vec,
                       store_bf16, take_owned, vec_view, window_chunk)
 
-HIDDEN = 5376
-CHUNKS = 6
 GATHER_UNROLL = 16  # rows whose grad loads a backward step issues before accumulating
 
 
@@ -45,7 +44,7 @@ def _forward_kernel(mTable: cute.Tensor, mIdx: cute.Tensor, mOut0: cute.Tensor, 
         check_row(r, mTable.shape[0], row, err_rows, err_host)
     valid = (r >= 0) & (r < mTable.shape[0])
     outs = (mOut0, mOut1, mOut2, mOut3, mOut4, mOut5)
-    for c in cutlass.range_constexpr(CHUNKS):
+    for c in cutlass.range_constexpr(BLOCK_CHUNKS):
         if chunk == c:
             for k in cutlass.range_constexpr(row_slots(width, ROW_THREADS)):
                 vi = tidx + k * ROW_THREADS
@@ -62,7 +61,7 @@ def _forward_kernel(mTable: cute.Tensor, mIdx: cute.Tensor, mOut0: cute.Tensor, 
 def _forward_launch(mTable, mIdx, mOut0, mOut1, mOut2, mOut3, mOut4, mOut5, err_rows: Int64, err_host: Int64, stream,
                     width: cutlass.Constexpr):
     _forward_kernel(mTable, mIdx, mOut0, mOut1, mOut2, mOut3, mOut4, mOut5, err_rows, err_host, width).launch(
-        grid=(mIdx.shape[0], CHUNKS, 1), block=(ROW_THREADS, 1, 1), stream=stream
+        grid=(mIdx.shape[0], BLOCK_CHUNKS, 1), block=(ROW_THREADS, 1, 1), stream=stream
     )
 
 
@@ -139,11 +138,11 @@ def _backward_kernel(mG0: cute.Tensor, mG1: cute.Tensor, mG2: cute.Tensor, mG3: 
     grads = (mG0, mG1, mG2, mG3, mG4, mG5)
     if cutlass.const_expr(windowed):
         base, group = reduction_block(block_y, mPart.shape[0], cap, True)
-        for c in cutlass.range_constexpr(CHUNKS):
+        for c in cutlass.range_constexpr(BLOCK_CHUNKS):
             if chunk == c:
                 _backward_chunk_windowed(grads[c], mIdx, mPart, sAcc, base, group, col, lane, c * width, width, cap)
     else:
-        for c in cutlass.range_constexpr(CHUNKS):
+        for c in cutlass.range_constexpr(BLOCK_CHUNKS):
             if chunk == c:
                 _backward_chunk(grads[c], mIdx, mPart, sAcc, block_y, col, lane, c * width, width)
 
@@ -155,7 +154,7 @@ def _backward_launch(mG0, mG1, mG2, mG3, mG4, mG5, mIdx, mPart, stream, width: c
     if cutlass.const_expr(windowed):
         blocks_y = (mPart.shape[1] + cap - 1) // cap * mPart.shape[0]
     _backward_kernel(mG0, mG1, mG2, mG3, mG4, mG5, mIdx, mPart, width, cap, windowed).launch(
-        grid=(width // COL_TILE, blocks_y, CHUNKS), block=(32, 1, 1), stream=stream
+        grid=(width // COL_TILE, blocks_y, BLOCK_CHUNKS), block=(32, 1, 1), stream=stream
     )
 
 
@@ -167,17 +166,17 @@ def _check_width(width):
 def build_forward(arch: str, *, width: int):
     _check_width(width)
     s = cute.sym_int()
-    outs = [fake_rows(s, width) for _ in range(CHUNKS)]
-    return compile_for(arch, _forward_launch, fake_table(CHUNKS * width), fake_indices(s), *outs, Int64(0), Int64(0),
-                       env_stream(), width)
+    outs = [fake_rows(s, width) for _ in range(BLOCK_CHUNKS)]
+    return compile_for(arch, _forward_launch, fake_table(BLOCK_CHUNKS * width), fake_indices(s), *outs, Int64(0),
+                       Int64(0), env_stream(), width)
 
 
 def build_backward(arch: str, *, width: int, cap: int, windowed: bool = False):
     _check_width(width)
     s, groups, table_rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    grads = [fake_rows(s, width) for _ in range(CHUNKS)]
+    grads = [fake_rows(s, width) for _ in range(BLOCK_CHUNKS)]
     return compile_for(arch, _backward_launch, *grads, fake_indices(s),
-                       fake_partials(groups, table_rows, CHUNKS * width), env_stream(), width, cap, windowed)
+                       fake_partials(groups, table_rows, BLOCK_CHUNKS * width), env_stream(), width, cap, windowed)
 
 
 SPECS = [

@@ -40,24 +40,22 @@ import cutlass.cute as cute
 from h3cute.kernels.gemm_tf32x3 import GemmConfig, GemmTF32x3
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
+from h3cute.widths import FREQ, MLP_HIDDEN, TEMB  # fc1: FREQ -> MLP_HIDDEN, fc2: MLP_HIDDEN -> TEMB
 
-SINUSOID_WIDTH = 256  # in_features of fc1
-HIDDEN = 5376  # fc1 out / fc2 in
-TEMB_WIDTH = 2688  # fc2 out
 K_SLICE = 896
 FOLD_THREADS = 256
 COLSUM_GROUPS = 32  # row groups (warps) per bias-gradient CTA: part of db's summation order
 
 # role -> (rows M or None for T, N, K or None for padded T, epilogue)
 ROLES = {
-    "fc1": (None, HIDDEN, SINUSOID_WIDTH, "bias_silu_h"),  # forward: h only
-    "fc1_zh": (None, HIDDEN, SINUSOID_WIDTH, "bias_silu"),  # backward recompute: z and h
-    "fc1_split": (None, HIDDEN, SINUSOID_WIDTH, "bias_silu_split"),  # forward into the wgmma fc2: h's big, small
-    "fc2": (None, TEMB_WIDTH, HIDDEN, "partial"),
-    "fc2_dgrad": (None, HIDDEN, TEMB_WIDTH, "partial"),
-    "fc1_dgrad": (None, SINUSOID_WIDTH, HIDDEN, "partial"),
-    "fc2_wgrad": (TEMB_WIDTH, HIDDEN, None, "partial"),
-    "fc1_wgrad": (HIDDEN, SINUSOID_WIDTH, None, "partial"),
+    "fc1": (None, MLP_HIDDEN, FREQ, "bias_silu_h"),  # forward: h only
+    "fc1_zh": (None, MLP_HIDDEN, FREQ, "bias_silu"),  # backward recompute: z and h
+    "fc1_split": (None, MLP_HIDDEN, FREQ, "bias_silu_split"),  # forward into the wgmma fc2: h's big, small
+    "fc2": (None, TEMB, MLP_HIDDEN, "partial"),
+    "fc2_dgrad": (None, MLP_HIDDEN, TEMB, "partial"),
+    "fc1_dgrad": (None, FREQ, MLP_HIDDEN, "partial"),
+    "fc2_wgrad": (TEMB, MLP_HIDDEN, None, "partial"),
+    "fc1_wgrad": (MLP_HIDDEN, FREQ, None, "partial"),
 }
 FOLD_MODES = ("bias", "sum")
 # Roles whose B operand (a weight) the immediately preceding kernel of the launcher never writes:
@@ -285,7 +283,7 @@ SPECS = [
     KernelSpec(
         name="timestep_mlp_colsum",
         build=build_colsum,
-        variants=lambda arch: [dict(cols=TEMB_WIDTH, fold_dz=False), dict(cols=HIDDEN, fold_dz=True)],
+        variants=lambda arch: [dict(cols=TEMB, fold_dz=False), dict(cols=MLP_HIDDEN, fold_dz=True)],
         ptx_markers=("bar.sync",),
         ptx_forbidden=("atom.", "\tred."),  # no atomics, no reductions to memory
     ),

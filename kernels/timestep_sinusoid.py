@@ -12,8 +12,8 @@ roundings (`mul.rn`, which ptxas may not contract into an FMA), and `cute.math.e
 fastmath off, which lower to the libdevice precise paths, the same bitcode nvcc inlines for torch's
 `::exp`/`::sin`/`::cos` (3-term Cody-Waite reduction below |a| = 105615, Payne-Hanek above, no
 `sin.approx`/`cos.approx`; expf's only approximation is ex2.approx on a reduced argument), with
-__CUDA_FTZ off so subnormal t behave as in torch. The frequency table is recomputed per thread (4 expf): no host table, no extra
-argument, nothing that could drift from what torch's exp computes on the same GPU.
+__CUDA_FTZ off so subnormal t behave as in torch. The frequency table is recomputed per thread (4 expf): no host
+table, no extra argument, nothing that could drift from what torch's exp computes on the same GPU.
 
 Layout: one warp per row; lane j owns k = 4j..4j+3, so the cos half and the sin half of a row are each
 written by one warp as 32 coalesced 16-byte stores. A CTA holds ROWS_PER_CTA warps; the grid is
@@ -36,15 +36,15 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
+from h3cute.widths import FREQ, FREQ_HALF, MAX_PERIOD
 
 from .rowwise import record_bad_row
 
-SINUSOID_WIDTH = 256
-HALF = SINUSOID_WIDTH // 2
+HALF = FREQ_HALF
 LANES = 32
 VEC = HALF // LANES  # 4 FP32 = one 16-byte store per half per lane
 # Python's float(-ln 10000) rounded to FP32, as torch's CUDA mul casts the CPU scalar to the op math type.
-NEG_LN_MAX_PERIOD_F32 = float(np.float32(-math.log(10000.0)))  # -9.21034049987793 (0xC1135D8E)
+NEG_LN_MAX_PERIOD_F32 = float(np.float32(-math.log(MAX_PERIOD)))  # -9.21034049987793 (0xC1135D8E)
 INV_HALF = 1.0 / HALF  # 2^-7, exact
 ROWS_PER_CTA = 8  # warps per CTA, one row each; fixed (never a function of T)
 
@@ -103,8 +103,8 @@ def _sinusoid_launch(mT: cute.Tensor, mOut: cute.Tensor, err_rows: cutlass.Int64
 
 
 def build(arch: str, *, width: int, check_range: bool):
-    if width != SINUSOID_WIDTH:
-        raise ValueError(f"timestep_sinusoid is built for width {SINUSOID_WIDTH}, got {width}")
+    if width != FREQ:
+        raise ValueError(f"timestep_sinusoid is built for width {FREQ}, got {width}")
     num_rows = cute.sym_int()
     # t may be any 1-D FP32 view (stride symbolic); the output is a fresh compact (T, 256) tensor.
     mT = make_fake_tensor(cutlass.Float32, (num_rows,), (cute.sym_int(),), assumed_align=4)
@@ -116,7 +116,7 @@ SPECS = [
     KernelSpec(
         name="timestep_sinusoid",
         build=build,
-        variants=lambda arch: [dict(width=SINUSOID_WIDTH, check_range=c) for c in (True, False)],
+        variants=lambda arch: [dict(width=FREQ, check_range=c) for c in (True, False)],
         # mul.rn: the explicitly rounded products (k*c, *2^-7, t*f); 0f32A57060: the low word of log2(e) in __nv_expf's
         # reduction; 0f47CE4780 (105615): __nv_sinf/__nv_cosf's switch from the 3-term Cody-Waite
         # reduction to Payne-Hanek; st.global.v: the 16-byte stores (v4.b32, or v2.b64 where sm_100a merges the

@@ -48,6 +48,7 @@ from h3cute.kernels.adaln_gemm import produce_k_tiles
 from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, f32_bits, fc1_outputs, tf32_pair
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
+from h3cute.widths import FREQ, MLP_HIDDEN, TEMB
 
 WGMMA_M = 64  # rows of one warpgroup MMA
 PROBE_TILE_N = 128
@@ -423,12 +424,12 @@ def _add_rn_tile(acc: cute.Tensor, chunk: cute.Tensor):
 # role -> (K, slices, W K-major, epilogue): the GEMMs whose weight operand is read as it is (F = the weight's rows
 # along M: 2688 for fc2, 5376 for the others)
 WEIGHT_GEMMS = {
-    "fc2": (5376, 6, True, "partial"),  # W = w2 (2688, 5376), X = h (T, 5376): P (6, T, 2688)
-    "fc2_dgrad": (2688, 3, False, "partial"),  # W = w2^T (5376, 2688), w2 read in place, X = grad: P (3, T, 5376)
-    "fc1_split": (256, 1, True, "bias_silu_split"),  # W = w1 (5376, 256), X = x: h's big, small (T, 5376)
-    "fc1_zh": (256, 1, True, "bias_silu"),  # the backward's recompute: z, h (T, 5376)
+    "fc2": (MLP_HIDDEN, 6, True, "partial"),  # W = w2 (2688, 5376), X = h (T, 5376): P (6, T, 2688)
+    "fc2_dgrad": (TEMB, 3, False, "partial"),  # W = w2^T (5376, 2688), w2 read in place, X = grad: P (3, T, 5376)
+    "fc1_split": (FREQ, 1, True, "bias_silu_split"),  # W = w1 (5376, 256), X = x: h's big, small (T, 5376)
+    "fc1_zh": (FREQ, 1, True, "bias_silu"),  # the backward's recompute: z, h (T, 5376)
 }
-WEIGHT_FEATURES = {"fc2": 2688, "fc2_dgrad": 5376, "fc1_split": 5376, "fc1_zh": 5376}
+WEIGHT_FEATURES = {"fc2": TEMB, "fc2_dgrad": MLP_HIDDEN, "fc1_split": MLP_HIDDEN, "fc1_zh": MLP_HIDDEN}
 
 
 @dataclass(frozen=True)
@@ -726,7 +727,8 @@ def _split_transpose_kernel(mXt: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Te
 @cute.jit
 def _split_launch(mX: cute.Tensor, mBig: cute.Tensor, mSmall: cute.Tensor, stream, transpose: cutlass.Constexpr):
     if cutlass.const_expr(transpose):
-        grid = (cute.ceil_div(cute.size(mBig, mode=[0]), TRANSPOSE_TILE), cute.size(mBig, mode=[1]) // TRANSPOSE_TILE, 1)
+        grid = (cute.ceil_div(cute.size(mBig, mode=[0]), TRANSPOSE_TILE), cute.size(mBig, mode=[1]) // TRANSPOSE_TILE,
+                1)
         _split_transpose_kernel(mX, mBig, mSmall).launch(grid=grid, block=(TRANSPOSE_TILE, 8, 1), stream=stream,
                                                           use_pdl=True)
     else:
@@ -755,8 +757,8 @@ LAUNCH_TILE = (128, 32, 3)  # the launcher's tile for every role (fastest fc2 ti
 # slice count as the mma.sync role, so the same chunk contract and bits). K None: T-deep, the operands
 # zero-padded by the transposing split to a multiple of TRANSPOSE_TILE.
 ROLE_GEMMS = {
-    "fc2": (5376, 6),  # h (T, 5376) x w2 (2688, 5376)
-    "fc2_dgrad": (2688, 3),  # grad (T, 2688) x w2^T (5376, 2688): transposing split of w2
+    "fc2": (MLP_HIDDEN, 6),  # h (T, 5376) x w2 (2688, 5376)
+    "fc2_dgrad": (TEMB, 3),  # grad (T, 2688) x w2^T (5376, 2688): transposing split of w2
     "fc2_wgrad": (None, 1),  # grad^T (2688, T) x h^T (5376, T): transposing splits, K tail zero
 }
 
@@ -819,7 +821,8 @@ WEIGHT_SMALL_TILES = ((16, 32, 10), (8, 32, 12))
 
 def gemm_variants() -> list:
     """fc2 in every measured tile (the perf script times them); the other roles in the launcher's tile."""
-    variants = [dict(k=5376, splits=6, tile=t) for t in GEMM_TILES]
+    fc2_k, fc2_splits = ROLE_GEMMS["fc2"]
+    variants = [dict(k=fc2_k, splits=fc2_splits, tile=t) for t in GEMM_TILES]
     for role, (k, splits) in ROLE_GEMMS.items():
         if role != "fc2":
             variants.append(dict(k=k, splits=splits, tile=LAUNCH_TILE))

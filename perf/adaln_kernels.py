@@ -27,10 +27,11 @@ from h3cute import runtime
 from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
 from h3cute.launch import adaln_projection as L
+from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, TEMB
 
 SIZES = (1, 4, 64, 256, 2048)
 WARMUP, SAMPLES = 5, 20
-D, N = L.TEMB_WIDTH, 96768
+D, N = TEMB, BLOCK_PROJECTION
 BF16, F32 = 2, 4
 
 
@@ -125,7 +126,8 @@ def _args(argv):
     parser.add_argument("--family", choices=("warp", "wgmma"), action="append",
                         help="time only this MMA family (repeatable; default every family the device runs)")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the step list (median and range)")
-    parser.add_argument("--out-features", type=int, choices=(96768, 10752), default=96768,
+    parser.add_argument("--out-features", type=int, choices=(BLOCK_PROJECTION, FINAL_PROJECTION),
+                        default=BLOCK_PROJECTION,
                         help="N: the block table (default) or the final AdaLN's")
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -198,7 +200,7 @@ def main(argv) -> int:
                     print(f"  {r['kind']:<4} {name:<34} {r['us']:9.1f} us{spread} {r['gbps']:7.0f} GB/s "
                           f"{r['tflops']:6.1f} TFLOP/s")
             print("  op   " + "  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in ops.items()))
-        del buf
+        buf = None  # frees this size's buffers (the timed lambdas refer to the name) before the next size's
         torch.cuda.empty_cache()
     # The fastest config of each GEMM per T and family: what config_for_rows / wgrad_config_for_rows
     # should pick (every config of a family gives the same bits).

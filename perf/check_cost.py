@@ -14,7 +14,6 @@ $H3CUTE_OUT/check_cost.json, else ./check_cost.json; a table goes to stdout.
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -24,6 +23,7 @@ from h3cute import reference
 from h3cute.bench import timing
 from h3cute.bench.report import h3cute_commit, write_device_json
 from h3cute.ops import validate
+from h3cute.widths import BLOCK_TABLE, FINAL_PROJECTION, NORM_EPS, TEMB
 
 WARMUP, SAMPLES = 50, 500
 median_us = timing.timer("cuda", WARMUP, SAMPLES)
@@ -32,23 +32,23 @@ median_us = timing.timer("cuda", WARMUP, SAMPLES)
 def _cases(rows: int):
     x, w, shift, scale, idx = (t.cuda() for t in reference.example_inputs("norm_modulate", rows, num_timesteps=3))
     y = torch.randn_like(x)
-    table = torch.randn(9, 6 * reference.HIDDEN, device="cuda").to(torch.bfloat16)
-    temb = torch.randn(3, 2688, device="cuda")
-    pw = (torch.randn(2 * reference.HIDDEN, 2688, device="cuda") * 0.02).to(torch.bfloat16)
-    pb = torch.zeros(2 * reference.HIDDEN, device="cuda").to(torch.bfloat16)
+    table = torch.randn(9, BLOCK_TABLE, device="cuda").to(torch.bfloat16)
+    temb = torch.randn(3, TEMB, device="cuda")
+    pw = (torch.randn(FINAL_PROJECTION, TEMB, device="cuda") * 0.02).to(torch.bfloat16)
+    pb = torch.zeros(FINAL_PROJECTION, device="cuda").to(torch.bfloat16)
     ti, tags = idx // 3, idx % 3
 
     def host(values, bound):
         return lambda: validate.check_indices("check_cost", "idx", values, bound, "")
 
     ops = torch.ops.h3
-    yield "norm_modulate", lambda c: ops.norm_modulate(x, w, shift, scale, idx, 1e-5, c), host(idx, 9)
+    yield "norm_modulate", lambda c: ops.norm_modulate(x, w, shift, scale, idx, NORM_EPS, c), host(idx, 9)
     yield "gate_residual", lambda c: ops.gate_residual(x, y, shift, idx, c), host(idx, 9)
     yield "adaln_row_gather", lambda c: ops.adaln_row_gather(table, idx, c), host(idx, 9)
-    yield "final_adaln_out", lambda c: ops.final_adaln_out(x, w, temb, pw, pb, ti, 1e-5, c), host(ti, 3)
+    yield "final_adaln_out", lambda c: ops.final_adaln_out(x, w, temb, pw, pb, ti, NORM_EPS, c), host(ti, 3)
     if hasattr(ops, "gate_residual_norm_modulate"):
         yield ("gate_residual_norm_modulate",
-               lambda c: ops.gate_residual_norm_modulate(x, y, shift, w, shift, scale, idx, 1e-5, c), host(idx, 9))
+               lambda c: ops.gate_residual_norm_modulate(x, y, shift, w, shift, scale, idx, NORM_EPS, c), host(idx, 9))
     if rows == 4097:
         t = torch.rand(3, device="cuda")
         yield "timestep_sinusoid", lambda c: ops.timestep_sinusoid(t, c), lambda: validate.check_timestep_values(t)

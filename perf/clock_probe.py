@@ -104,7 +104,8 @@ def _sustain(fn, seconds: float, query: str) -> dict:
     us = first.elapsed_time(last) * 1e3 / count
     mhz = statistics.median(r[0] for r in kept) if kept else None
     reasons = sorted({r[3] for r in kept})
-    return {"us": us, "launches": count, "sm_mhz": mhz, "power_w": statistics.median(r[1] for r in kept) if kept else None,
+    return {"us": us, "launches": count, "sm_mhz": mhz,
+            "power_w": statistics.median(r[1] for r in kept) if kept else None,
             "temp_c": max(r[2] for r in kept) if kept else None, "event_reasons": reasons,
             "mcycles": us * mhz * 1e-6 if mhz else None, "samples": len(kept), "wall_s": total}
 

@@ -5,8 +5,8 @@ Each row is the median CUDA-event time of one whole call from Python, calls back
 samples, as `h3cute.bench.checks` measures `fwd_us`): when the host is slower than the GPU this is the host
 time of the call. Rows, cheapest first, so neighbouring differences are the cost of one layer:
 
-  floors     an empty Python call (the event pair alone), `t + 1`, `torch.ops.aten.add`, `torch.empty`, a no-op Python-impl op, a trivial autograd
-             round trip (`x * 2` forward and backward through the engine)
+  floors     an empty Python call (the event pair alone), `t + 1`, `torch.ops.aten.add`, `torch.empty`, a no-op
+             Python-impl op, a trivial autograd round trip (`x * 2` forward and backward through the engine)
   per op     raw kernel call(s), launcher, the op's CUDA impl called directly, `torch.ops.h3.<op>`, and
              for differentiable ops the backward launcher, the backward op, and the harness's fwd+bwd
   cprofile   the Python functions that take the host time of each op's fwd+bwd (top 25 by own time)
@@ -29,6 +29,7 @@ from h3cute.bench import problems, timing
 from h3cute.bench.report import write_device_json
 from h3cute.launch import norm_modulate, timestep_mlp, timestep_sinusoid
 from h3cute.ops import adaln, timestep
+from h3cute.widths import FREQ, HIDDEN, NORM_EPS, TEMB
 
 WARMUP, SAMPLES = 30, 300
 DEV = torch.device("cuda")
@@ -66,7 +67,7 @@ _LIB.impl("noop", lambda t: t, "CUDA")
 
 def floors() -> dict:
     t = torch.rand(3, device=DEV)
-    x = torch.randn(4097, 5376, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(4097, HIDDEN, device=DEV, dtype=torch.bfloat16)
     ones = torch.ones_like(x)
 
     def autograd_round_trip():
@@ -85,8 +86,8 @@ def floors() -> dict:
 
 def sinusoid() -> dict:
     t = torch.rand(3, device=DEV)
-    out = torch.empty((3, 256), device=DEV)
-    fn = runtime.kernel("timestep_sinusoid", DEV, width=256, check_range=True)
+    out = torch.empty((3, FREQ), device=DEV)
+    fn = runtime.kernel("timestep_sinusoid", DEV, width=FREQ, check_range=True)
     op = torch.ops.h3.timestep_sinusoid
     return {
         "kernel": median_us(lambda: fn(t, out)),
@@ -111,7 +112,7 @@ def mlp() -> tuple[dict, str]:
     p = problems.PROBLEMS["timestep_mlp"]
     a = p.draw(1, 0, DEV)
     x, w1, b1, w2, b2 = (a[n] for n in p.args)
-    grad = torch.ones((1, 2688), device=DEV)
+    grad = torch.ones((1, TEMB), device=DEV)
     op = torch.ops.h3.timestep_mlp
     run = _fwd_bwd(op, a, p.args, p.row_grads + p.param_grads)
     res = {
@@ -135,11 +136,11 @@ def norm_mod() -> tuple[dict, str]:
         return torch.ops.h3.norm_modulate(*args, check_indices=False)
     run = _fwd_bwd(op, a, p.args, p.row_grads + p.param_grads)
     res = {
-        "launch_fwd": median_us(lambda: norm_modulate.forward(x, w, shift, scale, idx, 1e-5, False)),
-        "impl_fwd": median_us(lambda: adaln._norm_modulate_cuda(x, w, shift, scale, idx, 1e-5, False)),
+        "launch_fwd": median_us(lambda: norm_modulate.forward(x, w, shift, scale, idx, NORM_EPS, False)),
+        "impl_fwd": median_us(lambda: adaln._norm_modulate_cuda(x, w, shift, scale, idx, NORM_EPS, False)),
         "op_fwd": median_us(lambda: op(x, w, shift, scale, idx)),
-        "launch_bwd": median_us(lambda: norm_modulate.backward(grad, x, w, scale, idx, 1e-5, 9)),
-        "op_bwd": median_us(lambda: torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, 9)),
+        "launch_bwd": median_us(lambda: norm_modulate.backward(grad, x, w, scale, idx, NORM_EPS, 9)),
+        "op_bwd": median_us(lambda: torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, NORM_EPS, 9)),
         "fwd_bwd": median_us(run),
         "graph_fwd_bwd": graph_us(run),
     }

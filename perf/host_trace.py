@@ -38,6 +38,7 @@ import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 from h3cute.bench import problems, timing
 from h3cute.launch import timestep_mlp as M
+from h3cute.widths import TEMB
 
 DEV = torch.device("cuda")
 WARMUP, CALLS = 20, 20
@@ -140,7 +141,7 @@ def graph(fn, label: str) -> list[str]:
 
 
 def _upstream_ones(t: int) -> torch.Tensor:
-    return torch.ones((t, 2688), device=DEV)
+    return torch.ones((t, TEMB), device=DEV)
 
 
 def side_by_side(p, inputs: dict, t: int) -> list[str]:
@@ -180,7 +181,7 @@ def h3cute_graphs(p, inputs: dict, t: int) -> list[str]:
     forward's floor as torch reductions."""
     grads = p.row_grads + p.param_grads
     x, w1, b1, w2, b2 = (inputs[a] for a in p.args)
-    randn, ones, ones_again = torch.randn((t, 2688), device=DEV), _upstream_ones(t), _upstream_ones(t)
+    randn, ones, ones_again = torch.randn((t, TEMB), device=DEV), _upstream_ones(t), _upstream_ones(t)
     static = {a: inputs[a].detach().requires_grad_(True) for a in grads}
 
     def autograd(upstream):  # the harness's graphed fwd+bwd with a given upstream gradient

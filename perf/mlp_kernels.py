@@ -26,6 +26,7 @@ from h3cute import runtime
 from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
 from h3cute.launch import timestep_mlp as L
+from h3cute.widths import FREQ as F1, MLP_HIDDEN as HIDDEN, TEMB as D
 
 SIZES = (1, 4, 64, 128, 256, 512, 2048)
 # sm_90a: the wgmma path is timed from here, below and above WGMMA_MIN_ROWS (the threshold's evidence)
@@ -39,7 +40,6 @@ WARMUP, SAMPLES = 10, 50
 # keeps the two equal).
 WGMMA_FC2_TILES = ((128, 32, 3), (128, 16, 6), (64, 32, 4))
 WEIGHT_TILES = ((128, 32, 4), (16, 32, 10), (8, 32, 12))  # wgmma_tf32.WEIGHT_TILE + WEIGHT_SMALL_TILES
-F1, HIDDEN, D = L.SINUSOID_WIDTH, L.HIDDEN, L.TEMB_WIDTH
 
 
 _median_us = timing.timer("cuda", WARMUP, SAMPLES)

@@ -25,16 +25,17 @@ import torch.nn.functional as F
 from h3cute import runtime
 from h3cute.launch import adaln_projection as P
 from h3cute.launch import timestep_mlp as M
+from h3cute.widths import BLOCK_PROJECTION, FREQ, MLP_HIDDEN, TEMB
 
-D, N = P.TEMB_WIDTH, 96768
+D, N = TEMB, BLOCK_PROJECTION
 
 
 def _mlp(rows, dev, g):
-    x = torch.randn(rows, 256, generator=g, device=dev)
-    w1 = torch.randn(5376, 256, generator=g, device=dev) * 256 ** -0.5
-    b1 = torch.randn(5376, generator=g, device=dev) * 0.02
-    w2 = torch.randn(2688, 5376, generator=g, device=dev) * 5376 ** -0.5
-    b2 = torch.randn(2688, generator=g, device=dev) * 0.02
+    x = torch.randn(rows, FREQ, generator=g, device=dev)
+    w1 = torch.randn(MLP_HIDDEN, FREQ, generator=g, device=dev) * FREQ ** -0.5
+    b1 = torch.randn(MLP_HIDDEN, generator=g, device=dev) * 0.02
+    w2 = torch.randn(TEMB, MLP_HIDDEN, generator=g, device=dev) * MLP_HIDDEN ** -0.5
+    b2 = torch.randn(TEMB, generator=g, device=dev) * 0.02
     return x, w1, b1, w2, b2
 
 
@@ -48,7 +49,7 @@ def _case(spec: str, dev):
             config = getattr(M, rest[0])
             if kind == "mlp_fwd":
                 return lambda: M.forward(x, w1, b1, w2, b2, config=config)
-            grad = torch.randn(rows, M.TEMB_WIDTH, generator=g, device=dev)
+            grad = torch.randn(rows, TEMB, generator=g, device=dev)
             return lambda: M.backward(grad, x, w1, b1, w2, config=config)
         if kind == "peer_mlp_fwd":
             return lambda: F.linear(F.silu(F.linear(x, w1, b1)), w2, b2)

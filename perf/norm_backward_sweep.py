@@ -23,6 +23,7 @@ from row_kernels import H, _bits, copy_bandwidth, time_launch  # noqa: E402
 from h3cute import runtime  # noqa: E402
 from h3cute.bench.report import write_device_json  # noqa: E402
 from h3cute.launch import norm_modulate  # noqa: E402
+from h3cute.widths import NORM_EPS
 
 
 def run_variant(inputs, step, groups):
@@ -35,7 +36,7 @@ def run_variant(inputs, step, groups):
     part_w = partials[:, :H]
     part_shift = partials[:, H:(1 + table_rows) * H].view(groups, table_rows, H)
     part_scale = partials[:, (1 + table_rows) * H:].view(groups, table_rows, H)
-    args = (grad, x, w, scale, idx, dx, part_w, part_shift, part_scale, 1e-5)
+    args = (grad, x, w, scale, idx, dx, part_w, part_shift, part_scale, NORM_EPS)
     fn(*args)
     folded = [norm_modulate.fold(p, torch.empty(p.shape[1:], dtype=torch.bfloat16, device=x.device))
               for p in (part_w, part_shift, part_scale)]

@@ -1,6 +1,6 @@
 """Per-launch device time and achieved bandwidth of the row ops' kernels (norm_modulate, gate_residual,
-adaln_row_gather, gate_residual_norm_modulate), forward and backward, at S = 4097, 32768, 131072. A device script: it runs on the
-prebuilt bundle (`bash perf/device_run.sh python3 perf/row_kernels.py`) and never compiles.
+adaln_row_gather, gate_residual_norm_modulate), forward and backward, at S = 4097, 32768, 131072. A device script: it
+runs on the prebuilt bundle (`bash perf/device_run.sh python3 perf/row_kernels.py`) and never compiles.
 
 How: each op is called once through its launch module (h3cute.launch.*) with `h3cute.runtime.kernel`
 wrapped so that every kernel launch it makes is recorded (name, static args, the tensors it got). Each
@@ -25,8 +25,8 @@ from h3cute import runtime
 from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
 from h3cute.launch import adaln_row_gather, gate_residual, gate_residual_norm_modulate, norm_modulate
+from h3cute.widths import BLOCK_CHUNKS, BLOCK_TABLE, HIDDEN as H, NORM_EPS
 
-H = 5376
 WARMUP, SAMPLES = 10, 50
 
 
@@ -85,15 +85,15 @@ def _inputs(op, rows, table_rows, gen):
         x, grad = randn(rows, H, scale=2.0), randn(rows, H)
         w = (0.5 + torch.rand(H, generator=gen, device="cuda")).to(torch.bfloat16)
         shift, scale = randn(table_rows, H, scale=0.1), randn(table_rows, H, scale=0.1)
-        return (lambda: norm_modulate.forward(x, w, shift, scale, idx, 1e-5),
-                lambda: norm_modulate.backward(grad, x, w, scale, idx, 1e-5, table_rows))
+        return (lambda: norm_modulate.forward(x, w, shift, scale, idx, NORM_EPS),
+                lambda: norm_modulate.backward(grad, x, w, scale, idx, NORM_EPS, table_rows))
     if op == "gate_residual":
         res, y, grad, gate = randn(rows, H), randn(rows, H), randn(rows, H), randn(table_rows, H, scale=0.1)
         return (lambda: gate_residual.forward(res, y, gate, idx),
                 lambda: gate_residual.backward(grad, y, gate, idx))
     if op == "adaln_row_gather":
-        table = randn(table_rows, 6 * H)
-        grads = [randn(rows, H) for _ in range(6)]
+        table = randn(table_rows, BLOCK_TABLE)
+        grads = [randn(rows, H) for _ in range(BLOCK_CHUNKS)]
         return (lambda: adaln_row_gather.forward(table, idx),
                 lambda: adaln_row_gather.backward(grads, idx, table_rows))
     if op.startswith("gate_residual_norm_modulate"):  # "...@4" / "...@8": that forward row layout
@@ -101,9 +101,9 @@ def _inputs(op, rows, table_rows, gen):
         res, y, grad_h, grad_out = randn(rows, H), randn(rows, H), randn(rows, H), randn(rows, H)
         w = (0.5 + torch.rand(H, generator=gen, device="cuda")).to(torch.bfloat16)
         gate, shift, scale = (randn(table_rows, H, scale=0.1) for _ in range(3))
-        h, _ = gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, 1e-5, vec=vec)
-        return (lambda: gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, 1e-5, vec=vec),
-                lambda: gate_residual_norm_modulate.backward(grad_h, grad_out, y, gate, h, w, scale, idx, 1e-5,
+        h, _ = gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, NORM_EPS, vec=vec)
+        return (lambda: gate_residual_norm_modulate.forward(res, y, gate, w, shift, scale, idx, NORM_EPS, vec=vec),
+                lambda: gate_residual_norm_modulate.backward(grad_h, grad_out, y, gate, h, w, scale, idx, NORM_EPS,
                                                              table_rows))
     raise ValueError(op)
 
@@ -125,8 +125,8 @@ def measure(op, rows, table_rows, copy_gbs):
             gbs = nbytes / us / 1e3
             launches.append(dict(kernel=name, static=static, us=round(us, 2), bytes=nbytes, gb_s=round(gbs, 1),
                                  of_copy=round(gbs / copy_gbs, 3)))
-        total_us = sum(l["us"] for l in launches)
-        total_bytes = sum(l["bytes"] for l in launches)
+        total_us = sum(launch["us"] for launch in launches)
+        total_bytes = sum(launch["bytes"] for launch in launches)
         result[direction] = dict(launches=launches, total_us=round(total_us, 2), total_bytes=total_bytes,
                                  floor_us_at_copy_bw=round(total_bytes / copy_gbs / 1e3, 2))
         del keep, rec
@@ -161,10 +161,10 @@ def main(argv=None):
             for direction in ("fwd", "bwd"):
                 if direction not in res:
                     continue
-                for l in res[direction]["launches"]:
-                    label = l["kernel"]
-                    print(f"{op:18} {rows:7} {direction:3} {label:28} {l['us']:9.1f} {l['bytes'] / 1e6:9.1f} "
-                          f"{l['gb_s']:7.0f} {l['of_copy']:7.2f}")
+                for launch in res[direction]["launches"]:
+                    label = launch["kernel"]
+                    print(f"{op:18} {rows:7} {direction:3} {label:28} {launch['us']:9.1f} {launch['bytes'] / 1e6:9.1f} "
+                          f"{launch['gb_s']:7.0f} {launch['of_copy']:7.2f}")
                 r = res[direction]
                 print(f"{op:18} {rows:7} {direction:3} {'= total':28} {r['total_us']:9.1f} "
                       f"{r['total_bytes'] / 1e6:9.1f}   floor {r['floor_us_at_copy_bw']:.1f} us")

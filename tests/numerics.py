@@ -8,6 +8,7 @@ error e of a sum or GEMM is far below `FP32_SLACK` times the sum of its terms' m
 anywhere on the path shows up as elements outside the bound.
 """
 import torch
+from h3cute.widths import NORM_EPS
 
 U_BF16 = 2.0 ** -8  # unit roundoff of BF16 (8-bit significand)
 FP32_SLACK = 2.0 ** -16  # room for FP32 accumulation, relative to the sum of |terms|
@@ -56,7 +57,7 @@ def fixed_order_table_sum(rows: torch.Tensor, idx: torch.Tensor, table_rows: int
     return total.to(torch.bfloat16)
 
 
-def final_adaln_out_fp64(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, table, eps=1e-5):
+def final_adaln_out_fp64(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, table, eps=NORM_EPS):
     """final_adaln_out in FP64 on the op's own (T, 10752) BF16 table: the projection is BF16 by the op's
     definition (diffusers' Linear in BF16), so the norm half reads `table`'s values while gradients reach the
     projection's FP64 inputs straight through that rounding (as `reference._silu_bf16_fp64` does for silu)."""
@@ -122,7 +123,7 @@ def projection_grads_fp64(grad, temb, weight):
 
 # ---- per-op contracts shared by the op-level GPU tests --------------------------------------------------
 
-def norm_modulate_backward_fp64(grad, x, weight, shift, scale, idx, eps=1e-5):
+def norm_modulate_backward_fp64(grad, x, weight, shift, scale, idx, eps=NORM_EPS):
     """FP64 autograd of norm_modulate: (dx, dweight, dshift, dscale) and, for the reductions, the same at
     |inputs| (an upper bound on the sum of each reduction's |terms|: 1 + |scale| >= |1 + scale|)."""
     from h3cute import reference
@@ -135,7 +136,7 @@ def norm_modulate_backward_fp64(grad, x, weight, shift, scale, idx, eps=1e-5):
     return grads(lambda t: t.detach().double()), grads(lambda t: t.detach().double().abs())
 
 
-def assert_norm_modulate_backward(got, grad, x, weight, shift, scale, idx, what, eps=1e-5):
+def assert_norm_modulate_backward(got, grad, x, weight, shift, scale, idx, what, eps=NORM_EPS):
     """dx: FP32 math, one BF16 rounding (FP32 room relative to the largest element); dweight, dshift, dscale: FP32
     sums, one rounding (FP32 room relative to the sum of |terms|). docs/row_kernels.md's numeric contract."""
     ref, mag = norm_modulate_backward_fp64(grad, x, weight, shift, scale, idx, eps)
@@ -146,7 +147,7 @@ def assert_norm_modulate_backward(got, grad, x, weight, shift, scale, idx, what,
 
 
 def assert_final_adaln_out_backward(got, grad, x, norm_weight, temb, proj_weight, proj_bias, ti, table, what,
-                                    eps=1e-5):
+                                    eps=NORM_EPS):
     """final_adaln_out's backward contract on the op's own BF16 `table`: dx and d_norm_weight as norm_modulate's;
     the table gradient d(shift | scale) BF16 (the norm backward's fixed-order sums, one rounding, read from
     `h3::norm_modulate_backward` on the same table: the same sums, docs/adaln_projection.md); d_temb within

@@ -23,7 +23,7 @@ import torch
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 from h3cute.launch import adaln_projection as launch
-from h3cute.ops import validate
+from h3cute.widths import BLOCK_PROJECTION as N_BLOCK, FINAL_PROJECTION as N_FINAL, TEMB as D
 
 from bitwise import assert_same_bits
 from compiled_ptx import ptx_of
@@ -33,9 +33,6 @@ from numerics import projection_grads_fp64 as _fp64_grads
 from numerics import projection_replay as _replay
 from numerics import rel_err as _rel_err
 
-D = 2688
-N_BLOCK = 96768
-N_FINAL = 10752
 
 
 # ---- CPU: the kernel family compiles for both archs with the contract's instructions --------------------
@@ -119,9 +116,9 @@ def _assert_dgrad_k_blocks(text, atoms, acc_per_thread, k_block, config):
 
 @pytest.mark.parametrize("config", ["tma_wide_n256_mc2", "tma_persist_m256"])
 def test_backward_refuses_a_config_without_a_dtemb_gemm(config):
-    t = torch.zeros((2, 2688))
+    t = torch.zeros((2, D))
     with pytest.raises(ValueError, match=f"{config}.*no d_temb GEMM"):
-        launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), t, torch.zeros((8, 2688)), config=config)
+        launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), t, torch.zeros((8, D)), config=config)
 
 
 def test_launch_and_kernel_agree_on_configs_and_splits():
@@ -148,8 +145,7 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     assert all(k.TMA_WGRAD_CONFIGS[c].persistent_ctas for c in k.FOLD_WARP_WGRAD_CONFIGS)
     assert all(k.TMA_WGRAD_CONFIGS[c].persistent_ctas for c in k.WGRAD_DB_WARPS)
     assert all(launch.dbias_blocks(t) == -(-t // k.DBIAS_ROW_BLOCK) for t in (1, 63, 64, 65, 2048, 2049))
-    assert k.TEMB_WIDTH == launch.TEMB_WIDTH == D
-    assert launch.BLOCK_PROJECTION == validate.PROJECTION == N_BLOCK and N_BLOCK in k.OUT_FEATURES
+    assert k.OUT_FEATURES == (N_BLOCK, N_FINAL)  # the block and the final AdaLN projection, both compiled
     for n in k.OUT_FEATURES:
         for tile in k.CONFIGS.values():
             tile.check()
@@ -263,17 +259,18 @@ def test_tail_units_split_only_a_thin_last_round():
     for config, twin in (("tma_wide_n256_tail", "tma_wide_n256"), ("tma_wide_n256_a_mc2_tail", "tma_wide_n256_a_mc2")):
         assert dataclasses.replace(k.TMA_DGRAD_CONFIGS[config], tail_halves=False) == k.TMA_CONFIGS[twin], config
     with pytest.raises(ValueError, match="tma_wide_n256_tail.*no forward GEMM"):
-        launch.forward(torch.zeros((2, 2688)), torch.zeros((8, 2688), dtype=torch.bfloat16),
+        launch.forward(torch.zeros((2, D)), torch.zeros((8, D), dtype=torch.bfloat16),
                        torch.zeros((8,), dtype=torch.bfloat16), config="tma_wide_n256_tail")
 
 
 @pytest.mark.slow
 def test_tma_mainloop_instructions():
     """Every TMA config compiles for sm_90a to the warp-specialized mainloop: TMA loads on mbarriers, no
-    cp.async.cg, the setmaxnreg split, one wgmma batch kept in flight (the one-block-tile d_temb drains each block), the named epilogue barrier of the
-    consumer threads, no atomics. d_temb (the ieee_steps contract): wgmmas in DGRAD_K_BLOCK blocks of 4, the
-    first from zero (scale-d = 0), and exactly one FP32 add per block-tile element per block. Where ptxas is
-    installed: no spills, and no serialized wgmmas (ptxas C7514 / C7515 / C7511, which would undo the overlap)."""
+    cp.async.cg, the setmaxnreg split, one wgmma batch kept in flight (the one-block-tile d_temb drains each block),
+    the named epilogue barrier of the consumer threads, no atomics. d_temb (the ieee_steps contract): wgmmas in
+    DGRAD_K_BLOCK blocks of 4, the first from zero (scale-d = 0), and exactly one FP32 add per block-tile element per
+    block. Where ptxas is installed: no spills, and no serialized wgmmas (ptxas C7514 / C7515 / C7511, which would
+    undo the overlap)."""
     import re
     import shutil
 
@@ -369,7 +366,7 @@ def test_clustered_configs_are_their_plain_tiles_in_whole_clusters():
     assert "tma_wide_n256_mc2" in launch.TMA_CONFIGS and "tma_wide_n256_mc2" not in launch.TMA_DGRAD_CONFIGS
     assert "tma_wide_a_mc2" in launch.TMA_DGRAD_CONFIGS and "tma_wgrad_mc2" in launch.TMA_WGRAD_CONFIGS
     with pytest.raises(ValueError, match="tma_wide_n256_mc2.*no d_temb GEMM"):
-        launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), torch.zeros((2, 2688)), torch.zeros((8, 2688)),
+        launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), torch.zeros((2, D)), torch.zeros((8, D)),
                         config="tma_wide_n256_mc2")
 
 
@@ -524,7 +521,8 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     wgrad_config = launch.wgrad_config_for_rows(rows, wgmma)
     folds = launch.wgrad_folds(wgrad_config, wgmma)
     assert folds == (wgmma and rows > 384)  # the picks beyond 384 are the fold-warp tiles
-    assert ("adaln_proj_dgrad" + sfx, dict(out_features=n, config=launch.dgrad_config_for_rows(rows, wgmma))) in emu.calls
+    dgrad = dict(out_features=n, config=launch.dgrad_config_for_rows(rows, wgmma))
+    assert ("adaln_proj_dgrad" + sfx, dgrad) in emu.calls
     names = [name for name, _ in emu.calls]
     if folds:
         # The dW kernel's fold warps write d_temb and db; its operand comes from silu_cast, launched first.

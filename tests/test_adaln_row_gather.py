@@ -7,12 +7,12 @@ import torch
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 from h3cute.launch import adaln_row_gather as launch
+from h3cute.widths import BLOCK_CHUNKS, HIDDEN as H
 
 from bitwise import same_bits
 from numerics import assert_table_sum
 from poison import poison_allocator
 
-H = reference.HIDDEN
 BF16 = torch.bfloat16
 
 
@@ -68,7 +68,7 @@ def test_forward_rows_depend_only_on_their_index():
 def test_backward_matches_fp64_and_is_repeatable(rows):
     """44 * 17 rows: each of the 44 row groups has one 16-row step and one single-row tail step."""
     table, idx = _inputs(rows, seed=rows + 2)
-    grads = [torch.randn(rows, H, device="cuda").to(BF16) for _ in range(6)]
+    grads = [torch.randn(rows, H, device="cuda").to(BF16) for _ in range(BLOCK_CHUNKS)]
     poison_allocator()
     got = torch.ops.h3.adaln_row_gather_backward(grads, idx, table.shape[0])
     assert got.shape == table.shape and got.dtype == BF16 and not got.isnan().any()

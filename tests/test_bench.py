@@ -13,6 +13,7 @@ from h3cute.bench.candidates import Candidate, candidates_for, modes_for
 from h3cute.bench.cli import main
 from h3cute.bench.problems import PROBLEMS, Problem, randn, row_layout, take_rows
 from h3cute.bench.sweep import sweep
+from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, HIDDEN
 
 # The B200 seed reports the harness must read (copied from the project's shared/seeds).
 SEEDS = sorted((Path(__file__).parent / "data" / "seeds").glob("*.json"))
@@ -228,7 +229,7 @@ def test_fused_op_cpu_report_has_its_baseline_and_the_two_ops(tmp_path):
     args = [inputs[a] for a in problem.args]
     outs = [checks._as_list(c.fn(*args)) for c in candidates_for(problem, "plain")[:4] if c.fn is not None]
     assert len(outs) == 3 and all(torch.equal(u, v) for o in outs[1:] for u, v in zip(o, outs[0]))
-    assert rep["floors"]["3"]["bytes_fwd"] == 4 * 3 * 5376 * 2 + 3 * 9 * 5376 * 2 + 5376 * 2 + 3 * 8
+    assert rep["floors"]["3"]["bytes_fwd"] == 4 * 3 * HIDDEN * 2 + 3 * 9 * HIDDEN * 2 + HIDDEN * 2 + 3 * 8
 
 
 def test_sweep_flags_configs_that_change_bits():
@@ -399,8 +400,8 @@ def test_perf_scripts_import(script):
 def test_adaln_kernels_rounds_time_every_step_in_turn():
     """perf/adaln_kernels.py --rounds: every launch is timed once per pass over the whole step list (round-robin, so
     a slow spell hits every config alike), reported as the median of the passes with their range; a missing kernel
-    is recorded as missing, never timed. Its arguments: sizes, repeatable --family, --rounds >= 1, --out-features (one of
-    the two tables)."""
+    is recorded as missing, never timed. Its arguments: sizes, repeatable --family, --rounds >= 1, --out-features
+    (one of the two tables)."""
     import runpy
 
     mod = runpy.run_path(str(Path(__file__).parents[1] / "perf" / "adaln_kernels.py"), run_name="imported")
@@ -425,7 +426,8 @@ def test_adaln_kernels_rounds_time_every_step_in_turn():
     assert args.sizes == [256, 2048] and args.family == ["wgmma", "warp"] and args.rounds == 3
     defaults = mod["_args"]([])
     assert defaults.sizes == [] and defaults.family is None and defaults.rounds == 1
-    assert defaults.out_features == 96768 and mod["_args"](["--out-features", "10752"]).out_features == 10752
+    assert defaults.out_features == BLOCK_PROJECTION
+    assert mod["_args"](["--out-features", str(FINAL_PROJECTION)]).out_features == FINAL_PROJECTION
     for bad in (["--rounds", "0"], ["--out-features", "1000"]):
         with pytest.raises(SystemExit):
             mod["_args"](bad)
@@ -448,7 +450,8 @@ def test_host_trace_kernel_timeline_counts_overlaps_and_gaps():
     picked = mod["_kernels_between"](kernels, 0, 0, {1, 3})
     assert [k["name"] for k in picked] == ["fc1", "fold"]
     assert [k["name"] for k in mod["_kernels_between"](kernels, 104, 131)] == ["fc2", "fold"]
-    marks = [{"cat": "user_annotation", "name": "op#1", "ts": 50.0}, {"cat": "user_annotation", "name": "op#0", "ts": 10.0},
+    marks = [{"cat": "user_annotation", "name": "op#1", "ts": 50.0},
+             {"cat": "user_annotation", "name": "op#0", "ts": 10.0},
              {"cat": "user_annotation", "name": "other#0", "ts": 5.0}, {"cat": "cpu_op", "name": "op#2", "ts": 1.0}]
     assert [m["name"] for m in mod["_calls"](marks, "op")] == ["op#0", "op#1"]
     assert mod["_kernel_lines"]([]) == ["    (no kernels recorded)"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from h3cute.bench import model_bench
+from h3cute.widths import ATTENTION_HEADS, ATTENTION_HEAD_DIM, FFN, TEXT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,4 +71,4 @@ def test_layout_and_plan():
     assert (full.sizes, full.batches, full.modes, full.phases) == ((4097, 32768), (1, 4), ("eager", "compile"),
                                                                      ("fwd", "fwd_bwd"))
     assert (full.size.heads, full.size.head_dim, full.size.ffn, full.size.text_dim, full.size.layers) == (
-        56, 128, 14336, 5120, 2)
+        ATTENTION_HEADS, ATTENTION_HEAD_DIM, FFN, TEXT, 2)

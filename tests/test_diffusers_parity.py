@@ -17,6 +17,7 @@ import torch
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference as R
+from h3cute.widths import BLOCK_TABLE, FREQ, HIDDEN as H, MLP_HIDDEN, MODALITIES, NORM_EPS, TEMB as D
 
 from bitwise import same_bits
 
@@ -31,7 +32,7 @@ import diffusers  # noqa: E402
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps  # noqa: E402
 from diffusers.models.transformers import transformer_minimax_h3 as h3  # noqa: E402
 
-H, D, BF16 = 5376, 2688, torch.bfloat16
+BF16 = torch.bfloat16
 T, S = 3, 11
 
 
@@ -52,23 +53,23 @@ def _fill(module, seed):
 
 def _rows(seed=0):
     ti, tags = R.row_layout(S, T, seed)
-    return ti, ti * 3 + tags
+    return ti, ti * MODALITIES + tags
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float64])
 def test_timesteps(dtype):
     t = torch.rand(17, generator=torch.Generator().manual_seed(1)).to(dtype)
     t[0], t[1] = 0.0, 1.0
-    expected = Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)(t)
+    expected = Timesteps(FREQ, flip_sin_to_cos=True, downscale_freq_shift=0)(t)
     assert same_bits(R.timestep_sinusoid_replay(t), expected)
     assert same_bits(torch.ops.h3.timestep_sinusoid(t), expected)
 
 
 def test_timestep_embedding():
     with torch.device("meta"):
-        m = TimestepEmbedding(in_channels=256, time_embed_dim=5376, out_dim=D)
+        m = TimestepEmbedding(in_channels=FREQ, time_embed_dim=MLP_HIDDEN, out_dim=D)
     m = _fill(m, 2)
-    x = torch.randn(T, 256)
+    x = torch.randn(T, FREQ)
     args = (x, m.linear_1.weight, m.linear_1.bias, m.linear_2.weight, m.linear_2.bias)
     with torch.no_grad():
         expected = m(x)
@@ -85,7 +86,7 @@ def test_adaln_modulation_projection():
     with torch.no_grad():
         expected = m(temb)
         got = R.adaln_modulation_replay(temb, w, b)
-        table = torch.ops.h3.adaln_projection(temb, w, b).view(3 * T, 6 * H)
+        table = torch.ops.h3.adaln_projection(temb, w, b).view(MODALITIES * T, BLOCK_TABLE)
     assert len(expected) == len(got) == 6
     for e, g, c in zip(expected, got, table.chunk(6, dim=-1)):
         assert same_bits(g, e) and same_bits(c, e)
@@ -93,7 +94,7 @@ def test_adaln_modulation_projection():
 
 def test_adaln_norm_out():
     with torch.device("meta"):
-        m = h3.MiniMaxH3AdaLayerNormOut(hidden_size=H, time_embed_dim=D, eps=1e-5)
+        m = h3.MiniMaxH3AdaLayerNormOut(hidden_size=H, time_embed_dim=D, eps=NORM_EPS)
     m = _fill(m, 4).to(BF16)
     ti, _ = _rows(4)
     x = (torch.randn(S, H) * 2).to(BF16)
@@ -121,7 +122,7 @@ def test_transformer_block_modulation_and_gated_residuals():
     with torch.device("meta"):
         block = h3.MiniMaxH3TransformerBlock(
             hidden_size=H, num_attention_heads=2, attention_head_dim=64, ffn_dim=64, time_embed_dim=D,
-            norm_eps=1e-5, qk_norm_eps=1e-5,
+            norm_eps=NORM_EPS, qk_norm_eps=1e-5,
         )
     block = _fill(block, 5).to(BF16)
     g = torch.Generator().manual_seed(5)
@@ -143,7 +144,7 @@ def test_transformer_block_modulation_and_gated_residuals():
 
     # The same through torch.ops.h3, with the chunks as row-strided views of the (3T, 6H) table.
     with torch.no_grad():
-        table = torch.ops.h3.adaln_projection(temb, w, b).view(3 * T, 6 * H)
+        table = torch.ops.h3.adaln_projection(temb, w, b).view(MODALITIES * T, BLOCK_TABLE)
         c = table.chunk(6, dim=-1)
         assert same_bits(torch.ops.h3.norm_modulate(x, block.norm1.weight, c[0], c[1], idx), n1)
         assert same_bits(torch.ops.h3.gate_residual(x, y_attn, c[2], idx), h1)

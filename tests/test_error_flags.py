@@ -11,8 +11,8 @@ import torch
 import h3cute
 from h3cute import reference
 from h3cute.launch import checks
+from h3cute.widths import BLOCK_TABLE, FINAL_PROJECTION, MODALITIES, NORM_EPS, TEMB
 
-H = reference.HIDDEN
 BF16 = torch.bfloat16
 
 
@@ -77,10 +77,10 @@ def _bad_calls():
     bad = idx.clone()
     bad[17], bad[5] = 9, -2
     y = torch.randn_like(x)
-    table = torch.randn(9, 6 * H, device="cuda").to(BF16)
-    temb = torch.randn(3, 2688, device="cuda")
-    pw = (torch.randn(2 * H, 2688, device="cuda") * 0.02).to(BF16)
-    pb = torch.zeros(2 * H, device="cuda").to(BF16)
+    table = torch.randn(9, BLOCK_TABLE, device="cuda").to(BF16)
+    temb = torch.randn(3, TEMB, device="cuda")
+    pw = (torch.randn(FINAL_PROJECTION, TEMB, device="cuda") * 0.02).to(BF16)
+    pb = torch.zeros(FINAL_PROJECTION, device="cuda").to(BF16)
     ti = (idx // 3).clone()
     ti[17], ti[5] = 3, -1
     t = torch.rand(40, device="cuda")
@@ -131,7 +131,7 @@ def test_unchecked_calls_record_nothing():
     x, w, shift, scale, idx = _norm_inputs()
     bad = idx.clone()
     bad[3] = 100
-    out = torch.ops.h3.norm_modulate(x, w, shift, scale, bad, 1e-5, False)
+    out = torch.ops.h3.norm_modulate(x, w, shift, scale, bad, NORM_EPS, False)
     t = torch.tensor([0.5, 7.0], device="cuda")
     emb = torch.ops.h3.timestep_sinusoid(t, False)
     h3cute.check_errors()  # nothing raised
@@ -165,10 +165,10 @@ def test_checked_calls_capture_in_a_graph_and_raise_on_replay():
 def test_checked_and_unchecked_calls_give_the_same_bits():
     x, w, shift, scale, idx = _norm_inputs(1000, seed=4)
     for checked in (True, False):
-        out = torch.ops.h3.norm_modulate(x, w, shift, scale, idx, 1e-5, checked)
+        out = torch.ops.h3.norm_modulate(x, w, shift, scale, idx, NORM_EPS, checked)
         assert torch.equal(out, reference.norm_modulate_replay(x, w, shift, scale, idx))
     t = torch.rand(64, device="cuda")
     assert torch.equal(torch.ops.h3.timestep_sinusoid(t), torch.ops.h3.timestep_sinusoid(t, False))
-    ti, tags = torch.randint(0, 5, (300,), device="cuda"), torch.randint(0, 3, (300,), device="cuda")
-    assert torch.equal(h3cute.adaln_indices(ti, tags, 5), ti * 3 + tags)
+    ti, tags = torch.randint(0, 5, (300,), device="cuda"), torch.randint(0, MODALITIES, (300,), device="cuda")
+    assert torch.equal(h3cute.adaln_indices(ti, tags, 5), ti * MODALITIES + tags)
     h3cute.check_errors()

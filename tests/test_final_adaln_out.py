@@ -16,13 +16,11 @@ from h3cute import reference
 from h3cute.launch import adaln_projection as projection
 from h3cute.launch import final_adaln_out as launch
 from h3cute.ops.adaln import _final_backward_cpu
+from h3cute.widths import FINAL_PROJECTION as N, HIDDEN as H, NORM_EPS, TEMB as D
 
 import numerics
 from bitwise import assert_same_bits
 
-H = 5376
-D = 2688
-N = 2 * H
 
 
 def test_final_adaln_out_glue_on_cpu_emulation(monkeypatch):
@@ -55,13 +53,13 @@ def test_final_adaln_out_glue_on_cpu_emulation(monkeypatch):
     w = (torch.randn((N, D), generator=g) * D ** -0.5).to(torch.bfloat16)
     b = (torch.randn((N,), generator=g) * 0.02).to(torch.bfloat16)
     ti = torch.randint(0, timesteps, (rows,), generator=g)
-    out = launch.forward(x, nw, temb, w, b, ti, 1e-5, True)
+    out = launch.forward(x, nw, temb, w, b, ti, NORM_EPS, True)
     assert calls["strides"] == (N, N)  # row-strided halves of one table, no copy
     assert calls["check"] == ("final_adaln_out", "timestep_indices", True)  # its own check slot
-    assert _close(out, reference.final_adaln_out_replay(x, nw, temb, w, b, ti, 1e-5), 1e-2)
+    assert _close(out, reference.final_adaln_out_replay(x, nw, temb, w, b, ti, NORM_EPS), 1e-2)
     grad = torch.randn((rows, H), generator=g).to(torch.bfloat16)
-    got = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)
-    want = _final_backward_cpu(grad, x, nw, temb, w, b, ti, 1e-5)
+    got = launch.backward(grad, x, nw, temb, w, b, ti, NORM_EPS)
+    want = _final_backward_cpu(grad, x, nw, temb, w, b, ti, NORM_EPS)
     for a, ref, name in zip(got, want, ("dx", "dnw", "dtemb", "dW", "db")):
         assert _close(a, ref, 1e-2), name
 
@@ -107,7 +105,7 @@ def test_backward_contract(rows):
     FP64 of the projection backward of that table gradient; dW, db no worse than the replay's on it."""
     x, nw, temb, w, b, ti = _inputs(rows, seed=5)
     grad = torch.randn(x.shape, generator=_gen(9), device="cuda").to(torch.bfloat16)
-    got = torch.ops.h3.final_adaln_out_backward(grad, x, nw, temb, w, b, ti, 1e-5)
+    got = torch.ops.h3.final_adaln_out_backward(grad, x, nw, temb, w, b, ti, NORM_EPS)
     for g, name in zip(got, ("dx", "dnw", "dtemb", "dW", "db")):
         assert g.dtype == (torch.float32 if name == "dtemb" else torch.bfloat16), name
     table = torch.ops.h3.final_adaln_out_fwd(x, nw, temb, w, b, ti)[1]
@@ -121,12 +119,12 @@ def test_row_invariance_of_out_and_dx():
     x[5::13] *= 50  # adversarial neighbours
     grad = torch.randn(x.shape, generator=_gen(10), device="cuda").to(torch.bfloat16)
     full = launch.forward(x, nw, temb, w, b, ti)
-    full_dx = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)[0]
+    full_dx = launch.backward(grad, x, nw, temb, w, b, ti, NORM_EPS)[0]
     for size in (1, 7, 1024, 2048):
         for start in {0, (rows - size) // 2, rows - size}:
             sl = slice(start, start + size)
             assert_same_bits(launch.forward(x[sl], nw, temb, w, b, ti[sl]), full[sl], f"out rows {start}+{size}")
-            dx = launch.backward(grad[sl], x[sl], nw, temb, w, b, ti[sl], 1e-5)[0]
+            dx = launch.backward(grad[sl], x[sl], nw, temb, w, b, ti[sl], NORM_EPS)[0]
             assert_same_bits(dx, full_dx[sl], f"dx rows {start}+{size}")
     rev = torch.arange(rows - 1, -1, -1, device="cuda")
     assert_same_bits(launch.forward(x[rev], nw, temb, w, b, ti[rev]), full[rev], "out reversed")
@@ -136,8 +134,8 @@ def test_row_invariance_of_out_and_dx():
 def test_params_repeatable():
     x, nw, temb, w, b, ti = _inputs(4097, seed=11)
     grad = torch.randn(x.shape, generator=_gen(12), device="cuda").to(torch.bfloat16)
-    first = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)
-    second = launch.backward(grad, x, nw, temb, w, b, ti, 1e-5)
+    first = launch.backward(grad, x, nw, temb, w, b, ti, NORM_EPS)
+    second = launch.backward(grad, x, nw, temb, w, b, ti, NORM_EPS)
     for a, b_, name in zip(first, second, ("dx", "dnw", "dtemb", "dW", "db")):
         assert_same_bits(a, b_, name)
 
@@ -149,6 +147,6 @@ def test_autograd_matches_backward_op():
     out = torch.ops.h3.final_adaln_out(*leaves, ti)
     grad = torch.randn(out.shape, generator=_gen(14), device="cuda").to(torch.bfloat16)
     out.backward(grad)
-    expect = torch.ops.h3.final_adaln_out_backward(grad, x, nw, temb, w, b, ti, 1e-5)
+    expect = torch.ops.h3.final_adaln_out_backward(grad, x, nw, temb, w, b, ti, NORM_EPS)
     for leaf, e, name in zip(leaves, expect, ("dx", "dnw", "dtemb", "dW", "db")):
         assert_same_bits(leaf.grad, e, name)

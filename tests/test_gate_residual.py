@@ -7,12 +7,12 @@ import torch
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 from h3cute.launch import gate_residual as launch
+from h3cute.widths import BLOCK_TABLE, HIDDEN as H
 
 from bitwise import same_bits
 from numerics import assert_table_sum
 from poison import poison_allocator
 
-H = reference.HIDDEN
 BF16 = torch.bfloat16
 
 
@@ -104,7 +104,7 @@ def test_out_of_range_index_without_check_gives_nan_rows_only():
 @pytest.mark.gpu
 def test_strided_gate_table():
     res, y, _, idx = _inputs(500, seed=7)
-    table = (torch.randn(9, 6 * H, device="cuda") * 0.5).to(BF16)
+    table = (torch.randn(9, BLOCK_TABLE, device="cuda") * 0.5).to(BF16)
     gate = table[:, 2 * H:3 * H]
     out = torch.ops.h3.gate_residual(res, y, gate, idx)
     assert same_bits(out, reference.gate_residual_replay(res, y, gate, idx))

@@ -7,9 +7,10 @@ import torch
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference as R
+from h3cute.widths import HIDDEN as H, NORM_EPS
 
 ops = torch.ops.h3
-H, BF16 = 5376, torch.bfloat16
+BF16 = torch.bfloat16
 
 
 def _inputs(rows=13, T=3, seed=2):
@@ -66,14 +67,14 @@ def test_backward_op_is_the_chain_of_backward_ops():
     g_h, g_out = _upstream(9, 4)
     h, _ = ops.gate_residual_norm_modulate(res, y, gate, w, shift, scale, idx)
     d_res, dy, dgate, dw, dshift, dscale = ops.gate_residual_norm_modulate_backward(
-        g_h, g_out, y, gate, h, w, scale, idx, 1e-5, 9)
-    dx, dw2, dshift2, dscale2 = ops.norm_modulate_backward(g_out, h, w, scale, idx, 1e-5, 9)
+        g_h, g_out, y, gate, h, w, scale, idx, NORM_EPS, 9)
+    dx, dw2, dshift2, dscale2 = ops.norm_modulate_backward(g_out, h, w, scale, idx, NORM_EPS, 9)
     assert torch.equal(d_res, g_h + dx)
     assert d_res.dtype == BF16 and not torch.equal(d_res, dx)  # grad_h is in it
     dy2, dgate2 = ops.gate_residual_backward(d_res, y, gate, idx)
     for u, v in ((dy, dy2), (dgate, dgate2), (dw, dw2), (dshift, dshift2), (dscale, dscale2)):
         assert torch.equal(u, v)
-    without = ops.gate_residual_norm_modulate_backward(None, g_out, y, gate, h, w, scale, idx, 1e-5, 9)
+    without = ops.gate_residual_norm_modulate_backward(None, g_out, y, gate, h, w, scale, idx, NORM_EPS, 9)
     assert torch.equal(without[0], dx)
     assert torch.equal(without[1], ops.gate_residual_backward(dx, y, gate, idx)[0])
 
@@ -106,7 +107,7 @@ def test_opcheck_backward_without_grad_h():
     h, _ = ops.gate_residual_norm_modulate(res, y, gate, w, shift, scale, idx)
     g_out = _upstream(7, 3)[1]
     torch.library.opcheck(ops.gate_residual_norm_modulate_backward.default,
-                          [None, g_out, y, gate, h, w, scale, idx, 1e-5, 6])
+                          [None, g_out, y, gate, h, w, scale, idx, NORM_EPS, 6])
 
 
 def test_strided_block_table_chunks():
@@ -135,7 +136,7 @@ def test_forward_rejects():
         ops.gate_residual_norm_modulate(res, y, gate, w, shift[:3], scale, idx)
     with pytest.raises(ValueError, match=rf"{OP}: scale has 3 rows, gate has 6"):
         ops.gate_residual_norm_modulate(res, y, gate, w, shift[:3], scale[:3], idx)
-    with pytest.raises(ValueError, match=rf"{OP}: gate must have shape \(3T, 5376\), got \(6, 4096\)"):
+    with pytest.raises(ValueError, match=rf"{OP}: gate must have shape \(3T, {H}\), got \(6, 4096\)"):
         ops.gate_residual_norm_modulate(res, y, gate[:, :4096], w, shift, scale, idx)
     with pytest.raises(ValueError, match=rf"{OP}: scale must have unit-stride"):
         ops.gate_residual_norm_modulate(res, y, gate, w, shift, scale.t().contiguous().t(), idx)
@@ -148,7 +149,7 @@ def test_forward_rejects():
     with pytest.raises(IndexError, match=rf"{OP}: adaln_indices\[4\] = 6 is outside \[0, 6\) \(the table has 6 rows"):
         ops.gate_residual_norm_modulate(res, y, gate, w, shift, scale, torch.tensor([0, 1, 2, 3, 6]))
     # check_indices=False skips only the value check (the kernels still never read out of bounds)
-    ops.gate_residual_norm_modulate(res, y, gate, w, shift, scale, torch.tensor([0, 1, 2, 3, 5]), 1e-5, False)
+    ops.gate_residual_norm_modulate(res, y, gate, w, shift, scale, torch.tensor([0, 1, 2, 3, 5]), NORM_EPS, False)
 
 
 def test_backward_rejects():
@@ -156,12 +157,12 @@ def test_backward_rejects():
     g = torch.zeros_like(y)
     bwd = ops.gate_residual_norm_modulate_backward
     with pytest.raises(ValueError, match=rf"{OP}_backward: gate has 6 rows but table_rows = 9"):
-        bwd(g, g, y, gate, res, w, scale, idx, 1e-5, 9)
+        bwd(g, g, y, gate, res, w, scale, idx, NORM_EPS, 9)
     with pytest.raises(ValueError, match=rf"{OP}_backward: scale has 3 rows but table_rows = 6"):
-        bwd(g, g, y, gate, res, w, scale[:3], idx, 1e-5, 6)
+        bwd(g, g, y, gate, res, w, scale[:3], idx, NORM_EPS, 6)
     with pytest.raises(ValueError, match=rf"{OP}_backward: grad_h has 4 rows, y has 5"):
-        bwd(g[:4], g, y, gate, res, w, scale, idx, 1e-5, 6)
+        bwd(g[:4], g, y, gate, res, w, scale, idx, NORM_EPS, 6)
     with pytest.raises(ValueError, match=rf"{OP}_backward: grad_out has 4 rows, y has 5"):
-        bwd(g, g[:4], y, gate, res, w, scale, idx, 1e-5, 6)
+        bwd(g, g[:4], y, gate, res, w, scale, idx, NORM_EPS, 6)
     with pytest.raises(TypeError, match=rf"{OP}_backward: h must be bfloat16, got float32"):
-        bwd(g, g, y, gate, res.float(), w, scale, idx, 1e-5, 6)
+        bwd(g, g, y, gate, res.float(), w, scale, idx, NORM_EPS, 6)

@@ -8,8 +8,8 @@ import h3cute
 from bitwise import assert_same_bits
 from h3cute import reference
 from h3cute.launch import gate_residual, gate_residual_norm_modulate as fused, norm_modulate
+from h3cute.widths import HIDDEN as H, NORM_EPS
 
-H = reference.HIDDEN
 BF16 = torch.bfloat16
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +60,7 @@ def test_backward_is_the_two_ops_chain_under_autograd(grad_h_used):
     grad_out = torch.randn(1031, H, device="cuda", generator=g).to(BF16)
     grad_h = torch.randn(1031, H, device="cuda", generator=g).to(BF16) if grad_h_used else None
     h, _ = fused.forward(res, y, gate, w, shift, scale, idx)
-    got = fused.backward(grad_h, grad_out, y, gate, h, w, scale, idx, 1e-5, 9)
+    got = fused.backward(grad_h, grad_out, y, gate, h, w, scale, idx, NORM_EPS, 9)
     leaves = [t.clone().requires_grad_() for t in (res, y, gate, w, shift, scale)]
     h_chain = torch.ops.h3.gate_residual(leaves[0], leaves[1], leaves[2], idx)
     out_chain = torch.ops.h3.norm_modulate(h_chain, leaves[3], leaves[4], leaves[5], idx)

@@ -4,10 +4,13 @@ import pytest
 import torch
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
+from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN as H, MLP_HIDDEN,
+                           MODALITIES, NORM_EPS, TEMB)
 
 ops = torch.ops.h3
 BF16, F32, I64 = torch.bfloat16, torch.float32, torch.int64
-H, S, T = 5376, 3, 1
+S, T = 3, 1
+TABLE_ROWS = MODALITIES * T  # the block tables' rows: one per (timestep, modality)
 
 
 def _z(*shape, dtype=BF16):
@@ -30,28 +33,30 @@ def valid_args(op):
 
 
 def _build_valid_args(op):
-    mlp = [_z(T, 256, dtype=F32), _z(5376, 256, dtype=F32), _z(5376, dtype=F32), _z(2688, 5376, dtype=F32)]
-    final = [_z(S, H), _z(H), _z(T, 2688, dtype=F32), _z(2 * H, 2688), _z(2 * H), _idx(S)]
+    mlp = [_z(T, FREQ, dtype=F32), _z(MLP_HIDDEN, FREQ, dtype=F32), _z(MLP_HIDDEN, dtype=F32),
+           _z(TEMB, MLP_HIDDEN, dtype=F32)]
+    final = [_z(S, H), _z(H), _z(T, TEMB, dtype=F32), _z(FINAL_PROJECTION, TEMB), _z(FINAL_PROJECTION), _idx(S)]
     return {
         "timestep_sinusoid": lambda: [_z(T, dtype=F32)],
-        "timestep_mlp": lambda: [*mlp, _z(2688, dtype=F32)],
-        "timestep_mlp_backward": lambda: [_z(T, 2688, dtype=F32), *mlp],
-        "adaln_projection": lambda: [_z(T, 2688, dtype=F32), _z(18 * H, 2688), _z(18 * H)],
-        "adaln_projection_backward": lambda: [_z(T, 18 * H), _z(T, 2688, dtype=F32), _z(18 * H, 2688)],
-        "adaln_row_gather": lambda: [_z(3 * T, 6 * H), _idx(S)],
-        "adaln_row_gather_backward": lambda: [[_z(S, H) for _ in range(6)], _idx(S), 3 * T],
-        "norm_modulate": lambda: [_z(S, H), _z(H), _z(3 * T, H), _z(3 * T, H), _idx(S)],
-        "norm_modulate_backward": lambda: [_z(S, H), _z(S, H), _z(H), _z(3 * T, H), _idx(S), 1e-5, 3 * T],
-        "gate_residual": lambda: [_z(S, H), _z(S, H), _z(3 * T, H), _idx(S)],
-        "gate_residual_backward": lambda: [_z(S, H), _z(S, H), _z(3 * T, H), _idx(S)],
+        "timestep_mlp": lambda: [*mlp, _z(TEMB, dtype=F32)],
+        "timestep_mlp_backward": lambda: [_z(T, TEMB, dtype=F32), *mlp],
+        "adaln_projection": lambda: [_z(T, TEMB, dtype=F32), _z(BLOCK_PROJECTION, TEMB), _z(BLOCK_PROJECTION)],
+        "adaln_projection_backward": lambda: [_z(T, BLOCK_PROJECTION), _z(T, TEMB, dtype=F32),
+                                              _z(BLOCK_PROJECTION, TEMB)],
+        "adaln_row_gather": lambda: [_z(TABLE_ROWS, BLOCK_TABLE), _idx(S)],
+        "adaln_row_gather_backward": lambda: [[_z(S, H) for _ in range(BLOCK_CHUNKS)], _idx(S), TABLE_ROWS],
+        "norm_modulate": lambda: [_z(S, H), _z(H), _z(TABLE_ROWS, H), _z(TABLE_ROWS, H), _idx(S)],
+        "norm_modulate_backward": lambda: [_z(S, H), _z(S, H), _z(H), _z(TABLE_ROWS, H), _idx(S), NORM_EPS, TABLE_ROWS],
+        "gate_residual": lambda: [_z(S, H), _z(S, H), _z(TABLE_ROWS, H), _idx(S)],
+        "gate_residual_backward": lambda: [_z(S, H), _z(S, H), _z(TABLE_ROWS, H), _idx(S)],
         "final_adaln_out": lambda: final,
         "final_adaln_out_fwd": lambda: final,
-        "final_adaln_out_backward": lambda: [_z(S, H), *final, 1e-5, _z(T, 2 * H)],
+        "final_adaln_out_backward": lambda: [_z(S, H), *final, NORM_EPS, _z(T, FINAL_PROJECTION)],
         "adaln_indices": lambda: [_idx(S), _idx(S), T],
-        "gate_residual_norm_modulate": lambda: [_z(S, H), _z(S, H), _z(3 * T, H), _z(H), _z(3 * T, H), _z(3 * T, H),
-                                                _idx(S)],
-        "gate_residual_norm_modulate_backward": lambda: [_z(S, H), _z(S, H), _z(S, H), _z(3 * T, H), _z(S, H), _z(H),
-                                                         _z(3 * T, H), _idx(S), 1e-5, 3 * T],
+        "gate_residual_norm_modulate": lambda: [_z(S, H), _z(S, H), _z(TABLE_ROWS, H), _z(H), _z(TABLE_ROWS, H),
+                                                _z(TABLE_ROWS, H), _idx(S)],
+        "gate_residual_norm_modulate_backward": lambda: [_z(S, H), _z(S, H), _z(S, H), _z(TABLE_ROWS, H), _z(S, H),
+                                                         _z(H), _z(TABLE_ROWS, H), _idx(S), NORM_EPS, TABLE_ROWS],
     }[op]()
 
 
@@ -208,7 +213,8 @@ def random_args(op):
             if not isinstance(a, torch.Tensor):
                 return a
             if a.dtype == I64:
-                return torch.randint(0, 3 * T if op.startswith(("adaln_row", "norm", "gate")) else T, a.shape, generator=g)
+                high = TABLE_ROWS if op.startswith(("adaln_row", "norm", "gate")) else T
+                return torch.randint(0, high, a.shape, generator=g)
             if op == "timestep_sinusoid":
                 return torch.rand(a.shape, generator=g)
             scale = a.shape[-1] ** -0.5 if a.dim() == 2 and a.shape[0] > 4 * H else 0.5

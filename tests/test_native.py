@@ -4,7 +4,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +12,8 @@ import h3cute
 from h3cute import native, reference
 from h3cute.launch import checks
 from h3cute.ops import adaln, timestep
+from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN,
+                           NORM_EPS, TEMB)
 
 from bitwise import same_bits
 from poison import poison_allocator
@@ -33,7 +34,16 @@ _REGISTER_SCRIPT = """
 import torch, h3cute
 from h3cute import native
 module = native.build()
-module.install()
+constants = native.constants()
+# install() refuses constants it cannot take, and registers nothing then
+renamed = {("hidden_size" if k == "hidden" else k): v for k, v in constants.items()}
+for bad in (renamed, dict(constants, extra=1), dict(constants, block_chunks=5)):
+    try:
+        module.install(bad)
+        print("accepted")
+    except RuntimeError as e:
+        print("refused:", str(e).splitlines()[0])
+native.install(module)
 print(list(module.OPS), list(module.AUTOGRAD_OPS))
 print(torch._C._dispatch_dump("h3::timestep_sinusoid"))
 print(torch._C._dispatch_dump("h3::norm_modulate"))
@@ -52,12 +62,16 @@ print(list(native.build().OPS))
 @pytest.mark.slow
 @pytest.mark.skipif(no_compiler, reason="no C++ compiler or ninja on this machine")
 def test_builds_against_this_torch_and_registers_the_cuda_impl(tmp_path):
-    # A fresh process and cache: the build from source, then the C++ kernel is what CUDA dispatches to.
+    # A fresh process and cache: the build from source, then the C++ kernel is what CUDA dispatches to, once the
+    # library has taken its constants (h3cute.native.constants: the widths and launch constants it declares nowhere).
     env = dict(os.environ, H3CUTE_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", _REGISTER_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    ops_line, dump = proc.stdout.split("\n", 1)
+    *refusals, ops_line, dump = proc.stdout.split("\n", 4)
+    assert "'hidden'" in refusals[0] and "constants lack" in refusals[0], refusals
+    assert f"takes {len(native.constants())} constants, got {len(native.constants()) + 1}" in refusals[1], refusals
+    assert "6 chunks, not 5" in refusals[2], refusals
     assert ops_line == f"{list(NATIVE_OPS)} {list(NATIVE_AUTOGRAD_OPS)}"
     cuda = [line for line in dump.splitlines() if line.startswith("CUDA:")]
     assert len(cuda) == 2 and all("h3_native.cpp" in line for line in cuda), dump
@@ -173,20 +187,20 @@ def _seeded(shape, seed, dtype=torch.float32, scale=1.0):
 # every launch range (on sm_90a the weight GEMM's fc2 at T <= 16 and from 256)
 @pytest.mark.parametrize("num_rows", [1, 4, 9, 17, 65, 255, 256, 300, 2048])
 def test_timestep_mlp_cpp_equals_python_impl(num_rows):
-    x = _seeded((num_rows, 256), 1)
-    w1, b1 = _seeded((5376, 256), 2, scale=0.05), _seeded((5376,), 3, scale=0.05)
-    w2, b2 = _seeded((2688, 5376), 4, scale=0.02), _seeded((2688,), 5, scale=0.02)
-    grad = _seeded((num_rows, 2688), 6)
+    x = _seeded((num_rows, FREQ), 1)
+    w1, b1 = _seeded((MLP_HIDDEN, FREQ), 2, scale=0.05), _seeded((MLP_HIDDEN,), 3, scale=0.05)
+    w2, b2 = _seeded((TEMB, MLP_HIDDEN), 4, scale=0.02), _seeded((TEMB,), 5, scale=0.02)
+    grad = _seeded((num_rows, TEMB), 6)
     assert same_bits(torch.ops.h3.timestep_mlp(x, w1, b1, w2, b2), timestep._mlp_cuda(x, w1, b1, w2, b2))
     assert same_bits(torch.ops.h3.timestep_mlp_backward(grad, x, w1, b1, w2),
                        timestep._mlp_backward_cuda(grad, x, w1, b1, w2))
 
 
 def _norm_inputs(rows, table_rows=9):
-    x = _seeded((rows, 5376), 7, torch.bfloat16, 2.0)
-    weight = (0.5 + torch.rand(5376, device="cuda")).to(torch.bfloat16)
-    shift = _seeded((table_rows, 5376), 8, torch.bfloat16)
-    scale = _seeded((table_rows, 5376), 9, torch.bfloat16)
+    x = _seeded((rows, HIDDEN), 7, torch.bfloat16, 2.0)
+    weight = (0.5 + torch.rand(HIDDEN, device="cuda")).to(torch.bfloat16)
+    shift = _seeded((table_rows, HIDDEN), 8, torch.bfloat16)
+    scale = _seeded((table_rows, HIDDEN), 9, torch.bfloat16)
     idx = torch.randint(0, table_rows, (rows,), device="cuda")
     return x, weight, shift, scale, idx
 
@@ -196,14 +210,14 @@ def _norm_inputs(rows, table_rows=9):
 def test_norm_modulate_cpp_equals_python_impl(rows):
     x, weight, shift, scale, idx = _norm_inputs(rows)
     for check in (False, True):  # both on the C++ fast path: the kernel checks the indices itself
-        assert same_bits(torch.ops.h3.norm_modulate(x, weight, shift, scale, idx, 1e-5, check),
-                           adaln._norm_modulate_cuda(x, weight, shift, scale, idx, 1e-5, check))
+        assert same_bits(torch.ops.h3.norm_modulate(x, weight, shift, scale, idx, NORM_EPS, check),
+                           adaln._norm_modulate_cuda(x, weight, shift, scale, idx, NORM_EPS, check))
     # row-strided tables read in place, and tables the kernel cannot read in place (copied by Python)
-    wide = _seeded((9, 2 * 5376), 10, torch.bfloat16)
-    odd = _seeded((9, 5376 + 4), 11, torch.bfloat16)
-    for sh, sc in ((wide[:, :5376], wide[:, 5376:]), (odd[:, :5376], odd[:, 4:])):
-        assert same_bits(torch.ops.h3.norm_modulate(x, weight, sh, sc, idx, 1e-5, False),
-                           reference.norm_modulate_replay(x, weight, sh, sc, idx, 1e-5))
+    wide = _seeded((9, 2 * HIDDEN), 10, torch.bfloat16)
+    odd = _seeded((9, HIDDEN + 4), 11, torch.bfloat16)
+    for sh, sc in ((wide[:, :HIDDEN], wide[:, HIDDEN:]), (odd[:, :HIDDEN], odd[:, 4:])):
+        assert same_bits(torch.ops.h3.norm_modulate(x, weight, sh, sc, idx, NORM_EPS, False),
+                           reference.norm_modulate_replay(x, weight, sh, sc, idx, NORM_EPS))
 
 
 @gpu
@@ -212,24 +226,24 @@ def test_norm_modulate_cpp_keeps_the_python_messages():
     with pytest.raises(ValueError, match="eps must be > 0"):
         torch.ops.h3.norm_modulate(x, weight, shift, scale, idx, 0.0, False)
     with pytest.raises(TypeError, match="x must be bfloat16"):
-        torch.ops.h3.norm_modulate(x.float(), weight, shift, scale, idx, 1e-5, False)
+        torch.ops.h3.norm_modulate(x.float(), weight, shift, scale, idx, NORM_EPS, False)
     bad = idx.clone()
     bad[3] = 9
     torch.ops.h3.norm_modulate(x, weight, shift, scale, bad)  # recorded on the device, raised after
     with pytest.raises(IndexError, match=r"h3::norm_modulate: adaln_indices\[3\] is outside \[0, 9\)"):
         h3cute.check_errors()
-    assert torch.ops.h3.norm_modulate(x[:0], weight, shift, scale, idx[:0], 1e-5, False).shape == (0, 5376)
+    assert torch.ops.h3.norm_modulate(x[:0], weight, shift, scale, idx[:0], NORM_EPS, False).shape == (0, HIDDEN)
 
 
 @gpu
 @pytest.mark.parametrize("timesteps", [1, 3, 20, 70])  # every projection-config range
 def test_final_adaln_out_cpp_equals_python_impl(timesteps):
     rows = 1031
-    x = _seeded((rows, 5376), 12, torch.bfloat16, 2.0)
-    nw = (0.5 + torch.rand(5376, device="cuda")).to(torch.bfloat16)
-    temb = _seeded((timesteps, 2688), 13)
-    pw = _seeded((10752, 2688), 14, torch.bfloat16, 0.02)
-    pb = _seeded((10752,), 15, torch.bfloat16, 0.02)
+    x = _seeded((rows, HIDDEN), 12, torch.bfloat16, 2.0)
+    nw = (0.5 + torch.rand(HIDDEN, device="cuda")).to(torch.bfloat16)
+    temb = _seeded((timesteps, TEMB), 13)
+    pw = _seeded((FINAL_PROJECTION, TEMB), 14, torch.bfloat16, 0.02)
+    pb = _seeded((FINAL_PROJECTION,), 15, torch.bfloat16, 0.02)
     ti = torch.randint(0, timesteps, (rows,), device="cuda")
     for check in (False, True):
         assert same_bits(torch.ops.h3.final_adaln_out(x, nw, temb, pw, pb, ti, 1e-6, check),
@@ -265,7 +279,7 @@ def test_sinusoid_cpp_hands_other_inputs_to_python():
         torch.ops.h3.timestep_sinusoid(t.clone().requires_grad_(True))
     with torch.no_grad():
         torch.ops.h3.timestep_sinusoid(t.clone().requires_grad_(True))
-    assert torch.ops.h3.timestep_sinusoid(t[:0]).shape == (0, 256)
+    assert torch.ops.h3.timestep_sinusoid(t[:0]).shape == (0, FREQ)
 
 
 @gpu
@@ -288,8 +302,8 @@ def test_sinusoid_cpp_under_a_cuda_graph():
 @pytest.mark.parametrize("table_rows", [9, 24, 30])  # fused caps 12 and 24 in C++; 30 is the Python impl's
 def test_norm_modulate_backward_cpp_equals_python_impl(table_rows):
     x, weight, _, scale, idx = _norm_inputs(4097, table_rows)
-    grad = _seeded((4097, 5376), 16, torch.bfloat16)
-    args = (grad, x, weight, scale, idx, 1e-5, table_rows)
+    grad = _seeded((4097, HIDDEN), 16, torch.bfloat16)
+    args = (grad, x, weight, scale, idx, NORM_EPS, table_rows)
     assert same_bits(torch.ops.h3.norm_modulate_backward(*args), adaln._norm_modulate_backward_cuda(*args))
 
 
@@ -297,10 +311,10 @@ def test_norm_modulate_backward_cpp_equals_python_impl(table_rows):
 @pytest.mark.parametrize("table_rows", [3, 9, 48])
 def test_gate_residual_cpp_equals_python_impl(table_rows):
     rows = 4097
-    residual, y = _seeded((rows, 5376), 17, torch.bfloat16), _seeded((rows, 5376), 18, torch.bfloat16)
-    gate = _seeded((table_rows, 5376), 19, torch.bfloat16)
+    residual, y = _seeded((rows, HIDDEN), 17, torch.bfloat16), _seeded((rows, HIDDEN), 18, torch.bfloat16)
+    gate = _seeded((table_rows, HIDDEN), 19, torch.bfloat16)
     idx = torch.randint(0, table_rows, (rows,), device="cuda")
-    grad = _seeded((rows, 5376), 20, torch.bfloat16)
+    grad = _seeded((rows, HIDDEN), 20, torch.bfloat16)
     for check in (False, True):
         assert same_bits(torch.ops.h3.gate_residual(residual, y, gate, idx, check),
                            adaln._gate_residual_cuda(residual, y, gate, idx, check))
@@ -312,21 +326,21 @@ def test_gate_residual_cpp_equals_python_impl(table_rows):
 @pytest.mark.parametrize("table_rows", [9, 30])
 def test_gate_residual_norm_modulate_cpp_equals_python_impl_and_autograd(table_rows):
     rows = 1031
-    residual, y = _seeded((rows, 5376), 21, torch.bfloat16), _seeded((rows, 5376), 22, torch.bfloat16)
+    residual, y = _seeded((rows, HIDDEN), 21, torch.bfloat16), _seeded((rows, HIDDEN), 22, torch.bfloat16)
     x, weight, shift, scale, idx = _norm_inputs(rows, table_rows)
-    gate = _seeded((table_rows, 5376), 23, torch.bfloat16)
+    gate = _seeded((table_rows, HIDDEN), 23, torch.bfloat16)
     args = (residual, y, gate, weight, shift, scale, idx)
     for check in (False, True):
-        assert same_bits(torch.ops.h3.gate_residual_norm_modulate(*args, 1e-5, check),
-                         adaln._fused_cuda(*args, 1e-5, check))
+        assert same_bits(torch.ops.h3.gate_residual_norm_modulate(*args, NORM_EPS, check),
+                         adaln._fused_cuda(*args, NORM_EPS, check))
     # the C++ autograd kernel: both outputs used, only out, only h (no norm backward), as the Python kernel does
-    grad_h, grad_out = _seeded((rows, 5376), 24, torch.bfloat16), _seeded((rows, 5376), 25, torch.bfloat16)
+    grad_h, grad_out = _seeded((rows, HIDDEN), 24, torch.bfloat16), _seeded((rows, HIDDEN), 25, torch.bfloat16)
     for used in ((0, 1), (1,), (0,)):
         leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
         outs = torch.ops.h3.gate_residual_norm_modulate(*leaves)
         torch.autograd.backward([outs[i] for i in used], [(grad_h, grad_out)[i] for i in used])
         want = adaln._fused_backward_cuda(grad_h if 0 in used else None, grad_out, y, gate, outs[0].detach(), weight,
-                                          scale, idx, 1e-5, table_rows)
+                                          scale, idx, NORM_EPS, table_rows)
         if 1 not in used:
             want = (grad_h, *torch.ops.h3.gate_residual_backward(grad_h, y, gate, idx), None, None, None)
         for got, ref in zip([a.grad for a in leaves[:6]], want):
@@ -346,26 +360,27 @@ def _autograd_grads(op, args, grad):
 def test_cpp_autograd_gives_the_backward_ops_gradients():
     rows = 1031
     x, weight, shift, scale, idx = _norm_inputs(rows)
-    g = _seeded((rows, 5376), 21, torch.bfloat16)
-    out, grads = _autograd_grads("norm_modulate", (x, weight, shift, scale, idx, 1e-5, False), g)
-    assert same_bits(out, adaln._norm_modulate_cuda(x, weight, shift, scale, idx, 1e-5, False))
-    assert same_bits(grads, adaln._norm_modulate_backward_cuda(g, x, weight, scale, idx, 1e-5, 9))
+    g = _seeded((rows, HIDDEN), 21, torch.bfloat16)
+    out, grads = _autograd_grads("norm_modulate", (x, weight, shift, scale, idx, NORM_EPS, False), g)
+    assert same_bits(out, adaln._norm_modulate_cuda(x, weight, shift, scale, idx, NORM_EPS, False))
+    assert same_bits(grads, adaln._norm_modulate_backward_cuda(g, x, weight, scale, idx, NORM_EPS, 9))
 
-    y = _seeded((rows, 5376), 22, torch.bfloat16)
+    y = _seeded((rows, HIDDEN), 22, torch.bfloat16)
     out, grads = _autograd_grads("gate_residual", (x, y, shift, idx, False), g)
     assert same_bits(out, adaln._gate_residual_cuda(x, y, shift, idx, False))
     assert same_bits(grads, (g, *adaln._gate_residual_backward_cuda(g, y, shift, idx)))
 
-    temb, ti = _seeded((3, 2688), 23), torch.randint(0, 3, (rows,), device="cuda")
-    pw, pb = _seeded((10752, 2688), 24, torch.bfloat16, 0.02), _seeded((10752,), 25, torch.bfloat16, 0.02)
+    temb, ti = _seeded((3, TEMB), 23), torch.randint(0, 3, (rows,), device="cuda")
+    pw = _seeded((FINAL_PROJECTION, TEMB), 24, torch.bfloat16, 0.02)
+    pb = _seeded((FINAL_PROJECTION,), 25, torch.bfloat16, 0.02)
     out, grads = _autograd_grads("final_adaln_out", (x, weight, temb, pw, pb, ti, 1e-6, False), g)
     assert same_bits(out, adaln._final_cuda(x, weight, temb, pw, pb, ti, 1e-6, False))
     assert same_bits(grads, adaln._final_backward_cuda(g, x, weight, temb, pw, pb, ti, 1e-6))
 
-    xm = _seeded((5, 256), 26)
-    w1, b1 = _seeded((5376, 256), 27, scale=0.05), _seeded((5376,), 28, scale=0.05)
-    w2, b2 = _seeded((2688, 5376), 29, scale=0.02), _seeded((2688,), 30, scale=0.02)
-    gm = _seeded((5, 2688), 31)
+    xm = _seeded((5, FREQ), 26)
+    w1, b1 = _seeded((MLP_HIDDEN, FREQ), 27, scale=0.05), _seeded((MLP_HIDDEN,), 28, scale=0.05)
+    w2, b2 = _seeded((TEMB, MLP_HIDDEN), 29, scale=0.02), _seeded((TEMB,), 30, scale=0.02)
+    gm = _seeded((5, TEMB), 31)
     out, grads = _autograd_grads("timestep_mlp", (xm, w1, b1, w2, b2), gm)
     assert same_bits(out, timestep._mlp_cuda(xm, w1, b1, w2, b2))
     assert same_bits(grads, timestep._mlp_backward_cuda(gm, xm, w1, b1, w2))
@@ -375,10 +390,11 @@ def test_cpp_autograd_gives_the_backward_ops_gradients():
 @pytest.mark.parametrize("timesteps", [1, 12, 13, 20, 24, 30])  # C++ up to 24 (fused caps), 30: the Python impl
 def test_final_adaln_out_backward_cpp_equals_python_impl(timesteps):
     rows = 2053
-    x, g = _seeded((rows, 5376), 32, torch.bfloat16, 2.0), _seeded((rows, 5376), 33, torch.bfloat16)
-    nw = (0.5 + torch.rand(5376, device="cuda")).to(torch.bfloat16)
-    temb = _seeded((timesteps, 2688), 34)
-    pw, pb = _seeded((10752, 2688), 35, torch.bfloat16, 0.02), _seeded((10752,), 36, torch.bfloat16, 0.02)
+    x, g = _seeded((rows, HIDDEN), 32, torch.bfloat16, 2.0), _seeded((rows, HIDDEN), 33, torch.bfloat16)
+    nw = (0.5 + torch.rand(HIDDEN, device="cuda")).to(torch.bfloat16)
+    temb = _seeded((timesteps, TEMB), 34)
+    pw = _seeded((FINAL_PROJECTION, TEMB), 35, torch.bfloat16, 0.02)
+    pb = _seeded((FINAL_PROJECTION,), 36, torch.bfloat16, 0.02)
     ti = torch.randint(0, timesteps, (rows,), device="cuda")
     args = (g, x, nw, temb, pw, pb, ti, 1e-6)
     recomputed = torch.ops.h3.final_adaln_out_backward(*args)
@@ -394,9 +410,9 @@ def test_final_adaln_out_backward_cpp_equals_python_impl(timesteps):
 @pytest.mark.parametrize("table_rows", [3, 30])
 def test_adaln_row_gather_cpp_equals_python_impl(table_rows):
     rows = 4097
-    table = _seeded((table_rows, 6 * 5376), 37, torch.bfloat16)
+    table = _seeded((table_rows, BLOCK_TABLE), 37, torch.bfloat16)
     idx = torch.randint(0, table_rows, (rows,), device="cuda")
-    grads = [_seeded((rows, 5376), 38 + c, torch.bfloat16) for c in range(6)]
+    grads = [_seeded((rows, HIDDEN), 38 + c, torch.bfloat16) for c in range(BLOCK_CHUNKS)]
     for check in (False, True):
         assert same_bits(torch.ops.h3.adaln_row_gather(table, idx, check), adaln._gather_cuda(table, idx, check))
     assert same_bits(torch.ops.h3.adaln_row_gather(table, idx, False),
@@ -411,7 +427,8 @@ def test_adaln_row_gather_cpp_equals_python_impl(table_rows):
 @pytest.fixture(scope="module")
 def block_projection():
     """The (96768, 2688) BF16 weight (520 MB) and bias, drawn once for the module."""
-    return _seeded((96768, 2688), 50, torch.bfloat16, 0.02), _seeded((96768,), 51, torch.bfloat16, 0.02)
+    weight = _seeded((BLOCK_PROJECTION, TEMB), 50, torch.bfloat16, 0.02)
+    return weight, _seeded((BLOCK_PROJECTION,), 51, torch.bfloat16, 0.02)
 
 
 def _finite(tensors) -> bool:
@@ -422,8 +439,8 @@ def _finite(tensors) -> bool:
 @pytest.mark.parametrize("timesteps", [1, 3, 4, 17, 64, 65, 129, 193, 256, 300, 385, 769])  # every T_BOUNDS range
 def test_adaln_projection_cpp_equals_python_impl(block_projection, timesteps):
     weight, bias = block_projection
-    temb = _seeded((timesteps, 2688), 52 + timesteps)
-    grad = _seeded((timesteps, 96768), 53 + timesteps, torch.bfloat16)
+    temb = _seeded((timesteps, TEMB), 52 + timesteps)
+    grad = _seeded((timesteps, BLOCK_PROJECTION), 53 + timesteps, torch.bfloat16)
     slow = adaln._projection_cuda(temb, weight, bias)
     slow_grads = adaln._projection_backward_cuda(grad, temb, weight)
     assert _finite([slow, *slow_grads])
@@ -442,8 +459,8 @@ def test_adaln_projection_cpp_equals_python_impl(block_projection, timesteps):
 @pytest.mark.parametrize("timesteps", [5, 65, 400])
 def test_adaln_projection_cpp_autograd_gives_the_python_grads(block_projection, timesteps):
     weight, bias = block_projection
-    temb = _seeded((timesteps, 2688), 60 + timesteps)
-    g = _seeded((timesteps, 96768), 61 + timesteps, torch.bfloat16)
+    temb = _seeded((timesteps, TEMB), 60 + timesteps)
+    g = _seeded((timesteps, BLOCK_PROJECTION), 61 + timesteps, torch.bfloat16)
     out, grads = _autograd_grads("adaln_projection", (temb, weight, bias), g)
     assert same_bits(out, adaln._projection_cuda(temb, weight, bias))
     assert same_bits(grads, adaln._projection_backward_cuda(g, temb, weight))
@@ -458,30 +475,31 @@ def test_adaln_projection_cpp_autograd_gives_the_python_grads(block_projection, 
 @gpu
 def test_adaln_projection_cpp_keeps_the_python_messages(block_projection):
     weight, bias = block_projection
-    temb = _seeded((3, 2688), 70)
-    grad = _seeded((3, 96768), 71, torch.bfloat16)
+    temb = _seeded((3, TEMB), 70)
+    grad = _seeded((3, BLOCK_PROJECTION), 71, torch.bfloat16)
     with pytest.raises(TypeError, match="h3::adaln_projection: temb must be float32, got bfloat16 .known defect"):
         torch.ops.h3.adaln_projection(temb.bfloat16(), weight, bias)
-    with pytest.raises(ValueError, match=r"temb must have shape \(T, 2688\), got \(3, 2687\)"):
-        torch.ops.h3.adaln_projection(temb[:, :2687].contiguous(), weight, bias)
-    with pytest.raises(ValueError, match=r"weight must have shape \(96768, 2688\), got \(10752, 2688\)"):
-        torch.ops.h3.adaln_projection(temb, weight[:10752], bias)
-    with pytest.raises(ValueError, match=r"bias must have shape \(96768,\)"):
-        torch.ops.h3.adaln_projection(temb, weight, bias[:10752])
+    with pytest.raises(ValueError, match=rf"temb must have shape \(T, {TEMB}\), got \(3, {TEMB - 1}\)"):
+        torch.ops.h3.adaln_projection(temb[:, :TEMB - 1].contiguous(), weight, bias)
+    final_rows = rf"\({BLOCK_PROJECTION}, {TEMB}\), got \({FINAL_PROJECTION}, {TEMB}\)"
+    with pytest.raises(ValueError, match=rf"weight must have shape {final_rows}"):
+        torch.ops.h3.adaln_projection(temb, weight[:FINAL_PROJECTION], bias)
+    with pytest.raises(ValueError, match=rf"bias must have shape \({BLOCK_PROJECTION},\)"):
+        torch.ops.h3.adaln_projection(temb, weight, bias[:FINAL_PROJECTION])
     with pytest.raises(ValueError, match="temb must be contiguous"):
-        torch.ops.h3.adaln_projection(_seeded((3, 2 * 2688), 72)[:, ::2], weight, bias)
+        torch.ops.h3.adaln_projection(_seeded((3, 2 * TEMB), 72)[:, ::2], weight, bias)
     with pytest.raises(ValueError, match="bias is on cpu"):
         torch.ops.h3.adaln_projection(temb, weight, bias.cpu())
     with pytest.raises(TypeError, match="adaln_projection_backward: grad must be bfloat16, got float32"):
         torch.ops.h3.adaln_projection_backward(grad.float(), temb, weight)
     with pytest.raises(ValueError, match="adaln_projection_backward: grad has 2 rows, temb has 3"):
         torch.ops.h3.adaln_projection_backward(grad[:2], temb, weight)
-    with pytest.raises(ValueError, match=r"adaln_projection_backward: grad must have shape \(T, 96768\)"):
-        torch.ops.h3.adaln_projection_backward(grad[:, :10752].contiguous(), temb, weight)
+    with pytest.raises(ValueError, match=rf"adaln_projection_backward: grad must have shape \(T, {BLOCK_PROJECTION}\)"):
+        torch.ops.h3.adaln_projection_backward(grad[:, :FINAL_PROJECTION].contiguous(), temb, weight)
     # T = 0 is the Python impl's (a zero-sized grid is not a launch)
-    assert torch.ops.h3.adaln_projection(temb[:0], weight, bias).shape == (0, 96768)
+    assert torch.ops.h3.adaln_projection(temb[:0], weight, bias).shape == (0, BLOCK_PROJECTION)
     dtemb, dweight, dbias = torch.ops.h3.adaln_projection_backward(grad[:0], temb[:0], weight)
-    assert dtemb.shape == (0, 2688) and not dweight.any() and not dbias.any()
+    assert dtemb.shape == (0, TEMB) and not dweight.any() and not dbias.any()
 
 
 # ---- CPU: the row ranges the C++ kernel tables cache by ---------------------------------------------------
@@ -536,8 +554,8 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
     slots = {}  # check slot addresses as (op, argument, checked) stand-ins: no CUDA memory on a CPU machine
-    monkeypatch.setattr(checks, "slot_addresses",
-                        lambda device, op, arg, checked=True: slots.setdefault((op, arg, checked), (len(slots) + 1,) * 2))
+    monkeypatch.setattr(checks, "slot_addresses", lambda device, op, arg, checked=True:
+                        slots.setdefault((op, arg, checked), (len(slots) + 1,) * 2))
 
     def check_constants(op, arg="adaln_indices"):
         return [*checks.slot_addresses(0, op, arg), *checks.slot_addresses(0, op, arg, False)]
@@ -554,7 +572,8 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     assert asked(adaln_row_gather, 9, 5) == (["adaln_row_gather_bwd", "rowwise_fold"], [groups])
     fused = norm_modulate.FUSED_ROW_GROUPS[arch][12]
     assert asked(norm_modulate, 9, 5) == (["norm_modulate_bwd_fused", "rowwise_fold"], [fused])
-    assert asked(timestep_sinusoid, 1, 5) == (["timestep_sinusoid"], list(checks.slot_addresses(0, "timestep_sinusoid", "t")))
+    sinusoid_slot = list(checks.slot_addresses(0, "timestep_sinusoid", "t"))
+    assert asked(timestep_sinusoid, 1, 5) == (["timestep_sinusoid"], sinusoid_slot)
     assert asked(timestep_sinusoid, 0, 5)[1] == list(checks.slot_addresses(0, "timestep_sinusoid", "t", False))
     assert asked(norm_modulate, 0, 5) == (["norm_modulate_fwd"], check_constants("norm_modulate"))
     assert asked(gate_residual_norm_modulate, 0, 5) == (["gate_residual_norm_modulate_fwd"],
@@ -591,10 +610,6 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     # adaln_bias_grad.
     unfused = ([], [0]) if "wgmma" in proj else (["adaln_bias_grad"], [adaln_projection.DBIAS_ROW_BLOCK])
     assert asked(adaln_projection, 1, 65) == (bwd + unfused[0], unfused[1])
-    # The C++ backward branches on the launch constant: the same value on both sides.
-    cpp = (Path(__file__).parents[1] / "src" / "h3cute" / "native" / "h3_native.cpp").read_text()
-    assert f"constexpr int64_t kFoldWarps = {adaln_projection.FOLD_WARPS_LAUNCH};" in cpp
-    assert f"constexpr int64_t kDbiasRowBlock = {adaln_projection.DBIAS_ROW_BLOCK};" in cpp
     if "wgmma" in proj:  # beyond 384 the dW kernel's fold warps write d_temb and db; silu_cast makes its operand
         fold = (["adaln_silu_cast", bwd[0], "adaln_proj_wgrad_fold"], [adaln_projection.FOLD_WARPS_LAUNCH])
         assert asked(adaln_projection, 1, 385) == fold and asked(adaln_projection, 1, 4096) == fold
@@ -631,13 +646,13 @@ def test_adaln_projection_row_ranges_ask_for_the_launchers_kernels(monkeypatch, 
     monkeypatch.setattr(runtime, "kernel", recorder)
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
     meta = dict(device="meta")
-    weight, bias = torch.empty((L.BLOCK_PROJECTION, 2688), dtype=torch.bfloat16, **meta), \
-        torch.empty((L.BLOCK_PROJECTION,), dtype=torch.bfloat16, **meta)
+    weight, bias = torch.empty((BLOCK_PROJECTION, TEMB), dtype=torch.bfloat16, **meta), \
+        torch.empty((BLOCK_PROJECTION,), dtype=torch.bfloat16, **meta)
 
     def launched(rows, backward):
-        temb = torch.empty((rows, 2688), **meta)
+        temb = torch.empty((rows, TEMB), **meta)
         if backward:
-            L.backward(torch.empty((rows, L.BLOCK_PROJECTION), dtype=torch.bfloat16, **meta), temb, weight)
+            L.backward(torch.empty((rows, BLOCK_PROJECTION), dtype=torch.bfloat16, **meta), temb, weight)
         else:
             L.forward(temb, weight, bias)
         return recorder.take()

@@ -9,12 +9,12 @@ import torch
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
 from h3cute.launch import norm_modulate as launch
+from h3cute.widths import FINAL_PROJECTION, HIDDEN as H, NORM_EPS
 
 from bitwise import bits, same_bits
 from numerics import assert_norm_modulate_backward, assert_within, one_rounding
 from poison import poison_allocator
 
-H = reference.HIDDEN
 BF16 = torch.bfloat16
 
 
@@ -113,7 +113,8 @@ def test_reduction_order_check_has_power():
 
 
 
-@pytest.mark.parametrize("values", [32, 16, 2])  # 2 x rows of a step: 16 (the most it takes), 8 (FUSED_STEP), a tail row
+# 2 x rows of a step: 16 (the most it takes), 8 (FUSED_STEP), a tail row
+@pytest.mark.parametrize("values", [32, 16, 2])
 def test_fused_warp_reduce_scatter_is_the_xor_butterfly(values):
     """The fused backward's warp sums (kernels/norm_modulate._fused_step): a reduce-scatter over offsets
     16..1, lane l ending with value l // (32 / values), must give the xor all-reduce's bits for every value."""
@@ -199,17 +200,18 @@ def test_forward_strided_tables_and_timestep_indices():
     """final_adaln_out's reuse: shift | scale are the halves of a (T, 2H) tensor, indices are timesteps."""
     x, w, _, _, _ = _inputs(1000, seed=11)
     T = 4
-    proj = (torch.randn(T, 2 * H, device="cuda") * 0.5).to(BF16)
+    proj = (torch.randn(T, FINAL_PROJECTION, device="cuda") * 0.5).to(BF16)
     ti = torch.randint(0, T, (1000,), device="cuda")
-    out = launch.forward_rows(x, w, proj[:, :H], proj[:, H:], ti, 1e-5)
+    out = launch.forward_rows(x, w, proj[:, :H], proj[:, H:], ti, NORM_EPS)
     assert same_bits(out, reference.norm_modulate_replay(x, w, proj[:, :H], proj[:, H:], ti))
     grad = torch.randn_like(x)
-    got = launch.backward_rows(grad, x, w, proj[:, H:], ti, 1e-5)
+    got = launch.backward_rows(grad, x, w, proj[:, H:], ti, NORM_EPS)
     assert got[2].shape == got[3].shape == (T, H)
-    for a, b in zip(got, launch.backward_rows(grad, x, w, proj[:, H:].contiguous(), ti, 1e-5)):
+    for a, b in zip(got, launch.backward_rows(grad, x, w, proj[:, H:].contiguous(), ti, NORM_EPS)):
         assert same_bits(a, b)
     odd = proj[:, 1:H + 1]  # rows not 16-byte aligned: copied compact, same bits
-    assert same_bits(launch.forward_rows(x, w, odd, odd, ti, 1e-5), reference.norm_modulate_replay(x, w, odd, odd, ti))
+    assert same_bits(launch.forward_rows(x, w, odd, odd, ti, NORM_EPS),
+                     reference.norm_modulate_replay(x, w, odd, odd, ti))
 
 
 @pytest.mark.gpu
@@ -220,7 +222,7 @@ def test_probe_row_bits_ignore_other_rows(junk):
     probe = 300
     alone = torch.ops.h3.norm_modulate(x[probe:probe + 1], w, shift, scale, idx[probe:probe + 1])
     dx_alone = torch.ops.h3.norm_modulate_backward(grad[probe:probe + 1], x[probe:probe + 1], w, scale,
-                                                   idx[probe:probe + 1], 1e-5, scale.shape[0])[0]
+                                                   idx[probe:probe + 1], NORM_EPS, scale.shape[0])[0]
     x_bad, g_bad = x.clone(), grad.clone()
     keep = torch.zeros(513, dtype=torch.bool, device="cuda")
     keep[probe] = True
@@ -228,7 +230,7 @@ def test_probe_row_bits_ignore_other_rows(junk):
     g_bad[~keep] = junk
     for xs, gs in ((x, grad), (x_bad, g_bad)):
         out = torch.ops.h3.norm_modulate(xs, w, shift, scale, idx)
-        dx = torch.ops.h3.norm_modulate_backward(gs, xs, w, scale, idx, 1e-5, scale.shape[0])[0]
+        dx = torch.ops.h3.norm_modulate_backward(gs, xs, w, scale, idx, NORM_EPS, scale.shape[0])[0]
         assert same_bits(out[probe], alone[0])
         assert same_bits(dx[probe], dx_alone[0])
     # the probe at other positions of batches of other sizes
@@ -238,7 +240,7 @@ def test_probe_row_bits_ignore_other_rows(junk):
         gb = torch.randn_like(xb)
         gb[pos] = grad[probe]
         assert same_bits(torch.ops.h3.norm_modulate(xb, w, shift, scale, ib)[pos], alone[0])
-        dxb = torch.ops.h3.norm_modulate_backward(gb, xb, w, scale, ib, 1e-5, scale.shape[0])[0]
+        dxb = torch.ops.h3.norm_modulate_backward(gb, xb, w, scale, ib, NORM_EPS, scale.shape[0])[0]
         assert same_bits(dxb[pos], dx_alone[0])
 
 
@@ -251,9 +253,9 @@ def test_backward_matches_fp64_and_is_repeatable(rows):
     x, w, shift, scale, idx = _inputs(rows, seed=rows + 1)
     grad = torch.randn_like(x)
     poison_allocator()
-    got = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, scale.shape[0])
+    got = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, NORM_EPS, scale.shape[0])
     assert_norm_modulate_backward(got, grad, x, w, shift, scale, idx, f"S={rows}")
-    again = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, scale.shape[0])
+    again = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, NORM_EPS, scale.shape[0])
     for a, b in zip(got, again):
         assert same_bits(a, b)
 
@@ -265,13 +267,13 @@ def test_fused_backward_dx_ignores_step_slot_and_neighbours():
     x, w, _, scale, idx = _inputs(513, seed=21)  # 32 groups of 17 rows: two 8-row steps + one tail row each
     grad = torch.randn_like(x)
     probe = 100
-    alone = launch.backward_rows(grad[probe:probe + 1], x[probe:probe + 1], w, scale, idx[probe:probe + 1], 1e-5)[0]
+    alone = launch.backward_rows(grad[probe:probe + 1], x[probe:probe + 1], w, scale, idx[probe:probe + 1], NORM_EPS)[0]
     for pos in list(range(17)) + [33, 512]:
         xb, gb, ib = x.clone(), grad.clone(), idx.clone()
         xb[pos], gb[pos], ib[pos] = x[probe], grad[probe], idx[probe]
         if pos % 2:
             xb[pos - 1] = float("nan")  # a NaN neighbour in the same exchange step
-        dx = launch.backward_rows(gb, xb, w, scale, ib, 1e-5)[0]
+        dx = launch.backward_rows(gb, xb, w, scale, ib, NORM_EPS)[0]
         assert same_bits(dx[pos], alone[0]), pos
 
 
@@ -286,9 +288,9 @@ def test_fused_and_two_kernel_backward_agree(table_rows):
     scale = (torch.randn(table_rows, H, device="cuda") * 0.5).to(BF16)
     idx = torch.randint(0, table_rows, (3000,), device="cuda")
     grad = torch.randn_like(x)
-    fused = launch.backward_rows(grad, x, w, scale, idx, 1e-5)
+    fused = launch.backward_rows(grad, x, w, scale, idx, NORM_EPS)
     padded = torch.cat([scale, torch.randn(30 - table_rows, H, device="cuda").to(BF16)])
-    split = launch.backward_rows(grad, x, w, padded, idx, 1e-5)
+    split = launch.backward_rows(grad, x, w, padded, idx, NORM_EPS)
     assert not split[2][table_rows:].any() and not split[3][table_rows:].any()
     used = (split[0], split[1], split[2][:table_rows], split[3][:table_rows])
     assert torch.equal(fused[0].view(torch.int16), split[0].view(torch.int16))
@@ -305,7 +307,7 @@ def test_autograd_and_unused_table_rows():
     out = torch.ops.h3.norm_modulate(*leaves, idx)
     grad = torch.randn_like(out)
     out.backward(grad)
-    dx, dw, dsh, dsc = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, 12)
+    dx, dw, dsh, dsc = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, NORM_EPS, 12)
     for leaf, g in zip(leaves, (dx, dw, dsh, dsc)):
         assert same_bits(leaf.grad, g)
     assert not dsh[6:].any() and not dsc[6:].any()
@@ -321,7 +323,7 @@ def test_large_tables(table_rows):
     out = torch.ops.h3.norm_modulate(x, w, shift, scale, idx)
     assert torch.equal(out, reference.norm_modulate_replay(x, w, shift, scale, idx))
     grad = torch.randn_like(x)
-    _, _, dsh, _ = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, table_rows)
+    _, _, dsh, _ = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, NORM_EPS, table_rows)
     ref = torch.zeros(table_rows, H, dtype=torch.float64, device="cuda").index_add_(0, idx, grad.double())
     assert _rel_err(dsh, ref) < 1e-2
 
@@ -331,7 +333,7 @@ def test_out_of_range_index_without_check_gives_nan_rows_only():
     x, w, shift, scale, idx = _inputs(64, seed=9)
     bad = idx.clone()
     bad[5], bad[9] = 9, -1
-    out = torch.ops.h3.norm_modulate(x, w, shift, scale, bad, 1e-5, False)
+    out = torch.ops.h3.norm_modulate(x, w, shift, scale, bad, NORM_EPS, False)
     assert out[5].isnan().all() and out[9].isnan().all()
     keep = torch.ones(64, dtype=torch.bool, device="cuda")
     keep[5] = keep[9] = False
@@ -350,8 +352,8 @@ def test_64bit_row_offsets():
     assert same_bits(out[tail], reference.norm_modulate_replay(x[tail], w, shift, scale, idx[tail]))
     del out
     grad = x.roll(1, 0)
-    dx, _, dsh, _ = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, 9)
-    dx_tail = torch.ops.h3.norm_modulate_backward(grad[tail], x[tail], w, scale, idx[tail], 1e-5, 9)[0]
+    dx, _, dsh, _ = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, NORM_EPS, 9)
+    dx_tail = torch.ops.h3.norm_modulate_backward(grad[tail], x[tail], w, scale, idx[tail], NORM_EPS, 9)[0]
     assert same_bits(dx[tail], dx_tail)
     for cols in (slice(0, 256), slice(H - 256, H)):  # dshift: FP32 sums of grad rows, one rounding
         ref = torch.zeros(9, 256, dtype=torch.float64, device="cuda").index_add_(0, idx, grad[:, cols].double())
@@ -373,7 +375,7 @@ def test_fused_backward_table_runs_and_bad_rows(run_length):
     bad[50::131] = -4
     keep = bad == idx
     grad = torch.randn_like(x)
-    dx, dw, dsh, dsc = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, bad, 1e-5, 9)
+    dx, dw, dsh, dsc = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, bad, NORM_EPS, 9)
     assert dx[~keep].isnan().all() and not dx[keep].isnan().any()
     assert_norm_modulate_backward((dx[keep], dw, dsh, dsc), grad[keep], x[keep], w, shift, scale, idx[keep],
                                   f"runs of {run_length}")

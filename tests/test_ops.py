@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import h3cute
 from h3cute import reference as R
 from h3cute.ops import _library
+from h3cute.widths import BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, NORM_EPS, TEMB
 
 import numerics
 from bitwise import assert_same_bits, same_bits
@@ -52,20 +53,20 @@ def backward_args(op):
     if op == "timestep_mlp":
         return [grad, *a[:4]]
     if op == "final_adaln_out":
-        return [grad, *a, 1e-5]
+        return [grad, *a, NORM_EPS]
     if op == "adaln_projection":
         return [grad, *a[:2]]
     if op == "adaln_row_gather":
         return [grad, a[1], a[0].shape[0]]
     if op == "norm_modulate":
         x, w, shift, scale, idx = a
-        return [grad, x, w, scale, idx, 1e-5, shift.shape[0]]
+        return [grad, x, w, scale, idx, NORM_EPS, shift.shape[0]]
     if op == "gate_residual":
         return [grad, *a[1:]]
     if op == "gate_residual_norm_modulate":
         res, y, gate, w, shift, scale, idx = a
         h, _ = torch.ops.h3.gate_residual_norm_modulate(*a)
-        return [grad[0], grad[1], y, gate, h, w, scale, idx, 1e-5, gate.shape[0]]
+        return [grad[0], grad[1], y, gate, h, w, scale, idx, NORM_EPS, gate.shape[0]]
     raise AssertionError(op)
 
 
@@ -116,7 +117,7 @@ def test_final_adaln_out_fwd_and_backward_with_its_table():
     assert all(same_bits(u, v) for u, v in zip(with_table, torch.ops.h3.final_adaln_out_backward(*args)))
     torch.library.opcheck(torch.ops.h3.final_adaln_out_backward.default, [*args, table],
                           test_utils=_opcheck_utils("final_adaln_out"))
-    for bad, err in ((table[:1], ValueError), (table.float(), TypeError), (table[:, :5376], ValueError)):
+    for bad, err in ((table[:1], ValueError), (table.float(), TypeError), (table[:, :HIDDEN], ValueError)):
         with pytest.raises(err, match=r"h3::final_adaln_out_backward: table"):
             torch.ops.h3.final_adaln_out_backward(*args, bad)
 
@@ -130,7 +131,7 @@ def _flat(x):
 PROJECTION_COLUMNS = slice(0, 4096)
 
 
-def _norm_modulate_golden(x, weight, shift, scale, idx, eps=1e-5):
+def _norm_modulate_golden(x, weight, shift, scale, idx, eps=NORM_EPS):
     """FP64 norm_modulate and its bound for the CPU op sequence: n = bf16(x rstd w) (one rounding, rstd FP32),
     a = bf16(1 + scale), m = bf16(n a), out = bf16(m + shift): out is within U|out| + ~3U|n a| (plus FP32 room)."""
     x64 = x.double()
@@ -296,9 +297,9 @@ def test_gradient_through_timestep_sinusoid_is_refused():
     t = torch.rand(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="timestep_sinusoid has no backward"):
         torch.ops.h3.timestep_sinusoid(t)
-    assert torch.ops.h3.timestep_sinusoid(t.detach()).shape == (3, 256)
+    assert torch.ops.h3.timestep_sinusoid(t.detach()).shape == (3, FREQ)
     with torch.no_grad():
-        assert torch.ops.h3.timestep_sinusoid(t).shape == (3, 256)
+        assert torch.ops.h3.timestep_sinusoid(t).shape == (3, FREQ)
 
 
 def test_row_gather_gradient_with_every_calling_convention():
@@ -310,15 +311,15 @@ def test_row_gather_gradient_with_every_calling_convention():
         torch.autograd.backward(outs[2:4], upstream(outs[2:4]))
         expected = leaf.grad if expected is None else expected
         assert same_bits(leaf.grad, expected)
-        assert leaf.grad[:, : 2 * 5376].count_nonzero() == 0  # chunks 0, 1 got no gradient
+        assert leaf.grad[:, : 2 * HIDDEN].count_nonzero() == 0  # chunks 0, 1 got no gradient
 
 
 def test_row_strided_tables_match_contiguous_copies():
     """shift/scale/gate as column chunks of the (3T, 6H) block table (row stride 6H)."""
     x, w, _, _, idx = inputs("norm_modulate")
     table = inputs("adaln_row_gather")[0]
-    shift, scale, gate = table[:, :5376], table[:, 5376:10752], table[:, 10752:16128]
-    assert shift.stride() == (6 * 5376, 1)
+    shift, scale, gate = table[:, :HIDDEN], table[:, HIDDEN:FINAL_PROJECTION], table[:, FINAL_PROJECTION:16128]
+    assert shift.stride() == (BLOCK_TABLE, 1)
     assert same_bits(torch.ops.h3.norm_modulate(x, w, shift, scale, idx),
                        torch.ops.h3.norm_modulate(x, w, shift.contiguous(), scale.contiguous(), idx))
     assert same_bits(torch.ops.h3.gate_residual(x, x, gate, idx),
@@ -353,7 +354,7 @@ def _empty_args(op):
 def test_empty_rows_give_empty_outputs_and_zero_parameter_gradients(op):
     a = [x.requires_grad_(x.is_floating_point() and op != "timestep_sinusoid") for x in _empty_args(op)]
     out = getattr(torch.ops.h3, op)(*a)
-    width = {"timestep_sinusoid": 256, "timestep_mlp": 2688, "adaln_projection": 96768}.get(op, 5376)
+    width = {"timestep_sinusoid": FREQ, "timestep_mlp": TEMB, "adaln_projection": BLOCK_PROJECTION}.get(op, HIDDEN)
     for o in _flat(out):
         assert o.shape == (0, width)
     if op in BACKWARD:
@@ -411,8 +412,8 @@ def test_cuda_impl_calls_the_launch_module_with_schema_arguments(monkeypatch):
 
     monkeypatch.setattr(adaln, "_NORM_MODULATE", Launch())
     a = inputs("norm_modulate")
-    assert adaln._norm_modulate_cuda(*a, 1e-5, False) == "out"
+    assert adaln._norm_modulate_cuda(*a, NORM_EPS, False) == "out"
     b = backward_args("norm_modulate")
     assert adaln._norm_modulate_backward_cuda(*b) == "grads"
-    assert calls[0][0] == "forward" and calls[0][1][:5] == tuple(a) and calls[0][1][5:] == (1e-5, False)
+    assert calls[0][0] == "forward" and calls[0][1][:5] == tuple(a) and calls[0][1][5:] == (NORM_EPS, False)
     assert calls[1][0] == "backward" and calls[1][1] == tuple(b)

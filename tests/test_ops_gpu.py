@@ -11,6 +11,7 @@ import torch
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference as R
 from h3cute.ops import _library
+from h3cute.widths import HIDDEN as H
 
 import numerics
 from bitwise import assert_same_bits, same_bits
@@ -102,13 +103,13 @@ def test_every_op_has_its_launch_module(op):
 
 @pytest.mark.parametrize("op", OPS)
 def test_opcheck_cuda(op):
-    torch.library.opcheck(getattr(torch.ops.h3, op).default, cuda_inputs(op, 3 if op in T_OPS else 9, requires_grad=True))
+    args = cuda_inputs(op, 3 if op in T_OPS else 9, requires_grad=True)
+    torch.library.opcheck(getattr(torch.ops.h3, op).default, args)
 
 
 # ---- each op's numeric contract (docs/timestep_sinusoid.md, timestep_mlp.md, adaln_projection.md, row_kernels.md) --
 
 MLP_FWD_TOL, MLP_GRAD_TOL = 2e-6, 1e-5  # docs/timestep_mlp.md: FP32 accuracy on tensor cores (test_timestep_mlp.py)
-H = R.HIDDEN
 
 
 def _sinusoid_contract(args, ups, outs, grads):

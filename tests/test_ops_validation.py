@@ -5,10 +5,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import h3cute
 from h3cute import reference as R
+from h3cute.widths import BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN as H, MLP_HIDDEN, NORM_EPS, TEMB
 
 ops = torch.ops.h3
 BF16, F16 = torch.bfloat16, torch.float16
-H = 5376
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_timestep_sinusoid_rejects(t, err, match):
 
 
 def test_timestep_sinusoid_range_check_is_optional_and_narrow_t_is_widened_as_diffusers_does():
-    assert ops.timestep_sinusoid(torch.tensor([750.0]), False).shape == (1, 256)
+    assert ops.timestep_sinusoid(torch.tensor([750.0]), False).shape == (1, FREQ)
     assert ops.timestep_sinusoid(torch.tensor([0.0, 1.0])).shape == (2, 256)  # both ends are in range
     for dtype in (BF16, F16, torch.float64):
         t = torch.rand(4).to(dtype)
@@ -66,8 +66,8 @@ def test_timestep_sinusoid_range_check_is_optional_and_narrow_t_is_widened_as_di
 @pytest.mark.parametrize("i, bad, err, match", [
     (0, lambda a: a.to(BF16), TypeError, r"x must be float32, got bfloat16 \(the H3 time_embedder is an FP32"),
     (3, lambda a: a.to(F16), TypeError, r"w2 must be float32, got float16"),
-    (0, lambda a: a[:, :128], ValueError, r"x must have shape \(T, 256\), got \(2, 128\)"),
-    (2, lambda a: a[:100], ValueError, r"b1 must have shape \(5376,\), got \(100,\)"),
+    (0, lambda a: a[:, :128], ValueError, rf"x must have shape \(T, {FREQ}\), got \(2, 128\)"),
+    (2, lambda a: a[:100], ValueError, rf"b1 must have shape \({MLP_HIDDEN},\), got \(100,\)"),
     (1, lambda a: a.t().contiguous().t(), ValueError, r"w1 must be contiguous"),
 ])
 def test_timestep_mlp_rejects(mlp, i, bad, err, match):
@@ -80,7 +80,7 @@ def test_timestep_mlp_rejects(mlp, i, bad, err, match):
 def test_timestep_mlp_backward_rejects_row_mismatch(mlp):
     x, w1, b1, w2, _ = mlp
     with pytest.raises(ValueError, match=r"h3::timestep_mlp_backward: grad has 3 rows, x has 2"):
-        ops.timestep_mlp_backward(torch.zeros(3, 2688), x, w1, b1, w2)
+        ops.timestep_mlp_backward(torch.zeros(3, TEMB), x, w1, b1, w2)
 
 
 # ---- final_adaln_out / adaln_projection ----------------------------------------------------------------
@@ -89,8 +89,8 @@ def test_timestep_mlp_backward_rejects_row_mismatch(mlp):
     (2, lambda a: a.to(BF16), TypeError, r"temb must be float32, got bfloat16 \(known defect: cast after SiLU"),
     (2, lambda a: a.to(F16), TypeError, r"temb must be float32, got float16 \(known defect"),
     (0, lambda a: a.float(), TypeError, r"x must be bfloat16, got float32"),
-    (1, lambda a: a[:-1], ValueError, r"norm_weight must have shape \(5376,\)"),
-    (3, lambda a: a[:5376], ValueError, r"proj_weight must have shape \(10752, 2688\)"),
+    (1, lambda a: a[:-1], ValueError, rf"norm_weight must have shape \({H},\)"),
+    (3, lambda a: a[:H], ValueError, rf"proj_weight must have shape \({FINAL_PROJECTION}, {TEMB}\)"),
     (4, lambda a: a.float(), TypeError, r"proj_bias must be bfloat16"),
     (5, lambda a: a.int(), TypeError, r"timestep_indices must be int64, got int32"),
     (5, lambda a: a[:3], ValueError, r"timestep_indices has 3 rows, x has 5"),
@@ -105,7 +105,7 @@ def test_final_adaln_out_rejects(final, i, bad, err, match):
         ops.final_adaln_out(*args)
 
 
-@pytest.mark.parametrize("eps", [0.0, -1e-5, float("nan")])
+@pytest.mark.parametrize("eps", [0.0, -NORM_EPS, float("nan")])
 def test_eps_must_be_positive(final, nm, eps):
     with pytest.raises(ValueError, match=r"h3::final_adaln_out: eps must be > 0"):
         ops.final_adaln_out(*final, eps)
@@ -114,27 +114,28 @@ def test_eps_must_be_positive(final, nm, eps):
 
 
 def test_adaln_projection_rejects():
-    temb = torch.zeros(2, 2688)
-    w, b = torch.zeros(18 * H, 2688, dtype=BF16), torch.zeros(18 * H, dtype=BF16)
+    temb = torch.zeros(2, TEMB)
+    w, b = torch.zeros(BLOCK_PROJECTION, TEMB, dtype=BF16), torch.zeros(BLOCK_PROJECTION, dtype=BF16)
     with pytest.raises(TypeError, match=r"h3::adaln_projection: temb must be float32, got bfloat16 \(known defect"):
         ops.adaln_projection(temb.to(BF16), w, b)
-    with pytest.raises(ValueError, match=r"h3::adaln_projection: weight must have shape \(96768, 2688\), got \(10752"):
-        ops.adaln_projection(temb, w[: 2 * H], b)
-    with pytest.raises(ValueError, match=r"h3::adaln_projection: temb must have shape \(T, 2688\)"):
+    with pytest.raises(ValueError, match=rf"h3::adaln_projection: weight must have shape "
+                                         rf"\({BLOCK_PROJECTION}, {TEMB}\), got \({FINAL_PROJECTION}"):
+        ops.adaln_projection(temb, w[:FINAL_PROJECTION], b)
+    with pytest.raises(ValueError, match=rf"h3::adaln_projection: temb must have shape \(T, {TEMB}\)"):
         ops.adaln_projection(temb[:, :256], w, b)
     with pytest.raises(TypeError, match=r"h3::adaln_projection: bias must be bfloat16, got float32"):
         ops.adaln_projection(temb, w, b.float())
     with pytest.raises(ValueError, match=r"h3::adaln_projection_backward: grad has 1 rows, temb has 2"):
-        ops.adaln_projection_backward(torch.zeros(1, 18 * H, dtype=BF16), temb, w)
+        ops.adaln_projection_backward(torch.zeros(1, BLOCK_PROJECTION, dtype=BF16), temb, w)
 
 
 # ---- adaln_row_gather / norm_modulate / gate_residual --------------------------------------------------
 
 def test_adaln_row_gather_rejects(gather):
     table, idx = gather
-    with pytest.raises(ValueError, match=r"h3::adaln_row_gather: table must have shape \(3T, 32256\)"):
+    with pytest.raises(ValueError, match=rf"h3::adaln_row_gather: table must have shape \(3T, {BLOCK_TABLE}\)"):
         ops.adaln_row_gather(table[:, :H], idx)
-    overlapping = table.as_strided((6, 6 * H), (H, 1))
+    overlapping = table.as_strided((6, BLOCK_TABLE), (H, 1))
     with pytest.raises(ValueError, match=r"table must have unit-stride, non-overlapping rows"):
         ops.adaln_row_gather(overlapping, idx)
     with pytest.raises(IndexError, match=r"adaln_indices\[2\] = 6 is outside \[0, 6\) \(the table has 6 rows"):
@@ -159,7 +160,7 @@ def test_norm_modulate_rejects(nm):
     with pytest.raises(IndexError, match=r"h3::norm_modulate: adaln_indices\[0\] = -3 is outside \[0, 6\)"):
         ops.norm_modulate(x, w, shift, scale, -3 * torch.ones_like(idx))
     with pytest.raises(ValueError, match=r"h3::norm_modulate_backward: scale has 6 rows but table_rows = 9"):
-        ops.norm_modulate_backward(x, x, w, scale, idx, 1e-5, 9)
+        ops.norm_modulate_backward(x, x, w, scale, idx, NORM_EPS, 9)
 
 
 def test_gate_residual_rejects(gr):

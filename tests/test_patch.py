@@ -28,8 +28,9 @@ from diffusers.models.transformers import transformer_minimax_h3 as mh3  # noqa:
 import h3cute  # noqa: E402
 from h3cute import minimax_h3  # noqa: E402
 from h3cute.bench.model import TINY, build_model, packed_inputs  # noqa: E402
+from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, FREQ, HIDDEN as H, MLP_HIDDEN, MODALITIES, NORM_EPS, TEMB
 
-H, BF16 = 5376, torch.bfloat16
+BF16 = torch.bfloat16
 BLOCK_OPS = ["adaln_projection", "norm_modulate", "gate_residual_norm_modulate", "gate_residual"]
 ALL_OPS = ["adaln_indices", "timestep_sinusoid", "timestep_mlp", *BLOCK_OPS, *BLOCK_OPS, "final_adaln_out"]
 ONE_BLOCK = dataclasses.replace(TINY, layers=1)
@@ -113,7 +114,7 @@ def test_patched_forward_is_bitwise_diffusers_and_every_site_runs_an_h3_op(model
     norm_args = dict(mode.calls)["norm_modulate"]
     s = inputs["timestep_indices"].shape[0]
     assert norm_args[0].shape == (2 * s, H)
-    idx = inputs["timestep_indices"] * 3 + inputs["token_tags"]
+    idx = inputs["timestep_indices"] * MODALITIES + inputs["token_tags"]
     assert torch.equal(norm_args[4], idx.repeat(2))
     with H3Calls() as mode:
         assert patched.unpatch() is None
@@ -356,53 +357,54 @@ def _wrapped(m):
 
 
 GUARDS = [  # (module path, replacement builder(model), message)
-    ("time_proj", lambda m: Timesteps(256, flip_sin_to_cos=False, downscale_freq_shift=0),
-     r"time_proj: is Timesteps\(256, flip_sin_to_cos=False, downscale_freq_shift=0, scale=1\); h3cute computes"),
+    ("time_proj", lambda m: Timesteps(FREQ, flip_sin_to_cos=False, downscale_freq_shift=0),
+     rf"time_proj: is Timesteps\({FREQ}, flip_sin_to_cos=False, downscale_freq_shift=0, scale=1\); h3cute computes"),
     ("time_proj", lambda m: Timesteps(128, flip_sin_to_cos=True, downscale_freq_shift=0),
      r"time_proj: is Timesteps\(128,"),
-    ("time_proj", lambda m: Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=1),
-     r"time_proj: is Timesteps\(256, flip_sin_to_cos=True, downscale_freq_shift=1"),
+    ("time_proj", lambda m: Timesteps(FREQ, flip_sin_to_cos=True, downscale_freq_shift=1),
+     rf"time_proj: is Timesteps\({FREQ}, flip_sin_to_cos=True, downscale_freq_shift=1"),
     ("time_proj", lambda m: nn.Identity(), r"time_proj: is a Identity, not diffusers' Timesteps"),
-    ("time_embedder", lambda m: _meta(TimestepEmbedding(256, 5376, out_dim=2688, cond_proj_dim=16)),
+    ("time_embedder", lambda m: _meta(TimestepEmbedding(FREQ, MLP_HIDDEN, out_dim=TEMB, cond_proj_dim=16)),
      r"time_embedder.cond_proj: a TimestepEmbedding with cond_proj"),
-    ("time_embedder", lambda m: _meta(TimestepEmbedding(256, 5376, out_dim=2688, post_act_fn="silu")),
+    ("time_embedder", lambda m: _meta(TimestepEmbedding(FREQ, MLP_HIDDEN, out_dim=TEMB, post_act_fn="silu")),
      r"time_embedder.post_act: a TimestepEmbedding with post_act"),
-    ("time_embedder", lambda m: _meta(TimestepEmbedding(256, 5376, out_dim=2688, act_fn="gelu")),
+    ("time_embedder", lambda m: _meta(TimestepEmbedding(FREQ, MLP_HIDDEN, out_dim=TEMB, act_fn="gelu")),
      r"time_embedder.act: is GELU; timestep_mlp applies SiLU"),
-    ("time_embedder", lambda m: _meta(TimestepEmbedding(256, 5376, out_dim=2688), BF16),
+    ("time_embedder", lambda m: _meta(TimestepEmbedding(FREQ, MLP_HIDDEN, out_dim=TEMB), BF16),
      r"time_embedder.linear_1: is bfloat16; the checkpoint keeps it float32"),
-    ("time_embedder", lambda m: _meta(TimestepEmbedding(256, 5376, out_dim=1024)),
-     r"time_embedder.linear_2: weight has shape \(1024, 5376\), not \(2688, 5376\): h3cute serves hidden 5376, "
-     r"time embedding 2688, sinusoid 256"),
-    ("time_embedder", lambda m: _meta(TimestepEmbedding(128, 5376, out_dim=2688)),
-     r"time_embedder.linear_1: weight has shape \(5376, 128\)"),
-    ("time_embedder.linear_2", lambda m: FakeLora(_meta(nn.Linear(5376, 2688))),
+    ("time_embedder", lambda m: _meta(TimestepEmbedding(FREQ, MLP_HIDDEN, out_dim=1024)),
+     rf"time_embedder.linear_2: weight has shape \(1024, {MLP_HIDDEN}\), not \({TEMB}, {MLP_HIDDEN}\): h3cute serves "
+     rf"hidden {H}, time embedding {TEMB}, sinusoid {FREQ}"),
+    ("time_embedder", lambda m: _meta(TimestepEmbedding(128, MLP_HIDDEN, out_dim=TEMB)),
+     rf"time_embedder.linear_1: weight has shape \({MLP_HIDDEN}, 128\)"),
+    ("time_embedder.linear_2", lambda m: FakeLora(_meta(nn.Linear(H, TEMB))),
      r"time_embedder.linear_2: carries a LoRA / PEFT adapter \(base_layer, lora_A\): the op would compute with the "
      r"base weight and drop the adapter's delta"),
-    ("transformer_blocks.0.adaln_proj", lambda m: _meta(mh3.MiniMaxH3AdaLayerNormModulation(2688, 4096), BF16),
-     r"transformer_blocks.0.adaln_proj.linear: weight has shape \(73728, 2688\), not \(96768, 2688\)"),
-    ("transformer_blocks.0.adaln_proj.linear", lambda m: _meta(nn.Linear(2688, 96768)),
+    ("transformer_blocks.0.adaln_proj", lambda m: _meta(mh3.MiniMaxH3AdaLayerNormModulation(TEMB, 4096), BF16),
+     rf"transformer_blocks.0.adaln_proj.linear: weight has shape \(73728, {TEMB}\), not "
+     rf"\({BLOCK_PROJECTION}, {TEMB}\)"),
+    ("transformer_blocks.0.adaln_proj.linear", lambda m: _meta(nn.Linear(TEMB, BLOCK_PROJECTION)),
      r"transformer_blocks.0.adaln_proj.linear: is float32; the checkpoint keeps it bfloat16 \(the AdaLN projections"),
     ("transformer_blocks.1.adaln_proj.linear", lambda m: FakeLora(m.transformer_blocks[1].adaln_proj.linear),
      r"transformer_blocks.1.adaln_proj.linear: carries a LoRA / PEFT adapter"),
-    ("transformer_blocks.1.adaln_proj.linear", lambda m: _meta(nn.Linear(2688, 96768, bias=False), BF16),
+    ("transformer_blocks.1.adaln_proj.linear", lambda m: _meta(nn.Linear(TEMB, BLOCK_PROJECTION, bias=False), BF16),
      r"transformer_blocks.1.adaln_proj.linear: has no bias"),
-    ("transformer_blocks.0.norm1", lambda m: _meta(nn.RMSNorm(4096, eps=1e-5), BF16),
-     r"transformer_blocks.0.norm1: normalizes \(4096,\) rows: h3cute serves hidden 5376"),
-    ("transformer_blocks.1.norm2", lambda m: _meta(nn.RMSNorm(5376, eps=1e-5)),
+    ("transformer_blocks.0.norm1", lambda m: _meta(nn.RMSNorm(4096, eps=NORM_EPS), BF16),
+     rf"transformer_blocks.0.norm1: normalizes \(4096,\) rows: h3cute serves hidden {H}"),
+    ("transformer_blocks.1.norm2", lambda m: _meta(nn.RMSNorm(H, eps=NORM_EPS)),
      r"transformer_blocks.1.norm2: weight is float32; the checkpoint's norm weights are bfloat16"),
-    ("transformer_blocks.1.norm2", lambda m: nn.RMSNorm(5376, eps=1e-5, elementwise_affine=False),
+    ("transformer_blocks.1.norm2", lambda m: nn.RMSNorm(H, eps=NORM_EPS, elementwise_affine=False),
      r"transformer_blocks.1.norm2: has no weight"),
-    ("transformer_blocks.0.norm1", lambda m: _meta(nn.LayerNorm(5376), BF16),
+    ("transformer_blocks.0.norm1", lambda m: _meta(nn.LayerNorm(H), BF16),
      r"transformer_blocks.0.norm1: is a LayerNorm, not torch.nn.RMSNorm"),
-    ("transformer_blocks.0.norm1", lambda m: _with_hook(_meta(nn.RMSNorm(5376, eps=1e-5), BF16)),
+    ("transformer_blocks.0.norm1", lambda m: _with_hook(_meta(nn.RMSNorm(H, eps=NORM_EPS), BF16)),
      r"transformer_blocks.0.norm1: has hooks or a wrapped forward that would not run"),
     ("transformer_blocks.1", lambda m: _wrapped(m.transformer_blocks[1]),
      r"transformer_blocks.1: its forward is already wrapped \(diffusers hooks\), and the wrapper would bypass the "
      r"patch: call h3cute.patch before enabling context parallelism"),
-    ("norm_out.linear", lambda m: _meta(nn.Linear(2688, 10752)),
+    ("norm_out.linear", lambda m: _meta(nn.Linear(TEMB, FINAL_PROJECTION)),
      r"norm_out.linear: is float32; the checkpoint keeps it bfloat16"),
-    ("norm_out.norm", lambda m: _meta(nn.RMSNorm(5376, eps=1e-5), torch.float16),
+    ("norm_out.norm", lambda m: _meta(nn.RMSNorm(H, eps=NORM_EPS), torch.float16),
      r"norm_out.norm: weight is float16"),
 ]
 
@@ -451,7 +453,7 @@ def test_guard_refuses_before_any_change_and_strict_false_leaves_the_module(mode
 
 
 def test_strict_false_computes_a_left_module_with_diffusers(model, inputs, monkeypatch):
-    monkeypatch.setitem(model._modules, "time_proj", Timesteps(256, flip_sin_to_cos=False, downscale_freq_shift=0))
+    monkeypatch.setitem(model._modules, "time_proj", Timesteps(FREQ, flip_sin_to_cos=False, downscale_freq_shift=0))
     want = run(model, inputs)
     with h3cute.patch(model, strict=False) as p:
         assert [s.module for s in p.left] == ["time_proj"]
@@ -463,7 +465,7 @@ def test_strict_false_computes_a_left_module_with_diffusers(model, inputs, monke
 
 def test_all_guards_are_reported_at_once(model, monkeypatch):
     monkeypatch.setitem(model._modules, "time_proj", Timesteps(128, flip_sin_to_cos=True, downscale_freq_shift=0))
-    monkeypatch.setitem(model.norm_out._modules, "linear", _meta(nn.Linear(2688, 10752)))
+    monkeypatch.setitem(model.norm_out._modules, "linear", _meta(nn.Linear(TEMB, FINAL_PROJECTION)))
     with pytest.raises(h3cute.PatchError) as err:
         h3cute.patch(model)
     msg = str(err.value)

@@ -33,11 +33,12 @@ import h3cute
 from h3cute import reference as R
 from h3cute.bench.model import TINY, build_model, packed_inputs
 from h3cute.bench.report import write_device_json
+from h3cute.widths import BLOCK_CHUNKS, BLOCK_TABLE, HIDDEN as H
 
 from bitwise import assert_same_bits, same_bits
 
 pytestmark = pytest.mark.gpu
-H, BF16 = 5376, torch.bfloat16
+BF16 = torch.bfloat16
 LAYOUT = dict(video=600, text=77, audio=130, timesteps=3, batch=2)
 BLOCK_OPS = ["adaln_projection", "norm_modulate", "gate_residual_norm_modulate", "gate_residual"]
 SITE_OPS = ["timestep_sinusoid", "timestep_mlp", *BLOCK_OPS, *BLOCK_OPS, "final_adaln_out"]
@@ -164,7 +165,7 @@ def replay_sites(model, v, what):
         x = _rows(x_in)
         ridx = _repeat(idx, x.shape[0])
         proj = blk.adaln_proj.linear
-        c = ops.adaln_projection(temb, proj.weight, proj.bias).view(-1, 6 * H).chunk(6, dim=-1)
+        c = ops.adaln_projection(temb, proj.weight, proj.bias).view(-1, BLOCK_TABLE).chunk(BLOCK_CHUNKS, dim=-1)
         n1 = ops.norm_modulate(x, blk.norm1.weight, c[0], c[1], ridx, blk.norm1.eps)
         assert_same_bits(n1, v[f"b{i}.attn.in"][0].reshape(-1, H), f"{what}: block {i} norm_modulate")
         h, n2 = ops.gate_residual_norm_modulate(x, _rows(v[f"b{i}.attn.out"]), c[2], blk.norm2.weight, c[3], c[4],
@@ -199,7 +200,7 @@ def test_parity_with_diffusers_at_every_call_site(model, inputs):
         x = x_in.reshape(-1, H)
         ridx = _repeat(idx, x.shape[0])
         c = u[f"b{i}.adaln_proj.out"]  # diffusers' six (3T, H) chunks, row-strided views of its projection
-        assert len(c) == 6 and c[0].stride(0) == 6 * H
+        assert len(c) == BLOCK_CHUNKS and c[0].stride(0) == BLOCK_TABLE
         n1 = ops.norm_modulate(x, blk.norm1.weight, c[0], c[1], ridx, blk.norm1.eps)
         assert_same_bits(n1, u[f"b{i}.attn.in"][0].reshape(-1, H), f"block {i} norm_modulate vs diffusers")
         h, n2 = ops.gate_residual_norm_modulate(x, u[f"b{i}.attn.out"].reshape(-1, H), c[2], blk.norm2.weight,
@@ -212,7 +213,7 @@ def test_parity_with_diffusers_at_every_call_site(model, inputs):
         proj = blk.adaln_proj.linear
         table = ops.adaln_projection(temb, proj.weight, proj.bias)
         assert _rel_err(table, R.adaln_projection_fp64(temb, proj.weight, proj.bias)) <= 1e-2
-        assert _rel_err(table.view(-1, 6 * H), torch.cat(c, dim=-1)) <= 1e-2
+        assert _rel_err(table.view(-1, BLOCK_TABLE), torch.cat(c, dim=-1)) <= 1e-2
 
     # the MLP within its FP64 bar
     te = model.time_embedder

@@ -13,6 +13,7 @@ from h3cute import reference
 from h3cute.bench import candidates, checks, peers, prior_art, report
 from h3cute.bench.candidates import Candidate, candidates_for, mode_unavailable, modes_for
 from h3cute.bench.problems import PROBLEMS, Problem, at_smoke_scale, randn
+from h3cute.widths import BLOCK_PROJECTION, HIDDEN, NORM_EPS, TEMB
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")   # a device object only: nothing here touches CUDA unless marked gpu
@@ -41,7 +42,7 @@ def test_a_peer_missing_everywhere_says_so(monkeypatch, tmp_path):
         peers.locate(pf)
     monkeypatch.setenv(peers.PEER_FILES_ENV, str(tmp_path))
     _extracted(tmp_path, "h3cute-no-such-peer", "dev", "pkg/mod.py", "")   # not a version: ignored
-    with pytest.raises(peers.PeerUnavailable, match=f"holds none of its files"):
+    with pytest.raises(peers.PeerUnavailable, match="holds none of its files"):
         peers.locate(pf)
 
 
@@ -218,7 +219,7 @@ def test_vllm_omni_kernels_take_the_ops_arguments_in_their_own_order():
         assert set(got) == set(wants)
         for param, arg in wants.items():
             if arg is None:
-                assert got[param] == 1e-5 == peers._eps()
+                assert got[param] == NORM_EPS == peers._eps()
             else:
                 assert got[param] is by_name[arg], (op, param)
 
@@ -279,7 +280,7 @@ def test_a_norm_peer_replaces_only_the_rmsnorm(op):
     args = [inputs[a] for a in p.args]
     out = peers._norm_then_modulate(p, norm)(*args)
     assert torch.equal(out, getattr(reference, f"{op}_replay")(*args))
-    assert calls == [((6, 5376), (5376,), 1e-5)]
+    assert calls == [((6, HIDDEN), (HIDDEN,), NORM_EPS)]
 
 
 def test_norm_peer_unavailable_reasons(monkeypatch):
@@ -392,8 +393,8 @@ def test_bits_vs_counts_differing_elements_bit_for_bit():
 
 def test_the_cpu_smoke_narrows_only_the_projection_and_h3cute_sits_it_out():
     proj = at_smoke_scale(PROBLEMS["adaln_projection"])
-    assert "weight (6048, 2688)" in proj.narrowed and "not the op's widths" in proj.narrowed
-    assert proj.draw(2, 3, CPU)["weight"].shape == (6048, 2688)
+    assert f"weight ({BLOCK_PROJECTION // 16}, {TEMB})" in proj.narrowed and "not the op's widths" in proj.narrowed
+    assert proj.draw(2, 3, CPU)["weight"].shape == (BLOCK_PROJECTION // 16, TEMB)
     h3 = candidates._h3cute(proj)
     assert h3.unavailable.startswith("the op takes the checkpoint's widths only; this problem is drawn narrower")
     assert at_smoke_scale(PROBLEMS["final_adaln_out"]) is PROBLEMS["final_adaln_out"]

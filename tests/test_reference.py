@@ -7,15 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from h3cute import reference as R
+from h3cute.widths import FINAL_PROJECTION, FREQ, FREQ_HALF, MODALITIES, NORM_EPS, TEMB
 
-H = 5376
 
 
 def test_sinusoid_golden_is_cos_then_sin_of_t_times_frequencies():
     t = torch.tensor([0.0, 0.37, 1.0], dtype=torch.float64)
     out = R.timestep_sinusoid_fp64(t)
-    assert out.shape == (3, 256) and out.dtype == torch.float64
-    assert torch.equal(out[0], torch.cat([torch.ones(128), torch.zeros(128)]).double())
+    assert out.shape == (3, FREQ) and out.dtype == torch.float64
+    assert torch.equal(out[0], torch.cat([torch.ones(FREQ_HALF), torch.zeros(FREQ_HALF)]).double())
     k = 77
     f = 10000 ** (-k / 128)
     assert math.isclose(out[1, k], math.cos(0.37 * f), rel_tol=1e-15)
@@ -24,17 +24,17 @@ def test_sinusoid_golden_is_cos_then_sin_of_t_times_frequencies():
 
 def test_norm_modulate_golden_by_hand():
     x, w, shift, scale, idx = R.example_inputs("norm_modulate", 4, num_timesteps=2)
-    out = R.norm_modulate_fp64(x, w, shift, scale, idx, 1e-5)
+    out = R.norm_modulate_fp64(x, w, shift, scale, idx, NORM_EPS)
     r = 3
     xr = x[r].double()
-    expect = xr / math.sqrt(float((xr * xr).mean()) + 1e-5) * w.double() * (1 + scale[idx[r]].double()) \
+    expect = xr / math.sqrt(float((xr * xr).mean()) + NORM_EPS) * w.double() * (1 + scale[idx[r]].double()) \
         + shift[idx[r]].double()
     assert torch.allclose(out[r], expect, rtol=1e-12, atol=1e-12)
 
 
 def test_projection_golden_rounds_silu_to_bf16_but_not_its_gradient():
-    temb = torch.randn(2, 2688, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(8, 2688, dtype=torch.float64)
+    temb = torch.randn(2, TEMB, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, TEMB, dtype=torch.float64)
     # A small stand-in for the weight: the golden's math does not depend on the width.
     out = F.linear(R._silu_bf16_fp64(temb), w)
     assert torch.equal(out, F.linear(F.silu(temb).to(torch.bfloat16).double(), w))
@@ -67,9 +67,9 @@ def test_example_inputs_row_layout_and_reproducibility():
     a, b = R.example_inputs("gate_residual", 64, seed=4), R.example_inputs("gate_residual", 64, seed=4)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(a[0], R.example_inputs("gate_residual", 64, seed=5)[0])
-    assert torch.equal(a[3], ti * 3 + tags)
+    assert torch.equal(a[3], ti * MODALITIES + tags)
     x, nw, temb, pw, pb, t_idx = R.example_inputs("final_adaln_out", 9, num_timesteps=2)
-    assert x.dtype == torch.bfloat16 and temb.dtype == torch.float32 and pw.shape == (2 * H, 2688)
+    assert x.dtype == torch.bfloat16 and temb.dtype == torch.float32 and pw.shape == (FINAL_PROJECTION, TEMB)
     assert int(t_idx.max()) < 2 and float(nw.min()) >= 0.5
     with pytest.raises(ValueError, match="unknown h3 op 'rms_norm'"):
         R.example_inputs("rms_norm", 1)

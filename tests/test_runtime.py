@@ -183,10 +183,10 @@ def test_real_kernel_specs_have_unique_names():
 
 
 def test_fingerprint_and_cache_key_change_with_every_kernel_source(tmp_path, monkeypatch, request):
-    """On a copy of kernels/ and runtime/dsl.py: the copy hashes like the tree; one edited byte in a kernel module,
-    an edit of a helper module without kernels, a new file, or an edited dsl.py each give a new source fingerprint
-    and a new disk-cache key (compiled code is never served for other sources); bytecode caches do not count. A
-    new DSL version gives a new key too."""
+    """On a copy of kernels/, runtime/dsl.py and widths.py: the copy hashes like the tree; one edited byte in a kernel
+    module, an edit of a helper module without kernels, a new file, an edited dsl.py or an edited widths.py (the
+    kernels compile with both) each give a new source fingerprint and a new disk-cache key (compiled code is never
+    served for other sources); bytecode caches do not count. A new DSL version gives a new key too."""
     import shutil
 
     request.addfinalizer(sources.source_fingerprint.cache_clear)  # the tree's own fingerprint after this test
@@ -195,6 +195,7 @@ def test_fingerprint_and_cache_key_change_with_every_kernel_source(tmp_path, mon
     shutil.copytree(sources.kernels_dir(), kernels, ignore=shutil.ignore_patterns("__pycache__"))
     runtime_dir.mkdir()
     shutil.copy(Path(rt.__file__).with_name("dsl.py"), runtime_dir / "dsl.py")
+    shutil.copy(Path(rt.__file__).parents[1] / "widths.py", tmp_path / "widths.py")
     monkeypatch.setattr(sources, "kernels_dir", lambda: kernels)
     monkeypatch.setattr(sources, "_RUNTIME_DIR", runtime_dir)
     canon = canonical_static(dict(width=256))
@@ -211,6 +212,7 @@ def test_fingerprint_and_cache_key_change_with_every_kernel_source(tmp_path, mon
         lambda: (kernels / "_tiles.py").write_text((kernels / "_tiles.py").read_text() + "# a comment\n"),
         lambda: (kernels / "new_family.py").write_text("SPECS = []\n"),
         lambda: (runtime_dir / "dsl.py").write_text((runtime_dir / "dsl.py").read_text() + "\n"),
+        lambda: (tmp_path / "widths.py").write_text((tmp_path / "widths.py").read_text().replace("5376", "5120", 1)),
     ]
     for i, edit in enumerate(edits):
         edit()
@@ -402,7 +404,8 @@ def test_bundle_serves_kernels_without_cutlass(add_bundle):
                for static in ((("addend", 1.0),), (("addend", 2.0), ("threads", 64)))}
         assert all(isinstance(f, tvm_ffi.Function) for f in fns.values()), fns
         assert len(set(map(id, fns.values()))) == 4
-        assert rt.kernel_for_arch("test_add", "sm_90a", threads=64, addend=2.0) is fns[("sm_90a", (("addend", 2.0), ("threads", 64)))]
+        want = fns[("sm_90a", (("addend", 2.0), ("threads", 64)))]
+        assert rt.kernel_for_arch("test_add", "sm_90a", threads=64, addend=2.0) is want
         try:
             rt.kernel_for_arch("test_add", "sm_90a", addend=9.0)
         except LookupError as e:
@@ -423,7 +426,7 @@ def test_bundle_from_other_sources_is_refused(add_bundle, tmp_path):
     (stale / bundle.MANIFEST).write_text(json.dumps({**manifest, "fingerprint": "0" * 64}))
     with pytest.raises(bundle.BundleMismatchError, match="built from kernel sources 000000000000"):
         bundle.open_bundle(stale)
-    result = _run_python(f"""
+    result = _run_python("""
         import h3cute.runtime as rt
         from h3cute.runtime.bundle import BundleMismatchError
         try:

@@ -10,8 +10,8 @@ import h3cute  # noqa: F401  (registers torch.ops.h3)
 from bitwise import assert_same_bits, same_bits
 from h3cute import reference
 from h3cute.launch import norm_modulate as launch
+from h3cute.widths import BLOCK_CHUNKS, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN as H, NORM_EPS, TEMB
 
-H = reference.HIDDEN
 BF16 = torch.bfloat16
 USED = 3  # table rows the rows address: one timestep, three modalities
 # 3: the fused backward (cap 12); 24: its largest table; 25 and 48: bwd_rows + bwd_params; 49, 6144: windows
@@ -79,7 +79,8 @@ def test_norm_modulate_rows_ignore_table_rows():
         assert not dsh[USED:].any() and not dsc[USED:].any(), rows  # unused table rows: exact zeros
         ref = [t.double().requires_grad_() for t in (x, w, shift, scale)]
         reference.norm_modulate_fp64(*ref, idx).backward(grad.double())
-        for name, got, leaf in (("dweight", dw, ref[1]), ("dshift", dsh[:USED], ref[2]), ("dscale", dsc[:USED], ref[3])):
+        checked = (("dweight", dw, ref[1]), ("dshift", dsh[:USED], ref[2]), ("dscale", dsc[:USED], ref[3]))
+        for name, got, leaf in checked:
             assert _rel_err(got, leaf.grad) < 1e-2, (rows, name)
         if first is None:
             first = (out.detach(), dx)
@@ -112,8 +113,8 @@ def test_gate_residual_rows_ignore_table_rows():
 @pytest.mark.gpu
 def test_row_gather_rows_ignore_table_rows():
     _, _, idx, g = _rows(6)
-    table = torch.randn(USED, 6 * H, device="cuda", generator=g).to(BF16)
-    grads = [torch.randn(idx.shape[0], H, device="cuda", generator=g).to(BF16) for _ in range(6)]
+    table = torch.randn(USED, BLOCK_TABLE, device="cuda", generator=g).to(BF16)
+    grads = [torch.randn(idx.shape[0], H, device="cuda", generator=g).to(BF16) for _ in range(BLOCK_CHUNKS)]
     first = None
     for rows in TABLE_ROWS:
         leaf = _padded(table, rows, 7).requires_grad_()
@@ -138,9 +139,9 @@ def test_final_adaln_out_rows_ignore_timesteps(timesteps):
     x, grad, _, g = _rows(8)
     ti = torch.zeros(x.shape[0], dtype=torch.int64, device="cuda")  # every row on timestep 0
     nw = (0.5 + torch.rand(H, device="cuda", generator=g)).to(BF16)
-    pw = (torch.randn(2 * H, 2688, device="cuda", generator=g) * 2688 ** -0.5).to(BF16)
-    pb = (torch.randn(2 * H, device="cuda", generator=g) * 0.02).to(BF16)
-    temb = torch.randn(max(timesteps), 2688, device="cuda", generator=g)
+    pw = (torch.randn(FINAL_PROJECTION, TEMB, device="cuda", generator=g) * TEMB ** -0.5).to(BF16)
+    pb = (torch.randn(FINAL_PROJECTION, device="cuda", generator=g) * 0.02).to(BF16)
+    temb = torch.randn(max(timesteps), TEMB, device="cuda", generator=g)
     first = None
     for t in timesteps:
         leaves = [x.clone().requires_grad_(), nw.clone().requires_grad_(), temb[:t].clone().requires_grad_()]
@@ -173,7 +174,7 @@ def test_windowed_table_gradients(table_rows):
     gate = torch.randn(table_rows, H, device="cuda", generator=g).to(BF16)
     runs = []
     for _ in range(2):
-        nm = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, table_rows)
+        nm = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, NORM_EPS, table_rows)
         gr = torch.ops.h3.gate_residual_backward(grad, y, gate, idx)
         ga = torch.ops.h3.adaln_row_gather_backward([grad] * 6, idx, table_rows)
         runs.append((*nm, *gr, ga))
@@ -208,7 +209,7 @@ def test_table_rows_check_has_power():
     w = (0.5 + torch.rand(H, device="cuda", generator=g)).to(BF16)
     shift = torch.randn(USED, H, device="cuda", generator=g).to(BF16)
     scale = (torch.randn(USED, H, device="cuda", generator=g) * 0.5).to(BF16)
-    ours = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, 1e-5, USED)[0]
+    ours = torch.ops.h3.norm_modulate_backward(grad, x, w, scale, idx, NORM_EPS, USED)[0]
     xr = x.clone().requires_grad_()
     reference.norm_modulate_replay(xr, w, shift, scale, idx).backward(grad)
     with pytest.raises(AssertionError, match="elements differ"):

@@ -21,10 +21,13 @@ import subprocess
 import pytest
 import torch
 
+from h3cute.widths import MLP_HIDDEN as HIDDEN, TEMB
+
 from bitwise import bits
 from compiled_ptx import ptx_of
 
-M, N, HIDDEN, K_SLICE = 64, 2688, 5376, 896
+N = TEMB  # fc2's out features
+M, K_SLICE = 64, 896
 PROBE_VARIANTS = (
     dict(tile_k=8),
     dict(tile_k=32),
@@ -295,7 +298,7 @@ def _reference_split(x: torch.Tensor):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows, depth", ((1, 8), (5, 5376), (2688, 5376), (200, 2688)))
+@pytest.mark.parametrize("rows, depth", ((1, 8), (5, HIDDEN), (TEMB, HIDDEN), (200, TEMB)))
 def test_split_gives_the_mma_sync_operand_bits(rows, depth):
     from h3cute import runtime
 
@@ -310,8 +313,8 @@ def test_split_gives_the_mma_sync_operand_bits(rows, depth):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("depth, rows, depth_out", ((1, 2688, 32), (5, 5376, 32), (200, 2688, 224),
-                                                     (2688, 5376, 2688), (2048, 256, 2048), (33, 40, 64)))
+@pytest.mark.parametrize("depth, rows, depth_out", ((1, TEMB, 32), (5, HIDDEN, 32), (200, TEMB, 224),
+                                                     (TEMB, HIDDEN, TEMB), (2048, 256, 2048), (33, 40, 64)))
 def test_transposing_split_feeds_k_major_with_a_zero_tail(depth, rows, depth_out):
     """X^T (K, R) in (the backward's grad, h, dz, x and w^T operands) -> big, small (R, K_out), zero past K."""
     from h3cute import runtime

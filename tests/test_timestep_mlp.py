@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from h3cute.launch import timestep_mlp as L
+from h3cute.widths import FREQ as F1, MLP_HIDDEN as HIDDEN, TEMB as D
 
 from bitwise import same_bits
 from compiled_ptx import ptx_of
 from poison import poison_allocator
 
-F1, HIDDEN, D = 256, 5376, 2688
 REPORT_SIZES = (1, 3, 4, 64, 256, 2048)
 FWD_TOL, GRAD_TOL = 2e-6, 1e-5
 

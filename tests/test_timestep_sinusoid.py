@@ -17,10 +17,10 @@ import torch
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
+from h3cute.widths import FREQ as WIDTH
 
 from compiled_ptx import ptx_of
 
-WIDTH = 256
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -108,7 +108,7 @@ def test_frequency_constant_is_torchs_fp32_rounding():
     # torch's mul with a Python float casts it to the FP32 op-math type before multiplying.
     assert np.float32(k.NEG_LN_MAX_PERIOD_F32) == np.float32(-math.log(10000))
     assert np.float32(k.NEG_LN_MAX_PERIOD_F32).view(np.uint32) == 0xC1135D8E
-    assert k.INV_HALF == 2.0**-7 and k.SINUSOID_WIDTH == WIDTH
+    assert k.INV_HALF == 2.0**-7
 
 
 def test_launch_module_does_not_import_cutlass():

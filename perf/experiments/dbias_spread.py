@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from h3cute import runtime
+from h3cute.widths import BLOCK_PROJECTION
 
 _shared = runpy.run_path(str(Path(__file__).with_name("fold_warp_split.py")), run_name="imported")
 VARIANTS = {"spread": {}, "a4f5c14": dict(spread=False)}
@@ -36,7 +37,7 @@ def main():
         same = all(torch.equal(_shared["_bits"](a), _shared["_bits"](b)) for a, b in zip(*outs.values()))
         left = any(x.isnan().any().item() for o in outs.values() for x in o)
         print(f"N={n_out} T={rows}: the same bits {same}, NaN left {left}")
-        if (n_out, rows) != (96768, 2048):
+        if (n_out, rows) != (BLOCK_PROJECTION, 2048):
             continue
         args = (grad, act, *outs["spread"][:2], partial, temb, *outs["spread"][2:])
         times = {v: [_shared["_burst"](lambda: fn(*args)) for _ in range(3)] for v, fn in fns.items()}

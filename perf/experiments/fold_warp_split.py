@@ -19,8 +19,8 @@ import torch
 
 from h3cute import runtime
 from h3cute.launch import adaln_projection as L
+from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, TEMB as D
 
-D = 2688
 VARIANTS = [(88, True, 1, ""), (88, False, 1, ""), (56, True, 1, ""), (40, False, 1, ""), (88, True, 2, ""),
             (88, True, 1, "fold"), (88, True, 1, "db")]
 
@@ -57,7 +57,8 @@ def _sustained(fn, seconds=0.7):
     return _timed(fn, n)
 
 
-SIZES = ((96768, 2048), (96768, 1100), (96768, 450), (10752, 2048), (96768, 2000))  # (N, T)
+SIZES = ((BLOCK_PROJECTION, 2048), (BLOCK_PROJECTION, 1100), (BLOCK_PROJECTION, 450), (FINAL_PROJECTION, 2048),
+         (BLOCK_PROJECTION, 2000))  # (N, T)
 
 
 def inputs(n_out, rows, dev):
@@ -92,8 +93,9 @@ def main():
         base = outs[VARIANTS[0]]
         for v, o in outs.items():
             same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(o, base))
-            print(f"N={n_out} T={rows} {v}: the product's bits {same}, NaN left {any(x.isnan().any().item() for x in o)}")
-        if (n_out, rows) != (96768, 2048):
+            nan_left = any(x.isnan().any().item() for x in o)
+            print(f"N={n_out} T={rows} {v}: the product's bits {same}, NaN left {nan_left}")
+        if (n_out, rows) != (BLOCK_PROJECTION, 2048):
             continue
         args = (grad, act, *base[:2], partial, temb, *base[2:])
         times = {v: [_burst(lambda: fns[v](*args)) for _ in range(3)] for v in VARIANTS}

@@ -13,7 +13,7 @@ The call sites (`Patch.report()` lists each one, replaced or left to diffusers):
 | `time_embedder` | `TimestepEmbedding`: linear_1, SiLU, linear_2 (FP32) | `timestep_mlp` |
 | `transformer_blocks.i.adaln_proj` | `linear(silu(temb).bf16)`, viewed (3T, 6H), six chunks | `adaln_projection` |
 | `transformer_blocks.i` | `norm1(x) * (1 + scale_msa[idx]) + shift_msa[idx]` | `norm_modulate` |
-| `transformer_blocks.i` | `h = x + gate_msa[idx] * attn`, then `norm2(h) * (1 + scale_mlp[idx]) + shift_mlp[idx]` | `gate_residual_norm_modulate` |
+| `transformer_blocks.i` | `h = x + gate_msa[idx] * attn`; `norm2(h)`, mlp modulation | `gate_residual_norm_modulate` |
 | `transformer_blocks.i` | `h + gate_mlp[idx] * ff` | `gate_residual` |
 | `norm_out` | `MiniMaxH3AdaLayerNormOut` | `final_adaln_out` |
 
@@ -72,7 +72,7 @@ import torch
 from torch import nn
 
 from h3cute.ops.adaln import adaln_indices
-from h3cute.ops.validate import BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN, PROJECTION, TEMB
+from h3cute.widths import BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN, TEMB
 
 BF16, F32 = torch.bfloat16, torch.float32
 _ARMED = "_h3cute_armed"
@@ -115,7 +115,7 @@ def _row_index(index: torch.Tensor, rows: int) -> torch.Tensor:
         return index
     if n == 0 or rows % n:
         raise ValueError(f"h3cute: {rows} rows of hidden states for {n} per-row indices; the batch axis of "
-                         "(B, S, 5376) hidden states repeats the S indexed rows")
+                         f"(B, S, {HIDDEN}) hidden states repeats the S indexed rows")
     return index.repeat(rows // n)
 
 
@@ -322,7 +322,7 @@ def _block_problems(name, m) -> list[tuple[str, str]]:
     if not isinstance(proj, d.Modulation) or type(proj).forward is not d.Modulation.forward:
         out = [(path, f"is a {type(proj).__qualname__}, not diffusers' MiniMaxH3AdaLayerNormModulation")]
     else:
-        out = _bypassed(path, proj) + _linear_problems(f"{path}.linear", proj.linear, (PROJECTION, TEMB), BF16,
+        out = _bypassed(path, proj) + _linear_problems(f"{path}.linear", proj.linear, (BLOCK_PROJECTION, TEMB), BF16,
                                                        "the AdaLN projections are BF16")
     return out + _norm_problems(f"{name}.norm1", m.norm1) + _norm_problems(f"{name}.norm2", m.norm2)
 
@@ -338,11 +338,11 @@ _PROBLEMS = {"time_proj": _time_proj_problems, "time_embedder": _time_embedder_p
 
 def _sites(kind: str, name: str, left: str | None = None) -> list[CallSite]:
     if kind == "time_proj":
-        rows = [(name, "Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)", "timestep_sinusoid")]
+        rows = [(name, f"Timesteps({FREQ}, flip_sin_to_cos=True, downscale_freq_shift=0)", "timestep_sinusoid")]
     elif kind == "time_embedder":
         rows = [(name, "TimestepEmbedding: linear_1, SiLU, linear_2 (FP32)", "timestep_mlp")]
     elif kind == "block":
-        rows = [(f"{name}.adaln_proj", "linear(silu(temb).bf16) -> six (3T, 5376) chunks", "adaln_projection"),
+        rows = [(f"{name}.adaln_proj", f"linear(silu(temb).bf16) -> six (3T, {HIDDEN}) chunks", "adaln_projection"),
                 (name, "norm1(x) * (1 + scale_msa[idx]) + shift_msa[idx]", "norm_modulate"),
                 (name, "h = x + gate_msa[idx] * attn; norm2(h) * (1 + scale_mlp[idx]) + shift_mlp[idx]",
                  "gate_residual_norm_modulate"),

@@ -15,10 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-HIDDEN = 5376
-FREQ_HALF = 128
-MAX_PERIOD = 10000
-BLOCK_CHUNKS = 6
+from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, FREQ_HALF, HIDDEN,
+                           MAX_PERIOD, MLP_HIDDEN, MODALITIES, NORM_EPS, TEMB)
 
 
 # ---- diffusers op-for-op replays -------------------------------------------------------------------
@@ -45,7 +43,7 @@ def adaln_projection_replay(temb, weight, bias):
 
 def adaln_modulation_replay(temb, weight, bias):
     """`MiniMaxH3AdaLayerNormModulation.forward`: the six (3T, 5376) chunks, shift_msa .. gate_mlp."""
-    return adaln_projection_replay(temb, weight, bias).view(-1, BLOCK_CHUNKS * HIDDEN).chunk(BLOCK_CHUNKS, dim=-1)
+    return adaln_projection_replay(temb, weight, bias).view(-1, BLOCK_TABLE).chunk(BLOCK_CHUNKS, dim=-1)
 
 
 def adaln_row_gather_replay(table, adaln_indices):
@@ -58,7 +56,7 @@ def modulation_replay(normed, shift, scale, adaln_indices):
     return normed * (1.0 + scale.index_select(0, adaln_indices)) + shift.index_select(0, adaln_indices)
 
 
-def norm_modulate_replay(x, weight, shift, scale, adaln_indices, eps=1e-5):
+def norm_modulate_replay(x, weight, shift, scale, adaln_indices, eps=NORM_EPS):
     """`norm(x) * (1.0 + scale.index_select(0, idx)) + shift.index_select(0, idx)` with `nn.RMSNorm`, BF16."""
     return modulation_replay(F.rms_norm(x, (x.shape[-1],), weight, eps), shift, scale, adaln_indices)
 
@@ -68,7 +66,7 @@ def gate_residual_replay(residual, y, gate, adaln_indices):
     return residual + gate.index_select(0, adaln_indices) * y
 
 
-def gate_residual_norm_modulate_replay(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5):
+def gate_residual_norm_modulate_replay(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS):
     """A block's attention-half gated residual followed by its MLP-half norm/modulate of the same rows:
     `h = gate_residual_replay(...)`, `out = norm_modulate_replay(h, ...)`; returns (h, out), BF16."""
     h = gate_residual_replay(residual, y, gate, adaln_indices)
@@ -85,7 +83,7 @@ def final_projection_replay(temb, proj_weight, proj_bias):
     return final_projection_table(temb, proj_weight, proj_bias).chunk(2, dim=-1)
 
 
-def final_adaln_out_replay(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5):
+def final_adaln_out_replay(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS):
     """`MiniMaxH3AdaLayerNormOut.forward`: RMSNorm then per-row shift/scale from the timestep's row, BF16."""
     shift, scale = final_projection_replay(temb, proj_weight, proj_bias)
     return norm_modulate_replay(x, norm_weight, shift, scale, timestep_indices, eps)
@@ -130,7 +128,7 @@ def adaln_row_gather_fp64(table, adaln_indices):
     return [c.index_select(0, adaln_indices) for c in table.chunk(BLOCK_CHUNKS, dim=-1)]
 
 
-def norm_modulate_fp64(x, weight, shift, scale, adaln_indices, eps=1e-5):
+def norm_modulate_fp64(x, weight, shift, scale, adaln_indices, eps=NORM_EPS):
     x, weight, shift, scale = _f64(x, weight, shift, scale)
     return _rms_norm_fp64(x, weight, eps) * (1 + scale[adaln_indices]) + shift[adaln_indices]
 
@@ -140,7 +138,7 @@ def gate_residual_fp64(residual, y, gate, adaln_indices):
     return residual + gate[adaln_indices] * y
 
 
-def gate_residual_norm_modulate_fp64(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5):
+def gate_residual_norm_modulate_fp64(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS):
     # `out` is defined on h as the op returns it, rounded to BF16 (the bits the two-op chain and diffusers
     # normalize); the rounding is straight-through, as autograd sees it, so h's FP64 gradient is grad_h + dx.
     h = gate_residual_fp64(residual, y, gate, adaln_indices)
@@ -148,7 +146,7 @@ def gate_residual_norm_modulate_fp64(residual, y, gate, weight, shift, scale, ad
     return h, norm_modulate_fp64(h_bf16, weight, shift, scale, adaln_indices, eps)
 
 
-def final_adaln_out_fp64(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5):
+def final_adaln_out_fp64(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS):
     shift, scale = adaln_projection_fp64(temb, proj_weight, proj_bias).chunk(2, dim=-1)
     return norm_modulate_fp64(x, norm_weight, shift, scale, timestep_indices, eps)
 
@@ -163,8 +161,8 @@ def row_layout(rows: int, num_timesteps: int, seed: int = 0):
     """(timestep_indices, token_tags), int64 on CPU: tags then indices drawn uniformly from one seeded CPU
     generator, the first three tags forced to 0, 1, 2 (rows interleaved, not blocked)."""
     g = torch.Generator().manual_seed(seed)
-    tags = torch.randint(0, 3, (rows,), generator=g)
-    tags[: min(rows, 3)] = torch.arange(min(rows, 3))
+    tags = torch.randint(0, MODALITIES, (rows,), generator=g)
+    tags[: min(rows, MODALITIES)] = torch.arange(min(rows, MODALITIES))
     ti = torch.randint(0, max(num_timesteps, 1), (rows,), generator=g)
     return ti, tags
 
@@ -186,31 +184,31 @@ def example_inputs(op: str, rows: int, *, num_timesteps: int = 3, device="cpu", 
     if op == "timestep_sinusoid":
         return (torch.rand(rows, generator=g, device=device),)
     if op == "timestep_mlp":
-        return (randn(rows, 256), randn(5376, 256, scale=256**-0.5), randn(5376, scale=0.02),
-                randn(2688, 5376, scale=5376**-0.5), randn(2688, scale=0.02))
+        return (randn(rows, FREQ), randn(MLP_HIDDEN, FREQ, scale=FREQ**-0.5), randn(MLP_HIDDEN, scale=0.02),
+                randn(TEMB, MLP_HIDDEN, scale=MLP_HIDDEN**-0.5), randn(TEMB, scale=0.02))
     if op == "adaln_projection":
-        return (randn(rows, 2688), randn(18 * HIDDEN, 2688, scale=2688**-0.5, dtype=bf16),
-                randn(18 * HIDDEN, scale=0.02, dtype=bf16))
+        return (randn(rows, TEMB), randn(BLOCK_PROJECTION, TEMB, scale=TEMB**-0.5, dtype=bf16),
+                randn(BLOCK_PROJECTION, scale=0.02, dtype=bf16))
     ti, tags = row_layout(rows, T, seed)
-    ti, idx = ti.to(device), (ti * 3 + tags).to(device)
+    ti, idx = ti.to(device), (ti * MODALITIES + tags).to(device)
     x = randn(rows, HIDDEN, scale=2.0, dtype=bf16)
     if op == "final_adaln_out":
         norm_weight = (0.5 + torch.rand(HIDDEN, generator=g, device=device)).to(bf16)
-        return (x, norm_weight, randn(T, 2688), randn(2 * HIDDEN, 2688, scale=2688**-0.5, dtype=bf16),
-                randn(2 * HIDDEN, scale=0.02, dtype=bf16), ti)
+        return (x, norm_weight, randn(T, TEMB), randn(FINAL_PROJECTION, TEMB, scale=TEMB**-0.5, dtype=bf16),
+                randn(FINAL_PROJECTION, scale=0.02, dtype=bf16), ti)
     if op == "adaln_row_gather":
-        return (randn(3 * T, BLOCK_CHUNKS * HIDDEN, scale=0.5, dtype=bf16), idx)
+        return (randn(MODALITIES * T, BLOCK_TABLE, scale=0.5, dtype=bf16), idx)
     if op == "norm_modulate":
         norm_weight = (0.5 + torch.rand(HIDDEN, generator=g, device=device)).to(bf16)
-        return (x, norm_weight, randn(3 * T, HIDDEN, scale=0.5, dtype=bf16),
-                randn(3 * T, HIDDEN, scale=0.5, dtype=bf16), idx)
+        return (x, norm_weight, randn(MODALITIES * T, HIDDEN, scale=0.5, dtype=bf16),
+                randn(MODALITIES * T, HIDDEN, scale=0.5, dtype=bf16), idx)
     if op == "gate_residual":
-        return (x, randn(rows, HIDDEN, dtype=bf16), randn(3 * T, HIDDEN, scale=0.5, dtype=bf16), idx)
+        return (x, randn(rows, HIDDEN, dtype=bf16), randn(MODALITIES * T, HIDDEN, scale=0.5, dtype=bf16), idx)
     if op == "gate_residual_norm_modulate":
-        y, gate = randn(rows, HIDDEN, dtype=bf16), randn(3 * T, HIDDEN, scale=0.5, dtype=bf16)
+        y, gate = randn(rows, HIDDEN, dtype=bf16), randn(MODALITIES * T, HIDDEN, scale=0.5, dtype=bf16)
         norm_weight = (0.5 + torch.rand(HIDDEN, generator=g, device=device)).to(bf16)
-        return (x, y, gate, norm_weight, randn(3 * T, HIDDEN, scale=0.5, dtype=bf16),
-                randn(3 * T, HIDDEN, scale=0.5, dtype=bf16), idx)
+        return (x, y, gate, norm_weight, randn(MODALITIES * T, HIDDEN, scale=0.5, dtype=bf16),
+                randn(MODALITIES * T, HIDDEN, scale=0.5, dtype=bf16), idx)
     raise ValueError(f"unknown h3 op {op!r}; expected one of {OPS}")
 
 

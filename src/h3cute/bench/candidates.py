@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from h3cute.bench.problems import Problem
+from h3cute.widths import FREQ, HIDDEN, MLP_HIDDEN, NORM_EPS, TEMB
 
 
 @dataclass
@@ -133,7 +134,7 @@ def _h3cute_two_ops(problem: Problem) -> Candidate:
 
     def call(residual, y, gate, weight, shift, scale, adaln_indices):
         h = torch.ops.h3.gate_residual(residual, y, gate, adaln_indices, False)
-        return h, torch.ops.h3.norm_modulate(h, weight, shift, scale, adaln_indices, 1e-5, False)
+        return h, torch.ops.h3.norm_modulate(h, weight, shift, scale, adaln_indices, NORM_EPS, False)
     return Candidate("h3cute_two_ops", source, call)
 
 
@@ -162,26 +163,26 @@ def _diffusers_module(problem: Problem, name: str) -> Candidate:
 def _diffusers_adapter(problem: Problem, name: str, version: str) -> Candidate:
     if problem.op == "timestep_sinusoid":
         from diffusers.models.embeddings import Timesteps
-        module = Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)
-        return Candidate(name, f"diffusers {version} Timesteps(256, True, 0)", module, has_backward=False)
+        module = Timesteps(FREQ, flip_sin_to_cos=True, downscale_freq_shift=0)
+        return Candidate(name, f"diffusers {version} Timesteps({FREQ}, True, 0)", module, has_backward=False)
     if problem.op == "timestep_mlp":
         from diffusers.models.embeddings import TimestepEmbedding
         from torch.func import functional_call
-        module = TimestepEmbedding(256, 5376, out_dim=2688).to("meta")
+        module = TimestepEmbedding(FREQ, MLP_HIDDEN, out_dim=TEMB).to("meta")
 
         def call(x, w1, b1, w2, b2):
             params = {"linear_1.weight": w1, "linear_1.bias": b1, "linear_2.weight": w2, "linear_2.bias": b2}
             return functional_call(module, params, (x,))
-        return Candidate(name, f"diffusers {version} TimestepEmbedding(256, 5376, out_dim=2688)", call)
+        return Candidate(name, f"diffusers {version} TimestepEmbedding({FREQ}, {MLP_HIDDEN}, out_dim={TEMB})", call)
     if problem.op == "final_adaln_out":
         from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3AdaLayerNormOut
         from torch.func import functional_call
-        module = MiniMaxH3AdaLayerNormOut(5376, 2688, eps=1e-5).to("meta", torch.bfloat16)
+        module = MiniMaxH3AdaLayerNormOut(HIDDEN, TEMB, eps=NORM_EPS).to("meta", torch.bfloat16)
 
         def call(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices):
             params = {"norm.weight": norm_weight, "linear.weight": proj_weight, "linear.bias": proj_bias}
             return functional_call(module, params, (x, temb, timestep_indices))
-        return Candidate(name, f"diffusers {version} MiniMaxH3AdaLayerNormOut(5376, 2688, 1e-5)", call)
+        return Candidate(name, f"diffusers {version} MiniMaxH3AdaLayerNormOut({HIDDEN}, {TEMB}, {NORM_EPS})", call)
     # The projection module returns the six (3T, H) chunks, not the op's (T, 18H) table: gluing them back
     # would time a copy the op does not make.
     return Candidate(name, f"diffusers {version}",

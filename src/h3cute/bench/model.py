@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from h3cute.widths import ATTENTION_HEAD_DIM, ATTENTION_HEADS, FFN, TEXT
+
 
 @dataclass(frozen=True)
 class ModelSize:
@@ -35,7 +37,7 @@ class ModelSize:
 
 
 # H3's real attention, FFN and text widths, 2 blocks (the benchmark's model).
-H3_TWO_BLOCKS = ModelSize(heads=56, head_dim=128, ffn=14336, text_dim=5120)
+H3_TWO_BLOCKS = ModelSize(heads=ATTENTION_HEADS, head_dim=ATTENTION_HEAD_DIM, ffn=FFN, text_dim=TEXT)
 # The conditioning widths are H3's (the ops serve no other); attention, FFN and text as small as the model allows:
 # one head of 128 (the rope rotates 6 * rope_freq_dim = 96 of its channels), a 64-wide SwiGLU, 64 text channels.
 TINY = ModelSize(heads=1, head_dim=128, ffn=64, text_dim=64)

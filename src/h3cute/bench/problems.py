@@ -24,9 +24,8 @@ from typing import Callable
 
 import torch
 
-H = 5376          # hidden width
-F1 = 256          # sinusoid width
-D = 2688          # temb width
+from h3cute.widths import BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN, MODALITIES, TEMB
+
 T_S_OPS = 3       # distinct timesteps drawn for the S-ops
 
 T_OP_ACCURACY_SIZES = (1, 3, 4, 64, 256, 2048)
@@ -106,15 +105,15 @@ def rand(shape, seed, salt, device):
 def row_layout(n: int, seed: int, num_timesteps: int = T_S_OPS):
     """(token_tags, timestep_indices) of n interleaved rows, from one CPU generator."""
     g = torch.Generator().manual_seed(seed)
-    tags = torch.randint(0, 3, (n,), generator=g, dtype=torch.int64)
+    tags = torch.randint(0, MODALITIES, (n,), generator=g, dtype=torch.int64)
     ti = torch.randint(0, num_timesteps, (n,), generator=g, dtype=torch.int64)
-    tags[: min(3, n)] = torch.arange(3)[: min(3, n)]
+    tags[: min(MODALITIES, n)] = torch.arange(MODALITIES)[: min(MODALITIES, n)]
     return tags, ti
 
 
 def _adaln_indices(n, seed, device):
     tags, ti = row_layout(n, seed)
-    return (ti * 3 + tags).to(device)
+    return (ti * MODALITIES + tags).to(device)
 
 
 # ---- the ops -------------------------------------------------------------------------------------
@@ -125,11 +124,11 @@ def _draw_sinusoid(n, seed, device):
 
 def _draw_mlp(n, seed, device):
     return {
-        "x": randn((n, F1), seed, 0, device),
-        "w1": randn((H, F1), seed, 1, device, F1 ** -0.5),
-        "b1": randn((H,), seed, 2, device, 0.02),
-        "w2": randn((D, H), seed, 3, device, H ** -0.5),
-        "b2": randn((D,), seed, 4, device, 0.02),
+        "x": randn((n, FREQ), seed, 0, device),
+        "w1": randn((MLP_HIDDEN, FREQ), seed, 1, device, FREQ ** -0.5),
+        "b1": randn((MLP_HIDDEN,), seed, 2, device, 0.02),
+        "w2": randn((TEMB, MLP_HIDDEN), seed, 3, device, MLP_HIDDEN ** -0.5),
+        "b2": randn((TEMB,), seed, 4, device, 0.02),
     }
 
 
@@ -137,31 +136,31 @@ def _draw_final_out(n, seed, device):
     bf = torch.bfloat16
     tags, ti = row_layout(n, seed)
     return {
-        "x": randn((n, H), seed, 0, device, 2.0, bf),
-        "norm_weight": (0.5 + rand((H,), seed, 1, device)).to(bf),
-        "temb": randn((T_S_OPS, D), seed, 2, device),
-        "proj_weight": randn((2 * H, D), seed, 3, device, D ** -0.5, bf),
-        "proj_bias": randn((2 * H,), seed, 4, device, 0.02, bf),
+        "x": randn((n, HIDDEN), seed, 0, device, 2.0, bf),
+        "norm_weight": (0.5 + rand((HIDDEN,), seed, 1, device)).to(bf),
+        "temb": randn((T_S_OPS, TEMB), seed, 2, device),
+        "proj_weight": randn((FINAL_PROJECTION, TEMB), seed, 3, device, TEMB ** -0.5, bf),
+        "proj_bias": randn((FINAL_PROJECTION,), seed, 4, device, 0.02, bf),
         "timestep_indices": ti.to(device),
     }
 
 
-def _draw_projection(n, seed, device, width=18 * H):
+def _draw_projection(n, seed, device, width=BLOCK_PROJECTION):
     bf = torch.bfloat16
     return {
-        "temb": randn((n, D), seed, 0, device),
-        "weight": randn((width, D), seed, 1, device, D ** -0.5, bf),
+        "temb": randn((n, TEMB), seed, 0, device),
+        "weight": randn((width, TEMB), seed, 1, device, TEMB ** -0.5, bf),
         "bias": randn((width,), seed, 2, device, 0.02, bf),
     }
 
 
 def _draw_projection_smoke(n, seed, device):
-    return _draw_projection(n, seed, device, width=18 * H // 16)   # 33 MB instead of 520 MB
+    return _draw_projection(n, seed, device, width=BLOCK_PROJECTION // 16)   # 33 MB instead of 520 MB
 
 
 def _draw_gather(n, seed, device):
     return {
-        "table": randn((3 * T_S_OPS, 6 * H), seed, 0, device, 1.0, torch.bfloat16),
+        "table": randn((MODALITIES * T_S_OPS, BLOCK_TABLE), seed, 0, device, 1.0, torch.bfloat16),
         "adaln_indices": _adaln_indices(n, seed, device),
     }
 
@@ -169,10 +168,10 @@ def _draw_gather(n, seed, device):
 def _draw_norm_modulate(n, seed, device):
     bf = torch.bfloat16
     return {
-        "x": randn((n, H), seed, 0, device, 2.0, bf),
-        "weight": (0.5 + rand((H,), seed, 1, device)).to(bf),
-        "shift": randn((3 * T_S_OPS, H), seed, 2, device, 1.0, bf),
-        "scale": randn((3 * T_S_OPS, H), seed, 3, device, 1.0, bf),
+        "x": randn((n, HIDDEN), seed, 0, device, 2.0, bf),
+        "weight": (0.5 + rand((HIDDEN,), seed, 1, device)).to(bf),
+        "shift": randn((MODALITIES * T_S_OPS, HIDDEN), seed, 2, device, 1.0, bf),
+        "scale": randn((MODALITIES * T_S_OPS, HIDDEN), seed, 3, device, 1.0, bf),
         "adaln_indices": _adaln_indices(n, seed, device),
     }
 
@@ -180,9 +179,9 @@ def _draw_norm_modulate(n, seed, device):
 def _draw_gate_residual(n, seed, device):
     bf = torch.bfloat16
     return {
-        "residual": randn((n, H), seed, 0, device, 2.0, bf),
-        "y": randn((n, H), seed, 1, device, 2.0, bf),
-        "gate": randn((3 * T_S_OPS, H), seed, 2, device, 1.0, bf),
+        "residual": randn((n, HIDDEN), seed, 0, device, 2.0, bf),
+        "y": randn((n, HIDDEN), seed, 1, device, 2.0, bf),
+        "gate": randn((MODALITIES * T_S_OPS, HIDDEN), seed, 2, device, 1.0, bf),
         "adaln_indices": _adaln_indices(n, seed, device),
     }
 
@@ -194,9 +193,9 @@ def _draw_gate_residual_norm_modulate(n, seed, device):
     idx = gated.pop("adaln_indices")  # last, in schema order
     return {
         **gated,
-        "weight": (0.5 + rand((H,), seed, 3, device)).to(bf),
-        "shift": randn((3 * T_S_OPS, H), seed, 4, device, 1.0, bf),
-        "scale": randn((3 * T_S_OPS, H), seed, 5, device, 1.0, bf),
+        "weight": (0.5 + rand((HIDDEN,), seed, 3, device)).to(bf),
+        "shift": randn((MODALITIES * T_S_OPS, HIDDEN), seed, 4, device, 1.0, bf),
+        "scale": randn((MODALITIES * T_S_OPS, HIDDEN), seed, 5, device, 1.0, bf),
         "adaln_indices": idx,
     }
 
@@ -217,7 +216,7 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
         param_grads=("w1", "b1", "w2", "b2"), draw=_draw_mlp, accuracy_sizes=T_OP_ACCURACY_SIZES,
         full_batch=_T_FULL, sub_batch_sizes=_T_SUBS, gemm=True, triton_modes=True,
         diffusers_source="diffusers TimestepEmbedding, FP32 F.linear",
-        fwd_flops=lambda n: (2 * n * (F1 * H + H * D), "fp32"),
+        fwd_flops=lambda n: (2 * n * (FREQ * MLP_HIDDEN + MLP_HIDDEN * TEMB), "fp32"),
     ),
     Problem(
         op="final_adaln_out", out_dtype=torch.bfloat16,
@@ -229,7 +228,7 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
         full_batch=_S_FULL, sub_batch_sizes=_S_SUBS, gemm=True,
         h3_kwargs={"check_indices": False},
         diffusers_source="diffusers MiniMaxH3AdaLayerNormOut (op-for-op replay)",
-        fwd_flops=lambda n: (2 * T_S_OPS * D * 2 * H, "bf16"),
+        fwd_flops=lambda n: (2 * T_S_OPS * TEMB * FINAL_PROJECTION, "bf16"),
     ),
     Problem(
         op="adaln_projection", out_dtype=torch.bfloat16, args=("temb", "weight", "bias"),
@@ -240,7 +239,7 @@ PROBLEMS: dict[str, Problem] = {p.op: p for p in (
         full_batch=_T_FULL, sub_batch_sizes=_T_SUBS, gemm=True, triton_modes=True,
         smoke_draw=_draw_projection_smoke,
         diffusers_source="diffusers MiniMaxH3AdaLayerNormModulation projection (op-for-op replay)",
-        fwd_flops=lambda n: (2 * n * D * 18 * H, "bf16"),
+        fwd_flops=lambda n: (2 * n * TEMB * BLOCK_PROJECTION, "bf16"),
     ),
     Problem(
         op="adaln_row_gather", out_dtype=torch.bfloat16, args=("table", "adaln_indices"),

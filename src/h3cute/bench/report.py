@@ -419,8 +419,8 @@ def summary_markdown(report: dict) -> str:
                 continue
             grads = e.get("grad_rel_err")
             gmax = max((v for v in grads.values() if v is not None), default=None) if grads else None
-            lines.append(_row(n, f"`{name}`", _fmt(e.get("fwd_rel_err")), _fmt(gmax), _bits_cell(e),
-                              *(_fmt(e.get(k)) for k in ("fwd_us", "fwd_bwd_us", "fwd_kernel_us", "fwd_bwd_kernel_us"))))
+            times = (_fmt(e.get(k)) for k in ("fwd_us", "fwd_bwd_us", "fwd_kernel_us", "fwd_bwd_kernel_us"))
+            lines.append(_row(n, f"`{name}`", _fmt(e.get("fwd_rel_err")), _fmt(gmax), _bits_cell(e), *times))
         f = floors.get(str(n))
         if f and f.get("fwd_us") is not None:
             lines.append(_row(n, "floor (memory / compute)", "", "", "",

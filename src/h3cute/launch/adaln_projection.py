@@ -6,12 +6,12 @@ The backward: `adaln_proj_dgrad` (grad @ W as `DGRAD_SPLITS` fixed-chunk FP32 pa
 `adaln_dtemb_fold` (sum in split order, times silu'(temb), FP32: the BF16 cast passes the gradient
 through unrounded; it also recomputes a, with silu_cast's bits, for the next kernel);
 `adaln_proj_wgrad` (dW = grad^T a, K = T, BF16 out; also db where `wgrad_writes_dbias`: the dW kernels
-with db warps (`DB_WARP_WGRAD_CONFIGS`) at every T, the others for T <= `FUSED_DBIAS_ROWS`); `adaln_bias_grad` otherwise (db = sum_t
-grad: FP32 sums of `DBIAS_ROW_BLOCK`-row blocks, each of four row chains, folded in block order, BF16 out;
-the dW kernels use the same order, so the same bits). Beyond T = 384 on the wgmma family (`wgrad_folds`) the dW kernel
-`adaln_proj_wgrad_fold` also does the d_temb fold and db's block sums in its idle producer warps (db's blocks from
-the dW stages, folded by a second launch of the same compiled function: the same sums, the same bits), after
-`adaln_silu_cast` makes its operand. No atomics: every result is bitwise repeatable.
+with db warps (`DB_WARP_WGRAD_CONFIGS`) at every T, the others for T <= `FUSED_DBIAS_ROWS`); `adaln_bias_grad`
+otherwise (db = sum_t grad: FP32 sums of `DBIAS_ROW_BLOCK`-row blocks, each of four row chains, folded in block
+order, BF16 out; the dW kernels use the same order, so the same bits). Beyond T = 384 on the wgmma family
+(`wgrad_folds`) the dW kernel `adaln_proj_wgrad_fold` also does the d_temb fold and db's block sums in its idle
+producer warps (db's blocks from the dW stages, folded by a second launch of the same compiled function: the same
+sums, the same bits), after `adaln_silu_cast` makes its operand. No atomics: every result is bitwise repeatable.
 
 The tile config is picked from T (`config_for_rows`) purely for speed: every config runs the same
 k16 MMA sequence per output element, so the bits do not depend on it (tests check this). Used with
@@ -27,9 +27,8 @@ from __future__ import annotations
 import torch
 
 from h3cute import runtime
+from h3cute.widths import BLOCK_PROJECTION, TEMB
 
-TEMB_WIDTH = 2688
-BLOCK_PROJECTION = 96768  # this op's out_features, h3cute.ops.validate.PROJECTION (a CPU test checks)
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
 PERSISTENT_CTAS = 132  # kernels/adaln_gemm.PERSISTENT_CTAS: the H200's SMs, one d_temb unit each (a CPU test checks)
 DBIAS_ROW_BLOCK = 64  # kernels/adaln_gemm.DBIAS_ROW_BLOCK: db sums T in blocks of this many rows,
@@ -106,7 +105,7 @@ def dgrad_round_columns(rows: int, tile_rows: int, tail_halves: bool) -> float:
     the T rows per unit. tma_wide_n256_tail and tma_wide_n192 both run the one-block-tile mainloop at the same cost
     per unit column on the H200 (T = 2048, 2550b3e: 1777.6 us for 15.5 rounds of 256, 1820.4 for 21 rounds of 192,
     0.45 us per column each)."""
-    units = -(-rows // tile_rows) * (TEMB_WIDTH // 128) * DGRAD_SPLITS
+    units = -(-rows // tile_rows) * (TEMB // 128) * DGRAD_SPLITS
     rest = units % PERSISTENT_CTAS
     rounds = units // PERSISTENT_CTAS + (0.5 if tail_halves and 2 * rest <= PERSISTENT_CTAS else 1) * (rest > 0)
     return rounds * tile_rows
@@ -235,7 +234,7 @@ def _choices(device, rows: int, backward: bool) -> tuple:
     return wgmma, dgrad_config_for_rows(rows, wgmma), wgrad, not wgrad_writes_dbias(wgrad, rows)
 
 
-FOLD_WARPS_LAUNCH = -1  # kernel_handles' launch constant for the fold-warp backward (h3_native.cpp kFoldWarps)
+FOLD_WARPS_LAUNCH = -1  # kernel_handles' launch constant for the fold-warp backward (h3cute.native.constants)
 
 
 def kernel_handles(device: int, backward: int, num_rows: int):
@@ -253,17 +252,17 @@ def kernel_handles(device: int, backward: int, num_rows: int):
     if not backward:
         wgmma, config = choices
         proj = "adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd"
-        fns = [runtime.kernel("adaln_silu_cast", dev, width=TEMB_WIDTH),
+        fns = [runtime.kernel("adaln_silu_cast", dev, width=TEMB),
                runtime.kernel(proj, dev, out_features=n, config=config)]
         return lo, hi, [fn.__chandle__() for fn in fns]
     wgmma, dgrad, wgrad, unfused_dbias = choices
     if wgrad_folds(wgrad, wgmma):
-        fns = [runtime.kernel("adaln_silu_cast", dev, width=TEMB_WIDTH),
+        fns = [runtime.kernel("adaln_silu_cast", dev, width=TEMB),
                runtime.kernel("adaln_proj_dgrad_wgmma", dev, out_features=n, config=dgrad),
                runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n, config=wgrad)]
         return lo, hi, [fn.__chandle__() for fn in fns], [FOLD_WARPS_LAUNCH]
     fns = [runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=n, config=dgrad),
-           runtime.kernel("adaln_dtemb_fold", dev, width=TEMB_WIDTH),
+           runtime.kernel("adaln_dtemb_fold", dev, width=TEMB),
            runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=n, wgmma=True, config=wgrad) if wgmma
            else runtime.kernel("adaln_proj_wgrad", dev, out_features=n, config=wgrad)]
     if unfused_dbias:
@@ -282,7 +281,7 @@ def silu_bf16(temb: torch.Tensor) -> torch.Tensor:
     """(T, 2688) FP32 -> bf16(silu(temb)), SiLU in FP32 (the GEMM's activation operand)."""
     temb = dense16(temb)
     act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
-    runtime.kernel("adaln_silu_cast", temb.device, width=TEMB_WIDTH)(temb, act)
+    runtime.kernel("adaln_silu_cast", temb.device, width=TEMB)(temb, act)
     return act
 
 
@@ -314,18 +313,18 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
     rows, out_features = temb.shape[0], weight.shape[0]
     device = temb.device
     if rows == 0:
-        return temb.new_empty((0, TEMB_WIDTH)), torch.zeros_like(weight), weight.new_zeros((out_features,))
+        return temb.new_empty((0, TEMB)), torch.zeros_like(weight), weight.new_zeros((out_features,))
     grad, temb, weight = dense16(grad), dense16(temb), dense16(weight)
     wgmma = _uses_wgmma(device, config)
     wgrad_config = wgrad_config_for_rows(rows, wgmma)
     folds = wgrad_folds(wgrad_config, wgmma) if fold_warps is None else fold_warps
     if folds and not wgrad_folds(wgrad_config, wgmma):
         raise ValueError(f"adaln_projection backward: the dW tile {wgrad_config!r} at T = {rows} has no fold warps")
-    act = silu_bf16(temb) if folds else torch.empty((rows, TEMB_WIDTH), dtype=torch.bfloat16, device=device)
-    partial = torch.empty((DGRAD_SPLITS, rows, TEMB_WIDTH), dtype=torch.float32, device=device)
+    act = silu_bf16(temb) if folds else torch.empty((rows, TEMB), dtype=torch.bfloat16, device=device)
+    partial = torch.empty((DGRAD_SPLITS, rows, TEMB), dtype=torch.float32, device=device)
     runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", device, out_features=out_features,
                    config=config or dgrad_config_for_rows(rows, wgmma))(grad, weight, partial)
-    dtemb = torch.empty((rows, TEMB_WIDTH), dtype=torch.float32, device=device)
+    dtemb = torch.empty((rows, TEMB), dtype=torch.float32, device=device)
     dweight = torch.empty_like(weight)
     dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
     if folds:
@@ -333,7 +332,7 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
         runtime.kernel("adaln_proj_wgrad_fold", device, out_features=out_features, config=wgrad_config)(
             grad, act, dweight, dbias, partial, temb, dtemb, blocks)
         return dtemb, dweight, dbias
-    runtime.kernel("adaln_dtemb_fold", device, width=TEMB_WIDTH)(partial, temb, dtemb, act)  # act = bf16(silu(temb))
+    runtime.kernel("adaln_dtemb_fold", device, width=TEMB)(partial, temb, dtemb, act)  # act = bf16(silu(temb))
     if wgmma:
         wgrad = runtime.kernel("adaln_proj_wgrad_wgmma", device, out_features=out_features, wgmma=True,
                                config=wgrad_config)

@@ -15,10 +15,9 @@ import torch
 
 from h3cute import runtime
 from h3cute.launch import adaln_projection, norm_modulate
+from h3cute.widths import FINAL_PROJECTION, HIDDEN, NORM_EPS, TEMB
 
 OP = "final_adaln_out"
-HIDDEN = 5376
-PROJECTION = 2 * HIDDEN
 # Where some launch choice of the C++ impls changes with T: the projection configs (adaln_projection.T_BOUNDS)
 # and the fused norm backward's table caps (12, 24).
 T_BOUNDS = tuple(sorted({12, 24, *adaln_projection.T_BOUNDS}))
@@ -44,8 +43,8 @@ def kernel_handles(device: int, backward: int, num_rows: int):
     choices = _choices(dev, num_rows, bool(backward))
     assert _choices(dev, max(lo, 1), bool(backward)) == choices == _choices(dev, hi, bool(backward)), "stale T_BOUNDS"
     wgmma, fwd = choices[:2]
-    head = [runtime.kernel("adaln_silu_cast", dev, width=adaln_projection.TEMB_WIDTH),
-            runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", dev, out_features=PROJECTION,
+    head = [runtime.kernel("adaln_silu_cast", dev, width=TEMB),
+            runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", dev, out_features=FINAL_PROJECTION,
                            config=fwd)]
     if not backward:
         fns = head + [runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN)]
@@ -56,17 +55,18 @@ def kernel_handles(device: int, backward: int, num_rows: int):
     fns = head + [
         runtime.kernel("norm_modulate_bwd_fused", dev, width=HIDDEN, cap=cap, step=norm_modulate.FUSED_STEP),
         runtime.kernel("rowwise_fold", dev),
-        runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=PROJECTION,
+        runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=FINAL_PROJECTION,
                        config=dgrad),
-        runtime.kernel("adaln_dtemb_fold", dev, width=adaln_projection.TEMB_WIDTH),
-        runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=PROJECTION, wgmma=True, config=wgrad) if wgmma
-        else runtime.kernel("adaln_proj_wgrad", dev, out_features=PROJECTION, config=wgrad),
+        runtime.kernel("adaln_dtemb_fold", dev, width=TEMB),
+        runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=FINAL_PROJECTION, wgmma=True, config=wgrad) if wgmma
+        else runtime.kernel("adaln_proj_wgrad", dev, out_features=FINAL_PROJECTION, config=wgrad),
     ]
     groups = norm_modulate.FUSED_ROW_GROUPS[runtime.arch_of(dev)][cap]
     return lo, hi, [fn.__chandle__() for fn in fns], [groups]
 
 
-def forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+def forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS,
+                       check_indices=True):
     """(out, table): the forward's output and its (T, 10752) BF16 projection (shift | scale), which the
     backward takes instead of computing it again. A bad timestep index writes a NaN row and, with
     `check_indices`, is recorded in the op's check slot (h3cute.launch.checks)."""
@@ -76,7 +76,7 @@ def forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_in
     return out, table
 
 
-def forward(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+def forward(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
     """(S, 5376) BF16 x -> rms_norm(x, nw) * (1 + scale[ti]) + shift[ti], BF16 (forward_with_table)."""
     return forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, check_indices)[0]
 

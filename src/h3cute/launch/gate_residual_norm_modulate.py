@@ -14,6 +14,7 @@ import torch
 
 from h3cute import runtime
 from h3cute.launch import checks, gate_residual, norm_modulate
+from h3cute.widths import HIDDEN, NORM_EPS
 
 OP = "gate_residual_norm_modulate"
 # The forward's row layout (kernels/norm_modulate.py ROW_VECS: 8 BF16 per access and 64 threads per row, or 4 and
@@ -24,11 +25,11 @@ FORWARD_VEC = 4
 def kernel_handles(device: int, variant: int, num_rows: int):
     """For the C++ impl (h3cute.native), every row count: the forward's kernel and its check constants."""
     dev = torch.device("cuda", device)
-    fwd = runtime.kernel(f"{OP}_fwd", dev, width=norm_modulate.HIDDEN, vec=FORWARD_VEC)
+    fwd = runtime.kernel(f"{OP}_fwd", dev, width=HIDDEN, vec=FORWARD_VEC)
     return 0, runtime.MAX_ROWS, [fwd.__chandle__()], norm_modulate.check_constants(dev, OP)
 
 
-def forward(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True, vec=FORWARD_VEC):
+def forward(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True, vec=FORWARD_VEC):
     """(h, out), both (S, H) BF16; a bad index writes NaN rows and, with `check_indices`, is recorded in the op's
     check slot (h3cute.launch.checks). `vec`: the kernel's row layout (FORWARD_VEC)."""
     width = y.shape[-1]

@@ -22,8 +22,8 @@ import torch
 
 from h3cute import runtime
 from h3cute.launch import checks
+from h3cute.widths import HIDDEN, NORM_EPS
 
-HIDDEN = 5376
 COL_TILE = 256  # kernels/rowwise.py COL_TILE: the widths must be multiples of it
 TABLE_ROWS_CAPS = (12, 24, 48)  # kernels/rowwise.py TABLE_ROWS_CAPS
 MAX_TABLE_ROWS = TABLE_ROWS_CAPS[-1]  # table rows one reduction CTA holds; larger tables take windows of this many
@@ -133,9 +133,9 @@ def check_constants(device: torch.device, op: str, argument: str = "adaln_indice
 
 def row_op_kernel_handles(device: int, variant: int, op: str, forward_kernel: str, backward_kernel: str):
     """kernel_handles of a row op with a one-kernel forward and a backward of `backward_kernel` (by table cap)
-    plus `rowwise_fold` over ROW_GROUPS: variant 0, [forward] and its check_constants; variant R (table rows, at most MAX_TABLE_ROWS:
-    the C++ impls hand larger tables to Python), [backward, fold] and [row groups]. Every row count shares the
-    answer."""
+    plus `rowwise_fold` over ROW_GROUPS: variant 0, [forward] and its check_constants; variant R (table rows, at
+    most MAX_TABLE_ROWS: the C++ impls hand larger tables to Python), [backward, fold] and [row groups]. Every row
+    count shares the answer."""
     dev = torch.device("cuda", device)
     if variant == 0:
         return (0, runtime.MAX_ROWS, [runtime.kernel(forward_kernel, dev, width=HIDDEN).__chandle__()],
@@ -147,7 +147,7 @@ def row_op_kernel_handles(device: int, variant: int, op: str, forward_kernel: st
     return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [groups]
 
 
-def forward(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+def forward(x, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     """(S, 5376) BF16 `rms_norm(x, weight, eps) * (1 + scale[idx]) + shift[idx]`; a bad index writes a NaN row
     and, with `check_indices`, is recorded in the op's check slot (h3cute.launch.checks)."""
     return forward_rows(x, weight, shift, scale, adaln_indices, eps, check=check_indices)

@@ -33,12 +33,10 @@ import torch
 
 from h3cute import runtime
 from h3cute.kernels._tiles import GemmConfig
+from h3cute.widths import FREQ, MLP_HIDDEN, TEMB
 
-SINUSOID_WIDTH = 256
-HIDDEN = 5376
-TEMB_WIDTH = 2688
 # K-slice counts of the split GEMMs: K // 896 (kernels/timestep_mlp.py: k_splits; a CPU test pins it).
-SPLITS = {"fc2": HIDDEN // 896, "fc2_dgrad": TEMB_WIDTH // 896, "fc1_dgrad": HIDDEN // 896}
+SPLITS = {"fc2": MLP_HIDDEN // 896, "fc2_dgrad": TEMB // 896, "fc1_dgrad": MLP_HIDDEN // 896}
 
 
 @dataclass(frozen=True)
@@ -86,14 +84,14 @@ CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_con
 WGMMA_MIN_ROWS = 256
 WGMMA_TILE = (128, 32, 3)  # wgmma_tf32.LAUNCH_TILE (bn, bk, stages): every role's variant is built in it
 WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a multiple of it
-WGMMA_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"]), "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"]),
+WGMMA_ROLES = {"fc2": (MLP_HIDDEN, SPLITS["fc2"]), "fc2_dgrad": (TEMB, SPLITS["fc2_dgrad"]),
                "fc2_wgrad": (None, 1)}  # wgmma_tf32.ROLE_GEMMS: (K, slices); None = T-deep
 # wgmma_tf32.WEIGHT_GEMMS, (K, slices, W K-major, epilogue): the GEMMs that read their weight as it is and split
 # it in registers; fc2 and fc2_dgrad (w2) into partials, fc1 (w1) into h's operand pair or z and h
-WEIGHT_ROLES = {"fc2": (HIDDEN, SPLITS["fc2"], True, "partial"),
-                "fc2_dgrad": (TEMB_WIDTH, SPLITS["fc2_dgrad"], False, "partial"),
-                "fc1_split": (SINUSOID_WIDTH, 1, True, "bias_silu_split"),
-                "fc1_zh": (SINUSOID_WIDTH, 1, True, "bias_silu")}
+WEIGHT_ROLES = {"fc2": (MLP_HIDDEN, SPLITS["fc2"], True, "partial"),
+                "fc2_dgrad": (TEMB, SPLITS["fc2_dgrad"], False, "partial"),
+                "fc1_split": (FREQ, 1, True, "bias_silu_split"),
+                "fc1_zh": (FREQ, 1, True, "bias_silu")}
 WEIGHT_TILE = (128, 32, 4)  # wgmma_tf32.WEIGHT_TILE (bn, bk, stages)
 WEIGHT_FC1_TILE = (64, 32, 4)  # wgmma_tf32.WEIGHT_FC1_TILE
 # sm_90a forward at T <= WEIGHT_SMALL_ROWS: fc2 on the weight-in-registers GEMM with one T tile of 8 or 16 rows
@@ -160,11 +158,11 @@ def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int,
         fns = [split, _weight_gemm(dev, "fc1_zh", WEIGHT_FC1_TILE), _weight_gemm(dev, "fc2_dgrad")]
     else:
         fns = [_gemm(dev, "fc1_zh", cfg.fc1), _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)]
-    fns += [runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True),
+    fns += [runtime.kernel("timestep_mlp_colsum", dev, cols=MLP_HIDDEN, fold_dz=True),
             _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum")]
     fns += [runtime.kernel("tf32_split", dev, transpose=True), _wgmma_gemm(dev, "fc2_wgrad")] if wgmma else \
         [_gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)]
-    fns += [_gemm(dev, "fc1_wgrad", cfg.fc1_wgrad), runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH,
+    fns += [_gemm(dev, "fc1_wgrad", cfg.fc1_wgrad), runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB,
                                                                   fold_dz=False)]
     return lo, hi, [fn.__chandle__() for fn in fns], [int(wgmma)]
 
@@ -204,7 +202,7 @@ def _split_transposed(xt: torch.Tensor, depth_out: int) -> tuple[torch.Tensor, t
 def _fc1(x, w1, b1, tile: GemmConfig, wgmma: bool = False):
     """Backward's recompute: z (for silu') and h (for dW2); wgmma: on the weight GEMM (x split first)."""
     num_rows = x.shape[0]
-    z = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=x.device)
+    z = torch.empty((num_rows, MLP_HIDDEN), dtype=torch.float32, device=x.device)
     h = torch.empty_like(z)
     if wgmma:
         _weight_gemm(x.device, "fc1_zh", WEIGHT_FC1_TILE)(w1, *_split(x), b1, z, h)
@@ -218,24 +216,24 @@ def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None, wgmma: bool | No
     wgmma: fc2 on the TF32 wgmma weight GEMM (sm_90a only) or not; None: `forward_weight_tile`. Same bits."""
     num_rows = x.shape[0]
     dev = x.device
-    out = torch.empty((num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
+    out = torch.empty((num_rows, TEMB), dtype=torch.float32, device=dev)
     if num_rows == 0:
         return out
     cfg = config or pick_config(num_rows)
-    partials = torch.empty((SPLITS["fc2"], num_rows, TEMB_WIDTH), dtype=torch.float32, device=dev)
+    partials = torch.empty((SPLITS["fc2"], num_rows, TEMB), dtype=torch.float32, device=dev)
     if wgmma is None:
         tile = forward_weight_tile(dev, num_rows)
     else:
         tile = (forward_weight_tile(dev, num_rows) or WEIGHT_TILE) if wgmma else None
     if tile is not None:  # fc1 writes h's big / small TF32 operand arrays, fc2 splits w2 in registers
-        h_big, h_small = (torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=dev) for _ in range(2))
+        h_big, h_small = (torch.empty((num_rows, MLP_HIDDEN), dtype=torch.float32, device=dev) for _ in range(2))
         if tile == WEIGHT_TILE:  # large T: fc1 on wgmma too (w1 in registers, x split first)
             _weight_gemm(dev, "fc1_split", WEIGHT_FC1_TILE)(w1, *_split(x), b1, h_big, h_small)
         else:
             _gemm(dev, "fc1_split", cfg.fc1)(x, w1, b1, h_big, h_small)
         _weight_gemm(dev, "fc2", tile)(w2, h_big, h_small, partials)
     else:
-        h = torch.empty((num_rows, HIDDEN), dtype=torch.float32, device=dev)
+        h = torch.empty((num_rows, MLP_HIDDEN), dtype=torch.float32, device=dev)
         _gemm(dev, "fc1", cfg.fc1)(x, w1, b1, h)  # h only: the forward never reads z
         _gemm(dev, "fc2", cfg.fc2)(h, w2, partials)
     _fold(dev, "fc2", "bias")(partials, b2, out)
@@ -255,28 +253,28 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool |
     dev = x.device
     f32 = dict(dtype=torch.float32, device=dev)
     if num_rows == 0:
-        return (torch.empty((0, SINUSOID_WIDTH), **f32), torch.zeros_like(w1), torch.zeros_like(b1),
-                torch.zeros_like(w2), torch.zeros((TEMB_WIDTH,), **f32))
+        return (torch.empty((0, FREQ), **f32), torch.zeros_like(w1), torch.zeros_like(b1),
+                torch.zeros_like(w2), torch.zeros((TEMB,), **f32))
     cfg = config or pick_config(num_rows)
     use_wgmma = uses_wgmma(dev, num_rows) if wgmma is None else wgmma
     z, h = _fc1(x, w1, b1, cfg.fc1, use_wgmma)
 
-    dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, HIDDEN), **f32)
+    dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, MLP_HIDDEN), **f32)
     if use_wgmma:  # W = w2^T (5376, 2688), read as w2 in place (M-major weight tiles)
         _weight_gemm(dev, "fc2_dgrad")(transposed(w2), *_split(grad), dh_partials)
     else:
         _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)  # w2 read N-major in place
-    dz = torch.empty((num_rows, HIDDEN), **f32)
-    db1 = torch.empty((HIDDEN,), **f32)
+    dz = torch.empty((num_rows, MLP_HIDDEN), **f32)
+    db1 = torch.empty((MLP_HIDDEN,), **f32)
     # dz = fold(dh partials) * silu'(z), and db1 = column sums of dz, in one pass
-    runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True)(dh_partials, z, dz, db1)
+    runtime.kernel("timestep_mlp_colsum", dev, cols=MLP_HIDDEN, fold_dz=True)(dh_partials, z, dz, db1)
 
-    dx_partials = torch.empty((SPLITS["fc1_dgrad"], num_rows, SINUSOID_WIDTH), **f32)
+    dx_partials = torch.empty((SPLITS["fc1_dgrad"], num_rows, FREQ), **f32)
     _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, transposed(w1), dx_partials)
-    dx = torch.empty((num_rows, SINUSOID_WIDTH), **f32)
+    dx = torch.empty((num_rows, FREQ), **f32)
     _fold(dev, "fc1_dgrad", "sum")(dx_partials, dx.new_empty((1,)), dx)
 
-    dw2 = torch.empty((1, TEMB_WIDTH, HIDDEN), **f32)
+    dw2 = torch.empty((1, TEMB, MLP_HIDDEN), **f32)
     if use_wgmma:
         # A = grad^T (2688, T), B = h^T (5376, T), K = T zero-padded: a chunk of zeros adds +-0, and acc is
         # never -0 (it starts at +0; an RN sum is -0 only when both terms are), so it leaves every bit alone,
@@ -285,9 +283,9 @@ def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool |
         _wgmma_gemm(dev, "fc2_wgrad")(*_split_transposed(grad, depth), *_split_transposed(h, depth), dw2)
     else:
         _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)(transposed(grad), transposed(h), dw2)
-    dw1 = torch.empty((1, HIDDEN, SINUSOID_WIDTH), **f32)
+    dw1 = torch.empty((1, MLP_HIDDEN, FREQ), **f32)
     _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)(transposed(dz), transposed(x), dw1)
 
-    db2 = torch.empty((TEMB_WIDTH,), **f32)
-    runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB_WIDTH, fold_dz=False)(grad, grad, grad, db2)
+    db2 = torch.empty((TEMB,), **f32)
+    runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB, fold_dz=False)(grad, grad, grad, db2)
     return dx, dw1[0], db1, dw2[0], db2

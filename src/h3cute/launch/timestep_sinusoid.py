@@ -12,9 +12,9 @@ import torch
 
 from h3cute import runtime
 from h3cute.launch import checks
+from h3cute.widths import FREQ
 
 KERNEL = "timestep_sinusoid"
-WIDTH = 256
 
 _kernels: dict[tuple[int, bool], object] = {}  # (CUDA device index, check_range) -> kernel (t, out) -> None
 
@@ -26,7 +26,7 @@ def forward(t: torch.Tensor, check_range: bool = True) -> torch.Tensor:
     function never reads t's values on the host.
     """
     num_rows = t.shape[0]
-    out = torch.empty((num_rows, WIDTH), dtype=torch.float32, device=t.device)
+    out = torch.empty((num_rows, FREQ), dtype=torch.float32, device=t.device)
     if num_rows:  # a zero-sized grid is not a valid launch
         launch(t, out, check_range)
     return out
@@ -42,7 +42,7 @@ def _kernel(device: int, check_range: bool):
     key = (device, bool(check_range))
     fn = _kernels.get(key)
     if fn is None:
-        fn = _kernels[key] = runtime.kernel(KERNEL, torch.device("cuda", device), width=WIDTH, check_range=key[1])
+        fn = _kernels[key] = runtime.kernel(KERNEL, torch.device("cuda", device), width=FREQ, check_range=key[1])
     return fn
 
 

@@ -8,7 +8,11 @@ Python reference impls), or when the build fails (the reason is logged once). Th
 Python CUDA impls: the same kernels and bits, more host time per call.
 
 Order matters: the ops are defined in Python first (`h3cute.ops`), the ops in `OPS` get no Python CUDA
-impl and those in `AUTOGRAD_OPS` no Python autograd kernel, and `install()` registers the C++ ones.
+impl and those in `AUTOGRAD_OPS` no Python autograd kernel, and `install(module)` registers the C++ ones.
+
+The C++ source declares no width and no launch constant: `install` hands the library `constants()` (H3's widths
+from `h3cute.widths`, the launchers' split counts, paddings and table caps) before it registers anything, so a
+value lives in one Python module and the built library serves whatever that module says at load.
 """
 from __future__ import annotations
 
@@ -92,6 +96,30 @@ def load():
                             type(err).__name__, str(err).splitlines()[0] if str(err) else "")
     _loaded["module"] = module
     return module
+
+
+def constants() -> dict[str, int]:
+    """What h3_native.cpp computes with (its `Constants`), by field name: H3's widths and launch constants of the
+    ops it launches, read from the modules that own them."""
+    from h3cute import widths
+    from h3cute.launch import adaln_projection, norm_modulate, timestep_mlp
+
+    return dict(
+        hidden=widths.HIDDEN, freq=widths.FREQ, mlp_hidden=widths.MLP_HIDDEN, temb=widths.TEMB,
+        block_chunks=widths.BLOCK_CHUNKS, block_table=widths.BLOCK_TABLE, block_projection=widths.BLOCK_PROJECTION,
+        final_projection=widths.FINAL_PROJECTION,
+        fc2_splits=timestep_mlp.SPLITS["fc2"], fc2_dgrad_splits=timestep_mlp.SPLITS["fc2_dgrad"],
+        fc1_dgrad_splits=timestep_mlp.SPLITS["fc1_dgrad"], wgmma_k_pad=timestep_mlp.WGMMA_K_PAD,
+        dgrad_splits=adaln_projection.DGRAD_SPLITS, fold_warps=adaln_projection.FOLD_WARPS_LAUNCH,
+        dbias_row_block=adaln_projection.DBIAS_ROW_BLOCK,
+        max_fused_table_rows=max(norm_modulate.FUSED_CAPS), max_table_rows=norm_modulate.MAX_TABLE_ROWS,
+    )
+
+
+def install(module) -> None:
+    """Hands the built library (`load()`'s module) its constants, then it registers its impls (once; call after
+    every op is defined)."""
+    module.install(constants())
 
 
 def native_ops() -> frozenset[str]:

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <iterator>
 #include <atomic>
 #include <optional>
 #include <string>
@@ -29,7 +30,42 @@ namespace py = pybind11;
 namespace h3native {
 
 constexpr int kMaxDevices = 64;
-constexpr int64_t kSinusoidWidth = 256;  // h3cute.ops.validate.FREQ
+
+// H3's widths and the launchers' constants that this file computes with. None is declared here: Python hands them
+// over once, at load, before any impl is registered (install(constants), h3cute.native.constants(): from
+// h3cute.widths and the launch modules).
+struct Constants {
+  // h3cute.widths
+  int64_t hidden, freq, mlp_hidden, temb, block_chunks, block_table, block_projection, final_projection;
+  // launch/timestep_mlp.py SPLITS (the split GEMMs' K slices), WGMMA_K_PAD
+  int64_t fc2_splits, fc2_dgrad_splits, fc1_dgrad_splits, wgmma_k_pad;
+  // launch/adaln_projection.py DGRAD_SPLITS, FOLD_WARPS_LAUNCH, DBIAS_ROW_BLOCK
+  int64_t dgrad_splits, fold_warps, dbias_row_block;
+  // launch/norm_modulate.py: the largest of FUSED_CAPS, MAX_TABLE_ROWS
+  int64_t max_fused_table_rows, max_table_rows;
+};
+Constants h3;
+
+// Reads `constants` (name -> int) into h3: every field present, nothing else. The kernel calls of adaln_row_gather
+// pass one output per chunk, written out here, so the chunk count is checked against them.
+void configure(const py::dict& constants) {
+  const std::pair<const char*, int64_t*> fields[] = {
+      {"hidden", &h3.hidden}, {"freq", &h3.freq}, {"mlp_hidden", &h3.mlp_hidden}, {"temb", &h3.temb},
+      {"block_chunks", &h3.block_chunks}, {"block_table", &h3.block_table},
+      {"block_projection", &h3.block_projection}, {"final_projection", &h3.final_projection},
+      {"fc2_splits", &h3.fc2_splits}, {"fc2_dgrad_splits", &h3.fc2_dgrad_splits},
+      {"fc1_dgrad_splits", &h3.fc1_dgrad_splits}, {"wgmma_k_pad", &h3.wgmma_k_pad},
+      {"dgrad_splits", &h3.dgrad_splits}, {"fold_warps", &h3.fold_warps}, {"dbias_row_block", &h3.dbias_row_block},
+      {"max_fused_table_rows", &h3.max_fused_table_rows}, {"max_table_rows", &h3.max_table_rows}};
+  TORCH_CHECK(constants.size() == std::size(fields), "h3cute native: install() takes ", std::size(fields),
+              " constants, got ", constants.size());
+  for (const auto& [name, field] : fields) {
+    TORCH_CHECK(constants.contains(name), "h3cute native: install() constants lack '", name, "'");
+    *field = constants[name].cast<int64_t>();
+  }
+  TORCH_CHECK(h3.block_chunks == 6, "h3cute native: adaln_row_gather's kernel calls pass 6 chunks, not ",
+              h3.block_chunks);
+}
 
 DLDataType dl_dtype(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -278,7 +314,7 @@ at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
                     !(t.requires_grad() && at::GradMode::is_enabled()) && t.is_cuda() && !errors_pending(t.get_device());
   if (!fast) return python_impl<at::Tensor>("h3cute.ops.timestep", "_sinusoid_cuda", t, check_range);
   const int64_t rows = t.size(0);
-  at::Tensor out = at::empty({rows, kSinusoidWidth}, t.options());
+  at::Tensor out = at::empty({rows, h3.freq}, t.options());
   if (rows == 0) return out;  // a zero-sized grid is not a valid launch
   const int device = t.get_device();
   // [kernel], [its check slot's device word and host words] (the discard slot's without check_range)
@@ -290,13 +326,12 @@ at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
 
 // ---- timestep_mlp (h3cute/launch/timestep_mlp.py: the same launches in the same order, PDL) -------------
 
-constexpr int64_t kFreq = 256, kMlpHidden = 5376, kTemb = 2688;
-constexpr int64_t kFc2Splits = kMlpHidden / 896, kFc2DgradSplits = kTemb / 896, kFc1DgradSplits = kMlpHidden / 896;
 KernelTable mlp_kernels("h3cute.launch.timestep_mlp");  // variant 0: forward kernels, 1: backward kernels
 
 bool mlp_fast(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, int d) {
-  return dense(x, at::kFloat, d, {-1, kFreq}) && x.size(0) > 0 && dense(w1, at::kFloat, d, {kMlpHidden, kFreq}) &&
-         dense(b1, at::kFloat, d, {kMlpHidden}) && dense(w2, at::kFloat, d, {kTemb, kMlpHidden});
+  return dense(x, at::kFloat, d, {-1, h3.freq}) && x.size(0) > 0 &&
+         dense(w1, at::kFloat, d, {h3.mlp_hidden, h3.freq}) && dense(b1, at::kFloat, d, {h3.mlp_hidden}) &&
+         dense(w2, at::kFloat, d, {h3.temb, h3.mlp_hidden});
 }
 
 // Regions of one allocation: each declared once with its shape (`block`, `block3`), then `allocate` makes the
@@ -359,16 +394,16 @@ View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
 at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                              const at::Tensor& b2) {
   const int d = cuda_device(x);
-  if (!(mlp_fast(x, w1, b1, w2, d) && dense(b2, at::kFloat, d, {kTemb}) && !errors_pending(d)))
+  if (!(mlp_fast(x, w1, b1, w2, d) && dense(b2, at::kFloat, d, {h3.temb}) && !errors_pending(d)))
     return python_impl<at::Tensor>("h3cute.ops.timestep", "_mlp_cuda", x, w1, b1, w2, b2);
   const int64_t rows = x.size(0);
   const auto& kernels = mlp_kernels.get(d, 0, rows);
   const TVMFFIObjectHandle* fn = kernels.fns;
-  at::Tensor out = at::empty({rows, kTemb}, x.options());
+  at::Tensor out = at::empty({rows, h3.temb}, x.options());
   if (kernels.params[0] == 1) {  // sm_90a, small T: fc1_split writes h's TF32 operand pair, fc2 on wgmma
     Carver scratch;
-    Block h_big = scratch.block(rows, kMlpHidden), h_small = scratch.block(rows, kMlpHidden);
-    Block partials = scratch.block3(kFc2Splits, rows, kTemb);
+    Block h_big = scratch.block(rows, h3.mlp_hidden), h_small = scratch.block(rows, h3.mlp_hidden);
+    Block partials = scratch.block3(h3.fc2_splits, rows, h3.temb);
     scratch.allocate(x.options());
     StreamScope stream(d);
     call_kernel(fn[0], {x, w1, b1, h_big, h_small});
@@ -378,9 +413,9 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   }
   if (kernels.params[0] == 2) {  // sm_90a, T >= WGMMA_MIN_ROWS: split x, fc1_split and fc2 on wgmma, fold
     Carver scratch;
-    Block x_big = scratch.block(rows, kFreq), x_small = scratch.block(rows, kFreq);
-    Block h_big = scratch.block(rows, kMlpHidden), h_small = scratch.block(rows, kMlpHidden);
-    Block partials = scratch.block3(kFc2Splits, rows, kTemb);
+    Block x_big = scratch.block(rows, h3.freq), x_small = scratch.block(rows, h3.freq);
+    Block h_big = scratch.block(rows, h3.mlp_hidden), h_small = scratch.block(rows, h3.mlp_hidden);
+    Block partials = scratch.block3(h3.fc2_splits, rows, h3.temb);
     scratch.allocate(x.options());
     StreamScope stream(d);
     call_kernel(fn[0], {x, x_big, x_small});
@@ -391,7 +426,7 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   }
   // fc1, fc2, fold_fc2
   Carver scratch;  // one allocation for h, partials
-  Block h = scratch.block(rows, kMlpHidden), partials = scratch.block3(kFc2Splits, rows, kTemb);
+  Block h = scratch.block(rows, h3.mlp_hidden), partials = scratch.block3(h3.fc2_splits, rows, h3.temb);
   scratch.allocate(x.options());
   StreamScope stream(d);
   call_kernel(fn[0], {x, w1, b1, h});
@@ -405,8 +440,9 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
 struct MlpGrads {
   MlpGrads(int64_t rows, const at::TensorOptions& options) {
     // the regions of dx, dw1, db1, dw2, db2, in the op's return order
-    Block gx = carver.block(rows, kFreq), gw1 = carver.block(kMlpHidden, kFreq), gb1 = carver.block(1, kMlpHidden),
-          gw2 = carver.block(kTemb, kMlpHidden), gb2 = carver.block(1, kTemb);
+    Block gx = carver.block(rows, h3.freq), gw1 = carver.block(h3.mlp_hidden, h3.freq),
+          gb1 = carver.block(1, h3.mlp_hidden), gw2 = carver.block(h3.temb, h3.mlp_hidden),
+          gb2 = carver.block(1, h3.temb);
     carver.allocate(options);
     dx = gx.tensor();
     dw1 = gw1.tensor();
@@ -415,8 +451,8 @@ struct MlpGrads {
     db2 = gb2.vector();
   }
   // the weight-gradient GEMMs write a (1, N, K) batch
-  View dw2_batch() const { return View(dw2, {1, kTemb, kMlpHidden}, {kTemb * kMlpHidden, kMlpHidden, 1}); }
-  View dw1_batch() const { return View(dw1, {1, kMlpHidden, kFreq}, {kMlpHidden * kFreq, kFreq, 1}); }
+  View dw2_batch() const { return View(dw2, {1, h3.temb, h3.mlp_hidden}, {h3.temb * h3.mlp_hidden, h3.mlp_hidden, 1}); }
+  View dw1_batch() const { return View(dw1, {1, h3.mlp_hidden, h3.freq}, {h3.mlp_hidden * h3.freq, h3.freq, 1}); }
   // the "sum" fold takes a (1,) aux operand it never reads
   View unused_aux() const { return View(dx, {1}, {1}); }
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple() const {
@@ -429,22 +465,21 @@ struct MlpGrads {
 
 // The sm_90a backward from WGMMA_MIN_ROWS rows (h3cute/launch/timestep_mlp.py backward, wgmma=True): split x,
 // fc1_zh with w1 split in registers, split grad, fc2_dgrad with w2 split in registers, colsum_dz,
-// fc1_dgrad, fold_dx, transposing split of grad and of h (K = T zero-padded to a multiple of kWgmmaKPad), the
+// fc1_dgrad, fold_dx, transposing split of grad and of h (K = T zero-padded to a multiple of h3.wgmma_k_pad), the
 // wgmma fc2_wgrad, fc1_wgrad, colsum_db2.
-constexpr int64_t kWgmmaKPad = 32;  // launch/timestep_mlp.py WGMMA_K_PAD
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_wgmma(
     const TVMFFIObjectHandle* fn, const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1,
     const at::Tensor& b1, const at::Tensor& w2) {
   const int64_t rows = x.size(0);
-  const int64_t depth = (rows + kWgmmaKPad - 1) / kWgmmaKPad * kWgmmaKPad;
+  const int64_t depth = (rows + h3.wgmma_k_pad - 1) / h3.wgmma_k_pad * h3.wgmma_k_pad;
   Carver scratch;
-  Block x_big = scratch.block(rows, kFreq), x_small = scratch.block(rows, kFreq);
-  Block z = scratch.block(rows, kMlpHidden), h = scratch.block(rows, kMlpHidden);
-  Block g_big = scratch.block(rows, kTemb), g_small = scratch.block(rows, kTemb);
-  Block dh_partials = scratch.block3(kFc2DgradSplits, rows, kMlpHidden), dz = scratch.block(rows, kMlpHidden);
-  Block dx_partials = scratch.block3(kFc1DgradSplits, rows, kFreq);
-  Block gt_big = scratch.block(kTemb, depth), gt_small = scratch.block(kTemb, depth);
-  Block ht_big = scratch.block(kMlpHidden, depth), ht_small = scratch.block(kMlpHidden, depth);
+  Block x_big = scratch.block(rows, h3.freq), x_small = scratch.block(rows, h3.freq);
+  Block z = scratch.block(rows, h3.mlp_hidden), h = scratch.block(rows, h3.mlp_hidden);
+  Block g_big = scratch.block(rows, h3.temb), g_small = scratch.block(rows, h3.temb);
+  Block dh_partials = scratch.block3(h3.fc2_dgrad_splits, rows, h3.mlp_hidden), dz = scratch.block(rows, h3.mlp_hidden);
+  Block dx_partials = scratch.block3(h3.fc1_dgrad_splits, rows, h3.freq);
+  Block gt_big = scratch.block(h3.temb, depth), gt_small = scratch.block(h3.temb, depth);
+  Block ht_big = scratch.block(h3.mlp_hidden, depth), ht_small = scratch.block(h3.mlp_hidden, depth);
   scratch.allocate(x.options());
   MlpGrads g(rows, x.options());
 
@@ -467,7 +502,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2) {
   const int d = cuda_device(x);
-  if (!(mlp_fast(x, w1, b1, w2, d) && dense(grad, at::kFloat, d, {x.size(0), kTemb}) && !errors_pending(d))) {
+  if (!(mlp_fast(x, w1, b1, w2, d) && dense(grad, at::kFloat, d, {x.size(0), h3.temb}) && !errors_pending(d))) {
     using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
     return python_impl<R>("h3cute.ops.timestep", "_mlp_backward_cuda", grad, x, w1, b1, w2);
   }
@@ -478,9 +513,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   const TVMFFIObjectHandle* fn = kernels.fns;
   // Two allocations (host time at small T): the intermediates, and the five gradients (MlpGrads).
   Carver scratch;
-  Block z = scratch.block(rows, kMlpHidden), h = scratch.block(rows, kMlpHidden);
-  Block dh_partials = scratch.block3(kFc2DgradSplits, rows, kMlpHidden), dz = scratch.block(rows, kMlpHidden);
-  Block dx_partials = scratch.block3(kFc1DgradSplits, rows, kFreq);
+  Block z = scratch.block(rows, h3.mlp_hidden), h = scratch.block(rows, h3.mlp_hidden);
+  Block dh_partials = scratch.block3(h3.fc2_dgrad_splits, rows, h3.mlp_hidden), dz = scratch.block(rows, h3.mlp_hidden);
+  Block dx_partials = scratch.block3(h3.fc1_dgrad_splits, rows, h3.freq);
   scratch.allocate(x.options());
   MlpGrads g(rows, x.options());
 
@@ -498,8 +533,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
 
 // ---- norm_modulate / final_adaln_out forward (h3cute/launch/norm_modulate.py forward_rows) -------------
 
-constexpr int64_t kHidden = 5376, kFinalProjection = 2 * kHidden;
-constexpr int64_t kDgradSplits = 12;  // launch/adaln_projection.py DGRAD_SPLITS
 KernelTable norm_modulate_kernels("h3cute.launch.norm_modulate");  // variant 0: [norm_modulate_fwd]
 // variant 0: [silu_cast, proj_fwd, norm_modulate_fwd]; 1 (T <= 24): the backward's, see final_adaln_out_backward_cuda
 KernelTable final_kernels("h3cute.launch.final_adaln_out");
@@ -510,32 +543,30 @@ KernelTable final_kernels("h3cute.launch.final_adaln_out");
 // out (T, N) BF16 = bf16(silu(temb)) W^T + b. fn: [adaln_silu_cast, the projection GEMM].
 void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, const at::Tensor& weight,
                         const at::Tensor& bias, const at::Tensor& out) {
-  at::Tensor act = at::empty({temb.size(0), kTemb}, out.options());  // bf16(silu(temb))
+  at::Tensor act = at::empty({temb.size(0), h3.temb}, out.options());  // bf16(silu(temb))
   call_kernel(fn[0], {temb, act});
   call_kernel(fn[1], {act, weight, bias, out});
 }
 
-// d_temb through kDgradSplits FP32 partials and their in-order fold (which also recomputes bf16(silu(temb))),
+// d_temb through h3.dgrad_splits FP32 partials and their in-order fold (which also recomputes bf16(silu(temb))),
 // then dW = grad^T act; the dW GEMM writes db (bias_block = 0) or adaln_bias_grad does, from one FP32 partial per
-// bias_block rows of T (Python decides: kernel_handles' launch constant). bias_block = kFoldWarps: the dW GEMM's
+// bias_block rows of T (Python decides: kernel_handles' launch constant). bias_block = h3.fold_warps: the dW GEMM's
 // side warps fold d_temb and sum db's 64-row blocks into dbias_blocks while it runs, a second launch of the same
 // function folding the blocks into db (adaln_proj_wgrad_fold), its operand made first.
 // fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM, adaln_bias_grad (read only when bias_block > 0)], or with
-// kFoldWarps [adaln_silu_cast, the d_temb GEMM, adaln_proj_wgrad_fold].
-constexpr int64_t kFoldWarps = -1;  // launch/adaln_projection.py FOLD_WARPS_LAUNCH
-constexpr int64_t kDbiasRowBlock = 64;  // launch/adaln_projection.py DBIAS_ROW_BLOCK: the fold kernel's db blocks
+// h3.fold_warps [adaln_silu_cast, the d_temb GEMM, adaln_proj_wgrad_fold].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, int64_t bias_block,
                                                                    const at::Tensor& grad, const at::Tensor& temb,
                                                                    const at::Tensor& weight) {
   const int64_t timesteps = temb.size(0), n = weight.size(0);
   const auto f32 = temb.options(), bf16 = weight.options();
-  at::Tensor partial = at::empty({kDgradSplits, timesteps, kTemb}, f32);
-  at::Tensor dtemb = at::empty({timesteps, kTemb}, f32), act = at::empty({timesteps, kTemb}, bf16);
+  at::Tensor partial = at::empty({h3.dgrad_splits, timesteps, h3.temb}, f32);
+  at::Tensor dtemb = at::empty({timesteps, h3.temb}, f32), act = at::empty({timesteps, h3.temb}, bf16);
   at::Tensor dweight = at::empty_like(weight), dbias = at::empty({n}, bf16);
-  if (bias_block == kFoldWarps) {
+  if (bias_block == h3.fold_warps) {
     call_kernel(fn[0], {temb, act});
     call_kernel(fn[1], {grad, weight, partial});
-    at::Tensor dbias_blocks = at::empty({(timesteps + kDbiasRowBlock - 1) / kDbiasRowBlock, n}, f32);
+    at::Tensor dbias_blocks = at::empty({(timesteps + h3.dbias_row_block - 1) / h3.dbias_row_block, n}, f32);
     call_kernel(fn[2], {grad, act, dweight, dbias, partial, temb, dtemb, dbias_blocks});
     return {dtemb, dweight, dbias};
   }
@@ -551,11 +582,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIO
 
 // x (S, H) and out-shaped row tensors: BF16, dense, 16-byte aligned, S >= 1.
 bool rows_fast(const at::Tensor& x, int d) {
-  return dense(x, at::kBFloat16, d, {-1, kHidden}) && x.size(0) > 0 && aligned16(x);
+  return dense(x, at::kBFloat16, d, {-1, h3.hidden}) && x.size(0) > 0 && aligned16(x);
 }
 
 // A (R, H) BF16 table read in place with 16-byte row loads: unit column stride, rows 16-byte aligned.
-bool table_fast(const at::Tensor& t, int d, int64_t width = kHidden) {
+bool table_fast(const at::Tensor& t, int d, int64_t width = h3.hidden) {
   return t.defined() && t.scalar_type() == at::kBFloat16 && t.is_cuda() && t.get_device() == d && t.dim() == 2 &&
          t.size(0) > 0 && t.size(1) == width && t.stride(1) == 1 && t.stride(0) >= width &&
          t.stride(0) % 8 == 0 && aligned16(t);
@@ -569,7 +600,7 @@ at::Tensor norm_modulate_cuda(const at::Tensor& x, const at::Tensor& weight, con
                               const at::Tensor& scale, const at::Tensor& idx, double eps, bool check_indices) {
   // check_indices: the kernel checks every index itself and records a bad one in the op's check slot.
   const int d = cuda_device(x);
-  const bool fast = eps > 0 && rows_fast(x, d) && dense(weight, at::kBFloat16, d, {kHidden}) &&
+  const bool fast = eps > 0 && rows_fast(x, d) && dense(weight, at::kBFloat16, d, {h3.hidden}) &&
                     aligned16(weight) && table_fast(shift, d) && table_fast(scale, d) &&
                     shift.size(0) == scale.size(0) && dense(idx, at::kLong, d, {x.size(0)}) && !errors_pending(d);
   if (!fast)
@@ -589,10 +620,10 @@ std::tuple<at::Tensor, at::Tensor> final_adaln_out_fwd_cuda(const at::Tensor& x,
                                                             const at::Tensor& proj_bias, const at::Tensor& ti,
                                                             double eps, bool check_indices) {
   const int d = cuda_device(x);
-  const bool fast = eps > 0 && rows_fast(x, d) && dense(norm_weight, at::kBFloat16, d, {kHidden}) &&
-                    aligned16(norm_weight) && dense(temb, at::kFloat, d, {-1, kTemb}) && aligned16(temb) &&
-                    temb.size(0) > 0 && dense(proj_weight, at::kBFloat16, d, {kFinalProjection, kTemb}) &&
-                    aligned16(proj_weight) && dense(proj_bias, at::kBFloat16, d, {kFinalProjection}) &&
+  const bool fast = eps > 0 && rows_fast(x, d) && dense(norm_weight, at::kBFloat16, d, {h3.hidden}) &&
+                    aligned16(norm_weight) && dense(temb, at::kFloat, d, {-1, h3.temb}) && aligned16(temb) &&
+                    temb.size(0) > 0 && dense(proj_weight, at::kBFloat16, d, {h3.final_projection, h3.temb}) &&
+                    aligned16(proj_weight) && dense(proj_bias, at::kBFloat16, d, {h3.final_projection}) &&
                     aligned16(proj_bias) && dense(ti, at::kLong, d, {x.size(0)}) && !errors_pending(d);
   if (!fast) {
     using R = std::tuple<at::Tensor, at::Tensor>;
@@ -603,10 +634,11 @@ std::tuple<at::Tensor, at::Tensor> final_adaln_out_fwd_cuda(const at::Tensor& x,
   const KernelTable::Entry& k = final_kernels.get(d, 0, timesteps);
   const TVMFFIObjectHandle* fn = k.fns;
   const int64_t* slot = check_slot(k, check_indices);
-  at::Tensor proj = at::empty({timesteps, kFinalProjection}, x.options());  // shift | scale
+  at::Tensor proj = at::empty({timesteps, h3.final_projection}, x.options());  // shift | scale
   at::Tensor out = at::empty_like(x);
   // shift | scale halves of the projection, read in place as row-strided (T, H) tables
-  View shift(proj, {timesteps, kHidden}, {kFinalProjection, 1}), scale(proj, {timesteps, kHidden}, {kFinalProjection, 1}, kHidden);
+  View shift(proj, {timesteps, h3.hidden}, {h3.final_projection, 1});
+  View scale(proj, {timesteps, h3.hidden}, {h3.final_projection, 1}, h3.hidden);
   StreamScope stream(d);
   projection_forward(fn, temb, proj_weight, proj_bias, proj);
   call_kernel(fn[2], {x, norm_weight, shift, scale, ti, out, eps, slot[0], slot[1]});
@@ -620,8 +652,6 @@ at::Tensor final_adaln_out_cuda(const at::Tensor& x, const at::Tensor& norm_weig
 }
 
 // ---- norm_modulate backward (fused path) and gate_residual (h3cute/launch/norm_modulate.py, gate_residual.py) ---
-
-constexpr int64_t kMaxFusedTableRows = 24, kMaxTableRows = 48;  // launch/norm_modulate.py FUSED_CAPS, TABLE_ROWS_CAPS
 
 // kernels/rowwise.py rowwise_fold: out (N,) = in-order sum over the P rows of partials (P, N), rounded once.
 void fold(TVMFFIObjectHandle fn, View partials, View out) { call_kernel(fn, {partials, out}); }
@@ -637,26 +667,26 @@ struct NormGrads {
 NormGrads norm_backward_fused(const KernelTable::Entry& k, int fused, int fold_fn, const at::Tensor& grad,
                               const at::Tensor& x, const at::Tensor& weight, View scale, const at::Tensor& idx,
                               double eps, int64_t table_rows, bool table_grad) {
-  const int64_t groups = k.params[0], stride = (1 + 2 * table_rows) * kHidden;
+  const int64_t groups = k.params[0], stride = (1 + 2 * table_rows) * h3.hidden;
   NormGrads g;
   g.dx = at::empty_like(x);
   at::Tensor partials = at::empty({groups, stride}, x.options().dtype(at::kFloat));  // every element written
-  View part_w(partials, {groups, kHidden}, {stride, 1});
-  const int64_t row_step = table_grad ? 2 * kHidden : kHidden;
-  const int64_t scale_at = table_grad ? 2 * kHidden : (1 + table_rows) * kHidden;
-  View part_shift(partials, {groups, table_rows, kHidden}, {stride, row_step, 1}, kHidden);
-  View part_scale(partials, {groups, table_rows, kHidden}, {stride, row_step, 1}, scale_at);
+  View part_w(partials, {groups, h3.hidden}, {stride, 1});
+  const int64_t row_step = table_grad ? 2 * h3.hidden : h3.hidden;
+  const int64_t scale_at = table_grad ? 2 * h3.hidden : (1 + table_rows) * h3.hidden;
+  View part_shift(partials, {groups, table_rows, h3.hidden}, {stride, row_step, 1}, h3.hidden);
+  View part_scale(partials, {groups, table_rows, h3.hidden}, {stride, row_step, 1}, scale_at);
   call_kernel(k.fns[fused], {grad, x, weight, scale, idx, g.dx, part_w, part_shift, part_scale, eps});
   // One fold over whole partial rows: per element the same in-order sum as a fold per output.
   at::Tensor grads = at::empty({stride}, x.options());
   fold(k.fns[fold_fn], View(partials, {groups, stride}, {stride, 1}), flat(grads));
-  g.dweight = grads.narrow(0, 0, kHidden);
-  at::Tensor rows = grads.narrow(0, kHidden, 2 * table_rows * kHidden);
+  g.dweight = grads.narrow(0, 0, h3.hidden);
+  at::Tensor rows = grads.narrow(0, h3.hidden, 2 * table_rows * h3.hidden);
   if (table_grad) {
-    g.dtable = rows.view({table_rows, 2 * kHidden});
+    g.dtable = rows.view({table_rows, 2 * h3.hidden});
   } else {
-    g.dshift = rows.narrow(0, 0, table_rows * kHidden).view({table_rows, kHidden});
-    g.dscale = rows.narrow(0, table_rows * kHidden, table_rows * kHidden).view({table_rows, kHidden});
+    g.dshift = rows.narrow(0, 0, table_rows * h3.hidden).view({table_rows, h3.hidden});
+    g.dscale = rows.narrow(0, table_rows * h3.hidden, table_rows * h3.hidden).view({table_rows, h3.hidden});
   }
   return g;
 }
@@ -666,8 +696,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backwar
     const at::Tensor& idx, double eps, int64_t table_rows) {
   const int d = cuda_device(x);
   const bool fast = eps > 0 && rows_fast(x, d) && rows_fast(grad, d) && grad.size(0) == x.size(0) &&
-                    dense(weight, at::kBFloat16, d, {kHidden}) && aligned16(weight) && table_fast(scale, d) &&
-                    scale.size(0) == table_rows && table_rows <= kMaxFusedTableRows &&
+                    dense(weight, at::kBFloat16, d, {h3.hidden}) && aligned16(weight) && table_fast(scale, d) &&
+                    scale.size(0) == table_rows && table_rows <= h3.max_fused_table_rows &&
                     dense(idx, at::kLong, d, {x.size(0)}) && !errors_pending(d);
   if (!fast) {
     using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
@@ -677,8 +707,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backwar
   // variant = table rows: [norm_modulate_bwd_fused of its cap, rowwise_fold], params [row groups]
   const KernelTable::Entry& k = norm_modulate_kernels.get(d, table_rows, 0);
   StreamScope stream(d);
-  NormGrads g = norm_backward_fused(k, 0, 1, grad, x, weight, View(scale, {table_rows, kHidden}, {scale.stride(0), 1}),
-                                    idx, eps, table_rows, false);
+  View scale_rows(scale, {table_rows, h3.hidden}, {scale.stride(0), 1});
+  NormGrads g = norm_backward_fused(k, 0, 1, grad, x, weight, scale_rows, idx, eps, table_rows, false);
   return {g.dx, g.dweight, g.dshift, g.dscale};
 }
 
@@ -692,11 +722,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
     const std::optional<at::Tensor>& table) {
   const int d = cuda_device(x);
   const bool fast = eps > 0 && rows_fast(x, d) && rows_fast(grad, d) && grad.size(0) == x.size(0) &&
-                    dense(nw, at::kBFloat16, d, {kHidden}) && aligned16(nw) && dense(temb, at::kFloat, d, {-1, kTemb}) &&
-                    aligned16(temb) && temb.size(0) > 0 && temb.size(0) <= kMaxFusedTableRows &&
-                    dense(pw, at::kBFloat16, d, {kFinalProjection, kTemb}) && aligned16(pw) &&
-                    dense(pb, at::kBFloat16, d, {kFinalProjection}) && aligned16(pb) && dense(ti, at::kLong, d, {x.size(0)}) &&
-                    (!table || (dense(*table, at::kBFloat16, d, {temb.size(0), kFinalProjection}) &&
+                    dense(nw, at::kBFloat16, d, {h3.hidden}) && aligned16(nw) &&
+                    dense(temb, at::kFloat, d, {-1, h3.temb}) && aligned16(temb) && temb.size(0) > 0 &&
+                    temb.size(0) <= h3.max_fused_table_rows &&
+                    dense(pw, at::kBFloat16, d, {h3.final_projection, h3.temb}) && aligned16(pw) &&
+                    dense(pb, at::kBFloat16, d, {h3.final_projection}) && aligned16(pb) &&
+                    dense(ti, at::kLong, d, {x.size(0)}) &&
+                    (!table || (dense(*table, at::kBFloat16, d, {temb.size(0), h3.final_projection}) &&
                                 aligned16(*table))) && !errors_pending(d);
   if (!fast) {
     using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
@@ -706,10 +738,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
   // [silu_cast, proj_fwd, norm_modulate_bwd_fused, rowwise_fold, proj_dgrad, dtemb_fold, proj_wgrad], [row groups]
   const KernelTable::Entry& k = final_kernels.get(d, 1, timesteps);
   StreamScope stream(d);
-  at::Tensor proj = table ? *table : at::empty({timesteps, kFinalProjection}, x.options());
+  at::Tensor proj = table ? *table : at::empty({timesteps, h3.final_projection}, x.options());
   if (!table) projection_forward(k.fns, temb, pw, pb, proj);
-  NormGrads g = norm_backward_fused(k, 2, 3, grad, x, nw, View(proj, {timesteps, kHidden}, {kFinalProjection, 1}, kHidden),
-                                    ti, eps, timesteps, true);
+  View scale(proj, {timesteps, h3.hidden}, {h3.final_projection, 1}, h3.hidden);  // the projection's scale half
+  NormGrads g = norm_backward_fused(k, 2, 3, grad, x, nw, scale, ti, eps, timesteps, true);
   auto [dtemb, dpw, dpb] = projection_backward(k.fns + 4, 0, g.dtable, temb, pw);  // T <= 24: db fused into dW
   return {g.dx, g.dweight, dtemb, dpw, dpb};
 }
@@ -735,19 +767,19 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_backward_cuda(const at::Tensor&
                                                                const at::Tensor& gate, const at::Tensor& idx) {
   const int d = cuda_device(y);
   const bool fast = rows_fast(y, d) && rows_fast(grad, d) && grad.size(0) == y.size(0) && table_fast(gate, d) &&
-                    gate.size(0) <= kMaxTableRows && dense(idx, at::kLong, d, {y.size(0)}) && !errors_pending(d);
+                    gate.size(0) <= h3.max_table_rows && dense(idx, at::kLong, d, {y.size(0)}) && !errors_pending(d);
   if (!fast)
     return python_impl<std::tuple<at::Tensor, at::Tensor>>("h3cute.ops.adaln", "_gate_residual_backward_cuda", grad,
                                                            y, gate, idx);
   const int64_t table_rows = gate.size(0);
   const KernelTable::Entry& k = gate_residual_kernels.get(d, table_rows, 0);
   const int64_t groups = k.params[0];
-  at::Tensor dy = at::empty_like(y), dgate = at::empty({table_rows, kHidden}, y.options());
-  at::Tensor partials = at::empty({groups, table_rows * kHidden}, y.options().dtype(at::kFloat));
-  View part3(partials, {groups, table_rows, kHidden}, {table_rows * kHidden, kHidden, 1});
+  at::Tensor dy = at::empty_like(y), dgate = at::empty({table_rows, h3.hidden}, y.options());
+  at::Tensor partials = at::empty({groups, table_rows * h3.hidden}, y.options().dtype(at::kFloat));
+  View part3(partials, {groups, table_rows, h3.hidden}, {table_rows * h3.hidden, h3.hidden, 1});
   StreamScope stream(d);
   call_kernel(k.fns[0], {grad, y, gate, idx, dy, part3});
-  fold(k.fns[1], View(partials, {groups, table_rows * kHidden}, {table_rows * kHidden, 1}), flat(dgate));
+  fold(k.fns[1], View(partials, {groups, table_rows * h3.hidden}, {table_rows * h3.hidden, 1}), flat(dgate));
   return {dy, dgate};
 }
 
@@ -762,7 +794,7 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_norm_modulate_cuda(const at::Te
                                                                     bool check_indices) {
   const int d = cuda_device(y);
   const bool fast = eps > 0 && rows_fast(y, d) && rows_fast(residual, d) && residual.size(0) == y.size(0) &&
-                    dense(weight, at::kBFloat16, d, {kHidden}) && aligned16(weight) && table_fast(gate, d) &&
+                    dense(weight, at::kBFloat16, d, {h3.hidden}) && aligned16(weight) && table_fast(gate, d) &&
                     table_fast(shift, d) && table_fast(scale, d) && gate.size(0) == scale.size(0) &&
                     shift.size(0) == scale.size(0) && dense(idx, at::kLong, d, {y.size(0)}) && !errors_pending(d);
   if (!fast) {
@@ -780,12 +812,11 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_norm_modulate_cuda(const at::Te
 
 // ---- adaln_row_gather (h3cute/launch/adaln_row_gather.py) ---------------------------------------------
 
-constexpr int64_t kChunks = 6, kBlockTable = kChunks * kHidden;
 KernelTable row_gather_kernels("h3cute.launch.adaln_row_gather");  // 0: [fwd]; R rows: [bwd, fold], [groups]
 
 std::vector<at::Tensor> adaln_row_gather_cuda(const at::Tensor& table, const at::Tensor& idx, bool check_indices) {
   const int d = cuda_device(table);
-  const bool fast = table_fast(table, d, kBlockTable) && dense(idx, at::kLong, d, {-1}) && idx.size(0) > 0 &&
+  const bool fast = table_fast(table, d, h3.block_table) && dense(idx, at::kLong, d, {-1}) && idx.size(0) > 0 &&
                     !errors_pending(d);
   if (!fast)
     return python_impl<std::vector<at::Tensor>>("h3cute.ops.adaln", "_gather_cuda", table, idx, check_indices);
@@ -793,7 +824,7 @@ std::vector<at::Tensor> adaln_row_gather_cuda(const at::Tensor& table, const at:
   const KernelTable::Entry& k = row_gather_kernels.get(d, 0, rows);
   const int64_t* slot = check_slot(k, check_indices);
   std::vector<at::Tensor> outs;
-  for (int c = 0; c < kChunks; ++c) outs.push_back(at::empty({rows, kHidden}, table.options()));
+  for (int c = 0; c < h3.block_chunks; ++c) outs.push_back(at::empty({rows, h3.hidden}, table.options()));
   StreamScope stream(d);
   call_kernel(k.fns[0], {table, idx, outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], slot[0], slot[1]});
   return outs;
@@ -801,40 +832,39 @@ std::vector<at::Tensor> adaln_row_gather_cuda(const at::Tensor& table, const at:
 
 at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor& idx, int64_t table_rows) {
   const int d = cuda_device(idx);
-  bool fast = grads.size() == kChunks && dense(idx, at::kLong, d, {-1}) && idx.size(0) > 0 && table_rows > 0 &&
-              table_rows <= kMaxTableRows && !errors_pending(d);
+  bool fast = static_cast<int64_t>(grads.size()) == h3.block_chunks && dense(idx, at::kLong, d, {-1}) &&
+              idx.size(0) > 0 && table_rows > 0 && table_rows <= h3.max_table_rows && !errors_pending(d);
   for (size_t c = 0; fast && c < grads.size(); ++c) fast = rows_fast(grads[c], d) && grads[c].size(0) == idx.size(0);
   if (!fast)
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_gather_backward_cuda",
                                    std::vector<at::Tensor>(grads.begin(), grads.end()), idx, table_rows);
   const KernelTable::Entry& k = row_gather_kernels.get(d, table_rows, 0);
   const int64_t groups = k.params[0];
-  at::Tensor dtable = at::empty({table_rows, kBlockTable}, grads[0].options());
-  at::Tensor partials = at::empty({groups, table_rows, kBlockTable}, grads[0].options().dtype(at::kFloat));
+  at::Tensor dtable = at::empty({table_rows, h3.block_table}, grads[0].options());
+  at::Tensor partials = at::empty({groups, table_rows, h3.block_table}, grads[0].options().dtype(at::kFloat));
   StreamScope stream(d);
   call_kernel(k.fns[0], {grads[0], grads[1], grads[2], grads[3], grads[4], grads[5], idx, partials});
-  fold(k.fns[1], View(partials, {groups, table_rows * kBlockTable}, {table_rows * kBlockTable, 1}), flat(dtable));
+  fold(k.fns[1], View(partials, {groups, table_rows * h3.block_table}, {table_rows * h3.block_table, 1}), flat(dtable));
   return dtable;
 }
 
 // ---- adaln_projection (h3cute/launch/adaln_projection.py, N = 96768) ------------------------------------
 
-constexpr int64_t kBlockProjection = 3 * kBlockTable;  // h3cute.ops.validate.PROJECTION: 3 modalities x 6 chunks
 // variant 0: [silu_cast, proj_fwd]; 1: [proj_dgrad, dtemb_fold, proj_wgrad(, bias_grad)], [db row block, 0: fused]
 KernelTable projection_kernels("h3cute.launch.adaln_projection");
 
 bool projection_fast(const at::Tensor& temb, const at::Tensor& weight, int d) {
-  return dense(temb, at::kFloat, d, {-1, kTemb}) && aligned16(temb) && temb.size(0) > 0 &&
-         dense(weight, at::kBFloat16, d, {kBlockProjection, kTemb}) && aligned16(weight) && !errors_pending(d);
+  return dense(temb, at::kFloat, d, {-1, h3.temb}) && aligned16(temb) && temb.size(0) > 0 &&
+         dense(weight, at::kBFloat16, d, {h3.block_projection, h3.temb}) && aligned16(weight) && !errors_pending(d);
 }
 
 at::Tensor adaln_projection_cuda(const at::Tensor& temb, const at::Tensor& weight, const at::Tensor& bias) {
   const int d = cuda_device(temb);
-  if (!(projection_fast(temb, weight, d) && dense(bias, at::kBFloat16, d, {kBlockProjection}) && aligned16(bias)))
+  if (!(projection_fast(temb, weight, d) && dense(bias, at::kBFloat16, d, {h3.block_projection}) && aligned16(bias)))
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_projection_cuda", temb, weight, bias);
   const int64_t timesteps = temb.size(0);
   const TVMFFIObjectHandle* fn = projection_kernels.get(d, 0, timesteps).fns;
-  at::Tensor out = at::empty({timesteps, kBlockProjection}, weight.options());
+  at::Tensor out = at::empty({timesteps, h3.block_projection}, weight.options());
   StreamScope stream(d);
   projection_forward(fn, temb, weight, bias, out);
   return out;
@@ -844,7 +874,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_projection_backward_cuda(co
                                                                               const at::Tensor& temb,
                                                                               const at::Tensor& weight) {
   const int d = cuda_device(temb);
-  if (!(projection_fast(temb, weight, d) && dense(grad, at::kBFloat16, d, {temb.size(0), kBlockProjection}) &&
+  if (!(projection_fast(temb, weight, d) && dense(grad, at::kBFloat16, d, {temb.size(0), h3.block_projection}) &&
         aligned16(grad)))
     return python_impl<std::tuple<at::Tensor, at::Tensor, at::Tensor>>("h3cute.ops.adaln", "_projection_backward_cuda",
                                                                        grad, temb, weight);
@@ -1097,10 +1127,12 @@ void each_autograd_kernel(Visit&& visit) {
   visit("adaln_projection", TORCH_FN(adaln_projection_autograd));
 }
 
-void install() {
+// Takes the constants (see Constants), then registers the impls: once, the first call.
+void install(const py::dict& constants) {
   static torch::Library* lib = nullptr;
   static torch::Library* autograd = nullptr;
   if (lib != nullptr) return;
+  configure(constants);
   autograd = new torch::Library(torch::Library::IMPL, "h3", c10::DispatchKey::Autograd, __FILE__, __LINE__);
   each_autograd_kernel([](const char* op, auto fn) { autograd->impl(op, fn); });
   lib = new torch::Library(torch::Library::IMPL, "h3", c10::DispatchKey::CUDA, __FILE__, __LINE__);
@@ -1111,7 +1143,9 @@ void install() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "h3cute's C++ CUDA impls of the one-launch torch.ops.h3 calls";
-  m.def("install", &h3native::install, "register the CUDA impls with the h3 library (after its ops are defined)");
+  m.def("install", &h3native::install, py::arg("constants"),
+        "take H3's widths and the launch constants (h3cute.native.constants()), then register the CUDA impls with "
+        "the h3 library (after its ops are defined)");
   py::list ops, autograd_ops;
   h3native::each_cuda_impl([&ops](const char* op, auto) { ops.append(op); });
   h3native::each_autograd_kernel([&autograd_ops](const char* op, auto) { autograd_ops.append(op); });

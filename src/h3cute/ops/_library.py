@@ -114,7 +114,7 @@ def _register_autocast(name: str, bf16: tuple[str, ...]) -> None:
 def install_native() -> None:
     """Registers the C++ CUDA impls (call after every op is defined); no-op without the C++ layer."""
     if NATIVE_OPS:
-        native.load().install()
+        native.install(native.load())
 
 
 def refuse_forward_ad(op: str, args) -> None:

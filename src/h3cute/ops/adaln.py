@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from h3cute import reference
 from h3cute.ops import validate
 from h3cute.ops._library import define, register_autograd, resolve_launch
-from h3cute.ops.validate import (BF16, BLOCK_CHUNKS, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN, MODALITIES, NO_ARG,
-                                 PROJECTION, TEMB)
+from h3cute.ops.validate import BF16, NO_ARG
+from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN, MODALITIES, NORM_EPS,
+                           TEMB)
 
 _INDICES = resolve_launch("adaln_indices")
 _PROJECTION = resolve_launch("adaln_projection")
@@ -82,7 +83,7 @@ define("adaln_indices(Tensor timestep_indices, Tensor token_tags, int num_timest
 
 
 def _check_table_indices(op, idx, rows):
-    validate.check_indices(op, "adaln_indices", idx, rows, f"the table has {rows} rows: 3 per timestep")
+    validate.check_indices(op, "adaln_indices", idx, rows, f"the table has {rows} rows: {MODALITIES} per timestep")
 
 
 def _silu_grad(temb):
@@ -129,13 +130,13 @@ def _projection_cpu(temb, weight, bias):
 def _projection_cuda(temb, weight, bias):
     validate.check_adaln_projection(temb, weight, bias)
     if temb.shape[0] == 0:
-        return weight.new_empty((0, PROJECTION))
+        return weight.new_empty((0, BLOCK_PROJECTION))
     return _PROJECTION.forward(temb, weight, bias)
 
 
 def _projection_fake(temb, weight, bias):
     validate.check_adaln_projection(temb, weight, bias)
-    return weight.new_empty((temb.shape[0], PROJECTION))
+    return weight.new_empty((temb.shape[0], BLOCK_PROJECTION))
 
 
 def _projection_backward_cpu(grad, temb, weight):
@@ -146,13 +147,13 @@ def _projection_backward_cpu(grad, temb, weight):
 def _projection_backward_cuda(grad, temb, weight):
     validate.check_adaln_projection(temb, weight, grad=grad)
     if temb.shape[0] == 0:
-        return temb.new_empty((0, TEMB)), torch.zeros_like(weight), weight.new_zeros((PROJECTION,))
+        return temb.new_empty((0, TEMB)), torch.zeros_like(weight), weight.new_zeros((BLOCK_PROJECTION,))
     return _PROJECTION.backward(grad, temb, weight)
 
 
 def _projection_backward_fake(grad, temb, weight):
     validate.check_adaln_projection(temb, weight, grad=grad)
-    return torch.empty_like(temb), torch.empty_like(weight), weight.new_empty((PROJECTION,))
+    return torch.empty_like(temb), torch.empty_like(weight), weight.new_empty((BLOCK_PROJECTION,))
 
 
 def _projection_setup_context(ctx, inputs, output):
@@ -250,21 +251,21 @@ register_autograd("adaln_row_gather", _gather_backward, _gather_setup_context)
 
 # ---- norm_modulate -------------------------------------------------------------------------------------
 
-def _norm_modulate_cpu(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+def _norm_modulate_cpu(x, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     validate.check_norm_modulate(x, weight, shift, scale, adaln_indices, eps)
     if check_indices:
         _check_table_indices("norm_modulate", adaln_indices, shift.shape[0])
     return reference.norm_modulate_replay(x, weight, shift, scale, adaln_indices, eps)
 
 
-def _norm_modulate_cuda(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+def _norm_modulate_cuda(x, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     validate.check_norm_modulate(x, weight, shift, scale, adaln_indices, eps)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     return _NORM_MODULATE.forward(x, weight, shift, scale, adaln_indices, eps, check_indices)
 
 
-def _norm_modulate_fake(x, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+def _norm_modulate_fake(x, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     validate.check_norm_modulate(x, weight, shift, scale, adaln_indices, eps)
     return torch.empty_like(x)
 
@@ -316,7 +317,7 @@ def _norm_modulate_backward(ctx, grad):
 
 
 define(
-    "norm_modulate(Tensor x, Tensor weight, Tensor shift, Tensor scale, Tensor adaln_indices, float eps=1e-05, "
+    f"norm_modulate(Tensor x, Tensor weight, Tensor shift, Tensor scale, Tensor adaln_indices, float eps={NORM_EPS!r}, "
     "bool check_indices=True) -> Tensor",
     _norm_modulate_cpu,
     _norm_modulate_cuda,
@@ -410,14 +411,14 @@ register_autograd("gate_residual", _gate_residual_backward, _gate_residual_setup
 # h's gradient is grad_h (from h's other consumer, the next residual) plus norm_modulate's dx, summed in BF16
 # as autograd sums the two-op chain's; gate_residual's backward then runs on it and d_residual is that sum.
 
-def _fused_cpu(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+def _fused_cpu(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     validate.check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps)
     if check_indices:
         _check_table_indices("gate_residual_norm_modulate", adaln_indices, gate.shape[0])
     return reference.gate_residual_norm_modulate_replay(residual, y, gate, weight, shift, scale, adaln_indices, eps)
 
 
-def _fused_cuda(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+def _fused_cuda(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     validate.check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps)
     if y.shape[0] == 0:
         return torch.empty_like(y), torch.empty_like(y)
@@ -425,7 +426,7 @@ def _fused_cuda(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5
                                                 check_indices)
 
 
-def _fused_fake(residual, y, gate, weight, shift, scale, adaln_indices, eps=1e-5, check_indices=True):
+def _fused_fake(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     validate.check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps)
     return torch.empty_like(y), torch.empty_like(y)
 
@@ -484,7 +485,7 @@ def _fused_backward(ctx, grad_h, grad_out):
 
 define(
     "gate_residual_norm_modulate(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor shift, Tensor scale, "
-    "Tensor adaln_indices, float eps=1e-05, bool check_indices=True) -> (Tensor h, Tensor out)",
+    f"Tensor adaln_indices, float eps={NORM_EPS!r}, bool check_indices=True) -> (Tensor h, Tensor out)",
     _fused_cpu,
     _fused_cuda,
     _fused_fake,
@@ -504,20 +505,20 @@ register_autograd("gate_residual_norm_modulate", _fused_backward, _fused_setup_c
 
 # ---- final_adaln_out -----------------------------------------------------------------------------------
 
-def _final_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+def _final_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
     return _final_fwd_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, check_indices)[0]
 
 
-def _final_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+def _final_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
     return _final_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, check_indices)[0]
 
 
-def _final_fake(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+def _final_fake(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
     validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
     return torch.empty_like(x)
 
 
-def _final_fwd_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+def _final_fwd_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
     validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
     if check_indices:
         _check_timestep_indices(timestep_indices, temb.shape[0])
@@ -526,13 +527,13 @@ def _final_fwd_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indice
     return reference.norm_modulate_replay(x, norm_weight, shift, scale, timestep_indices, eps), table
 
 
-def _final_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+def _final_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
     validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
     return _FINAL.forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps,
                                      check_indices)
 
 
-def _final_fwd_fake(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5, check_indices=True):
+def _final_fwd_fake(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
     validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
     return torch.empty_like(x), x.new_empty((temb.shape[0], FINAL_PROJECTION))
 
@@ -591,7 +592,7 @@ def _final_backward(ctx, grad):
 _FINAL_BF16 = ("x", "norm_weight", "proj_weight", "proj_bias")  # temb is FP32
 define(
     "final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, Tensor proj_bias, "
-    "Tensor timestep_indices, float eps=1e-05, bool check_indices=True) -> Tensor",
+    f"Tensor timestep_indices, float eps={NORM_EPS!r}, bool check_indices=True) -> Tensor",
     _final_cpu,
     _final_cuda,
     _final_fake,
@@ -600,7 +601,7 @@ define(
 # final_adaln_out's autograd forward: the output and the (T, 10752) projection the backward reuses.
 define(
     "final_adaln_out_fwd(Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, Tensor proj_bias, "
-    "Tensor timestep_indices, float eps=1e-05, bool check_indices=True) -> (Tensor out, Tensor table)",
+    f"Tensor timestep_indices, float eps={NORM_EPS!r}, bool check_indices=True) -> (Tensor out, Tensor table)",
     _final_fwd_cpu,
     _final_fwd_cuda,
     _final_fwd_fake,

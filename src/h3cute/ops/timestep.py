@@ -19,7 +19,8 @@ from torch.autograd import forward_ad
 from h3cute import reference
 from h3cute.ops import validate
 from h3cute.ops._library import define, refuse_forward_ad, register_autograd, resolve_launch
-from h3cute.ops.validate import F32, FREQ, TEMB
+from h3cute.ops.validate import F32
+from h3cute.widths import FREQ, TEMB
 
 _SINUSOID = resolve_launch("timestep_sinusoid")
 _MLP = resolve_launch("timestep_mlp")

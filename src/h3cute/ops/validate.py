@@ -5,20 +5,11 @@ no device sync and run on every call, fake tensors included. `check_*_values` fu
 contents (index ranges, timestep range, NaN): they sync the device, so the ops run them only when their
 `check_*` flag is true. Every message names the op, the argument, what was expected and what was given.
 
-H3 widths are fixed (a checkpoint property, not a tuning knob): hidden H = 5376, sinusoid F1 = 256,
-timestep-MLP hidden 5376, temb D = 2688, 3 modalities, 6 modulation chunks per block.
+H3's widths come from `h3cute.widths`.
 """
 import torch
 
-HIDDEN = 5376
-FREQ = 256
-MLP_HIDDEN = 5376
-TEMB = 2688
-MODALITIES = 3
-BLOCK_CHUNKS = 6
-BLOCK_TABLE = BLOCK_CHUNKS * HIDDEN  # 32256: one row of the (3T, 6H) modulation table
-PROJECTION = MODALITIES * BLOCK_TABLE  # 96768 = 18H: one block's adaln_projection output per timestep
-FINAL_PROJECTION = 2 * HIDDEN  # 10752: shift | scale of the final norm
+from h3cute.widths import BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN, TEMB
 
 F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
 # Timesteps in these dtypes are widened exactly to FP32, as diffusers' `timesteps[:, None].float()` does.
@@ -194,18 +185,18 @@ def check_timestep_mlp(x, w1, b1, w2, b2=NO_ARG, grad=NO_ARG):
 
 def _check_temb_projection(op, temb, weight, bias, width, d):
     check_tensor(op, "temb", temb, F32, ("T", TEMB), d, hint=TEMB_DTYPE_HINT)
-    check_tensor(op, "weight" if width == PROJECTION else "proj_weight", weight, BF16, (width, TEMB), d)
+    check_tensor(op, "weight" if width == BLOCK_PROJECTION else "proj_weight", weight, BF16, (width, TEMB), d)
     if bias is not NO_ARG:
-        check_tensor(op, "bias" if width == PROJECTION else "proj_bias", bias, BF16, (width,), d)
+        check_tensor(op, "bias" if width == BLOCK_PROJECTION else "proj_bias", bias, BF16, (width,), d)
 
 
 def check_adaln_projection(temb, weight, bias=NO_ARG, grad=NO_ARG):
     """The forward's arguments, or with `grad` the backward's (which has no bias)."""
     op = "adaln_projection" if grad is NO_ARG else "adaln_projection_backward"
     d = device_of(op, "temb", temb)
-    _check_temb_projection(op, temb, weight, bias, PROJECTION, d)
+    _check_temb_projection(op, temb, weight, bias, BLOCK_PROJECTION, d)
     if grad is not NO_ARG:
-        check_tensor(op, "grad", grad, BF16, ("T", PROJECTION), d)
+        check_tensor(op, "grad", grad, BF16, ("T", BLOCK_PROJECTION), d)
         _rows(op, "grad", grad.shape[0], "temb", temb.shape[0])
 
 

@@ -15,8 +15,8 @@ import threading
 from .sources import map_source_tree_kernels
 from .spec import SM_COUNT, SUPPORTED_ARCHS, KernelSpec, canonical_static
 
-__all__ = ["MAX_ROWS", "row_range", "KernelSpec", "compile_for", "kernel", "kernel_for_arch", "arch_of", "SM_COUNT", "SUPPORTED_ARCHS",
-           "canonical_static"]
+__all__ = ["MAX_ROWS", "row_range", "KernelSpec", "compile_for", "kernel", "kernel_for_arch", "arch_of", "SM_COUNT",
+           "SUPPORTED_ARCHS", "canonical_static"]
 
 log = logging.getLogger("h3cute.runtime")
 
@@ -122,8 +122,8 @@ def _resolve(name: str, arch: str, static: dict, canon: tuple):
                 return fn
             if not dsl_available():
                 raise LookupError(
-                    f"prebuilt bundle H3CUTE_PREBUILT={prebuilt} has no {arch} variant of {name} with static args {static}, "
-                    f"and the CuTe DSL is not installed to compile it; bundled variants: "
+                    f"prebuilt bundle H3CUTE_PREBUILT={prebuilt} has no {arch} variant of {name} with static args "
+                    f"{static}, and the CuTe DSL is not installed to compile it; bundled variants: "
                     f"{bundle.variants_of(name, arch)}"
                 )
             log.warning("prebuilt bundle H3CUTE_PREBUILT=%s lacks %s %s %s; compiling it", prebuilt, name, arch, static)

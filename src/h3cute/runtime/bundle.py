@@ -136,7 +136,8 @@ def _read_bundle(root: Path) -> Bundle:
     return Bundle(root, manifest, symbols)
 
 
-def build_bundle(out: Path, archs: Sequence[str], specs: Iterable[KernelSpec], modules: dict[str, str], log=print) -> dict:
+def build_bundle(out: Path, archs: Sequence[str], specs: Iterable[KernelSpec], modules: dict[str, str],
+                 log=print) -> dict:
     """Compile every variant of `specs` for `archs` into `out`; returns the manifest written."""
     from . import dsl
 

@@ -51,7 +51,8 @@ def digests(archs: Sequence[str], names: Sequence[str] | None = None, log=print,
                 key = f"{arch} {name} {static_key(canonical_static(static))}"
                 out[key] = hashlib.sha256("\n".join(ptxs).encode()).hexdigest()
                 if ptx_dir is not None:
-                    stem = ".".join([arch, name, *(re.sub(r"[^\w-]+", "", f"{k}{v}") for k, v in canonical_static(static))])
+                    parts = (re.sub(r"[^\w-]+", "", f"{k}{v}") for k, v in canonical_static(static))
+                    stem = ".".join([arch, name, *parts])
                     for i, ptx in enumerate(ptxs):
                         (ptx_dir / f"{stem}.{i}.ptx").write_text(ptx)
                 log(f"{key} {out[key][:12]}")

@@ -1,8 +1,8 @@
 """Where the kernel sources live and what identifies them, without importing the CuTe DSL.
 
-The source fingerprint (sha256 over every file of the `h3cute.kernels` package plus runtime/dsl.py)
-keys the disk cache and stamps prebuilt bundles: compiled code is only ever served for the exact
-sources it was built from.
+The source fingerprint (sha256 over every file of the `h3cute.kernels` package plus the host modules the kernels
+compile with, `COMPILE_INPUTS`: runtime/dsl.py and widths.py) keys the disk cache and stamps prebuilt bundles:
+compiled code is only ever served for the exact sources it was built from.
 
 `h3cute.kernels` is always the kernels of the `h3cute` package that was imported: in an installed wheel the
 package's own `h3cute/kernels/`; in a checkout (`<repo>/src/h3cute`, on PYTHONPATH or installed editable) the
@@ -25,6 +25,9 @@ from types import ModuleType
 _RUNTIME_DIR = Path(__file__).resolve().parent
 _PACKAGE_DIR = _RUNTIME_DIR.parent  # the h3cute package that was imported
 _SOURCE_TREE_KERNELS = _RUNTIME_DIR.parents[2] / "kernels"  # <repo>/src/h3cute/runtime -> <repo>/kernels
+# Modules of the h3cute package (paths relative to it) that the kernels read while they compile: the DSL glue and
+# H3's widths. An edit to one of them changes the source fingerprint like an edit to a kernel.
+COMPILE_INPUTS = ("runtime/dsl.py", "widths.py")
 
 
 def _checkout_kernels() -> Path | None:
@@ -76,14 +79,14 @@ def kernels_dir() -> Path:
 
 @functools.cache
 def source_fingerprint() -> str:
-    """sha256 over (relative path, content) of every kernel source file and runtime/dsl.py."""
+    """sha256 over (relative path, content) of every kernel source file and of COMPILE_INPUTS."""
     root = kernels_dir()
     files = sorted(
         (f"kernels/{p.relative_to(root).as_posix()}", p)
         for p in root.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
     )
-    files.append(("runtime/dsl.py", _RUNTIME_DIR / "dsl.py"))
+    files += [(rel, _RUNTIME_DIR.parent / rel) for rel in COMPILE_INPUTS]
     h = hashlib.sha256()
     for rel, path in files:
         h.update(rel.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
