@@ -10,8 +10,8 @@
 # Device `run`: carry [".devstage", ".prebuilt"], command
 #   bash perf/device_run.sh [python3 -m h3cute.bench ...]
 #
-# h3cute is not installed on the device: src/ goes on PYTHONPATH and h3cute.runtime maps the
-# top-level kernels/ folder to h3cute.kernels itself (the installed package-dir mapping's stand-in).
+# h3cute is not installed on the device: src/ goes on PYTHONPATH (h3cute.kernels is src/h3cute/kernels, a link to
+# the top-level kernels/ folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

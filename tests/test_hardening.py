@@ -751,16 +751,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _checkout(folder: Path, marker: str) -> Path:
-    """A copy of this checkout's src/ and kernels/; `marker` in its kernels makes its fingerprint its own."""
+    """A copy of this checkout's src/ (its kernels link kept a link) and kernels/; `marker` in its kernels makes its
+    fingerprint its own."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(REPO / "src", folder / "src", ignore=ignore)
+    shutil.copytree(REPO / "src", folder / "src", ignore=ignore, symlinks=True)
     shutil.copytree(REPO / "kernels", folder / "kernels", ignore=ignore)
+    assert (folder / "src" / "h3cute" / "kernels").is_symlink()
     (folder / "kernels" / "_checkout_marker.py").write_text(f"NAME = {marker!r}\n")
     return folder
 
 
 def _editable_install(site: Path, checkout: Path) -> None:
-    """What `pip install -e checkout` leaves in site-packages: setuptools' import finder and its .pth."""
+    """What `pip install -e checkout` can leave in site-packages: setuptools' import finder and its .pth, here with an
+    explicit mapping of h3cute.kernels to the checkout's kernels/ (the worst case for a second checkout)."""
     from setuptools.command.editable_wheel import _finder_template
 
     site.mkdir()
@@ -797,7 +800,8 @@ def _imports(site: Path | None, pythonpath: Path | None) -> dict:
 
 
 def test_a_second_checkout_on_pythonpath_imports_its_own_kernels(tmp_path):
-    """Before: checkout B's h3cute with checkout A's kernels (the editable finder's mapping won)."""
+    """Checkout B on PYTHONPATH beside an editable install of A takes B's kernels: the ordinary import finds
+    src/h3cute/kernels in B's h3cute before the editable finder is asked."""
     a, b = _checkout(tmp_path / "A", "A"), _checkout(tmp_path / "B", "B")
     _editable_install(tmp_path / "site", a)
     only_a = _imports(tmp_path / "site", None)
@@ -805,7 +809,7 @@ def test_a_second_checkout_on_pythonpath_imports_its_own_kernels(tmp_path):
     assert only_a["marker"] == "A" and only_a["kernels_dir"] == str(a / "kernels")
     b_first = _imports(tmp_path / "site", b / "src")
     assert b_first["h3cute"] == str(b / "src" / "h3cute" / "__init__.py")
-    assert b_first["kernels"] == str(b / "kernels" / "__init__.py")
+    assert Path(b_first["kernels"]).resolve() == b / "kernels" / "__init__.py"
     assert b_first["marker"] == "B" and b_first["kernels_dir"] == str(b / "kernels")
     assert b_first["fingerprint"] != only_a["fingerprint"]
 
@@ -814,8 +818,8 @@ def test_an_installed_package_imports_the_kernels_inside_it(tmp_path):
     """A wheel's layout: h3cute/kernels is a subpackage of the installed h3cute."""
     checkout = _checkout(tmp_path / "C", "wheel")
     installed = tmp_path / "site-packages"
-    shutil.copytree(checkout / "src" / "h3cute", installed / "h3cute")
-    shutil.copytree(checkout / "kernels", installed / "h3cute" / "kernels")
+    shutil.copytree(checkout / "src" / "h3cute", installed / "h3cute")  # a wheel holds the linked files themselves
+    assert not (installed / "h3cute" / "kernels").is_symlink()
     (tmp_path / "kernels").mkdir()  # a stray kernels/ beside site-packages' parent is never taken
     got = _imports(None, installed)
     assert got["h3cute"] == str(installed / "h3cute" / "__init__.py")

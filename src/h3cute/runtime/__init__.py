@@ -12,7 +12,6 @@ import logging
 import os
 import threading
 
-from .sources import map_source_tree_kernels
 from .spec import SM_COUNT, SUPPORTED_ARCHS, KernelSpec, canonical_static
 
 __all__ = ["MAX_ROWS", "row_range", "KernelSpec", "compile_for", "kernel", "kernel_for_arch", "arch_of", "SM_COUNT",
@@ -41,8 +40,6 @@ _by_arch: dict = {}  # (name, arch, canonical static) -> function
 _arch_of_device: dict = {}
 _resolve_lock = threading.RLock()
 _bundle_warned: set = set()  # H3CUTE_PREBUILT values already warned about (a bundle that cannot serve)
-
-map_source_tree_kernels()
 
 
 def __getattr__(attr):
