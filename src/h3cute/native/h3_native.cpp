@@ -1020,8 +1020,7 @@ struct GateResidualNormModulateFn : torch::autograd::Function<GateResidualNormMo
     return {h, out};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto fused = h3_op<std::tuple<T, T, T, T, T, T>(const std::optional<T>&, CT, CT, CT, CT, CT, CT, CT, double,
-                                                           int64_t)>("h3::gate_residual_norm_modulate_backward");
+    static auto normed = h3_op<std::tuple<T, T, T, T>(CT, CT, CT, CT, CT, double, int64_t)>("h3::norm_modulate_backward");
     static auto gated = h3_op<std::tuple<T, T>(CT, CT, CT, CT)>("h3::gate_residual_backward");
     auto s = ctx->get_saved_variables();
     const T& grad_h = grads[0];
@@ -1032,10 +1031,14 @@ struct GateResidualNormModulateFn : torch::autograd::Function<GateResidualNormMo
       auto [dy, dgate] = gated.call(g, s[0], s[1], s[5]);
       return {g, dy, dgate, T(), T(), T(), T(), T(), T()};
     }
-    std::optional<T> gh = grad_h.defined() ? std::optional<T>(grad_h.contiguous()) : std::nullopt;
-    auto [dres, dy, dgate, dweight, dshift, dscale] =
-        fused.call(gh, grad_out.contiguous(), s[0], s[1], s[2], s[3], s[4], s[5], ctx->saved_data["eps"].toDouble(),
-                   ctx->saved_data["table_rows"].toInt());
+    // The two-op chain's backward, op by op (each on its C++ fast path where it has one): norm_modulate's on h,
+    // h's gradient summed as autograd sums it, then gate_residual's. The fused backward op gives the same bits
+    // (its launcher runs the same sequence); composing here keeps the whole backward off Python.
+    auto [dx, dweight, dshift, dscale] =
+        normed.call(grad_out.contiguous(), s[2], s[3], s[4], s[5], ctx->saved_data["eps"].toDouble(),
+                    ctx->saved_data["table_rows"].toInt());
+    T dres = grad_h.defined() ? at::add(grad_h, dx) : dx;
+    auto [dy, dgate] = gated.call(dres, s[0], s[1], s[5]);
     return {dres, dy, dgate, dweight, dshift, dscale, T(), T(), T()};
   }
 };
