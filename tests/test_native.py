@@ -247,7 +247,7 @@ def test_final_adaln_out_cpp_equals_python_impl(timesteps):
     ti = torch.randint(0, timesteps, (rows,), device="cuda")
     for check in (False, True):
         assert same_bits(torch.ops.h3.final_adaln_out(x, nw, temb, pw, pb, ti, 1e-6, check),
-                           adaln._final_cuda(x, nw, temb, pw, pb, ti, 1e-6, check))
+                           adaln.FINAL.cuda_impl(x, nw, temb, pw, pb, ti, 1e-6, check))
 
 
 @gpu
@@ -374,7 +374,7 @@ def test_cpp_autograd_gives_the_backward_ops_gradients():
     pw = _seeded((FINAL_PROJECTION, TEMB), 24, torch.bfloat16, 0.02)
     pb = _seeded((FINAL_PROJECTION,), 25, torch.bfloat16, 0.02)
     out, grads = _autograd_grads("final_adaln_out", (x, weight, temb, pw, pb, ti, 1e-6, False), g)
-    assert same_bits(out, adaln._final_cuda(x, weight, temb, pw, pb, ti, 1e-6, False))
+    assert same_bits(out, adaln.FINAL.cuda_impl(x, weight, temb, pw, pb, ti, 1e-6, False))
     assert same_bits(grads, adaln._final_backward_cuda(g, x, weight, temb, pw, pb, ti, 1e-6))
 
     xm = _seeded((5, FREQ), 26)
