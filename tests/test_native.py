@@ -1,6 +1,8 @@
 """The C++ op layer (h3cute.native): it builds against the installed torch, registers C++ CUDA impls, and on
 the GPU gives the Python impl's bits, messages and stream behaviour."""
+import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import torch
 import h3cute
 from h3cute import native, reference
 from h3cute.launch import checks
-from h3cute.ops import adaln, timestep
+from h3cute.ops import _library, adaln, timestep
 from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN,
                            NORM_EPS, TEMB)
 
@@ -83,6 +85,30 @@ def test_builds_against_this_torch_and_registers_the_cuda_impl(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == str(list(NATIVE_OPS)) and "building" not in proc.stderr, proc.stderr
+
+
+def _declared_ops():
+    """Every `Op` declared in h3cute.ops (forward and backward ops included)."""
+    found = [v for m in (adaln, timestep) for v in vars(m).values() if isinstance(v, _library.Op)]
+    for op in list(found):
+        found += [o for o in (op.forward_op, op.backward_op) if o is not None]
+    return found
+
+
+def test_python_impls_the_cpp_layer_hands_off_to_are_the_declared_cuda_impls():
+    """Off its fast path each C++ CUDA impl calls `<module>.<name>` (h3_native.cpp's python_impl): every such name
+    is bound to a declared op's Python CUDA impl, and the C++ ops all have one."""
+    calls = re.findall(r'python_impl<.*?>\(\s*"([\w.]+)",\s*"(\w+)"', native.SOURCE.read_text())
+    declared = {op.name: op for op in _declared_ops()}
+    by_impl = {id(op.cuda_impl): name for name, op in declared.items()}
+    called = set()
+    for module, name in calls:
+        impl = getattr(importlib.import_module(module), name)
+        assert id(impl) in by_impl, f"{module}.{name} is no declared op's cuda_impl"
+        called.add(by_impl[id(impl)])
+    # final_adaln_out's C++ impl hands off to final_adaln_out_fwd's and keeps its first output.
+    assert called == set(NATIVE_OPS) - {"final_adaln_out"}
+    assert set(NATIVE_OPS) <= set(declared)
 
 
 def test_load_builds_where_cuda_is_visible_unless_disabled(monkeypatch):
