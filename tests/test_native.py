@@ -87,19 +87,11 @@ def test_builds_against_this_torch_and_registers_the_cuda_impl(tmp_path):
     assert proc.stdout.strip() == str(list(NATIVE_OPS)) and "building" not in proc.stderr, proc.stderr
 
 
-def _declared_ops():
-    """Every `Op` declared in h3cute.ops (forward and backward ops included)."""
-    found = [v for m in (adaln, timestep) for v in vars(m).values() if isinstance(v, _library.Op)]
-    for op in list(found):
-        found += [o for o in (op.forward_op, op.backward_op) if o is not None]
-    return found
-
-
 def test_python_impls_the_cpp_layer_hands_off_to_are_the_declared_cuda_impls():
     """Off its fast path each C++ CUDA impl calls `<module>.<name>` (h3_native.cpp's python_impl): every such name
     is bound to a declared op's Python CUDA impl, and the C++ ops all have one."""
     calls = re.findall(r'python_impl<.*?>\(\s*"([\w.]+)",\s*"(\w+)"', native.SOURCE.read_text())
-    declared = {op.name: op for op in _declared_ops()}
+    declared = _library.DECLARED
     by_impl = {id(op.cuda_impl): name for name, op in declared.items()}
     called = set()
     for module, name in calls:

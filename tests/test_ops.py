@@ -86,6 +86,25 @@ def test_every_documented_schema_is_registered_exactly():
     assert {s.split("(", 1)[0] for s in schemas} == set(R.OPS) | set(BACKWARD.values()) | set(FORWARD.values())
 
 
+def test_every_registered_op_is_declared_once_with_its_schema():
+    registered = {n for n in dir(torch.ops.h3) if isinstance(getattr(torch.ops.h3, n), torch._ops.OpOverloadPacket)}
+    assert set(_library.DECLARED) == registered
+    for name, op in _library.DECLARED.items():
+        schema = getattr(torch.ops.h3, name).default._schema
+        assert schema == torch._C.parse_schema("h3::" + op.schema)
+        assert _library._argument_names(op.schema) == [a.name for a in schema.arguments]  # rows resolves by these
+        assert op.rows is None or op.rows in _library._argument_names(op.schema)
+
+
+def test_declare_refuses_a_row_argument_the_op_lacks_and_half_an_autograd():
+    body = lambda *args: None  # noqa: E731
+    with pytest.raises(ValueError, match=r"h3::h3_test_rows: rows names 'y', not an argument of the op"):
+        _library.declare(_library.Op("h3_test_rows(Tensor x) -> Tensor", body, body, body, body, rows="y"))
+    with pytest.raises(ValueError, match=r"h3::h3_test_grad: an autograd declaration needs both"):
+        _library.declare(_library.Op("h3_test_grad(Tensor x) -> Tensor", body, body, body, body, backward=body))
+    assert not hasattr(torch.ops.h3, "h3_test_rows") and not hasattr(torch.ops.h3, "h3_test_grad")
+
+
 def _opcheck_utils(op):
     # adaln_projection's 520 MB weight makes aot_dispatch_dynamic take minutes on 2 CPU cores; its tracing
     # is covered by test_torch_compile_fullgraph_traces_forward_and_backward.

@@ -134,6 +134,9 @@ def _zeroed(out):
     return type(out)(t.zero_() for t in out)
 
 
+DECLARED: dict[str, Op] = {}  # every declared op (backward and autograd-forward ops included), by name
+
+
 def declare(op: Op) -> Op:
     """Defines `h3::<op.name>` from its declaration, then its `forward_op` and `backward_op`, then its
     autograd: the CPU impl, the CUDA impl (the C++ one where `h3cute.native` has it; a Python one first raises
@@ -141,7 +144,12 @@ def declare(op: Op) -> Op:
     (meta) impl, the autocast kernels and, with `backward`, the autograd kernel (the C++ one where
     `h3cute.native` has it). Returns `op`."""
     name = op.name
+    if op.rows is not None and op.rows not in _argument_names(op.schema):
+        raise ValueError(f"h3::{name}: rows names {op.rows!r}, not an argument of the op")
+    if (op.backward is None) != (op.setup_context is None):
+        raise ValueError(f"h3::{name}: an autograd declaration needs both backward and setup_context")
     LIB.define(op.schema)
+    DECLARED[name] = op
     LIB.impl(name, op.cpu_impl, "CPU")
     if name not in NATIVE_OPS:
         LIB.impl(name, _checked(op, op.cuda, rows=op.rows, pending=True), "CUDA")
