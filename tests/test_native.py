@@ -1,6 +1,8 @@
 """The C++ op layer (h3cute.native): it builds against the installed torch, registers C++ CUDA impls, and on
 the GPU gives the Python impl's bits, messages and stream behaviour."""
+import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import torch
 import h3cute
 from h3cute import native, reference
 from h3cute.launch import checks
-from h3cute.ops import adaln, timestep
+from h3cute.ops import _library, adaln, timestep
 from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN,
                            NORM_EPS, TEMB)
 
@@ -83,6 +85,22 @@ def test_builds_against_this_torch_and_registers_the_cuda_impl(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == str(list(NATIVE_OPS)) and "building" not in proc.stderr, proc.stderr
+
+
+def test_python_impls_the_cpp_layer_hands_off_to_are_the_declared_cuda_impls():
+    """Off its fast path each C++ CUDA impl calls `<module>.<name>` (h3_native.cpp's python_impl): every such name
+    is bound to a declared op's Python CUDA impl, and the C++ ops all have one."""
+    calls = re.findall(r'python_impl<.*?>\(\s*"([\w.]+)",\s*"(\w+)"', native.SOURCE.read_text())
+    declared = _library.DECLARED
+    by_impl = {id(op.cuda_impl): name for name, op in declared.items()}
+    called = set()
+    for module, name in calls:
+        impl = getattr(importlib.import_module(module), name)
+        assert id(impl) in by_impl, f"{module}.{name} is no declared op's cuda_impl"
+        called.add(by_impl[id(impl)])
+    # final_adaln_out's C++ impl hands off to final_adaln_out_fwd's and keeps its first output.
+    assert called == set(NATIVE_OPS) - {"final_adaln_out"}
+    assert set(NATIVE_OPS) <= set(declared)
 
 
 def test_load_builds_where_cuda_is_visible_unless_disabled(monkeypatch):
@@ -247,7 +265,7 @@ def test_final_adaln_out_cpp_equals_python_impl(timesteps):
     ti = torch.randint(0, timesteps, (rows,), device="cuda")
     for check in (False, True):
         assert same_bits(torch.ops.h3.final_adaln_out(x, nw, temb, pw, pb, ti, 1e-6, check),
-                           adaln._final_cuda(x, nw, temb, pw, pb, ti, 1e-6, check))
+                           adaln.FINAL.cuda_impl(x, nw, temb, pw, pb, ti, 1e-6, check))
 
 
 @gpu
@@ -374,7 +392,7 @@ def test_cpp_autograd_gives_the_backward_ops_gradients():
     pw = _seeded((FINAL_PROJECTION, TEMB), 24, torch.bfloat16, 0.02)
     pb = _seeded((FINAL_PROJECTION,), 25, torch.bfloat16, 0.02)
     out, grads = _autograd_grads("final_adaln_out", (x, weight, temb, pw, pb, ti, 1e-6, False), g)
-    assert same_bits(out, adaln._final_cuda(x, weight, temb, pw, pb, ti, 1e-6, False))
+    assert same_bits(out, adaln.FINAL.cuda_impl(x, weight, temb, pw, pb, ti, 1e-6, False))
     assert same_bits(grads, adaln._final_backward_cuda(g, x, weight, temb, pw, pb, ti, 1e-6))
 
     xm = _seeded((5, FREQ), 26)

@@ -1,5 +1,6 @@
 """torch.ops.h3 on CPU: schemas, opcheck, torch.compile tracing, autograd, empty inputs, and the CUDA
 path's behaviour while a launch module is missing. Validation errors are in test_ops_validation.py."""
+import dataclasses
 import pathlib
 import re
 
@@ -46,9 +47,9 @@ def upstream(out, seed=9):
     return torch.randn(out.shape, generator=g).to(out.dtype)
 
 
-def backward_args(op):
-    """Arguments of `h3::<op>_backward` for the cached inputs, in schema order."""
-    a = inputs(op)
+def backward_args(op, a=None):
+    """Arguments of `h3::<op>_backward` for the cached inputs (or the forward arguments `a`), in schema order."""
+    a = inputs(op) if a is None else a
     grad = upstream(getattr(torch.ops.h3, op)(*a))
     if op == "timestep_mlp":
         return [grad, *a[:4]]
@@ -83,6 +84,25 @@ def test_every_documented_schema_is_registered_exactly():
         name = s.split("(", 1)[0]
         assert getattr(torch.ops.h3, name).default._schema == torch._C.parse_schema("h3::" + s), name
     assert {s.split("(", 1)[0] for s in schemas} == set(R.OPS) | set(BACKWARD.values()) | set(FORWARD.values())
+
+
+def test_every_registered_op_is_declared_once_with_its_schema():
+    registered = {n for n in dir(torch.ops.h3) if isinstance(getattr(torch.ops.h3, n), torch._ops.OpOverloadPacket)}
+    assert set(_library.DECLARED) == registered
+    for name, op in _library.DECLARED.items():
+        schema = getattr(torch.ops.h3, name).default._schema
+        assert schema == torch._C.parse_schema("h3::" + op.schema)
+        assert _library._argument_names(op.schema) == [a.name for a in schema.arguments]  # rows resolves by these
+        assert op.rows is None or op.rows in _library._argument_names(op.schema)
+
+
+def test_declare_refuses_a_row_argument_the_op_lacks_and_half_an_autograd():
+    body = lambda *args: None  # noqa: E731
+    with pytest.raises(ValueError, match=r"h3::h3_test_rows: rows names 'y', not an argument of the op"):
+        _library.declare(_library.Op("h3_test_rows(Tensor x) -> Tensor", body, body, body, body, rows="y"))
+    with pytest.raises(ValueError, match=r"h3::h3_test_grad: an autograd declaration needs both"):
+        _library.declare(_library.Op("h3_test_grad(Tensor x) -> Tensor", body, body, body, body, backward=body))
+    assert not hasattr(torch.ops.h3, "h3_test_rows") and not hasattr(torch.ops.h3, "h3_test_grad")
 
 
 def _opcheck_utils(op):
@@ -364,6 +384,48 @@ def test_empty_rows_give_empty_outputs_and_zero_parameter_gradients(op):
                 assert x.grad.shape == x.shape and x.grad.count_nonzero() == 0
 
 
+def _nan_fake(declared):
+    """`declared` with a fake impl whose outputs are NaN-filled."""
+    def fake(*args):
+        out = declared.fake(*args)
+        for o in _flat(out):
+            o.fill_(float("nan"))
+        return out
+
+    return dataclasses.replace(declared, fake=fake)
+
+
+def _assert_same_values(got, want):
+    got, want = _flat(got), _flat(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("op", R.OPS)
+def test_cuda_impls_serve_no_rows_without_a_launch(monkeypatch, op):
+    """The declared `rows` argument with no rows: the Python CUDA impls return the CPU impls' outputs (shapes,
+    dtypes, zero reductions; values compared, since the CPU reference may give -0 where the CUDA impl gives +0)
+    and launch nothing (the launch modules are stand-ins that raise). The fake impls that shape the outputs are
+    NaN-filled here, so an output the library does not zero fails."""
+    module, launch, _, declaration = next(c for c in CUDA_IMPLS if c[2] == op)
+    mod = __import__(f"h3cute.ops.{module}", fromlist=["_"])
+    monkeypatch.setattr(mod, launch, _library.MissingLaunch(op))
+    declared = getattr(mod, declaration)
+    a = _empty_args(op)
+    checked = []
+    if declared.rows is not None:
+        _assert_same_values(_nan_fake(declared).cuda_impl(*a), getattr(torch.ops.h3, op)(*a))
+        checked.append(op)
+    if declared.backward_op is not None and declared.backward_op.rows is not None:
+        b = backward_args(op, a)
+        want = getattr(torch.ops.h3, BACKWARD[op])(*b)
+        assert any(w.numel() and w.count_nonzero() == 0 for w in _flat(want)) or op == "adaln_projection"
+        _assert_same_values(_nan_fake(declared.backward_op).cuda_impl(*b), want)
+        checked.append(BACKWARD[op])
+    assert checked  # every op declares its row argument (final_adaln_out's forward: its launcher serves no rows)
+
+
 # ---- the CUDA impls while a launch module is missing (no GPU needed) -----------------------------------
 
 def test_resolve_launch_reports_a_missing_module(monkeypatch):
@@ -373,27 +435,32 @@ def test_resolve_launch_reports_a_missing_module(monkeypatch):
         stub.forward()
 
 
-CUDA_IMPLS = [  # (module, launch attribute, CUDA impl of the op, CUDA impl of its backward)
-    ("timestep", "_SINUSOID", "timestep_sinusoid", "_sinusoid_cuda", None),
-    ("timestep", "_MLP", "timestep_mlp", "_mlp_cuda", "_mlp_backward_cuda"),
-    ("adaln", "_PROJECTION", "adaln_projection", "_projection_cuda", "_projection_backward_cuda"),
-    ("adaln", "_ROW_GATHER", "adaln_row_gather", "_gather_cuda", "_gather_backward_cuda"),
-    ("adaln", "_NORM_MODULATE", "norm_modulate", "_norm_modulate_cuda", "_norm_modulate_backward_cuda"),
-    ("adaln", "_GATE_RESIDUAL", "gate_residual", "_gate_residual_cuda", "_gate_residual_backward_cuda"),
-    ("adaln", "_GATE_RESIDUAL_NORM_MODULATE", "gate_residual_norm_modulate", "_fused_cuda", "_fused_backward_cuda"),
-    ("adaln", "_FINAL", "final_adaln_out", "_final_cuda", "_final_backward_cuda"),
+CUDA_IMPLS = [  # (module, launch attribute, op, its declaration)
+    ("timestep", "_SINUSOID", "timestep_sinusoid", "SINUSOID"),
+    ("timestep", "_MLP", "timestep_mlp", "MLP"),
+    ("adaln", "_PROJECTION", "adaln_projection", "PROJECTION"),
+    ("adaln", "_ROW_GATHER", "adaln_row_gather", "ROW_GATHER"),
+    ("adaln", "_NORM_MODULATE", "norm_modulate", "NORM_MODULATE"),
+    ("adaln", "_GATE_RESIDUAL", "gate_residual", "GATE_RESIDUAL"),
+    ("adaln", "_GATE_RESIDUAL_NORM_MODULATE", "gate_residual_norm_modulate", "GATE_RESIDUAL_NORM_MODULATE"),
+    ("adaln", "_FINAL", "final_adaln_out", "FINAL"),
 ]
 
 
-@pytest.mark.parametrize("module, launch, op, fwd, bwd", CUDA_IMPLS, ids=[c[2] for c in CUDA_IMPLS])
-def test_cuda_impl_raises_not_implemented_without_its_launch_module(monkeypatch, module, launch, op, fwd, bwd):
+@pytest.mark.parametrize("module, launch, op, declaration", CUDA_IMPLS, ids=[c[2] for c in CUDA_IMPLS])
+def test_cuda_impl_raises_not_implemented_without_its_launch_module(monkeypatch, module, launch, op, declaration):
     mod = __import__(f"h3cute.ops.{module}", fromlist=["_"])
     monkeypatch.setattr(mod, launch, _library.MissingLaunch(op))
+    declared = getattr(mod, declaration)
+    assert declared.name == op
     with pytest.raises(NotImplementedError, match=rf"h3::{op}: the CUDA kernel is not built yet"):
-        getattr(mod, fwd)(*inputs(op))
-    if bwd is not None:
+        declared.cuda_impl(*inputs(op))
+    if declared.backward_op is not None:
         with pytest.raises(NotImplementedError, match=rf"h3::{op}: the CUDA kernel is not built yet"):
-            getattr(mod, bwd)(*backward_args(op))
+            declared.backward_op.cuda_impl(*backward_args(op))
+    if declared.forward_op is not None:
+        with pytest.raises(NotImplementedError, match=rf"h3::{op}: the CUDA kernel is not built yet"):
+            declared.forward_op.cuda_impl(*inputs(op))
 
 
 def test_cuda_impl_calls_the_launch_module_with_schema_arguments(monkeypatch):

@@ -1,4 +1,8 @@
-"""The `h3` op namespace and the lookup of each op's CUDA launch module.
+"""The `h3` op namespace, the op declaration (`Op`, `declare`) and the lookup of each op's CUDA launch module.
+
+Each op is one `Op`: its schema, its checks, the bodies of its CPU, CUDA and fake impls, its BF16 arguments, its
+row argument and its autograd (the backward op, declared inside it, with `setup_context` and `backward`).
+`declare` registers all of it; the checks run once in front of every impl, so an impl body sees checked inputs.
 
 `torch.library.Library("h3", "DEF")` plus `impl` costs about 8 us per call on the H200 against about 16 us
 for `@torch.library.custom_op`, so every op is defined through this one Library object.
@@ -33,7 +37,12 @@ Launch modules (`h3cute.launch.<op>`) are resolved once, at import. An op whose 
 stand-in whose `forward`/`backward` raise `NotImplementedError`: the CUDA path never falls back to a
 library call that is not batch-invariant.
 """
+from __future__ import annotations
+
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import _C
@@ -47,28 +56,111 @@ NATIVE_OPS = native.native_ops()
 NATIVE_AUTOGRAD_OPS = native.native_autograd_ops()
 
 
-def define(schema: str, cpu, cuda, fake, bf16: tuple[str, ...] = ()) -> str:
-    """Defines `h3::<schema>` with its CPU and CUDA impls (the CUDA one in C++ where `h3cute.native` has
-    it), its fake (meta) impl and its autocast kernels; `bf16` names the tensor arguments the op requires in BF16
-    (the others are FP32 or int64). Returns the qualified name `h3::<op>`. A CUDA call first raises any bad input
-    an earlier call's kernels recorded (h3cute.launch.checks; the C++ impls do the same)."""
-    name = schema.split("(", 1)[0]
-    LIB.define(schema)
-    LIB.impl(name, cpu, "CPU")
-    if name not in NATIVE_OPS:
-        LIB.impl(name, _raising_pending(cuda), "CUDA")
-    torch.library.register_fake(f"h3::{name}", fake, lib=LIB)
-    _register_autocast(name, bf16)
-    return f"h3::{name}"
+@dataclass(frozen=True, eq=False)
+class Op:
+    """One `h3` op, declared once; `declare` registers everything below from it.
+
+    `schema`: the op's `torch.library` schema. `check(*args)`: the attribute checks (`h3cute.ops.validate`), run
+    before each impl with the op's arguments. `cpu`, `cuda`, `fake`: the impls' bodies, given checked arguments
+    (`cpu` the reference and any value checks, `cuda` the launch, `fake` the outputs' shapes). `bf16`: the
+    tensor arguments the op takes in BF16, which its autocast kernels cast (the others are FP32 or int64).
+    `rows`: the argument whose first dimension is the row count, for ops whose outputs with no rows need no
+    kernel: then the CUDA impl returns the fake impl's outputs zero-filled (a reduction over no rows is zero)
+    without a launch. Autograd: `backward_op` (declared with this op), `setup_context(ctx, inputs, output)` and
+    `backward(ctx, *grads)` as `register_autograd` takes them, `forward_op` the op autograd runs instead
+    (declared with this op; see `register_autograd`).
+    """
+
+    schema: str
+    check: Callable
+    cpu: Callable
+    cuda: Callable
+    fake: Callable
+    bf16: tuple[str, ...] = ()
+    rows: str | None = None
+    backward_op: Op | None = None
+    setup_context: Callable | None = None
+    backward: Callable | None = None
+    forward_op: Op | None = None
+
+    @property
+    def name(self) -> str:
+        return self.schema.split("(", 1)[0]
+
+    @cached_property
+    def cpu_impl(self):
+        """The CPU impl: `check`, then `cpu`."""
+        return _checked(self, self.cpu)
+
+    @cached_property
+    def cuda_impl(self):
+        """The Python CUDA impl: `check`, the no-row case, then `cuda`. The C++ layer calls it (by its module
+        name, `_<op>_cuda`) for every input off its fast path."""
+        return _checked(self, self.cuda, rows=self.rows)
+
+    @cached_property
+    def fake_impl(self):
+        """The fake (meta) impl: `check`, then `fake`."""
+        return _checked(self, self.fake)
 
 
-def _raising_pending(cuda):
+def _checked(op: Op, body, rows: str | None = None, pending: bool = False):
+    """`body` behind `op.check` (and, with `pending`, h3cute.launch.checks' pending errors first); with `rows`,
+    an input with no rows returns `op.fake`'s outputs zero-filled instead of calling `body`."""
+    check, fake = op.check, op.fake
+    row = _argument_names(op.schema).index(rows) if rows is not None else -1
+
     def impl(*args):
-        checks.raise_pending()
-        return cuda(*args)
+        if pending:
+            checks.raise_pending()
+        check(*args)
+        if row >= 0 and args[row].shape[0] == 0:
+            return _zeroed(fake(*args))
+        return body(*args)
 
-    impl.__name__ = cuda.__name__
+    impl.__name__ = f"{op.name}_{getattr(body, '__name__', 'impl')}"
     return impl
+
+
+def _argument_names(schema: str) -> list[str]:
+    """The argument names of a schema string (`Type name[=default]`, comma separated, no nested commas)."""
+    arguments = schema.split("(", 1)[1].rsplit(") ->", 1)[0]
+    return [a.split("=", 1)[0].split()[-1] for a in arguments.split(",")]
+
+
+def _zeroed(out):
+    if isinstance(out, torch.Tensor):
+        return out.zero_()
+    return type(out)(t.zero_() for t in out)
+
+
+DECLARED: dict[str, Op] = {}  # every declared op (backward and autograd-forward ops included), by name
+
+
+def declare(op: Op) -> Op:
+    """Defines `h3::<op.name>` from its declaration, then its `forward_op` and `backward_op`, then its
+    autograd: the CPU impl, the CUDA impl (the C++ one where `h3cute.native` has it; a Python one first raises
+    any bad input an earlier call's kernels recorded, h3cute.launch.checks, as the C++ impls do), the fake
+    (meta) impl, the autocast kernels and, with `backward`, the autograd kernel (the C++ one where
+    `h3cute.native` has it). Returns `op`."""
+    name = op.name
+    if op.rows is not None and op.rows not in _argument_names(op.schema):
+        raise ValueError(f"h3::{name}: rows names {op.rows!r}, not an argument of the op")
+    if (op.backward is None) != (op.setup_context is None):
+        raise ValueError(f"h3::{name}: an autograd declaration needs both backward and setup_context")
+    LIB.define(op.schema)
+    DECLARED[name] = op
+    LIB.impl(name, op.cpu_impl, "CPU")
+    if name not in NATIVE_OPS:
+        LIB.impl(name, _checked(op, op.cuda, rows=op.rows, pending=True), "CUDA")
+    torch.library.register_fake(f"h3::{name}", op.fake_impl, lib=LIB)
+    _register_autocast(name, op.bf16)
+    for linked in (op.forward_op, op.backward_op):
+        if linked is not None:
+            declare(linked)
+    if op.backward is not None:
+        register_autograd(name, op.backward, op.setup_context, op.forward_op.name if op.forward_op else None)
+    return op
 
 
 _AUTOCAST_KEYS = _C.DispatchKeySet(_C.DispatchKey.AutocastCPU) | _C.DispatchKeySet(_C.DispatchKey.AutocastCUDA)

@@ -19,10 +19,9 @@ import torch.nn.functional as F
 
 from h3cute import reference
 from h3cute.ops import validate
-from h3cute.ops._library import define, register_autograd, resolve_launch
+from h3cute.ops._library import Op, declare, resolve_launch
 from h3cute.ops.validate import BF16, NO_ARG
-from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN, MODALITIES, NORM_EPS,
-                           TEMB)
+from h3cute.widths import BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, HIDDEN, MODALITIES, NORM_EPS
 
 _INDICES = resolve_launch("adaln_indices")
 _PROJECTION = resolve_launch("adaln_projection")
@@ -47,7 +46,7 @@ def adaln_indices(timestep_indices: torch.Tensor, token_tags: torch.Tensor, num_
     return torch.ops.h3.adaln_indices(timestep_indices, token_tags, num_timesteps)
 
 
-def _check_index_pair(timestep_indices, token_tags):
+def _check_index_pair(timestep_indices, token_tags, num_timesteps):
     op = "adaln_indices"
     d = validate.device_of(op, "timestep_indices", timestep_indices)
     validate.check_index_tensor(op, "timestep_indices", timestep_indices, d)
@@ -61,25 +60,19 @@ def _check_index_pair(timestep_indices, token_tags):
 
 def _adaln_indices_cpu(timestep_indices, token_tags, num_timesteps):
     op = "adaln_indices"
-    _check_index_pair(timestep_indices, token_tags)
     validate.check_indices(op, "timestep_indices", timestep_indices, num_timesteps,
                            f"num_timesteps = {num_timesteps}")
     validate.check_indices(op, "token_tags", token_tags, MODALITIES, "tags are 0 video, 1 text, 2 audio")
     return timestep_indices * MODALITIES + token_tags
 
 
-def _adaln_indices_cuda(timestep_indices, token_tags, num_timesteps):
-    _check_index_pair(timestep_indices, token_tags)
-    return _INDICES.forward(timestep_indices, token_tags, num_timesteps)
-
-
-def _adaln_indices_fake(timestep_indices, token_tags, num_timesteps):
-    _check_index_pair(timestep_indices, token_tags)
-    return torch.empty_like(timestep_indices)
-
-
-define("adaln_indices(Tensor timestep_indices, Tensor token_tags, int num_timesteps) -> Tensor",
-       _adaln_indices_cpu, _adaln_indices_cuda, _adaln_indices_fake)
+INDICES = declare(Op(
+    "adaln_indices(Tensor timestep_indices, Tensor token_tags, int num_timesteps) -> Tensor",
+    check=_check_index_pair,
+    cpu=_adaln_indices_cpu,
+    cuda=lambda *args: _INDICES.forward(*args),
+    fake=lambda timestep_indices, token_tags, num_timesteps: torch.empty_like(timestep_indices),
+))
 
 
 def _check_table_indices(op, idx, rows):
@@ -122,40 +115,6 @@ def _table_sum(rows_grad, idx, table_rows):
 
 # ---- adaln_projection ----------------------------------------------------------------------------------
 
-def _projection_cpu(temb, weight, bias):
-    validate.check_adaln_projection(temb, weight, bias)
-    return reference.adaln_projection_replay(temb, weight, bias)
-
-
-def _projection_cuda(temb, weight, bias):
-    validate.check_adaln_projection(temb, weight, bias)
-    if temb.shape[0] == 0:
-        return weight.new_empty((0, BLOCK_PROJECTION))
-    return _PROJECTION.forward(temb, weight, bias)
-
-
-def _projection_fake(temb, weight, bias):
-    validate.check_adaln_projection(temb, weight, bias)
-    return weight.new_empty((temb.shape[0], BLOCK_PROJECTION))
-
-
-def _projection_backward_cpu(grad, temb, weight):
-    validate.check_adaln_projection(temb, weight, grad=grad)
-    return _projection_backward_fp32(grad.float(), temb, weight)
-
-
-def _projection_backward_cuda(grad, temb, weight):
-    validate.check_adaln_projection(temb, weight, grad=grad)
-    if temb.shape[0] == 0:
-        return temb.new_empty((0, TEMB)), torch.zeros_like(weight), weight.new_zeros((BLOCK_PROJECTION,))
-    return _PROJECTION.backward(grad, temb, weight)
-
-
-def _projection_backward_fake(grad, temb, weight):
-    validate.check_adaln_projection(temb, weight, grad=grad)
-    return torch.empty_like(temb), torch.empty_like(weight), weight.new_empty((BLOCK_PROJECTION,))
-
-
 def _projection_setup_context(ctx, inputs, output):
     temb, weight, _ = inputs
     ctx.save_for_backward(temb, weight)
@@ -166,55 +125,40 @@ def _projection_backward(ctx, grad):
     return torch.ops.h3.adaln_projection_backward(grad.contiguous(), temb, weight)
 
 
-define("adaln_projection(Tensor temb, Tensor weight, Tensor bias) -> Tensor", _projection_cpu, _projection_cuda,
-       _projection_fake, bf16=("weight", "bias"))
-define(
-    "adaln_projection_backward(Tensor grad, Tensor temb, Tensor weight) "
-    "-> (Tensor dtemb, Tensor dweight, Tensor dbias)",
-    _projection_backward_cpu,
-    _projection_backward_cuda,
-    _projection_backward_fake,
-    bf16=("grad", "weight"),
-)
-register_autograd("adaln_projection", _projection_backward, _projection_setup_context)
+PROJECTION = declare(Op(
+    "adaln_projection(Tensor temb, Tensor weight, Tensor bias) -> Tensor",
+    check=validate.check_adaln_projection,
+    cpu=reference.adaln_projection_replay,
+    cuda=lambda *args: _PROJECTION.forward(*args),
+    fake=lambda temb, weight, bias: weight.new_empty((temb.shape[0], BLOCK_PROJECTION)),
+    bf16=("weight", "bias"),
+    rows="temb",
+    backward_op=Op(
+        "adaln_projection_backward(Tensor grad, Tensor temb, Tensor weight) "
+        "-> (Tensor dtemb, Tensor dweight, Tensor dbias)",
+        check=lambda grad, temb, weight: validate.check_adaln_projection(temb, weight, grad=grad),
+        cpu=lambda grad, temb, weight: _projection_backward_fp32(grad.float(), temb, weight),
+        cuda=lambda *args: _PROJECTION.backward(*args),
+        fake=lambda grad, temb, weight: (torch.empty_like(temb), torch.empty_like(weight),
+                                         weight.new_empty((BLOCK_PROJECTION,))),
+        bf16=("grad", "weight"),
+        rows="temb",
+    ),
+    setup_context=_projection_setup_context,
+    backward=_projection_backward,
+))
 
 
 # ---- adaln_row_gather ----------------------------------------------------------------------------------
 
 def _gather_cpu(table, adaln_indices, check_indices=True):
-    validate.check_adaln_row_gather(table, adaln_indices)
     if check_indices:
         _check_table_indices("adaln_row_gather", adaln_indices, table.shape[0])
     return reference.adaln_row_gather_replay(table, adaln_indices)
 
 
-def _gather_cuda(table, adaln_indices, check_indices=True):
-    validate.check_adaln_row_gather(table, adaln_indices)
-    if adaln_indices.shape[0] == 0:
-        return [table.new_empty((0, HIDDEN)) for _ in range(BLOCK_CHUNKS)]
-    return _ROW_GATHER.forward(table, adaln_indices, check_indices)
-
-
-def _gather_fake(table, adaln_indices, check_indices=True):
-    validate.check_adaln_row_gather(table, adaln_indices)
-    return [table.new_empty((adaln_indices.shape[0], HIDDEN)) for _ in range(BLOCK_CHUNKS)]
-
-
 def _gather_backward_cpu(grads, adaln_indices, table_rows):
-    validate.check_adaln_row_gather_backward(grads, adaln_indices, table_rows)
     return torch.cat([_table_sum(g.float(), adaln_indices, table_rows) for g in grads], dim=1).to(BF16)
-
-
-def _gather_backward_cuda(grads, adaln_indices, table_rows):
-    validate.check_adaln_row_gather_backward(grads, adaln_indices, table_rows)
-    if adaln_indices.shape[0] == 0:
-        return grads[0].new_zeros((table_rows, BLOCK_TABLE))
-    return _ROW_GATHER.backward(grads, adaln_indices, table_rows)
-
-
-def _gather_backward_fake(grads, adaln_indices, table_rows):
-    validate.check_adaln_row_gather_backward(grads, adaln_indices, table_rows)
-    return grads[0].new_empty((table_rows, BLOCK_TABLE))
 
 
 def _gather_setup_context(ctx, inputs, output):
@@ -232,69 +176,54 @@ def _gather_backward(ctx, grads):
     return (dtable, None, None)[: len(ctx.needs_input_grad)]
 
 
-define(
+ROW_GATHER = declare(Op(
     "adaln_row_gather(Tensor table, Tensor adaln_indices, bool check_indices=True) -> Tensor[]",
-    _gather_cpu,
-    _gather_cuda,
-    _gather_fake,
+    check=lambda table, adaln_indices, check_indices=True: validate.check_adaln_row_gather(table, adaln_indices),
+    cpu=_gather_cpu,
+    cuda=lambda *args: _ROW_GATHER.forward(*args),
+    fake=lambda table, adaln_indices, check_indices=True: [
+        table.new_empty((adaln_indices.shape[0], HIDDEN)) for _ in range(BLOCK_CHUNKS)
+    ],
     bf16=("table",),
-)
-define(
-    "adaln_row_gather_backward(Tensor[] grads, Tensor adaln_indices, int table_rows) -> Tensor",
-    _gather_backward_cpu,
-    _gather_backward_cuda,
-    _gather_backward_fake,
-    bf16=("grads",),
-)
-register_autograd("adaln_row_gather", _gather_backward, _gather_setup_context)
+    rows="adaln_indices",
+    backward_op=Op(
+        "adaln_row_gather_backward(Tensor[] grads, Tensor adaln_indices, int table_rows) -> Tensor",
+        check=validate.check_adaln_row_gather_backward,
+        cpu=_gather_backward_cpu,
+        cuda=lambda *args: _ROW_GATHER.backward(*args),
+        fake=lambda grads, adaln_indices, table_rows: grads[0].new_empty((table_rows, BLOCK_TABLE)),
+        bf16=("grads",),
+        rows="adaln_indices",
+    ),
+    setup_context=_gather_setup_context,
+    backward=_gather_backward,
+))
 
 
 # ---- norm_modulate -------------------------------------------------------------------------------------
 
-def _norm_modulate_cpu(x, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
+def _check_norm_modulate(x, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     validate.check_norm_modulate(x, weight, shift, scale, adaln_indices, eps)
+
+
+def _norm_modulate_cpu(x, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     if check_indices:
         _check_table_indices("norm_modulate", adaln_indices, shift.shape[0])
     return reference.norm_modulate_replay(x, weight, shift, scale, adaln_indices, eps)
 
 
-def _norm_modulate_cuda(x, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
-    validate.check_norm_modulate(x, weight, shift, scale, adaln_indices, eps)
-    if x.shape[0] == 0:
-        return torch.empty_like(x)
-    return _NORM_MODULATE.forward(x, weight, shift, scale, adaln_indices, eps, check_indices)
-
-
-def _norm_modulate_fake(x, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
-    validate.check_norm_modulate(x, weight, shift, scale, adaln_indices, eps)
-    return torch.empty_like(x)
+def _check_norm_modulate_backward(grad, x, weight, scale, adaln_indices, eps, table_rows):
+    validate.check_norm_modulate(x, weight, NO_ARG, scale, adaln_indices, eps, grad=grad)
+    _check_rows("norm_modulate_backward", "scale", scale, table_rows)
 
 
 def _norm_modulate_backward_cpu(grad, x, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_norm_modulate(x, weight, NO_ARG, scale, adaln_indices, eps, grad=grad)
-    _check_rows("norm_modulate_backward", "scale", scale, table_rows)
     dx, dweight, dshift_rows, dscale_rows = _modulate_backward_fp32(
         grad, x, weight, scale.float().index_select(0, adaln_indices), eps
     )
     dshift = _table_sum(dshift_rows, adaln_indices, table_rows)
     dscale = _table_sum(dscale_rows, adaln_indices, table_rows)
     return dx.to(BF16), dweight.to(BF16), dshift.to(BF16), dscale.to(BF16)
-
-
-def _norm_modulate_backward_cuda(grad, x, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_norm_modulate(x, weight, NO_ARG, scale, adaln_indices, eps, grad=grad)
-    _check_rows("norm_modulate_backward", "scale", scale, table_rows)
-    if x.shape[0] == 0:
-        zeros = scale.new_zeros((table_rows, HIDDEN))
-        return torch.empty_like(x), torch.zeros_like(weight), zeros, zeros.clone()
-    return _NORM_MODULATE.backward(grad, x, weight, scale, adaln_indices, eps, table_rows)
-
-
-def _norm_modulate_backward_fake(grad, x, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_norm_modulate(x, weight, NO_ARG, scale, adaln_indices, eps, grad=grad)
-    _check_rows("norm_modulate_backward", "scale", scale, table_rows)
-    return (torch.empty_like(x), torch.empty_like(weight), scale.new_empty((table_rows, HIDDEN)),
-            scale.new_empty((table_rows, HIDDEN)))
 
 
 def _check_rows(op, name, table, table_rows):
@@ -316,64 +245,45 @@ def _norm_modulate_backward(ctx, grad):
     return dx, dweight, dshift, dscale, None, None, None
 
 
-define(
+NORM_MODULATE = declare(Op(
     f"norm_modulate(Tensor x, Tensor weight, Tensor shift, Tensor scale, Tensor adaln_indices, float eps={NORM_EPS!r}, "
     "bool check_indices=True) -> Tensor",
-    _norm_modulate_cpu,
-    _norm_modulate_cuda,
-    _norm_modulate_fake,
+    check=_check_norm_modulate,
+    cpu=_norm_modulate_cpu,
+    cuda=lambda *args: _NORM_MODULATE.forward(*args),
+    fake=lambda x, *_: torch.empty_like(x),
     bf16=("x", "weight", "shift", "scale"),
-)
-define(
-    "norm_modulate_backward(Tensor grad, Tensor x, Tensor weight, Tensor scale, Tensor adaln_indices, float eps, "
-    "int table_rows) -> (Tensor dx, Tensor dweight, Tensor dshift, Tensor dscale)",
-    _norm_modulate_backward_cpu,
-    _norm_modulate_backward_cuda,
-    _norm_modulate_backward_fake,
-    bf16=("grad", "x", "weight", "scale"),
-)
-register_autograd("norm_modulate", _norm_modulate_backward, _norm_modulate_setup_context)
+    rows="x",
+    backward_op=Op(
+        "norm_modulate_backward(Tensor grad, Tensor x, Tensor weight, Tensor scale, Tensor adaln_indices, float eps, "
+        "int table_rows) -> (Tensor dx, Tensor dweight, Tensor dshift, Tensor dscale)",
+        check=_check_norm_modulate_backward,
+        cpu=_norm_modulate_backward_cpu,
+        cuda=lambda *args: _NORM_MODULATE.backward(*args),
+        fake=lambda grad, x, weight, scale, adaln_indices, eps, table_rows: (
+            torch.empty_like(x), torch.empty_like(weight), scale.new_empty((table_rows, HIDDEN)),
+            scale.new_empty((table_rows, HIDDEN))),
+        bf16=("grad", "x", "weight", "scale"),
+        rows="x",
+    ),
+    setup_context=_norm_modulate_setup_context,
+    backward=_norm_modulate_backward,
+))
 
 
 # ---- gate_residual -------------------------------------------------------------------------------------
 
 def _gate_residual_cpu(residual, y, gate, adaln_indices, check_indices=True):
-    validate.check_gate_residual(residual, y, gate, adaln_indices)
     if check_indices:
         _check_table_indices("gate_residual", adaln_indices, gate.shape[0])
     return reference.gate_residual_replay(residual, y, gate, adaln_indices)
 
 
-def _gate_residual_cuda(residual, y, gate, adaln_indices, check_indices=True):
-    validate.check_gate_residual(residual, y, gate, adaln_indices)
-    if y.shape[0] == 0:
-        return torch.empty_like(y)
-    return _GATE_RESIDUAL.forward(residual, y, gate, adaln_indices, check_indices)
-
-
-def _gate_residual_fake(residual, y, gate, adaln_indices, check_indices=True):
-    validate.check_gate_residual(residual, y, gate, adaln_indices)
-    return torch.empty_like(y)
-
-
 def _gate_residual_backward_cpu(grad, y, gate, adaln_indices):
-    validate.check_gate_residual(NO_ARG, y, gate, adaln_indices, grad=grad)
     g = grad.float()
     dy = g * gate.float().index_select(0, adaln_indices)
     dgate = _table_sum(g * y.float(), adaln_indices, gate.shape[0])
     return dy.to(BF16), dgate.to(BF16)
-
-
-def _gate_residual_backward_cuda(grad, y, gate, adaln_indices):
-    validate.check_gate_residual(NO_ARG, y, gate, adaln_indices, grad=grad)
-    if y.shape[0] == 0:
-        return torch.empty_like(y), gate.new_zeros(gate.shape)
-    return _GATE_RESIDUAL.backward(grad, y, gate, adaln_indices)
-
-
-def _gate_residual_backward_fake(grad, y, gate, adaln_indices):
-    validate.check_gate_residual(NO_ARG, y, gate, adaln_indices, grad=grad)
-    return torch.empty_like(y), gate.new_empty(gate.shape)
 
 
 def _gate_residual_setup_context(ctx, inputs, output):
@@ -388,21 +298,28 @@ def _gate_residual_backward(ctx, grad):
     return grad, dy, dgate, None, None  # d residual is the upstream gradient itself
 
 
-define(
+GATE_RESIDUAL = declare(Op(
     "gate_residual(Tensor residual, Tensor y, Tensor gate, Tensor adaln_indices, bool check_indices=True) -> Tensor",
-    _gate_residual_cpu,
-    _gate_residual_cuda,
-    _gate_residual_fake,
+    check=lambda residual, y, gate, adaln_indices, check_indices=True: validate.check_gate_residual(
+        residual, y, gate, adaln_indices),
+    cpu=_gate_residual_cpu,
+    cuda=lambda *args: _GATE_RESIDUAL.forward(*args),
+    fake=lambda residual, y, *_: torch.empty_like(y),
     bf16=("residual", "y", "gate"),
-)
-define(
-    "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, Tensor adaln_indices) -> (Tensor dy, Tensor dgate)",
-    _gate_residual_backward_cpu,
-    _gate_residual_backward_cuda,
-    _gate_residual_backward_fake,
-    bf16=("grad", "y", "gate"),
-)
-register_autograd("gate_residual", _gate_residual_backward, _gate_residual_setup_context)
+    rows="y",
+    backward_op=Op(
+        "gate_residual_backward(Tensor grad, Tensor y, Tensor gate, Tensor adaln_indices) -> (Tensor dy, Tensor dgate)",
+        check=lambda grad, y, gate, adaln_indices: validate.check_gate_residual(NO_ARG, y, gate, adaln_indices,
+                                                                               grad=grad),
+        cpu=_gate_residual_backward_cpu,
+        cuda=lambda *args: _GATE_RESIDUAL.backward(*args),
+        fake=lambda grad, y, gate, adaln_indices: (torch.empty_like(y), gate.new_empty(gate.shape)),
+        bf16=("grad", "y", "gate"),
+        rows="y",
+    ),
+    setup_context=_gate_residual_setup_context,
+    backward=_gate_residual_backward,
+))
 
 
 # ---- gate_residual_norm_modulate -----------------------------------------------------------------------
@@ -411,29 +328,17 @@ register_autograd("gate_residual", _gate_residual_backward, _gate_residual_setup
 # h's gradient is grad_h (from h's other consumer, the next residual) plus norm_modulate's dx, summed in BF16
 # as autograd sums the two-op chain's; gate_residual's backward then runs on it and d_residual is that sum.
 
-def _fused_cpu(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
+def _check_fused(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     validate.check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps)
+
+
+def _fused_cpu(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     if check_indices:
         _check_table_indices("gate_residual_norm_modulate", adaln_indices, gate.shape[0])
     return reference.gate_residual_norm_modulate_replay(residual, y, gate, weight, shift, scale, adaln_indices, eps)
 
 
-def _fused_cuda(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
-    validate.check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps)
-    if y.shape[0] == 0:
-        return torch.empty_like(y), torch.empty_like(y)
-    return _GATE_RESIDUAL_NORM_MODULATE.forward(residual, y, gate, weight, shift, scale, adaln_indices, eps,
-                                                check_indices)
-
-
-def _fused_fake(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
-    validate.check_gate_residual_norm_modulate(residual, y, gate, weight, shift, scale, adaln_indices, eps)
-    return torch.empty_like(y), torch.empty_like(y)
-
-
 def _fused_backward_cpu(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_gate_residual_norm_modulate_backward(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices,
-                                                        eps, table_rows)
     dx, dweight, dshift, dscale = _norm_modulate_backward_cpu(grad_out, h, weight, scale, adaln_indices, eps,
                                                               table_rows)
     dh = dx if grad_h is None else grad_h + dx
@@ -441,20 +346,7 @@ def _fused_backward_cpu(grad_h, grad_out, y, gate, h, weight, scale, adaln_indic
     return dh, dy, dgate, dweight, dshift, dscale
 
 
-def _fused_backward_cuda(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_gate_residual_norm_modulate_backward(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices,
-                                                        eps, table_rows)
-    if y.shape[0] == 0:
-        zeros = scale.new_zeros((table_rows, HIDDEN))
-        return (torch.empty_like(y), torch.empty_like(y), zeros, torch.zeros_like(weight), zeros.clone(),
-                zeros.clone())
-    return _GATE_RESIDUAL_NORM_MODULATE.backward(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices, eps,
-                                                 table_rows)
-
-
 def _fused_backward_fake(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices, eps, table_rows):
-    validate.check_gate_residual_norm_modulate_backward(grad_h, grad_out, y, gate, h, weight, scale, adaln_indices,
-                                                        eps, table_rows)
     table = scale.new_empty((table_rows, HIDDEN))
     return (torch.empty_like(y), torch.empty_like(y), table, torch.empty_like(weight), torch.empty_like(table),
             torch.empty_like(table))
@@ -483,70 +375,56 @@ def _fused_backward(ctx, grad_h, grad_out):
     return *grads, None, None, None
 
 
-define(
+GATE_RESIDUAL_NORM_MODULATE = declare(Op(
     "gate_residual_norm_modulate(Tensor residual, Tensor y, Tensor gate, Tensor weight, Tensor shift, Tensor scale, "
     f"Tensor adaln_indices, float eps={NORM_EPS!r}, bool check_indices=True) -> (Tensor h, Tensor out)",
-    _fused_cpu,
-    _fused_cuda,
-    _fused_fake,
+    check=_check_fused,
+    cpu=_fused_cpu,
+    cuda=lambda *args: _GATE_RESIDUAL_NORM_MODULATE.forward(*args),
+    fake=lambda residual, y, *_: (torch.empty_like(y), torch.empty_like(y)),
     bf16=("residual", "y", "gate", "weight", "shift", "scale"),
-)
-define(
-    "gate_residual_norm_modulate_backward(Tensor? grad_h, Tensor grad_out, Tensor y, Tensor gate, Tensor h, "
-    "Tensor weight, Tensor scale, Tensor adaln_indices, float eps, int table_rows) "
-    "-> (Tensor d_residual, Tensor dy, Tensor dgate, Tensor dweight, Tensor dshift, Tensor dscale)",
-    _fused_backward_cpu,
-    _fused_backward_cuda,
-    _fused_backward_fake,
-    bf16=("grad_h", "grad_out", "y", "gate", "h", "weight", "scale"),
-)
-register_autograd("gate_residual_norm_modulate", _fused_backward, _fused_setup_context)
+    rows="y",
+    backward_op=Op(
+        "gate_residual_norm_modulate_backward(Tensor? grad_h, Tensor grad_out, Tensor y, Tensor gate, Tensor h, "
+        "Tensor weight, Tensor scale, Tensor adaln_indices, float eps, int table_rows) "
+        "-> (Tensor d_residual, Tensor dy, Tensor dgate, Tensor dweight, Tensor dshift, Tensor dscale)",
+        check=validate.check_gate_residual_norm_modulate_backward,
+        cpu=_fused_backward_cpu,
+        cuda=lambda *args: _GATE_RESIDUAL_NORM_MODULATE.backward(*args),
+        fake=_fused_backward_fake,
+        bf16=("grad_h", "grad_out", "y", "gate", "h", "weight", "scale"),
+        rows="y",
+    ),
+    setup_context=_fused_setup_context,
+    backward=_fused_backward,
+))
 
 
 # ---- final_adaln_out -----------------------------------------------------------------------------------
 
-def _final_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
-    return _final_fwd_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, check_indices)[0]
-
-
-def _final_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
-    return _final_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, check_indices)[0]
-
-
-def _final_fake(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
+def _check_final(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
     validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
-    return torch.empty_like(x)
 
 
 def _final_fwd_cpu(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
     if check_indices:
-        _check_timestep_indices(timestep_indices, temb.shape[0])
+        validate.check_indices("final_adaln_out", "timestep_indices", timestep_indices, temb.shape[0],
+                               f"temb has {temb.shape[0]} timestep rows")
     table = reference.final_projection_table(temb, proj_weight, proj_bias)
     shift, scale = table.chunk(2, dim=-1)
     return reference.norm_modulate_replay(x, norm_weight, shift, scale, timestep_indices, eps), table
 
 
-def _final_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
-    return _FINAL.forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps,
-                                     check_indices)
-
-
-def _final_fwd_fake(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS, check_indices=True):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps)
+def _final_fwd_fake(x, norm_weight, temb, *_):
     return torch.empty_like(x), x.new_empty((temb.shape[0], FINAL_PROJECTION))
 
 
-def _check_timestep_indices(ti, num_timesteps):
-    validate.check_indices(
-        "final_adaln_out", "timestep_indices", ti, num_timesteps, f"temb has {num_timesteps} timestep rows"
-    )
+def _check_final_backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table=None):
+    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad,
+                                   table=table)
 
 
 def _final_backward_cpu(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table=None):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad,
-                                   table=table)
     if table is None:
         table = reference.final_projection_table(temb, proj_weight, proj_bias)
     dx, dnorm_weight, dshift_rows, dscale_rows = _modulate_backward_fp32(
@@ -560,18 +438,7 @@ def _final_backward_cpu(grad, x, norm_weight, temb, proj_weight, proj_bias, time
     return dx.to(BF16), dnorm_weight.to(BF16), dtemb, dproj_weight, dproj_bias
 
 
-def _final_backward_cuda(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table=None):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad,
-                                   table=table)
-    if x.shape[0] == 0:
-        return (torch.empty_like(x), torch.zeros_like(norm_weight), torch.zeros_like(temb),
-                torch.zeros_like(proj_weight), torch.zeros_like(proj_bias))
-    return _FINAL.backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table)
-
-
-def _final_backward_fake(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table=None):
-    validate.check_final_adaln_out(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, grad=grad,
-                                   table=table)
+def _final_backward_fake(grad, x, norm_weight, temb, proj_weight, proj_bias, *_):
     return (torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(temb),
             torch.empty_like(proj_weight), torch.empty_like(proj_bias))
 
@@ -589,31 +456,51 @@ def _final_backward(ctx, grad):
     return *grads, None, None, None
 
 
+_FINAL_ARGS = ("Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, Tensor proj_bias, "
+               f"Tensor timestep_indices, float eps={NORM_EPS!r}, bool check_indices=True")
 _FINAL_BF16 = ("x", "norm_weight", "proj_weight", "proj_bias")  # temb is FP32
-define(
-    "final_adaln_out(Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, Tensor proj_bias, "
-    f"Tensor timestep_indices, float eps={NORM_EPS!r}, bool check_indices=True) -> Tensor",
-    _final_cpu,
-    _final_cuda,
-    _final_fake,
+FINAL = declare(Op(
+    f"final_adaln_out({_FINAL_ARGS}) -> Tensor",
+    check=_check_final,
+    cpu=lambda *args: _final_fwd_cpu(*args)[0],
+    cuda=lambda *args: _FINAL.forward_with_table(*args)[0],
+    fake=lambda x, *_: torch.empty_like(x),
     bf16=_FINAL_BF16,
-)
-# final_adaln_out's autograd forward: the output and the (T, 10752) projection the backward reuses.
-define(
-    "final_adaln_out_fwd(Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, Tensor proj_bias, "
-    f"Tensor timestep_indices, float eps={NORM_EPS!r}, bool check_indices=True) -> (Tensor out, Tensor table)",
-    _final_fwd_cpu,
-    _final_fwd_cuda,
-    _final_fwd_fake,
-    bf16=_FINAL_BF16,
-)
-define(
-    "final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, "
-    "Tensor proj_bias, Tensor timestep_indices, float eps, Tensor? table=None) "
-    "-> (Tensor dx, Tensor dnorm_weight, Tensor dtemb, Tensor dproj_weight, Tensor dproj_bias)",
-    _final_backward_cpu,
-    _final_backward_cuda,
-    _final_backward_fake,
-    bf16=("grad", *_FINAL_BF16, "table"),
-)
-register_autograd("final_adaln_out", _final_backward, _final_setup_context, forward_op="final_adaln_out_fwd")
+    # final_adaln_out's autograd forward: the output and the (T, 10752) projection the backward reuses.
+    forward_op=Op(
+        f"final_adaln_out_fwd({_FINAL_ARGS}) -> (Tensor out, Tensor table)",
+        check=_check_final,
+        cpu=_final_fwd_cpu,
+        cuda=lambda *args: _FINAL.forward_with_table(*args),
+        fake=_final_fwd_fake,
+        bf16=_FINAL_BF16,
+    ),
+    backward_op=Op(
+        "final_adaln_out_backward(Tensor grad, Tensor x, Tensor norm_weight, Tensor temb, Tensor proj_weight, "
+        "Tensor proj_bias, Tensor timestep_indices, float eps, Tensor? table=None) "
+        "-> (Tensor dx, Tensor dnorm_weight, Tensor dtemb, Tensor dproj_weight, Tensor dproj_bias)",
+        check=_check_final_backward,
+        cpu=_final_backward_cpu,
+        cuda=lambda *args: _FINAL.backward(*args),
+        fake=_final_backward_fake,
+        bf16=("grad", *_FINAL_BF16, "table"),
+        rows="x",
+    ),
+    setup_context=_final_setup_context,
+    backward=_final_backward,
+))
+
+
+# The Python CUDA impls, by the names h3_native.cpp calls for inputs off its fast path.
+_projection_cuda = PROJECTION.cuda_impl
+_projection_backward_cuda = PROJECTION.backward_op.cuda_impl
+_gather_cuda = ROW_GATHER.cuda_impl
+_gather_backward_cuda = ROW_GATHER.backward_op.cuda_impl
+_norm_modulate_cuda = NORM_MODULATE.cuda_impl
+_norm_modulate_backward_cuda = NORM_MODULATE.backward_op.cuda_impl
+_gate_residual_cuda = GATE_RESIDUAL.cuda_impl
+_gate_residual_backward_cuda = GATE_RESIDUAL.backward_op.cuda_impl
+_fused_cuda = GATE_RESIDUAL_NORM_MODULATE.cuda_impl
+_fused_backward_cuda = GATE_RESIDUAL_NORM_MODULATE.backward_op.cuda_impl
+_final_fwd_cuda = FINAL.forward_op.cuda_impl
+_final_backward_cuda = FINAL.backward_op.cuda_impl

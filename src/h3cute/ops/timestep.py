@@ -18,7 +18,7 @@ from torch.autograd import forward_ad
 
 from h3cute import reference
 from h3cute.ops import validate
-from h3cute.ops._library import define, refuse_forward_ad, register_autograd, resolve_launch
+from h3cute.ops._library import Op, declare, refuse_forward_ad, resolve_launch
 from h3cute.ops.validate import F32
 from h3cute.widths import FREQ, TEMB
 
@@ -34,7 +34,7 @@ _NO_GRAD = (
 )
 
 
-def _check_sinusoid(t):
+def _check_sinusoid(t, check_range=True):
     validate.check_timestep_sinusoid(t)
     if t.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(_NO_GRAD)
@@ -43,71 +43,35 @@ def _check_sinusoid(t):
 
 
 def _sinusoid_cpu(t, check_range=True):
-    _check_sinusoid(t)
     if check_range:
         validate.check_timestep_values(t)
     return reference.timestep_sinusoid_replay(t)
 
 
-def _sinusoid_cuda(t, check_range=True):
-    _check_sinusoid(t)
-    if t.dtype != F32:
-        t = t.float()
+def _sinusoid_launch(t, check_range=True):
     # The range check runs inside the kernel (a NaN row and a check-slot record, no host sync).
-    if t.shape[0] == 0:
-        return t.new_empty((0, FREQ))
-    return _SINUSOID.forward(t, check_range)
+    return _SINUSOID.forward(t if t.dtype == F32 else t.float(), check_range)
 
 
-def _sinusoid_fake(t, check_range=True):
-    _check_sinusoid(t)
-    return t.new_empty((t.shape[0], FREQ), dtype=F32)
-
-
-define("timestep_sinusoid(Tensor t, bool check_range=True) -> Tensor", _sinusoid_cpu, _sinusoid_cuda, _sinusoid_fake)
+SINUSOID = declare(Op(
+    "timestep_sinusoid(Tensor t, bool check_range=True) -> Tensor",
+    check=_check_sinusoid,
+    cpu=_sinusoid_cpu,
+    cuda=_sinusoid_launch,
+    fake=lambda t, check_range=True: t.new_empty((t.shape[0], FREQ), dtype=F32),
+    rows="t",
+))
 
 
 # ---- timestep_mlp ------------------------------------------------------------------------------------
 
-def _mlp_cpu(x, w1, b1, w2, b2):
-    validate.check_timestep_mlp(x, w1, b1, w2, b2)
-    return reference.timestep_mlp_replay(x, w1, b1, w2, b2)
-
-
-def _mlp_cuda(x, w1, b1, w2, b2):
-    validate.check_timestep_mlp(x, w1, b1, w2, b2)
-    if x.shape[0] == 0:
-        return x.new_empty((0, TEMB))
-    return _MLP.forward(x, w1, b1, w2, b2)
-
-
-def _mlp_fake(x, w1, b1, w2, b2):
-    validate.check_timestep_mlp(x, w1, b1, w2, b2)
-    return x.new_empty((x.shape[0], TEMB))
-
-
 def _mlp_backward_cpu(grad, x, w1, b1, w2):
-    validate.check_timestep_mlp(x, w1, b1, w2, grad=grad)
     h = F.linear(x, w1, b1)
     sig = torch.sigmoid(h)
     dw2 = grad.t() @ (h * sig)
     db2 = grad.sum(0)
     dh = (grad @ w2) * (sig * (1 + h * (1 - sig)))  # silu'(h) = s (1 + h (1 - s))
     return dh @ w1, dh.t() @ x, dh.sum(0), dw2, db2
-
-
-def _mlp_backward_cuda(grad, x, w1, b1, w2):
-    validate.check_timestep_mlp(x, w1, b1, w2, grad=grad)
-    if x.shape[0] == 0:
-        return x.new_empty((0, FREQ)), torch.zeros_like(w1), torch.zeros_like(b1), torch.zeros_like(w2), \
-            w2.new_zeros((TEMB,))
-    return _MLP.backward(grad, x, w1, b1, w2)
-
-
-def _mlp_backward_fake(grad, x, w1, b1, w2):
-    validate.check_timestep_mlp(x, w1, b1, w2, grad=grad)
-    return torch.empty_like(x), torch.empty_like(w1), torch.empty_like(b1), torch.empty_like(w2), \
-        w2.new_empty((TEMB,))
 
 
 def _mlp_setup_context(ctx, inputs, output):
@@ -120,12 +84,28 @@ def _mlp_backward(ctx, grad):
     return torch.ops.h3.timestep_mlp_backward(grad.contiguous(), x, w1, b1, w2)
 
 
-define("timestep_mlp(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor", _mlp_cpu, _mlp_cuda, _mlp_fake)
-define(
-    "timestep_mlp_backward(Tensor grad, Tensor x, Tensor w1, Tensor b1, Tensor w2) "
-    "-> (Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2)",
-    _mlp_backward_cpu,
-    _mlp_backward_cuda,
-    _mlp_backward_fake,
-)
-register_autograd("timestep_mlp", _mlp_backward, _mlp_setup_context)
+MLP = declare(Op(
+    "timestep_mlp(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2) -> Tensor",
+    check=validate.check_timestep_mlp,
+    cpu=reference.timestep_mlp_replay,
+    cuda=lambda *args: _MLP.forward(*args),
+    fake=lambda x, w1, b1, w2, b2: x.new_empty((x.shape[0], TEMB)),
+    rows="x",
+    backward_op=Op(
+        "timestep_mlp_backward(Tensor grad, Tensor x, Tensor w1, Tensor b1, Tensor w2) "
+        "-> (Tensor dx, Tensor dw1, Tensor db1, Tensor dw2, Tensor db2)",
+        check=lambda grad, x, w1, b1, w2: validate.check_timestep_mlp(x, w1, b1, w2, grad=grad),
+        cpu=_mlp_backward_cpu,
+        cuda=lambda *args: _MLP.backward(*args),
+        fake=lambda grad, x, w1, b1, w2: (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(b1),
+                                          torch.empty_like(w2), w2.new_empty((TEMB,))),
+        rows="x",
+    ),
+    setup_context=_mlp_setup_context,
+    backward=_mlp_backward,
+))
+
+# The Python CUDA impls, by the names h3_native.cpp calls for inputs off its fast path.
+_sinusoid_cuda = SINUSOID.cuda_impl
+_mlp_cuda = MLP.cuda_impl
+_mlp_backward_cuda = MLP.backward_op.cuda_impl
