@@ -518,3 +518,17 @@ def test_gpu_graph_time_is_the_device_time_of_the_replay():
     spin = timing._spin_us(cycles, torch.device("cuda"))
     us, why = timing.graph_time(lambda: torch.cuda._sleep(cycles), "cuda", 3, 10)
     assert why is None and spin * 0.9 < us < spin * 1.1 + 10, (us, spin)
+
+
+def test_sweep_names_configs_by_short_names():
+    """The sweep's rows are named by short names: the launcher's module-level names (timestep_mlp), the AdaLN
+    projection's config names (the forward candidates of the device's family, sm_90a's on a CPU)."""
+    from h3cute.kernels._adaln_configs import candidates
+    from h3cute.bench.sweep import op_configs
+
+    _, mlp = op_configs("timestep_mlp")
+    assert [n for n, _ in mlp][:4] == ["SMALL_T", "WIDE_T", "MID_T", "LARGE_T"]
+    assert all(len(n) <= 16 for n, _ in mlp)
+    _, proj = op_configs("adaln_projection", CPU)
+    assert [n for n, _ in proj] == list(candidates("fwd", "wgmma")) == [c for _, c in proj]
+    assert "tma_persist_m256" in dict(proj) and "skinny" not in dict(proj)

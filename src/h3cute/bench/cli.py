@@ -143,8 +143,9 @@ def _sweep(args) -> int:
     from h3cute.bench import checks
     from h3cute.bench.prior_art import default_device
     from h3cute.bench.sweep import NoConfigs, op_configs, sweep, sweep_markdown
+    device = default_device()
     try:
-        mod, configs = op_configs(args.op)
+        mod, configs = op_configs(args.op, device)
     except NoConfigs as e:
         console.print(f"{args.op}: nothing to sweep: {e}")
         return 2
@@ -155,7 +156,7 @@ def _sweep(args) -> int:
             return 2
         configs = [(n, c) for n, c in configs if n in args.config]
     plan = (checks.FULL if args.full else checks.QUICK).with_overrides(args.overrides)
-    res = sweep(PROBLEMS[args.op], configs, mod.forward, plan, default_device(), log=_log)
+    res = sweep(PROBLEMS[args.op], configs, mod.forward, plan, device, log=_log)
     out = args.out or Path(f"h3_sweep_{args.op}.json")
     out.write_text(json.dumps(res, indent=2))
     md = sweep_markdown(res)

@@ -265,6 +265,14 @@ def silu_bf16(temb: torch.Tensor) -> torch.Tensor:
     return act
 
 
+def sweep_configs(device) -> dict:
+    """`h3cute-bench sweep`'s configs: the forward candidates of the family `device` runs (the sm_90a family where
+    no CUDA device is given), by name; `forward(config=name)` runs each."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    wgmma = _uses_wgmma(torch.device(device), None) if cuda else SM90_FAMILY == "wgmma"
+    return {name: name for name in candidates("fwd", "wgmma" if wgmma else "warp")}
+
+
 def _check_config(fn: str, role: str, config: str | None) -> None:
     names = candidates(role, "warp") + candidates(role, "wgmma")
     if config is not None and config not in names:
