@@ -36,8 +36,8 @@ in 2-CTA clusters that share the activation tile by TMA multicast (`GemmTile.clu
 grid x); d_temb
 runs its 192- and 256-wide tiles on one block tile, the warpgroups taking turns (`_ieee_serial_mainloop`), and the
 256-wide tile's thin last round of CTAs as 128-wide halves (`GemmTile.tail_halves`, `tail_units`). All the same bits.
-The configs are data (`AdalnGemmConfig`, by name in `ADALN_GEMM_CONFIGS`, kernels/_adaln_configs.py); `kernel_class`
-maps a config's fields to the class that runs it.
+The configs are data (`AdalnGemmConfig`, by name in `ADALN_GEMM_CONFIGS`, kernels/_adaln_configs.py; a variant's
+`config` is a name or field overrides of one, `parse_config`); `kernel_class` maps a config's fields to its class.
 
 Constraints: K-major operands need K % 8 == 0 (the copy vector runs along K); MN-major operand
 extents are multiples of 8; all pointers 16-byte aligned and all tensors contiguous.
@@ -52,7 +52,7 @@ from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
 from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, TEMB  # TEMB: D, K of the forward GEMM
 
-from ._adaln_configs import ADALN_GEMM_CONFIGS, PERSISTENT_CTAS, AdalnGemmConfig, GemmTile, candidates
+from ._adaln_configs import PERSISTENT_CTAS, AdalnGemmConfig, GemmTile, candidates, parse_config
 from .rowwise import vec_view
 
 OUT_FEATURES = (BLOCK_PROJECTION, FINAL_PROJECTION)  # the block table per call, the final AdaLN's shift | scale
@@ -1839,8 +1839,9 @@ def kernel_class(config: AdalnGemmConfig) -> type:
 
 
 def _gemm(arch: str, name: str, role: str, **kw):
-    """The `role` GEMM of the config named `name`, built by its `kernel_class`."""
-    config = ADALN_GEMM_CONFIGS[name].for_role(role)
+    """The `role` GEMM of the config `name` (a name, or `name:field=value,...`: `parse_config`), built by its
+    `kernel_class`."""
+    config = parse_config(name).for_role(role)
     assert arch == "sm_90a" or config.family == "warp", f"{name} is a wgmma (sm_90a) config"
     return kernel_class(config)(config.tile, **kw)
 
@@ -1899,7 +1900,7 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
 
 def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: str = "wgrad"):
     # `wgmma` names the variant's family (the spec's variant key); the config says it too.
-    assert wgmma == (ADALN_GEMM_CONFIGS[config].family == "wgmma"), (config, wgmma)
+    assert wgmma == (parse_config(config).family == "wgmma"), (config, wgmma)
     gemm = _gemm(arch, config, "wgrad", a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True,
                  dbias_rows=True)
     tile = gemm.tile

@@ -222,6 +222,54 @@ def test_kernel_class_follows_the_config_fields():
     assert TILE["tma_wide_a_mc2"].cluster_n == 2 and TILE["tma_wgrad_mc2"].cluster_m == 2
 
 
+def test_configs_written_as_field_overrides_of_a_named_config():
+    """`parse_config`: a name is its registry entry; `name:field=value,...` is that entry with those fields (named by
+    the text), typed as the field; bad text fails naming the config and the field. The launcher takes such a config
+    for its role (compiled on demand) and the sweep for the forward of the device's family."""
+    from h3cute.kernels._adaln_configs import parse_config
+
+    assert parse_config("tma_wide") is CFG["tma_wide"]
+    c = parse_config("tma_wide:stages=4,cluster_n=2")
+    assert c.name == "tma_wide:stages=4,cluster_n=2" and (c.stages, c.cluster_n) == (4, 2)
+    assert c.tile == TILE["tma_wide_a_mc2"].__class__(**{**TILE["tma_wide_a_mc2"].__dict__, "stages": 4})
+    assert parse_config("wg_wgrad_n64:store=tma").store == "tma"
+    assert parse_config("tma_wide_n256:tail_halves=true,roles=dgrad").tail_halves
+    assert parse_config("tma_wide_n256:tail_halves=true,roles=dgrad").roles == ("dgrad",)
+    for text, msg in (("tma_huge", "not a named config"), ("tma_wide:stages", "field=value"),
+                      ("tma_wide:colour=3", "field=value"), ("tma_wide:stages=four", "stages takes an integer"),
+                      ("tma_wide:mainloop=tma", "mainloop"), ("tma_wide:tail_halves=yes", "tail_halves")):
+        with pytest.raises(ValueError, match=msg):
+            parse_config(text)
+    launch._check_config("forward", "fwd", "tma_wide:stages=4")  # no error
+    with pytest.raises(ValueError, match="adaln_projection forward: config 'tma_huge' is not a named config"):
+        launch._check_config("forward", "fwd", "tma_huge:stages=4")
+    with pytest.raises(ValueError, match="no forward GEMM"):
+        launch._check_config("forward", "fwd", "tma_wgrad:stages=4")
+    assert launch._uses_wgmma(None, "tma_wide:stages=4") and not launch._uses_wgmma(None, "wide:stages=4")
+    cpu = torch.device("cpu")  # no CUDA device: the sm_90a family
+    assert launch.sweep_config("tma_wide:stages=4", cpu) == ("tma_wide:stages=4", "tma_wide:stages=4")
+    with pytest.raises(ValueError, match="no forward config of the wgmma family"):
+        launch.sweep_config("wide:stages=4", cpu)
+    assert launch.sweep_picks(cpu) == ("wg_skinny", "wg_mid", "tma_wide", "tma_wide_n192", "tma_wide_n256_mc2",
+                                       "tma_persist_m256")
+    assert list(launch.sweep_configs(cpu))[:6] == list(launch.sweep_picks(cpu))
+    assert set(launch.sweep_configs(cpu)) == set(candidates("fwd", "wgmma"))
+
+
+@pytest.mark.slow
+def test_a_config_written_as_overrides_compiles_on_demand_to_its_named_twin():
+    """A field-override config compiles on demand (it is no bundle variant); one equal to a named config gives that
+    config's PTX byte for byte, and a changed field changes the kernel (here the TMA ring's depth)."""
+    specs = _specs()
+    spec = specs["adaln_proj_fwd_wgmma"]
+    named = ptx_of(spec, "sm_90a", dict(out_features=N_FINAL, config="tma_wide"))
+    same = ptx_of(spec, "sm_90a", dict(out_features=N_FINAL, config="tma_wide:stages=5"))
+    other = ptx_of(spec, "sm_90a", dict(out_features=N_FINAL, config="tma_wide:stages=4"))
+    assert "tma_wide:stages=4" not in [v["config"] for v in spec.variants("sm_90a")]
+    assert same == named and other != named
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in "\n".join(other)
+
+
 def _tma_kernels():
     from h3cute.runtime.sources import kernels_package
 
@@ -648,7 +696,7 @@ def _fp64_grads_cpu(grad, temb, weight):
 gpu = pytest.mark.gpu
 
 
-FAMILIES = ("warp", "wgmma")  # WARP (mma.sync) and CPW (sm_90a wgmma)
+FAMILIES = ("warp", "wgmma")  # mma.sync (every arch) and warpgroup MMA (sm_90a)
 
 
 def _family_configs(family):
@@ -695,6 +743,25 @@ def test_forward_accuracy(block_params, rows):
     ref = reference.adaln_projection_fp64(temb, w, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, N_BLOCK)
     _assert_no_worse_than_replay(out, _replay(temb, w, b), ref, f"forward T={rows}")
+
+
+@gpu
+@pytest.mark.parametrize("rows", [5, 200, 700])
+def test_configs_written_as_overrides_give_the_picks_bits(rows):
+    """Configs written as field overrides of a named config (what `h3cute-bench sweep --config` takes) compile on
+    demand and give the shipped picks' bits: other ring depths of the TMA and cp.async mainloops, forward and
+    d_temb."""
+    _family_configs("wgmma")
+    w, b = _params(N_FINAL, seed=rows)
+    temb = _temb(rows, 5 * rows)
+    want = launch.forward(temb, w, b)
+    for text in ("tma_wide:stages=4", "tma_wide_n192:stages=4", "wg_mid:stages=3"):
+        assert_same_bits(launch.forward(temb, w, b, config=text), want, f"forward {text} vs the pick, T={rows}")
+    grad = torch.randn((rows, N_FINAL), generator=_gen(rows), device="cuda").to(torch.bfloat16)
+    want_dtemb = launch.backward(grad, temb, w)[0]
+    for text in ("tma_mid:stages=5", "tma_wide:stages=4"):
+        assert_same_bits(launch.backward(grad, temb, w, config=text)[0], want_dtemb,
+                         f"d_temb {text} vs the pick, T={rows}")
 
 
 @gpu

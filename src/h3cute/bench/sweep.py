@@ -5,7 +5,10 @@ config: the candidates of the device's kernel family), else `h3cute.launch.<op>.
 or a sequence of configs, each named by its `name`, or the module-level name that holds it), and are passed as
 `forward(..., config=cfg)`. Each config's forward is checked for batch invariance (the harness's forward checks)
 and its outputs at every accuracy size are compared bitwise with the first config's: a config choice must never
-change the bits. Ranked by forward latency at the largest size.
+change the bits. Ranked by forward latency at the largest size. Where the launcher defines `sweep_config(text,
+device)` the command line may also name configs that are not declared (e.g. field overrides of a named config,
+`tma_wide:stages=4`): they compile on demand and run after the op's shipped picks (`sweep_picks(device)`), whose
+bits they must match.
 """
 from __future__ import annotations
 
@@ -37,6 +40,22 @@ def op_configs(op: str, device=None) -> tuple[object, list[tuple[str, object]]]:
     if isinstance(configs, dict):
         return mod, [(str(k), v) for k, v in configs.items()]
     return mod, [(config_name(mod, c), c) for c in configs]
+
+
+def select_configs(mod, configs: list[tuple[str, object]], requested, device) -> list[tuple[str, object]]:
+    """The configs a sweep runs: every declared one, or those `requested` by name; a requested text the op does not
+    declare is parsed by the launcher's `sweep_config` (ValueError if it has none or the text is no config), and then
+    the op's shipped picks run first, so every config is compared with their bits."""
+    if not requested:
+        return configs
+    declared = dict(configs)
+    extra = [r for r in dict.fromkeys(requested) if r not in declared]
+    if extra and not hasattr(mod, "sweep_config"):
+        raise ValueError(f"unknown configs {sorted(extra)}; the op declares {list(declared)}")
+    custom = [mod.sweep_config(text, device) for text in extra]
+    picks = mod.sweep_picks(device) if custom and hasattr(mod, "sweep_picks") else ()
+    named = [n for n in dict.fromkeys([*picks, *requested]) if n in declared]
+    return [(n, declared[n]) for n in named] + custom
 
 
 def config_name(mod, config) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from h3cute import runtime
-from h3cute.kernels._adaln_configs import ADALN_GEMM_CONFIGS, candidates
+from h3cute.kernels._adaln_configs import ADALN_GEMM_CONFIGS, candidates, parse_config
 from h3cute.widths import BLOCK_PROJECTION, TEMB
 
 DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
@@ -182,7 +182,7 @@ def dbias_blocks(rows: int) -> int:
 
 def _uses_wgmma(device, config: str | None) -> bool:
     if config is not None:
-        return ADALN_GEMM_CONFIGS[config].family == "wgmma"
+        return parse_config(config).family == "wgmma"
     return SM90_FAMILY == "wgmma" and runtime.arch_of(device) == "sm_90a"
 
 
@@ -265,18 +265,46 @@ def silu_bf16(temb: torch.Tensor) -> torch.Tensor:
     return act
 
 
-def sweep_configs(device) -> dict:
-    """`h3cute-bench sweep`'s configs: the forward candidates of the family `device` runs (the sm_90a family where
-    no CUDA device is given), by name; `forward(config=name)` runs each."""
+def _sweep_family(device) -> str:
     cuda = device is not None and torch.device(device).type == "cuda"
     wgmma = _uses_wgmma(torch.device(device), None) if cuda else SM90_FAMILY == "wgmma"
-    return {name: name for name in candidates("fwd", "wgmma" if wgmma else "warp")}
+    return "wgmma" if wgmma else "warp"
+
+
+def sweep_picks(device) -> tuple:
+    """The forward configs `device`'s family ships as picks (`PICKS["fwd"]`), in T order: what `h3cute-bench sweep`
+    checks a command-line config against."""
+    return tuple(dict.fromkeys(c for _, c in PICKS["fwd"][_sweep_family(device)]))
+
+
+def sweep_configs(device) -> dict:
+    """`h3cute-bench sweep`'s configs: the forward candidates of the family `device` runs (the sm_90a family where
+    no CUDA device is given), by name, the shipped picks first; `forward(config=name)` runs each."""
+    family = _sweep_family(device)
+    return {name: name for name in sweep_picks(device) + candidates("fwd", family)}
+
+
+def sweep_config(text: str, device) -> tuple:
+    """(name, config) of a config written on `h3cute-bench sweep`'s command line: a name or field overrides of one
+    (`tma_wide:stages=4`, `parse_config`), with a forward GEMM in `device`'s family; compiled on demand."""
+    config = parse_config(text)
+    if "fwd" not in config.roles or config.family != _sweep_family(device):
+        raise ValueError(f"adaln_projection: config {text!r} is no forward config of the {_sweep_family(device)} "
+                         f"family (roles {config.roles}, family {config.family})")
+    return text, text
 
 
 def _check_config(fn: str, role: str, config: str | None) -> None:
-    names = candidates(role, "warp") + candidates(role, "wgmma")
-    if config is not None and config not in names:
-        gemm = {"fwd": "forward", "dgrad": "d_temb"}[role]
+    """An explicit config: a name, or `name:field=value,...` (`parse_config`), built for the `role` GEMM."""
+    if config is None:
+        return
+    gemm = {"fwd": "forward", "dgrad": "d_temb"}[role]
+    try:
+        parsed = parse_config(config)
+    except ValueError as e:
+        raise ValueError(f"adaln_projection {fn}: {e}") from None
+    if role not in parsed.roles:
+        names = candidates(role, "warp") + candidates(role, "wgmma")
         raise ValueError(f"adaln_projection {fn}: config {config!r} has no {gemm} GEMM; one of {names}")
 
 
