@@ -41,7 +41,6 @@ FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T every
 # The family sm_90a devices use: the wgmma family passed the GPU suite on an H200 and was as fast or faster at every
 # T measured; sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
-FAMILIES = ("warp", "wgmma")
 H200_SMS = runtime.SM_COUNT["sm_90a"]  # the pickers' SM count where no device is given (the shipped tables' GPU)
 
 
@@ -108,7 +107,7 @@ PICKS = {
             (128, "tma_wide"),
             (192, "tma_wide_n192"),  # one 192-row tile: fewer operand bytes per MMA
             (256, "tma_wide_n256_mc2"),  # 2-CTA clusters share the activation tile (TMA multicast)
-            (512, "tma_wide"),  # 256-row tiles pad T more than they gain here
+            (512, "tma_wide"),  # 128-row T tiles: less padding of T than 256-row ones, and faster to 512
             (None, "tma_persist_m256"),  # persistent: its stores overlap the next tile's loads and MMAs
         ),
         "warp": ((16, "skinny"), (64, "mid"), (None, "wide")),
