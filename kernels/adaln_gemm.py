@@ -26,8 +26,8 @@ IEEE FP32 adds in ascending K; the `DGRAD_SPLITS` FP32 partials are then summed 
 atomics), not batch-invariant by nature.
 
 On sm_90a the wgmma family has two mainloops with the same k16 order and epilogue, so the same bits:
-`_WgmmaGemm` (the cp.async ring above, `WGMMA_CONFIGS`) and `_TmaWgmmaGemm` (TMA loads into an mbarrier
-ring, a producer warpgroup and two consumer warpgroups, `TMA_CONFIGS` / `TMA_WGRAD_CONFIGS`), plus, for dW,
+`_WgmmaGemm` (the cp.async ring above, mainloop `cp_async_wgmma`) and `_TmaWgmmaGemm` (TMA loads into an mbarrier
+ring, a producer warpgroup and two consumer warpgroups, mainloop `tma_wgmma`), plus, for dW,
 `_TmaWgmmaPersistentGemm` (the TMA mainloop in a fixed grid of `PERSISTENT_CTAS` CTAs that walk the output
 tiles, C stored by TMA from two shared-memory buffers; `tma_wgrad_persist*`, and `*_pingpong`, whose consumer
 warpgroups take whole tiles in turn; `_TmaWgmmaPersistentFoldGemm`, `adaln_proj_wgrad_fold`, whose idle producer
@@ -36,6 +36,8 @@ in 2-CTA clusters that share the activation tile by TMA multicast (`GemmTile.clu
 grid x); d_temb
 runs its 192- and 256-wide tiles on one block tile, the warpgroups taking turns (`_ieee_serial_mainloop`), and the
 256-wide tile's thin last round of CTAs as 128-wide halves (`GemmTile.tail_halves`, `tail_units`). All the same bits.
+The configs are data (`AdalnGemmConfig`, by name in `ADALN_GEMM_CONFIGS`, kernels/_adaln_configs.py; a variant's
+`config` is a name or field overrides of one, `parse_config`); `kernel_class` maps a config's fields to its class.
 
 Constraints: K-major operands need K % 8 == 0 (the copy vector runs along K); MN-major operand
 extents are multiples of 8; all pointers 16-byte aligned and all tensors contiguous.
@@ -43,8 +45,6 @@ extents are multiples of 8; all pointers 16-byte aligned and all tensors contigu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import cutlass
 import cutlass.cute as cute
 
@@ -52,6 +52,7 @@ from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
 from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, TEMB  # TEMB: D, K of the forward GEMM
 
+from ._adaln_configs import PERSISTENT_CTAS, AdalnGemmConfig, GemmTile, candidates, parse_config
 from .rowwise import vec_view
 
 OUT_FEATURES = (BLOCK_PROJECTION, FINAL_PROJECTION)  # the block table per call, the final AdaLN's shift | scale
@@ -70,7 +71,7 @@ DGRAD_K_BLOCK = 64
 # four short chains keep its adds from waiting on each other.
 DBIAS_ROW_BLOCK = 64
 DBIAS_CHAIN_ROWS = 16
-# Up to this T the dW kernels write db (one block: `_store_dbias`), those with db warps (`WGRAD_DB_WARPS`) at every T;
+# Up to this T the dW kernels write db (one block: `_store_dbias`), those with db warps (side_warps "dbias") at every T;
 # otherwise the launch runs adaln_bias_grad (the same order, so the same bits).
 FUSED_DBIAS_ROWS = 64
 assert FUSED_DBIAS_ROWS <= DBIAS_ROW_BLOCK  # _store_dbias sums one block
@@ -78,150 +79,11 @@ _MMA_SHAPE = (16, 8, 16)
 _COPY_BITS = 128
 
 
-@dataclass(frozen=True)
-class GemmTile:
-    """CTA tile (bm x bn x bk), warp grid (warps_m x warps_n) and cp.async pipeline depth;
-    `ctas_per_sm` > 0 asks ptxas for that many resident CTAs (.maxntid + .minnctapersm: a register cap);
-    `persistent_ctas` > 0: a persistent grid of that many CTAs walking the output tiles (`_TmaWgmmaPersistentGemm`);
-    `cluster_m` > 1: clusters of that many M tiles (grid y) of one N tile that share B by TMA multicast;
-    `cluster_n` > 1: clusters of that many N tiles (grid x) of one M tile that share A (`_TmaWgmmaGemm`; one of the
-    two at most)."""
-
-    bm: int
-    bn: int
-    bk: int
-    warps_m: int
-    warps_n: int
-    stages: int
-    ctas_per_sm: int = 0
-    persistent_ctas: int = 0
-    cluster_m: int = 1
-    cluster_n: int = 1
-    pingpong: bool = False  # persistent dW: each consumer warpgroup takes whole tiles, in turn
-    tail_halves: bool = False  # d_temb's 256-wide tile: a thin last round runs as 128-wide halves (`tail_units`)
-
-    @property
-    def mma_warpgroups(self) -> int:
-        """Warpgroups stacked along M in one tiled MMA: one per 64 rows, or one for the whole tile (pingpong)."""
-        return 1 if self.pingpong else self.warps_m // 4
-
-    @property
-    def cluster_size(self) -> int:
-        return self.cluster_m * self.cluster_n
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
-
-    def launch_bounds(self) -> dict:
-        """Extra launch arguments: the occupancy request (with the largest smem carveout) if any."""
-        if not self.ctas_per_sm:
-            return {}
-        return dict(max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
-                    preferred_smem_carveout=100)
-
-    def check(self) -> None:
-        # The tiled MMA is (16 warps_m) x (16 warps_n) x 16 (two n8 atoms per warp so ldmatrix.x4
-        # feeds B); the CTA tile must be a whole number of those, and each gmem copy pass must fit.
-        assert self.bm % (16 * self.warps_m) == 0 and self.bn % (16 * self.warps_n) == 0, self
-        assert self.bk % 16 == 0 and self.stages >= 3, self
-        assert self.threads % (self.bk // 8) == 0 and self.threads // (self.bk // 8) <= min(self.bm, self.bn), self
-        assert all(self.threads % (mn // 8) == 0 and self.threads // (mn // 8) <= self.bk
-                   for mn in (self.bm, self.bn)), self
-
-
-# Projection tiles by name; launch/adaln_projection.py picks one from T. Bits never depend on the
-# choice (module docstring); tests check that every config gives identical bits.
-CONFIGS = {
-    # T <= 16: memory-bound, streams W; small M tiles keep all 132 SMs busy to the end.
-    "skinny": GemmTile(bm=64, bn=16, bk=64, warps_m=4, warps_n=1, stages=5),
-    "skinny_m32": GemmTile(bm=32, bn=16, bk=64, warps_m=2, warps_n=1, stages=6),
-    "skinny_m128": GemmTile(bm=128, bn=16, bk=64, warps_m=4, warps_n=1, stages=4),
-    "mid": GemmTile(bm=128, bn=64, bk=64, warps_m=2, warps_n=2, stages=4),
-    "wide": GemmTile(bm=128, bn=128, bk=64, warps_m=2, warps_n=2, stages=3),
-    # Large-T alternatives (CUTLASS's usual Ampere shapes) to measure against "wide".
-    "wide_k32": GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4),
-    "wide_8warps": GemmTile(bm=128, bn=256, bk=32, warps_m=2, warps_n=4, stages=3),
-}
-# The sm_90a warpgroup-MMA family (`_WgmmaGemm`, warps_m = 4 x warpgroups): its own numeric
-# contract, so the launch code uses either these or CONFIGS on a device, never a mix.
-WGMMA_CONFIGS = {
-    "wg_skinny": GemmTile(bm=64, bn=16, bk=64, warps_m=4, warps_n=1, stages=5),
-    "wg_mid": GemmTile(bm=128, bn=64, bk=64, warps_m=4, warps_n=1, stages=4),
-    # 3 stages (96 KB) let 2 CTAs share an SM, hiding each other's per-k-tile barrier; 4 to compare.
-    "wg_wide": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=3),
-    "wg_wide_s4": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4),
-}
-# dW's K is T (usually tiny): a short bk wastes little on the zero-padded K tail. K = T runs in k16
-# steps in ascending order whatever the tile, so the two give identical bits (tests check).
-WGRAD_CONFIGS = {
-    # T > 64: MMA-bound, the big tile.
-    "wgrad": GemmTile(bm=128, bn=128, bk=32, warps_m=2, warps_n=2, stages=4),
-    # T <= 64: writing dW (520 MB) is the whole cost, so resident CTAs (dW bytes in flight) matter:
-    # 36 KB of smem (the C tile reuses A's stages) would allow 6 per SM, registers allow 3 (ptxas:
-    # 140); the cap at 4 per SM costs ptxas 12 bytes of spill (sm_90a). 5 would spill 260 bytes.
-    "wgrad_n64": GemmTile(bm=128, bn=64, bk=32, warps_m=2, warps_n=2, stages=3, ctas_per_sm=4),
-}
-# The same dW tiles for the wgmma family (2 warpgroups of 64 rows): wg_wgrad_n64 needs 64 registers
-# (4 CTAs per SM; a cap at 5 does not assemble). One more tile to measure against it.
-WGRAD_WGMMA_CONFIGS = {
-    "wg_wgrad": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=4),
-    "wg_wgrad_n64": GemmTile(bm=128, bn=64, bk=32, warps_m=8, warps_n=1, stages=3),
-    # One warpgroup over both 64-row slabs: 96 registers x 128 threads, 5 CTAs per SM without spills
-    # (a cap at 6 spills 1 KB), 25% more dW bytes in flight than wg_wgrad_n64 if its epilogue keeps up.
-    "wg_wgrad_n64_1wg": GemmTile(bm=128, bn=64, bk=32, warps_m=4, warps_n=1, stages=3, ctas_per_sm=5),
-    # The same tiles with C stored by TMA (`_WgmmaTmaStoreGemm`, names in WGRAD_TMA_STORE): stmatrix + one bulk
-    # store in place of scalar st.shared + ld.shared.v4 + st.global.v4, the shared-memory instruction queue
-    # (MIO) that throttles the 1wg kernel at T = 64. ptxas: 96 / 64 / 94 registers, no spills; the 1wg tile capped
-    # at 6 CTAs per SM spills 1 KB and serializes its wgmmas (C7512).
-    "wg_wgrad_n64_1wg_tstore": GemmTile(bm=128, bn=64, bk=32, warps_m=4, warps_n=1, stages=3, ctas_per_sm=5),
-    "wg_wgrad_n64_tstore": GemmTile(bm=128, bn=64, bk=32, warps_m=8, warps_n=1, stages=3),
-    "wg_wgrad_tstore": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=4),
-}
-WGRAD_TMA_STORE = frozenset(name for name in WGRAD_WGMMA_CONFIGS if name.endswith("_tstore"))
-# The persistent kernels' grid: one CTA per H200 SM (132; a constant, never a device query). On a GPU with more
-# SMs the kernel stays correct and leaves some idle; the tile order, hence the bits, never depends on it.
-PERSISTENT_CTAS = 132
-# The TMA + mbarrier warp-specialized mainloop of the wgmma family (`_TmaWgmmaGemm`): same k16 walk, so
-# the same bits as WGMMA_CONFIGS (tests check). Two consumer warpgroups of 64 rows (warps_m = 8) and
-# enough stages to fill shared memory: one CTA per SM, which the register split below assumes.
-TMA_CONFIGS = {
-    "tma_mid": GemmTile(bm=128, bn=64, bk=64, warps_m=8, warps_n=1, stages=6),  # 144 KB
-    "tma_wide": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5),  # 160 KB
-    # Forward only: the dgrad's two block tiles next to the accumulator would need 3 x 128 registers.
-    "tma_wide_n256": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4),  # 192 KB
-    # The same tile in clusters of 2 W tiles of one T tile: each CTA loads half of the a tile (B) into both
-    # (TMA multicast), halving B's L2 reads; A, the k16 walk and the epilogue as tma_wide_n256: the same bits.
-    "tma_wide_n256_mc2": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4, cluster_m=2),  # 192 KB
-    # tma_wide in clusters of 2 T tiles of one A tile (d_temb: a W^T tile of one K split; forward: a W tile), each CTA
-    # loading half of it into both: a stage's L2 reads drop from 32 to 24 KB per CTA.
-    "tma_wide_a_mc2": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5, cluster_n=2),  # 160 KB
-    # tma_wide_n256 in clusters of 2 T tiles of one A tile (d_temb: the W^T tile of a K split, 16 of a stage's 48 KB;
-    # forward: the W tile), each CTA loading half of it into both.
-    "tma_wide_n256_a_mc2": GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4, cluster_n=2),  # 192 KB
-    # 192 T rows per tile: 20% fewer operand bytes per MMA than 128 x 128; d_temb runs it with one block tile.
-    "tma_wide_n192": GemmTile(bm=128, bn=192, bk=64, warps_m=8, warps_n=1, stages=5),  # 200 KB
-    # Forward only, large T: the persistent 256-row kernel of the dW (`_TmaWgmmaPersistentGemm`), 256 W rows x 128 T
-    # rows per tile, C (the table, M-major) stored by TMA from one buffer while the next tile's stages land.
-    "tma_persist_m256": GemmTile(bm=256, bn=128, bk=64, warps_m=8, warps_n=1, stages=3,
-                                 persistent_ctas=PERSISTENT_CTAS),  # 144 + 64 KB
-}
-# ieee_steps keeps acc and two block tiles (3 x bn / 2 FP32 registers per consumer thread) up to bn = 128, acc and
-# one block tile (2 x bn / 2) up to 192, and at 256 two accumulators of 128-wide halves and one block tile of a half
-# (3 x 64) (`_TmaWgmmaGemm._ieee_mainloop` / `_ieee_serial_mainloop`). Clusters along M do not tile d_temb's
-# M = 2688 (21 tiles of 128).
+# d_temb's ieee_steps keeps acc and two block tiles (3 x bn / 2 FP32 registers
+# per consumer thread) up to bn = 128, acc and one block tile (2 x bn / 2) up to 192, and at 256 two accumulators of
+# 128-wide halves and one block tile of a half (3 x 64) (`_TmaWgmmaGemm._ieee_mainloop` / `_ieee_serial_mainloop`).
 _IEEE_PIPELINED_MAX_BN = 128
 _IEEE_MAX_BN = 256
-TMA_DGRAD_CONFIGS = {name: tile for name, tile in TMA_CONFIGS.items()
-                     if tile.bn <= _IEEE_MAX_BN and tile.cluster_m == 1 and not tile.persistent_ctas}
-# d_temb only: tma_wide_n256 whose grid's last round, where at most half full, runs as twice as many 128-wide halves
-# (`tail_units`). At T = 2048 its 8 x 21 x 12 = 2016 units are 15 rounds of PERSISTENT_CTAS and 36 more: those run
-# as 72 halves, half a round instead of a whole one.
-TMA_DGRAD_CONFIGS["tma_wide_n256_tail"] = GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4,
-                                                   tail_halves=True)  # 192 KB
-# The same in tma_wide_n256_a_mc2's clusters: two whole units of one W^T tile, or the two halves of one unit.
-TMA_DGRAD_CONFIGS["tma_wide_n256_a_mc2_tail"] = GemmTile(bm=128, bn=256, bk=64, warps_m=8, warps_n=1, stages=4,
-                                                         cluster_n=2, tail_halves=True)  # 192 KB
 
 
 def c_buffers(tile: GemmTile) -> int:
@@ -241,35 +103,6 @@ def tail_units(units, ctas: int = PERSISTENT_CTAS, select=lambda cond, a, b: a i
 def dgrad_n_halves(tile: GemmTile) -> int:
     """How many N halves d_temb's TMA kernel runs a tile as: 2 for the 256-wide tile (wgmma N = 128), else 1."""
     return 2 if tile.bn > 192 else 1
-TMA_WGRAD_CONFIGS = {
-    "tma_wgrad": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5),  # 160 KB
-    # bk 32: half the zero-padded K tail at mid T (T = 256: 8 k tiles).
-    "tma_wgrad_k32": GemmTile(bm=128, bn=128, bk=32, warps_m=8, warps_n=1, stages=8),  # 128 KB
-    # tma_wgrad in clusters of 2 dW row tiles sharing the a^T tile (B) by TMA multicast.
-    "tma_wgrad_mc2": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=5, cluster_m=2),  # 160 KB
-    # Persistent (T <= 256, where writing dW's 520 MB is the cost): + two C buffers for the TMA stores.
-    "tma_wgrad_persist": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4,
-                                  persistent_ctas=PERSISTENT_CTAS),  # 128 + 64 KB
-    "tma_wgrad_persist_n64": GemmTile(bm=128, bn=64, bk=64, warps_m=8, warps_n=1, stages=6,
-                                      persistent_ctas=PERSISTENT_CTAS),  # 144 + 32 KB
-    # The same schedule with each consumer warpgroup computing whole 128 x 128 tiles in turn (128 accumulator
-    # registers per thread), one C buffer each: a warpgroup's epilogue runs while the other's wgmmas do.
-    "tma_wgrad_persist_pingpong": GemmTile(bm=128, bn=128, bk=64, warps_m=8, warps_n=1, stages=4,
-                                   persistent_ctas=PERSISTENT_CTAS, pingpong=True),  # 128 + 64 KB
-    # Large T, where the MMAs are the cost: 256 dW rows per tile (each warpgroup two 64-row slabs, 128 accumulator
-    # registers per thread), 25% fewer operand bytes per MMA than 128 x 128 and half the epilogues per flop; one C
-    # buffer (a tile's MMAs take far longer than its store's read of the buffer).
-    "tma_wgrad_persist_m256": GemmTile(bm=256, bn=128, bk=64, warps_m=8, warps_n=1, stages=3,
-                                       persistent_ctas=PERSISTENT_CTAS),  # 144 + 64 KB
-}
-# Persistent dW kernels whose producer warps also sum db at every T (`_TmaWgmmaPersistentDbGemm`): the same tiles.
-TMA_WGRAD_CONFIGS.update({name + "_db": TMA_WGRAD_CONFIGS[name]
-                          for name in ("tma_wgrad_persist", "tma_wgrad_persist_pingpong")})
-WGRAD_DB_WARPS = frozenset(name for name in TMA_WGRAD_CONFIGS if name.endswith("_db"))
-# Persistent dW tiles that also run as `adaln_proj_wgrad_fold` (`_TmaWgmmaPersistentFoldGemm`: the d_temb fold and db
-# in the producer warpgroup's idle warps, from global memory). The pingpong tile with fold warps was measured too
-# (T = 448 .. 2048, 525afe0) and was never ahead of the 256-row one by more than 2 us.
-FOLD_WARP_WGRAD_CONFIGS = ("tma_wgrad_persist_m256",)
 
 
 class _WarpMmaGemm:
@@ -1987,20 +1820,34 @@ def _fake(dtype, shape, stride_order=None):
     return make_fake_compact_tensor(dtype, shape, stride_order=stride_order, assumed_align=16)
 
 
-def _gemm(arch: str, config: str, **kw):
-    if config in TMA_CONFIGS or config in TMA_DGRAD_CONFIGS:
-        assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
-        tile = {**TMA_CONFIGS, **TMA_DGRAD_CONFIGS}[config]
-        assert not tile.tail_halves or kw.get("ieee_steps"), f"{config} is a d_temb config"
-        return (_TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm)(tile, **kw)
-    if config in WGMMA_CONFIGS:
-        assert arch == "sm_90a", f"{config} is a wgmma (sm_90a) config"
-        return _WgmmaGemm(WGMMA_CONFIGS[config], **kw)
-    return _WarpMmaGemm(CONFIGS[config], **kw)
+def kernel_class(config: AdalnGemmConfig) -> type:
+    """The GEMM class that runs `config` (as `config.for_role(role)` gives it), from its fields: the mainloop, then
+    the C store (cp.async ring), or the schedule and side warps (TMA mainloop)."""
+    if config.mainloop == "mma_sync":
+        assert config.store == "smem" and config.schedule == "grid" and config.cluster_m == config.cluster_n == 1, \
+            config
+        return _WarpMmaGemm
+    if config.mainloop == "cp_async_wgmma":
+        assert config.schedule == "grid" and config.cluster_m == config.cluster_n == 1, config
+        return _WgmmaTmaStoreGemm if config.store == "tma" else _WgmmaGemm
+    if config.schedule == "grid":
+        assert config.store == "smem" and config.side_warps == "none", config
+        return _TmaWgmmaGemm
+    assert config.store == "tma" and not config.tail_halves, config
+    return {"none": _TmaWgmmaPersistentGemm, "dbias": _TmaWgmmaPersistentDbGemm,
+            "fold": _TmaWgmmaPersistentFoldGemm}[config.side_warps]
+
+
+def _gemm(arch: str, name: str, role: str, **kw):
+    """The `role` GEMM of the config `name` (a name, or `name:field=value,...`: `parse_config`), built by its
+    `kernel_class`."""
+    config = parse_config(name).for_role(role)
+    assert arch == "sm_90a" or config.family == "warp", f"{name} is a wgmma (sm_90a) config"
+    return kernel_class(config)(config.tile, **kw)
 
 
 def _build_fwd(arch: str, *, out_features: int, config: str):
-    gemm = _gemm(arch, config, a_k_major=True, b_k_major=True, epilogue="bias_bf16")
+    gemm = _gemm(arch, config, "fwd", a_k_major=True, b_k_major=True, epilogue="bias_bf16")
     # A cluster of M tiles needs whole clusters along grid y (N_out / 128 = 756 and 84: even).
     assert out_features % (gemm.tile.bm * gemm.tile.cluster_m) == 0, (out_features, config)
 
@@ -2024,7 +1871,7 @@ def _build_fwd(arch: str, *, out_features: int, config: str):
 
 def _build_dgrad(arch: str, *, out_features: int, config: str):
     # d_temb is held to 1e-5: IEEE running sums over k16 MMA steps (warp family) or DGRAD_K_BLOCK blocks (wgmma).
-    gemm = _gemm(arch, config, a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS,
+    gemm = _gemm(arch, config, "dgrad", a_k_major=False, b_k_major=True, epilogue="f32", k_splits=DGRAD_SPLITS,
                  ieee_steps=True)
     bk = gemm.tile.bk
     assert out_features % (DGRAD_SPLITS * bk) == 0, (out_features, gemm.tile)
@@ -2052,20 +1899,15 @@ def _build_dgrad(arch: str, *, out_features: int, config: str):
 
 
 def _build_wgrad(arch: str, *, out_features: int, wgmma: bool = False, config: str = "wgrad"):
-    if wgmma:
-        assert arch == "sm_90a"
-        tile = {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}[config]
-        cls = _WgmmaTmaStoreGemm if config in WGRAD_TMA_STORE else _WgmmaGemm if config in WGRAD_WGMMA_CONFIGS \
-            else _TmaWgmmaPersistentDbGemm if config in WGRAD_DB_WARPS \
-            else _TmaWgmmaPersistentGemm if tile.persistent_ctas else _TmaWgmmaGemm
-        # The TMA-stored C tile has no bounds checks of its own (TMA clips, but the tiles must be whole); a cluster
-        # of M tiles needs whole clusters along grid y.
-        assert cls is not _WgmmaTmaStoreGemm or (out_features % tile.bm == 0 and TEMB % tile.bn == 0), config
-        assert out_features % (tile.bm * tile.cluster_m) == 0, (out_features, config)
-        gemm = cls(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True, dbias_rows=True)
-    else:
-        gemm = _WarpMmaGemm(WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True,
-                            dbias_rows=True)
+    # `wgmma` names the variant's family (the spec's variant key); the config says it too.
+    assert wgmma == (parse_config(config).family == "wgmma"), (config, wgmma)
+    gemm = _gemm(arch, config, "wgrad", a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True,
+                 dbias_rows=True)
+    tile = gemm.tile
+    # The TMA-stored C tile has no bounds checks of its own (TMA clips, but the tiles must be whole); a cluster of M
+    # tiles needs whole clusters along grid y.
+    assert type(gemm) is not _WgmmaTmaStoreGemm or (out_features % tile.bm == 0 and TEMB % tile.bn == 0), config
+    assert out_features % (tile.bm * tile.cluster_m) == 0, (out_features, config)
 
     @cute.jit
     def adaln_proj_wgrad(grad: cute.Tensor, act: cute.Tensor, dweight: cute.Tensor, dbias: cute.Tensor, stream):
@@ -2090,9 +1932,8 @@ def _wgrad_fakes(rows, out_features: int) -> tuple:
 
 
 def _build_wgrad_fold(arch: str, *, out_features: int, config: str):
-    assert arch == "sm_90a" and config in FOLD_WARP_WGRAD_CONFIGS, (arch, config)
-    gemm = _TmaWgmmaPersistentFoldGemm(TMA_WGRAD_CONFIGS[config], a_k_major=False, b_k_major=False, epilogue="bf16",
-                                       c_n_major=True, dbias_rows=False)
+    gemm = _gemm(arch, config, "wgrad_fold", a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True,
+                 dbias_rows=False)
     assert out_features % gemm.tile.bm == 0, (out_features, config)
 
     @cute.jit
@@ -2296,27 +2137,30 @@ _NO_ATOMICS = ("atom.", "\tred.")  # deterministic: no atomics anywhere
 _LDMATRIX_T = ("ldmatrix.sync.aligned.m8n8.x4.trans",)  # the MN-major operand of the backward GEMMs
 
 
-def _gemm_spec(name: str, build, configs, wgmma_family: bool, markers=(), **static) -> KernelSpec:
-    """One GEMM of a family: the warp family for every arch, the wgmma family (`<name>_wgmma`) for sm_90a."""
-    family = dict(name=name + "_wgmma", ptx_markers=_WGMMA_MARKERS, ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
-                  archs=("sm_90a",)) if wgmma_family else dict(name=name, ptx_markers=_MMA_MARKERS + markers,
-                                                              ptx_forbidden=_NO_ATOMICS)
+def _gemm_spec(role: str, build, family: str, markers=(), **static) -> KernelSpec:
+    """The `role` GEMM of a family (`adaln_proj_<role>`): the warp family for every arch, the wgmma family
+    (`adaln_proj_<role>_wgmma`) for sm_90a; one variant per out_features and config built for the role."""
+    kind = dict(name=f"adaln_proj_{role}_wgmma", ptx_markers=_WGMMA_MARKERS, ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
+                archs=("sm_90a",)) if family == "wgmma" else dict(name=f"adaln_proj_{role}",
+                                                                 ptx_markers=_MMA_MARKERS + markers,
+                                                                 ptx_forbidden=_NO_ATOMICS)
     return KernelSpec(build=build, variants=lambda arch: [dict(out_features=n, config=c, **static)
-                                                          for n in OUT_FEATURES for c in configs], **family)
+                                                          for n in OUT_FEATURES for c in candidates(role, family)],
+                      **kind)
 
 
 SPECS = [
-    _gemm_spec("adaln_proj_fwd", _build_fwd, CONFIGS, wgmma_family=False),
-    _gemm_spec("adaln_proj_dgrad", _build_dgrad, CONFIGS, wgmma_family=False, markers=_LDMATRIX_T),
-    _gemm_spec("adaln_proj_wgrad", _build_wgrad, WGRAD_CONFIGS, wgmma_family=False, markers=_LDMATRIX_T),
-    _gemm_spec("adaln_proj_fwd", _build_fwd, {**WGMMA_CONFIGS, **TMA_CONFIGS}, wgmma_family=True),
-    _gemm_spec("adaln_proj_dgrad", _build_dgrad, {**WGMMA_CONFIGS, **TMA_DGRAD_CONFIGS}, wgmma_family=True),
-    _gemm_spec("adaln_proj_wgrad", _build_wgrad, {**WGRAD_WGMMA_CONFIGS, **TMA_WGRAD_CONFIGS}, wgmma_family=True,
-               wgmma=True),
+    _gemm_spec("fwd", _build_fwd, "warp"),
+    _gemm_spec("dgrad", _build_dgrad, "warp", markers=_LDMATRIX_T),
+    _gemm_spec("wgrad", _build_wgrad, "warp", markers=_LDMATRIX_T),
+    _gemm_spec("fwd", _build_fwd, "wgmma"),
+    _gemm_spec("dgrad", _build_dgrad, "wgmma"),
+    _gemm_spec("wgrad", _build_wgrad, "wgmma", wgmma=True),
     KernelSpec(
         name="adaln_proj_wgrad_fold",
         build=_build_wgrad_fold,
-        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES for c in FOLD_WARP_WGRAD_CONFIGS],
+        variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES
+                               for c in candidates("wgrad_fold", "wgmma")],
         ptx_markers=_WGMMA_MARKERS + ("cp.async.bulk.tensor", "ld.global.cs.v4"),
         ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
         archs=("sm_90a",),

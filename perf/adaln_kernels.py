@@ -50,10 +50,9 @@ def _steps(rows: int, family: str, buf: dict, dev):
     wgmma = family == "wgmma"
     sfx = "_wgmma" if wgmma else ""
     # The wgmma family's configs include its TMA mainloop's (same kernels, same bits).
-    configs = L.WGMMA_CONFIGS + L.TMA_CONFIGS if wgmma else L.CONFIGS
-    dgrad_configs = L.WGMMA_CONFIGS + L.TMA_DGRAD_CONFIGS if wgmma else L.CONFIGS
-    wgrad_configs = L.WGRAD_WGMMA_CONFIGS + L.TMA_WGRAD_CONFIGS if wgmma else L.WGRAD_CONFIGS
-    chosen = L.config_for_rows(rows, wgmma)
+    configs, dgrad_configs, wgrad_configs = (L.candidates(role, family) for role in ("fwd", "dgrad", "wgrad"))
+    sms = runtime.sm_count(dev)  # the picks that model rounds of CTAs read the device's SMs, as the op does
+    chosen = L.config_for_rows(rows, wgmma, sms)
     w, b, temb, act, out = buf["w"], buf["b"], buf["temb"], buf["act"], buf["out"]
     grad, partial, dtemb, dw = buf["grad"], buf["partial"], buf["dtemb"], buf["dw"]
     bias_partial, db = buf["bias_partial"], buf["db"]
@@ -65,12 +64,12 @@ def _steps(rows: int, family: str, buf: dict, dev):
         kind = "step" if c == chosen else "alt"
         steps.append(("fwd", "proj_fwd", c, kind, w_bytes + rows * D * BF16 + N * BF16 + rows * N * BF16, gemm_flops,
                       _kernel("adaln_proj_fwd" + sfx, dev, out_features=N, config=c), (act, w, b, out)))
-    chosen_dgrad = L.dgrad_config_for_rows(rows, wgmma)
+    chosen_dgrad = L.dgrad_config_for_rows(rows, wgmma, sms)
     for c in (chosen_dgrad, *[c for c in dgrad_configs if c != chosen_dgrad]):
         kind = "step" if c == chosen_dgrad else "alt"
         steps.append(("bwd", "proj_dgrad", c, kind, w_bytes + rows * N * BF16 + L.DGRAD_SPLITS * rows * D * F32,
                       gemm_flops, _kernel("adaln_proj_dgrad" + sfx, dev, out_features=N, config=c), (grad, w, partial)))
-    chosen_wgrad = L.wgrad_config_for_rows(rows, wgmma)
+    chosen_wgrad = L.wgrad_config_for_rows(rows, wgmma, sms)
     folds = L.wgrad_folds(chosen_wgrad, wgmma)  # the dW kernel's fold warps write d_temb and db
     fold_bytes = (L.DGRAD_SPLITS + 2) * rows * D * F32
     if folds:  # the backward makes the dW operand first
@@ -86,7 +85,7 @@ def _steps(rows: int, family: str, buf: dict, dev):
                       gemm_flops, _kernel("adaln_proj_wgrad" + sfx, dev, out_features=N, config=c, **wgrad_static),
                       (grad, act, dw, db)))
     if wgmma:  # dW with the d_temb fold and db in its producer warps: d_temb's and db's bytes too
-        for c in L.FOLD_WARP_WGRAD_CONFIGS:
+        for c in L.candidates("wgrad_fold", "wgmma"):
             steps.append(("bwd", "proj_wgrad_fold", c, "step" if folds and c == chosen_wgrad else "alt",
                           wgrad_bytes + fold_bytes, gemm_flops,
                           _kernel("adaln_proj_wgrad_fold", dev, out_features=N, config=c),
@@ -172,7 +171,7 @@ def main(argv) -> int:
         report["sizes"][str(rows)] = per_family = {}
         for family in families:
             records = _time_rounds(_steps(rows, family, buf, dev), _median_us, args.rounds)
-            config = L.config_for_rows(rows, family == "wgmma")
+            config = L.config_for_rows(rows, family == "wgmma", runtime.sm_count(dev))
             # The device's own family runs as the op does (config=None: per-GEMM configs); the other
             # family only through an explicit config (the forward's, for its dgrad too).
             op_config = None if family == default_family else config
@@ -180,8 +179,8 @@ def main(argv) -> int:
             try:
                 ops["fwd"] = _median_us(lambda: L.forward(buf["temb"], buf["w"], buf["b"], config=op_config))
                 ops["bwd"] = _median_us(lambda: L.backward(buf["grad"], buf["temb"], buf["w"], config=op_config))
-                if op_config is None and L.wgrad_folds(L.wgrad_config_for_rows(rows, family == "wgmma"),
-                                                       family == "wgmma"):
+                wgrad = L.wgrad_config_for_rows(rows, family == "wgmma", runtime.sm_count(dev))
+                if op_config is None and L.wgrad_folds(wgrad, family == "wgmma"):
                     ops["bwd_without_fold_warps"] = _median_us(
                         lambda: L.backward(buf["grad"], buf["temb"], buf["w"], fold_warps=False))
             except Exception as exc:  # a missing kernel: the steps above say which

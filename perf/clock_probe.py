@@ -135,7 +135,7 @@ def main(argv) -> int:
     # What follows the d_temb GEMM in the backward, both ways, for each fold-warp tile: the d_temb fold, dW and
     # adaln_bias_grad as three launches, or adaln_silu_cast and the dW kernel with fold warps.
     one = {(s[1], s[2]): s for s in every if not isinstance(s[6], Exception)}
-    for c in K.L.FOLD_WARP_WGRAD_CONFIGS:
+    for c in K.L.candidates("wgrad_fold", "wgmma"):
         parts = {"separate": [one.get(k) for k in (("dtemb_fold", ""), ("proj_wgrad", c), ("bias_grad", ""))],
                  "fold warps": [one.get(k) for k in (("silu_cast", ""), ("proj_wgrad_fold", c))]}
         for how, seq in parts.items():

@@ -25,6 +25,7 @@ import torch
 from h3cute import runtime
 from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
+from h3cute.bench.sweep import config_name
 from h3cute.launch import timestep_mlp as L
 from h3cute.widths import FREQ as F1, MLP_HIDDEN as HIDDEN, TEMB as D
 
@@ -209,7 +210,7 @@ def _fmt(us) -> str:
 
 def _config_name(cfg) -> str:
     """SMALL_T / WIDE_T / ... : the launcher's module-level name of a config."""
-    return next((n for n, v in vars(L).items() if v is cfg and n.isupper()), repr(cfg))
+    return config_name(L, cfg)
 
 
 def main() -> int:

@@ -22,6 +22,7 @@ import torch
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
+from h3cute.kernels._adaln_configs import ADALN_GEMM_CONFIGS as CFG, candidates
 from h3cute.launch import adaln_projection as launch
 from h3cute.widths import BLOCK_PROJECTION as N_BLOCK, FINAL_PROJECTION as N_FINAL, TEMB as D
 
@@ -33,6 +34,28 @@ from numerics import projection_grads_fp64 as _fp64_grads
 from numerics import projection_replay as _replay
 from numerics import rel_err as _rel_err
 
+
+
+# The configs by role, family and mainloop (h3cute.kernels._adaln_configs), and their compile-time tiles.
+def _names(role, family, mainloop=None) -> tuple:
+    return tuple(n for n in candidates(role, family) if mainloop in (None, CFG[n].mainloop))
+
+
+WARP = _names("fwd", "warp")  # the warp family's forward and d_temb configs (the same)
+WGRAD_WARP = _names("wgrad", "warp")
+CPW = _names("fwd", "wgmma", "cp_async_wgmma")  # the wgmma family's cp.async ring, forward and d_temb
+WGRAD_CPW = _names("wgrad", "wgmma", "cp_async_wgmma")
+TMA_FWD = _names("fwd", "wgmma", "tma_wgmma")
+TMA_DGRAD = _names("dgrad", "wgmma", "tma_wgmma")
+TMA_WGRAD = _names("wgrad", "wgmma", "tma_wgmma")
+FOLD = _names("wgrad_fold", "wgmma")  # dW tiles also built with fold warps
+DB_WARPS = tuple(n for n in TMA_WGRAD if CFG[n].side_warps == "dbias")
+TMA_STORE_CPW = tuple(n for n in WGRAD_CPW if CFG[n].store == "tma")  # `_WgmmaTmaStoreGemm`
+TILE = {n: c.tile for n, c in CFG.items()}
+
+
+def _tiles(names) -> dict:
+    return {n: TILE[n] for n in names}
 
 
 # ---- CPU: the kernel family compiles for both archs with the contract's instructions --------------------
@@ -58,7 +81,7 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
     specs = _specs()
     for name in ("adaln_proj_fwd", "adaln_proj_dgrad"):
         for arch in ("sm_90a", "sm_100a"):
-            for config in launch.CONFIGS:
+            for config in WARP:
                 ptx = ptx_of(specs[name], arch, dict(out_features=N_FINAL, config=config))
                 text = "\n".join(ptx)
                 mmas = set(re.findall(r"(?:mma|wgmma)\.[\w.]+", text))
@@ -70,13 +93,13 @@ def test_each_family_uses_exactly_one_mma_instruction_shape_per_config():
                     c_operands = re.findall(r"mma\.sync[^;]*\{[^}]*\},\s*\{[^}]*\},\s*\{[^}]*\},\s*\{([^}]*)\};", text)
                     assert c_operands and all(len(set(c.replace(" ", "").split(","))) == 1 for c in c_operands), config
                     assert text.count("add.f32") == 4 * text.count("mma.sync"), config
-        tma = launch.TMA_CONFIGS if name == "adaln_proj_fwd" else launch.TMA_DGRAD_CONFIGS
-        for config in launch.WGMMA_CONFIGS + tma:
+        tma = TMA_FWD if name == "adaln_proj_fwd" else TMA_DGRAD
+        for config in CPW + tma:
             ptx = ptx_of(specs[name + "_wgmma"], "sm_90a", dict(out_features=N_FINAL, config=config))
             mmas = set(re.findall(r"(?:mma\.sync|wgmma\.mma_async)[\w.]+", "\n".join(ptx)))
-            tile = {**k.WGMMA_CONFIGS, **k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS}[config]
+            tile = TILE[config]
             # d_temb runs the 256-wide tile as two halves of wgmma N = 128.
-            tma = config in launch.TMA_CONFIGS + launch.TMA_DGRAD_CONFIGS
+            tma = config in TMA_FWD + TMA_DGRAD
             halves = k.dgrad_n_halves(tile) if name == "adaln_proj_dgrad" and tma else 1
             assert mmas == {f"wgmma.mma_async.sync.aligned.m64n{tile.bn // halves}k16.f32.bf16.bf16"}, (name, config)
             if name == "adaln_proj_dgrad":
@@ -127,51 +150,124 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     kernels_package()
     import h3cute.kernels.adaln_gemm as k
 
-    assert tuple(k.CONFIGS) == launch.CONFIGS
-    assert tuple(k.WGMMA_CONFIGS) == launch.WGMMA_CONFIGS
-    assert tuple(k.WGRAD_CONFIGS) == launch.WGRAD_CONFIGS
-    assert tuple(k.WGRAD_WGMMA_CONFIGS) == launch.WGRAD_WGMMA_CONFIGS
-    assert tuple(k.TMA_CONFIGS) == launch.TMA_CONFIGS and tuple(k.TMA_DGRAD_CONFIGS) == launch.TMA_DGRAD_CONFIGS
-    assert tuple(k.TMA_WGRAD_CONFIGS) == launch.TMA_WGRAD_CONFIGS
-    family = (*launch.WGMMA_CONFIGS, *launch.TMA_CONFIGS, *launch.WGRAD_WGMMA_CONFIGS, *launch.TMA_WGRAD_CONFIGS)
-    assert all(c.startswith("tma_") for c in launch.TMA_CONFIGS + launch.TMA_WGRAD_CONFIGS)
-    assert len(set(family)) == len(family) and not set(family) & set(launch.CONFIGS + launch.WGRAD_CONFIGS)
+    # The bundle's variants are the configs built for each role (h3cute.kernels._adaln_configs), in registry order.
+    specs = {s.name: s for s in k.SPECS}
+    for role in ("fwd", "dgrad", "wgrad"):
+        for family, name in (("warp", f"adaln_proj_{role}"), ("wgmma", f"adaln_proj_{role}_wgmma")):
+            configs = [v["config"] for v in specs[name].variants("sm_90a")]
+            assert configs == [c for n in k.OUT_FEATURES for c in candidates(role, family)], name
+    assert [v["config"] for v in specs["adaln_proj_wgrad_fold"].variants("sm_90a")] == list(FOLD) * 2
+    family = (*CPW, *TMA_FWD, *WGRAD_CPW, *TMA_WGRAD)
+    assert all(c.startswith("tma_") for c in TMA_FWD + TMA_WGRAD)
+    assert len(set(family)) == len(family) and not set(family) & set(WARP + WGRAD_WARP)
     assert launch.SM90_FAMILY in ("warp", "wgmma")
-    assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS and k.PERSISTENT_CTAS == launch.PERSISTENT_CTAS
+    assert k.DGRAD_SPLITS == launch.DGRAD_SPLITS and k.PERSISTENT_CTAS == launch.H200_SMS == 132
     assert k.DBIAS_ROW_BLOCK == launch.DBIAS_ROW_BLOCK and k.FUSED_DBIAS_ROWS == launch.FUSED_DBIAS_ROWS
     assert k.DBIAS_CHAIN_ROWS == launch.DBIAS_CHAIN_ROWS
-    assert launch.DB_WARP_WGRAD_CONFIGS == tuple(c for c in k.TMA_WGRAD_CONFIGS if c in k.WGRAD_DB_WARPS)
-    assert launch.FOLD_WARP_WGRAD_CONFIGS == k.FOLD_WARP_WGRAD_CONFIGS
-    assert all(k.TMA_WGRAD_CONFIGS[c].persistent_ctas for c in k.FOLD_WARP_WGRAD_CONFIGS)
-    assert all(k.TMA_WGRAD_CONFIGS[c].persistent_ctas for c in k.WGRAD_DB_WARPS)
+    assert DB_WARPS == ("tma_wgrad_persist_db", "tma_wgrad_persist_pingpong_db") and FOLD == ("tma_wgrad_persist_m256",)
+    assert all(TILE[c].persistent_ctas for c in FOLD + DB_WARPS)
     assert all(launch.dbias_blocks(t) == -(-t // k.DBIAS_ROW_BLOCK) for t in (1, 63, 64, 65, 2048, 2049))
     assert k.OUT_FEATURES == (N_BLOCK, N_FINAL)  # the block and the final AdaLN projection, both compiled
     for n in k.OUT_FEATURES:
-        for tile in k.CONFIGS.values():
+        for tile in _tiles(WARP).values():
             tile.check()
             assert n % tile.bm == 0 and D % tile.bk == 0
             assert n % (k.DGRAD_SPLITS * tile.bk) == 0 and D % tile.bm == 0
-        for tile in k.WGMMA_CONFIGS.values():
+        for tile in _tiles(CPW).values():
             tile.check()
             assert tile.warps_m % 4 == 0 and tile.bm % (16 * tile.warps_m) == 0  # whole 64-row warpgroup slabs
             assert n % (k.DGRAD_SPLITS * tile.bk) == 0 and D % tile.bm == 0 and n % tile.bm == 0
-        for tile in (*k.WGRAD_CONFIGS.values(), *k.WGRAD_WGMMA_CONFIGS.values()):
+        for tile in (*_tiles(WGRAD_WARP).values(), *_tiles(WGRAD_CPW).values()):
             tile.check()
             assert n % tile.bm == 0 and D % tile.bn == 0
-        for tile in k.TMA_CONFIGS.values():
+        for tile in _tiles(TMA_FWD).values():
             assert n % tile.bm == 0 and D % tile.bk == 0
-        for tile in k.TMA_DGRAD_CONFIGS.values():
+        for tile in _tiles(TMA_DGRAD).values():
             assert n % (k.DGRAD_SPLITS * tile.bk) == 0 and D % tile.bm == 0
-        for tile in k.TMA_WGRAD_CONFIGS.values():
+        for tile in _tiles(TMA_WGRAD).values():
             assert n % tile.bm == 0 and D % tile.bn == 0
     # The picks of the wgmma family may be cp.async or TMA mainloops (same kernels, same bits).
     for rows in (1, 8, 16, 17, 64, 65, 128, 129, 192, 193, 256, 257, 384, 385, 1024, 1025, 2048, 4096):
-        assert launch.config_for_rows(rows) in launch.CONFIGS
-        assert launch.config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS + launch.TMA_CONFIGS
-        assert launch.dgrad_config_for_rows(rows) in launch.CONFIGS
-        assert launch.dgrad_config_for_rows(rows, wgmma=True) in launch.WGMMA_CONFIGS + launch.TMA_DGRAD_CONFIGS
-        assert launch.wgrad_config_for_rows(rows) in launch.WGRAD_CONFIGS
-        assert launch.wgrad_config_for_rows(rows, wgmma=True) in launch.WGRAD_WGMMA_CONFIGS + launch.TMA_WGRAD_CONFIGS
+        assert launch.config_for_rows(rows) in WARP
+        assert launch.config_for_rows(rows, wgmma=True) in CPW + TMA_FWD
+        assert launch.dgrad_config_for_rows(rows) in WARP
+        assert launch.dgrad_config_for_rows(rows, wgmma=True) in CPW + TMA_DGRAD
+        assert launch.wgrad_config_for_rows(rows) in WGRAD_WARP
+        assert launch.wgrad_config_for_rows(rows, wgmma=True) in WGRAD_CPW + TMA_WGRAD
+
+
+def test_kernel_class_follows_the_config_fields():
+    """`kernel_class` reads the mainloop, C store, schedule and side warps (never the name); `for_role` gives the
+    fold kernel its side warps; a config's tile carries the persistent grid, pingpong and tail fields the kernels
+    read."""
+    import dataclasses
+
+    k = _tma_kernels()
+    want = {"skinny": k._WarpMmaGemm, "wgrad_n64": k._WarpMmaGemm, "wg_mid": k._WgmmaGemm,
+            "wg_wgrad_tstore": k._WgmmaTmaStoreGemm, "tma_wide_n256_mc2": k._TmaWgmmaGemm,
+            "tma_wide_n256_tail": k._TmaWgmmaGemm, "tma_persist_m256": k._TmaWgmmaPersistentGemm,
+            "tma_wgrad_persist_pingpong": k._TmaWgmmaPersistentGemm,
+            "tma_wgrad_persist_pingpong_db": k._TmaWgmmaPersistentDbGemm}
+    for name, cls in want.items():
+        assert k.kernel_class(CFG[name]) is cls, name
+        assert k.kernel_class(dataclasses.replace(CFG[name], name="renamed")) is cls, name
+    fold = CFG["tma_wgrad_persist_m256"].for_role("wgrad_fold")
+    assert k.kernel_class(fold) is k._TmaWgmmaPersistentFoldGemm and fold.tile == CFG["tma_wgrad_persist_m256"].tile
+    with pytest.raises(ValueError, match="not built for 'wgrad_fold'"):
+        CFG["tma_wgrad_persist"].for_role("wgrad_fold")
+    with pytest.raises(ValueError, match="mainloop"):
+        dataclasses.replace(CFG["tma_wide"], mainloop="tma")
+    assert TILE["tma_wgrad_persist_pingpong"].pingpong and TILE["tma_wgrad_persist_pingpong"].persistent_ctas == 132
+    assert not TILE["tma_wide"].persistent_ctas and TILE["tma_wide_n256_tail"].tail_halves
+    assert TILE["tma_wide_a_mc2"].cluster_n == 2 and TILE["tma_wgrad_mc2"].cluster_m == 2
+
+
+def test_configs_written_as_field_overrides_of_a_named_config():
+    """`parse_config`: a name is its registry entry; `name:field=value,...` is that entry with those fields (named by
+    the text), typed as the field; bad text fails naming the config and the field. The launcher takes such a config
+    for its role (compiled on demand) and the sweep for the forward of the device's family."""
+    from h3cute.kernels._adaln_configs import parse_config
+
+    assert parse_config("tma_wide") is CFG["tma_wide"]
+    c = parse_config("tma_wide:stages=4,cluster_n=2")
+    assert c.name == "tma_wide:stages=4,cluster_n=2" and (c.stages, c.cluster_n) == (4, 2)
+    assert c.tile == TILE["tma_wide_a_mc2"].__class__(**{**TILE["tma_wide_a_mc2"].__dict__, "stages": 4})
+    assert parse_config("wg_wgrad_n64:store=tma").store == "tma"
+    assert parse_config("tma_wide_n256:tail_halves=true,roles=dgrad").tail_halves
+    assert parse_config("tma_wide_n256:tail_halves=true,roles=dgrad").roles == ("dgrad",)
+    for text, msg in (("tma_huge", "not a named config"), ("tma_wide:stages", "field=value"),
+                      ("tma_wide:colour=3", "field=value"), ("tma_wide:stages=four", "stages takes an integer"),
+                      ("tma_wide:mainloop=tma", "mainloop"), ("tma_wide:tail_halves=yes", "tail_halves")):
+        with pytest.raises(ValueError, match=msg):
+            parse_config(text)
+    launch._check_config("forward", "fwd", "tma_wide:stages=4")  # no error
+    with pytest.raises(ValueError, match="adaln_projection forward: config 'tma_huge' is not a named config"):
+        launch._check_config("forward", "fwd", "tma_huge:stages=4")
+    with pytest.raises(ValueError, match="no forward GEMM"):
+        launch._check_config("forward", "fwd", "tma_wgrad:stages=4")
+    assert launch._uses_wgmma(None, "tma_wide:stages=4") and not launch._uses_wgmma(None, "wide:stages=4")
+    cpu = torch.device("cpu")  # no CUDA device: the sm_90a family
+    assert launch.sweep_config("tma_wide:stages=4", cpu) == ("tma_wide:stages=4", "tma_wide:stages=4")
+    with pytest.raises(ValueError, match="no forward config of the wgmma family"):
+        launch.sweep_config("wide:stages=4", cpu)
+    assert launch.sweep_picks(cpu) == ("wg_skinny", "wg_mid", "tma_wide", "tma_wide_n192", "tma_wide_n256_mc2",
+                                       "tma_persist_m256")
+    assert list(launch.sweep_configs(cpu))[:6] == list(launch.sweep_picks(cpu))
+    assert set(launch.sweep_configs(cpu)) == set(candidates("fwd", "wgmma"))
+
+
+@pytest.mark.slow
+def test_a_config_written_as_overrides_compiles_on_demand_to_its_named_twin():
+    """A field-override config compiles on demand (it is no bundle variant); one equal to a named config gives that
+    config's PTX byte for byte, and a changed field changes the kernel (here the TMA ring's depth)."""
+    specs = _specs()
+    spec = specs["adaln_proj_fwd_wgmma"]
+    named = ptx_of(spec, "sm_90a", dict(out_features=N_FINAL, config="tma_wide"))
+    same = ptx_of(spec, "sm_90a", dict(out_features=N_FINAL, config="tma_wide:stages=5"))
+    other = ptx_of(spec, "sm_90a", dict(out_features=N_FINAL, config="tma_wide:stages=4"))
+    assert "tma_wide:stages=4" not in [v["config"] for v in spec.variants("sm_90a")]
+    assert same == named and other != named
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in "\n".join(other)
 
 
 def _tma_kernels():
@@ -192,7 +288,7 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
     smem_max = 227 * 1024
     assert 128 * gemm._PRODUCER_REGS + 256 * gemm._CONSUMER_REGS <= 65536
     assert gemm._PRODUCER_REGS % 8 == 0 and gemm._CONSUMER_REGS % 8 == 0 and gemm._CONSUMER_REGS <= 256
-    for name, tile in {**k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS, **k.TMA_WGRAD_CONFIGS}.items():
+    for name, tile in _tiles(TMA_FWD + TMA_DGRAD + TMA_WGRAD).items():
         ab = tile.stages * (tile.bm + tile.bn) * tile.bk * 2
         # The persistent dW kernel has its own C buffers (TMA stores read them while the next tile loads).
         c_buffers = k.c_buffers(tile) * tile.bm * tile.bn * 2 if tile.persistent_ctas else 0
@@ -201,43 +297,87 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
         # 256 rows (two 64-row slabs per warpgroup) only in the persistent cooperative dW.
         assert tile.warps_m == 8 and tile.bk % 32 == 0, name
         assert tile.bm == 128 or (tile.bm == 256 and tile.persistent_ctas and not tile.pingpong), name
-        c_major = name in k.TMA_WGRAD_CONFIGS  # dW's C is N-major, the table's M-major (padded by 8)
+        c_major = name in TMA_WGRAD  # dW's C is N-major, the table's M-major (padded by 8)
         c_lines, c_line = (tile.bm, tile.bn + 8) if c_major else (tile.bn, tile.bm + 8)
         assert tile.persistent_ctas or c_lines * c_line * 2 <= ab, name
         # Persistent: a fixed grid (no device query) of at least one CTA per H200 SM.
         assert tile.persistent_ctas in (0, k.PERSISTENT_CTAS) and k.PERSISTENT_CTAS % 132 == 0, name
     # d_temb's FP32 registers per consumer thread: acc and two block tiles (the pipelined adds) up to bn = 128,
     # acc and one block tile up to 192, two half accumulators and one half block tile at 256.
-    for name, t in k.TMA_DGRAD_CONFIGS.items():
+    for name, t in _tiles(TMA_DGRAD).items():
         halves = k.dgrad_n_halves(t)
         tiles = 3 if t.bn <= k._IEEE_PIPELINED_MAX_BN else 2 if halves == 1 else 3
         assert tiles * t.bn // halves // 2 <= 192 and halves in (1, 2) and t.bn % (64 * halves) == 0, name
-    assert set(k.TMA_DGRAD_CONFIGS) == {c for c, t in k.TMA_CONFIGS.items()
+    assert set(TMA_DGRAD) == {c for c, t in _tiles(TMA_FWD).items()
                                         if t.bn <= 256 and t.cluster_m == 1 and not t.persistent_ctas} | {
-                                            c for c, t in k.TMA_DGRAD_CONFIGS.items() if t.tail_halves}
+                                            c for c, t in _tiles(TMA_DGRAD).items() if t.tail_halves}
 
 
-def test_dtemb_picks_the_192_row_tile_where_its_rounds_cost_less():
-    """Beyond T = 384 d_temb takes tma_wide_n192 exactly in DGRAD_N192_RANGES, and those are the T (to
-    DGRAD_MODEL_ROWS) where `dgrad_round_columns` puts it more than 5% under tma_wide_n256_tail; the model counts a
-    thin last round of the tail tile as half (its halves) and agrees with `tail_units`."""
+# The H200's T ranges beyond 384 where d_temb takes tma_wide_n192 (measured at T = 1300 against tma_wide_n256_tail).
+H200_N192_RANGES = ((513, 576), (769, 960), (1025, 1152), (1281, 1344), (2049, 2112), (2817, 2880))
+
+
+@pytest.mark.parametrize("sms", [132, 114, 148])
+def test_dtemb_picks_the_192_row_tile_where_its_rounds_cost_less(sms):
+    """Beyond T = 384 d_temb takes tma_wide_n192 exactly where (to DGRAD_MODEL_ROWS) `dgrad_round_columns` puts it
+    more than 5% under tma_wide_n256_tail on a GPU of `sms` SMs (on the H200: H200_N192_RANGES); the model counts a
+    thin last round of the tail tile as half (its halves) and, on the H200, agrees with the kernel's `tail_units`."""
     k = _tma_kernels()
     wins = [t for t in range(385, launch.DGRAD_MODEL_ROWS + 1)
-            if launch.dgrad_round_columns(t, 192, False) < 0.95 * launch.dgrad_round_columns(t, 256, True)]
+            if launch.dgrad_round_columns(t, 192, False, sms) < 0.95 * launch.dgrad_round_columns(t, 256, True, sms)]
     ranges = []
     for t in wins:
         if ranges and ranges[-1][1] == t - 1:
             ranges[-1][1] = t
         else:
             ranges.append([t, t])
-    assert [tuple(r) for r in ranges] == list(launch.DGRAD_N192_RANGES)
+    if sms == 132:
+        assert [tuple(r) for r in ranges] == list(H200_N192_RANGES)
+    else:  # the rounds move with the SM count, and so do the picks
+        assert [tuple(r) for r in ranges] != list(H200_N192_RANGES)
     for t in range(385, launch.DGRAD_MODEL_ROWS + 1):
         want = "tma_wide_n192" if t in wins else "tma_wide_n256_tail"
-        assert launch.dgrad_config_for_rows(t, wgmma=True) == want, t
-        units = -(-t // 256) * 21 * launch.DGRAD_SPLITS
-        whole = k.tail_units(units)
-        assert launch.dgrad_round_columns(t, 256, True) == 256 * (-(-whole // 132) + 0.5 * (units > whole)), t
-    assert launch.dgrad_config_for_rows(1 << 20, wgmma=True) == "tma_wide_n256_tail"
+        assert launch.dgrad_config_for_rows(t, wgmma=True, sms=sms) == want, t
+        if sms == 132:
+            units = -(-t // 256) * 21 * launch.DGRAD_SPLITS
+            whole = k.tail_units(units)
+            assert launch.dgrad_round_columns(t, 256, True) == 256 * (-(-whole // 132) + 0.5 * (units > whole)), t
+    assert launch.dgrad_config_for_rows(1 << 20, wgmma=True, sms=sms) == "tma_wide_n256_tail"
+
+
+@pytest.mark.parametrize("sms", [132, 114, 148])
+def test_t_bounds_cut_every_pick_change(sms):
+    """Within each T range of `t_bounds(sms)` (what the C++ layer caches one launch per) every pick, whether dW writes
+    db and whether it folds stay the same, on both families; the H200's bounds are `T_BOUNDS`."""
+    bounds = launch.t_bounds(sms)
+    assert list(bounds) == sorted(set(bounds)) and bounds[-1] == launch.runtime.MAX_ROWS
+    assert launch.t_bounds() == launch.T_BOUNDS
+
+    def choices(t, wgmma):
+        wgrad = launch.wgrad_config_for_rows(t, wgmma, sms)
+        return (launch.config_for_rows(t, wgmma, sms), launch.dgrad_config_for_rows(t, wgmma, sms), wgrad,
+                launch.wgrad_folds(wgrad, wgmma), launch.wgrad_writes_dbias(wgrad, t))
+
+    seen = {}
+    for t in range(1, launch.DGRAD_MODEL_ROWS + 2):
+        hi = launch.runtime.row_range(bounds, t)[1]
+        both = (choices(t, False), choices(t, True))
+        assert seen.setdefault(hi, both) == both, (sms, t)
+    # and every bound is where something changes in one family at least (none is stale)
+    values = [seen[b] for b in bounds if b in seen]
+    assert all(a != b for a, b in zip(values, values[1:])), sms
+
+
+def test_pick_tables_name_configs_of_their_role_and_family():
+    """Every pick table entry names a config built for its role in its family, the bounds ascend and the last entry
+    covers every larger T."""
+    for role, tables in launch.PICKS.items():
+        for family, entries in tables.items():
+            assert entries[-1][0] is None and all(b is not None for b, _ in entries[:-1]), (role, family)
+            assert [b for b, _ in entries[:-1]] == sorted({b for b, _ in entries[:-1]}), (role, family)
+            for _, choice in entries:
+                names = (choice,) if isinstance(choice, str) else (choice.wide, choice.narrow)
+                assert all(n in candidates(role, family) for n in names), (role, family, names)
 
 
 def test_tail_units_split_only_a_thin_last_round():
@@ -251,13 +391,12 @@ def test_tail_units_split_only_a_thin_last_round():
         assert k.tail_units(units) == whole, units
         halves = 2 * (units - whole)
         assert whole == units or (whole % 132 == 0 and 0 < halves <= 132), units
-    tile = k.TMA_DGRAD_CONFIGS["tma_wide_n256_tail"]
+    tile = TILE["tma_wide_n256_tail"]
     assert tile.tail_halves and k.dgrad_n_halves(tile) == 2 and tile.cluster_size == 1
-    assert [c for t in (k.TMA_CONFIGS, k.TMA_DGRAD_CONFIGS, k.TMA_WGRAD_CONFIGS) for c, g in t.items()
-            if g.tail_halves] == ["tma_wide_n256_tail", "tma_wide_n256_a_mc2_tail"]
+    assert [c for c, g in TILE.items() if g.tail_halves] == ["tma_wide_n256_tail", "tma_wide_n256_a_mc2_tail"]
     import dataclasses
     for config, twin in (("tma_wide_n256_tail", "tma_wide_n256"), ("tma_wide_n256_a_mc2_tail", "tma_wide_n256_a_mc2")):
-        assert dataclasses.replace(k.TMA_DGRAD_CONFIGS[config], tail_halves=False) == k.TMA_CONFIGS[twin], config
+        assert dataclasses.replace(TILE[config], tail_halves=False) == TILE[twin], config
     with pytest.raises(ValueError, match="tma_wide_n256_tail.*no forward GEMM"):
         launch.forward(torch.zeros((2, D)), torch.zeros((8, D), dtype=torch.bfloat16),
                        torch.zeros((8,), dtype=torch.bfloat16), config="tma_wide_n256_tail")
@@ -276,12 +415,12 @@ def test_tma_mainloop_instructions():
 
     k = _tma_kernels()
     specs = _specs()
-    cases = [("adaln_proj_fwd_wgmma", c, {}) for c in launch.TMA_CONFIGS]
-    cases += [("adaln_proj_dgrad_wgmma", c, {}) for c in launch.TMA_DGRAD_CONFIGS]
-    cases += [("adaln_proj_wgrad_wgmma", c, dict(wgmma=True)) for c in launch.TMA_WGRAD_CONFIGS]
-    cases += [("adaln_proj_wgrad_fold", c, {}) for c in launch.FOLD_WARP_WGRAD_CONFIGS]
+    cases = [("adaln_proj_fwd_wgmma", c, {}) for c in TMA_FWD]
+    cases += [("adaln_proj_dgrad_wgmma", c, {}) for c in TMA_DGRAD]
+    cases += [("adaln_proj_wgrad_wgmma", c, dict(wgmma=True)) for c in TMA_WGRAD]
+    cases += [("adaln_proj_wgrad_fold", c, {}) for c in FOLD]
     for name, config, extra in cases:
-        tile = {**k.TMA_CONFIGS, **k.TMA_DGRAD_CONFIGS, **k.TMA_WGRAD_CONFIGS}[config]
+        tile = TILE[config]
         ptx = ptx_of(specs[name], "sm_90a", dict(out_features=N_FINAL, config=config, **extra))
         text = "\n".join(ptx)
         halves = k.dgrad_n_halves(tile) if name == "adaln_proj_dgrad_wgmma" else 1
@@ -293,7 +432,7 @@ def test_tma_mainloop_instructions():
             assert forbidden not in text, (name, config, forbidden)
         # The persistent dW with db warps or fold warps: their own register splits.
         fold = name == "adaln_proj_wgrad_fold"
-        cls = k._TmaWgmmaPersistentFoldGemm if fold else k._TmaWgmmaPersistentDbGemm if config in k.WGRAD_DB_WARPS \
+        cls = k._TmaWgmmaPersistentFoldGemm if fold else k._TmaWgmmaPersistentDbGemm if config in DB_WARPS \
             else k._TmaWgmmaGemm
         assert 128 * cls._PRODUCER_REGS + 256 * cls._CONSUMER_REGS <= 65536, cls
         assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{cls._PRODUCER_REGS};", text)
@@ -314,7 +453,7 @@ def test_tma_mainloop_instructions():
             assert re.search(r"bar\.sync\s+1, 256;", text), (name, config)
         if tile.persistent_ctas:  # C: stmatrix -> C buffer -> TMA store, a buffer reused after its store read it
             # dW's C is N-major; the forward's (the table seen as out^T) M-major: the transposing stmatrix.
-            trans = "" if config in k.TMA_WGRAD_CONFIGS else ".trans"
+            trans = "" if config in TMA_WGRAD else ".trans"
             for marker in (f"stmatrix.sync.aligned.m8n8.x4{trans}.shared.b16", "fence.proxy.async.shared::cta",
                            "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group", "cp.async.bulk.commit_group"):
                 assert marker in text, (config, marker)
@@ -329,7 +468,7 @@ def test_tma_mainloop_instructions():
             if fold:
                 assert "ld.global.cs.v4" in text and "st.global.v4.b32" in text, config
             else:
-                assert text.count("st.global.v4") == (config in k.WGRAD_DB_WARPS) and "ld.global.v4" not in text, config
+                assert text.count("st.global.v4") == (config in DB_WARPS) and "ld.global.v4" not in text, config
         if shutil.which("ptxas"):
             _ptxas_report(ptx[0], (name, config))
 
@@ -353,9 +492,7 @@ def test_clustered_configs_are_their_plain_tiles_in_whole_clusters():
     import dataclasses
 
     k = _tma_kernels()
-    tables = (k.CONFIGS, k.WGMMA_CONFIGS, k.WGRAD_CONFIGS, k.WGRAD_WGMMA_CONFIGS, k.TMA_CONFIGS, k.TMA_DGRAD_CONFIGS,
-              k.TMA_WGRAD_CONFIGS)
-    every = {n: t for table in tables for n, t in table.items()}
+    every = TILE
     assert {n for n, t in every.items() if t.cluster_size != 1} == {c for _, c, _, _, _ in _CLUSTERED}
     for _, config, twin, _, shared in _CLUSTERED:
         tile = every[config]
@@ -363,8 +500,8 @@ def test_clustered_configs_are_their_plain_tiles_in_whole_clusters():
         assert dataclasses.replace(tile, cluster_m=1, cluster_n=1) == every[twin], config
         assert all(n % (tile.bm * tile.cluster_m) == 0 for n in k.OUT_FEATURES), config
     assert N_BLOCK in k.OUT_FEATURES
-    assert "tma_wide_n256_mc2" in launch.TMA_CONFIGS and "tma_wide_n256_mc2" not in launch.TMA_DGRAD_CONFIGS
-    assert "tma_wide_a_mc2" in launch.TMA_DGRAD_CONFIGS and "tma_wgrad_mc2" in launch.TMA_WGRAD_CONFIGS
+    assert "tma_wide_n256_mc2" in TMA_FWD and "tma_wide_n256_mc2" not in TMA_DGRAD
+    assert "tma_wide_a_mc2" in TMA_DGRAD and "tma_wgrad_mc2" in TMA_WGRAD
     with pytest.raises(ValueError, match="tma_wide_n256_mc2.*no d_temb GEMM"):
         launch.backward(torch.zeros((2, 8), dtype=torch.bfloat16), torch.zeros((2, D)), torch.zeros((8, D)),
                         config="tma_wide_n256_mc2")
@@ -475,7 +612,7 @@ class _KernelEmulator:
             dbias.copy_(self._dbias(grad))
 
     def proj_wgrad_fold(self, grad, act, dweight, dbias, partial, temb, dtemb, dbias_blocks):
-        assert self.last_config in launch.FOLD_WARP_WGRAD_CONFIGS
+        assert self.last_config in FOLD
         self._check(dbias_blocks, torch.float32, (launch.dbias_blocks(grad.shape[0]), grad.shape[1]))
         self._check(partial, torch.float32, (launch.DGRAD_SPLITS, grad.shape[0], D))
         self._check(temb, torch.float32, (grad.shape[0], D))
@@ -501,10 +638,14 @@ def _close(a, b, tol):
 @pytest.mark.parametrize("rows", [1, 5, 64, 65, 70, 400, 800])
 def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     """forward/backward call the kernels with the right arguments and assemble the op's results; the
-    device's arch picks the family (SM90_FAMILY on sm_90a, warp elsewhere)."""
+    device's arch picks the family (SM90_FAMILY on sm_90a, warp elsewhere) and its SM count the picks that model
+    rounds of CTAs (here an sm_90a GPU of 114 SMs, an H100 PCIe: at T = 800 d_temb's 256-row tile fills its
+    rounds best, where the H200's 132 SMs take the 192-row tile)."""
     emu = _KernelEmulator()
+    sms = {"sm_90a": 114, "sm_100a": 148}[arch]
     monkeypatch.setattr(launch.runtime, "kernel", emu)
     monkeypatch.setattr(launch.runtime, "arch_of", lambda device: arch)
+    monkeypatch.setattr(launch.runtime, "sm_count", lambda device: sms)
     wgmma = arch == "sm_90a" and launch.SM90_FAMILY == "wgmma"
     sfx, wgrad_static = ("_wgmma", dict(wgmma=True)) if wgmma else ("", {})
     g = torch.Generator().manual_seed(rows)
@@ -514,14 +655,16 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
     b = (torch.randn((n,), generator=g) * 0.02).to(torch.bfloat16)
     out = launch.forward(temb, w, b)
     assert _close(out, reference.adaln_projection_replay(temb, w, b), 4e-3)
-    assert ("adaln_proj_fwd" + sfx, dict(out_features=n, config=launch.config_for_rows(rows, wgmma))) in emu.calls
+    assert ("adaln_proj_fwd" + sfx, dict(out_features=n, config=launch.config_for_rows(rows, wgmma, sms))) in emu.calls
     grad = torch.randn((rows, n), generator=g).to(torch.bfloat16)
     emu.calls.clear()
     got = launch.backward(grad, temb, w)
-    wgrad_config = launch.wgrad_config_for_rows(rows, wgmma)
+    wgrad_config = launch.wgrad_config_for_rows(rows, wgmma, sms)
     folds = launch.wgrad_folds(wgrad_config, wgmma)
     assert folds == (wgmma and rows > 384)  # the picks beyond 384 are the fold-warp tiles
-    dgrad = dict(out_features=n, config=launch.dgrad_config_for_rows(rows, wgmma))
+    dgrad = dict(out_features=n, config=launch.dgrad_config_for_rows(rows, wgmma, sms))
+    if wgmma and rows == 800:
+        assert dgrad["config"] == "tma_wide_n256_tail" != launch.dgrad_config_for_rows(rows, wgmma)
     assert ("adaln_proj_dgrad" + sfx, dgrad) in emu.calls
     names = [name for name, _ in emu.calls]
     if folds:
@@ -534,7 +677,7 @@ def test_launch_glue_on_cpu_emulation(monkeypatch, rows, arch):
         assert ("adaln_proj_wgrad" + sfx, dict(out_features=n, **wgrad_static, config=wgrad_config)) in emu.calls
         assert "adaln_silu_cast" not in names and "adaln_dtemb_fold" in names
         writes = launch.wgrad_writes_dbias(wgrad_config, rows)
-        assert writes == (rows <= launch.FUSED_DBIAS_ROWS or wgrad_config in launch.DB_WARP_WGRAD_CONFIGS)
+        assert writes == (rows <= launch.FUSED_DBIAS_ROWS or wgrad_config in DB_WARPS)
         assert ("adaln_bias_grad" in names) == (not writes)
     want = _fp64_grads_cpu(grad, temb, w)
     for a, ref, tol in zip(got, want, (1e-6, 4e-3, 4e-3)):
@@ -553,7 +696,7 @@ def _fp64_grads_cpu(grad, temb, weight):
 gpu = pytest.mark.gpu
 
 
-FAMILIES = ("warp", "wgmma")  # launch.CONFIGS (mma.sync) and launch.WGMMA_CONFIGS (sm_90a wgmma)
+FAMILIES = ("warp", "wgmma")  # mma.sync (every arch) and warpgroup MMA (sm_90a)
 
 
 def _family_configs(family):
@@ -561,14 +704,14 @@ def _family_configs(family):
     if family == "wgmma":
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the wgmma family is sm_90a only")
-        return launch.WGMMA_CONFIGS + launch.TMA_CONFIGS
-    return launch.CONFIGS
+        return CPW + TMA_FWD
+    return WARP
 
 
 def _family_dgrad_configs(family):
     """A family's d_temb GEMM configs."""
     _family_configs(family)
-    return launch.WGMMA_CONFIGS + launch.TMA_DGRAD_CONFIGS if family == "wgmma" else launch.CONFIGS
+    return CPW + TMA_DGRAD if family == "wgmma" else WARP
 
 
 def _gen(seed):
@@ -600,6 +743,25 @@ def test_forward_accuracy(block_params, rows):
     ref = reference.adaln_projection_fp64(temb, w, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, N_BLOCK)
     _assert_no_worse_than_replay(out, _replay(temb, w, b), ref, f"forward T={rows}")
+
+
+@gpu
+@pytest.mark.parametrize("rows", [5, 200, 700])
+def test_configs_written_as_overrides_give_the_picks_bits(rows):
+    """Configs written as field overrides of a named config (what `h3cute-bench sweep --config` takes) compile on
+    demand and give the shipped picks' bits: other ring depths of the TMA and cp.async mainloops, forward and
+    d_temb."""
+    _family_configs("wgmma")
+    w, b = _params(N_FINAL, seed=rows)
+    temb = _temb(rows, 5 * rows)
+    want = launch.forward(temb, w, b)
+    for text in ("tma_wide:stages=4", "tma_wide_n192:stages=4", "wg_mid:stages=3"):
+        assert_same_bits(launch.forward(temb, w, b, config=text), want, f"forward {text} vs the pick, T={rows}")
+    grad = torch.randn((rows, N_FINAL), generator=_gen(rows), device="cuda").to(torch.bfloat16)
+    want_dtemb = launch.backward(grad, temb, w)[0]
+    for text in ("tma_mid:stages=5", "tma_wide:stages=4"):
+        assert_same_bits(launch.backward(grad, temb, w, config=text)[0], want_dtemb,
+                         f"d_temb {text} vs the pick, T={rows}")
 
 
 @gpu
@@ -657,8 +819,8 @@ def _wgrad_kernels(family):
     dev = torch.device("cuda")
     if family == "wgmma":
         return {c: runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=N_FINAL, wgmma=True, config=c)
-                for c in launch.WGRAD_WGMMA_CONFIGS + launch.TMA_WGRAD_CONFIGS}
-    return {c: runtime.kernel("adaln_proj_wgrad", dev, out_features=N_FINAL, config=c) for c in launch.WGRAD_CONFIGS}
+                for c in WGRAD_CPW + TMA_WGRAD}
+    return {c: runtime.kernel("adaln_proj_wgrad", dev, out_features=N_FINAL, config=c) for c in WGRAD_WARP}
 
 
 def _bias_grad_kernel(grad):
@@ -785,7 +947,7 @@ def test_persistent_wgrad_on_the_block_table(rows):
     the end, dW with the bits of the cp.async wgmma kernel (wg_wgrad), db where `wgrad_writes_dbias` says (the
     `*_db` kernels' producer warps at every T) with adaln_bias_grad's; run twice."""
     _assert_wgrad_tiles_match_wg_wgrad_on_block_table(
-        rows, 60, [c for c in launch.TMA_WGRAD_CONFIGS if "persist" in c])
+        rows, 60, [c for c in TMA_WGRAD if "persist" in c])
 
 
 @gpu
@@ -820,7 +982,7 @@ def test_fold_warps_give_the_bits_of_the_fold_and_bias_grad_kernels(n, rows):
     runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=n, wgmma=True, config="tma_wgrad_persist")(
         grad, act, want_dw, torch.empty_like(want_db))
     blocks_shape = (launch.dbias_blocks(rows), n)
-    for config in launch.FOLD_WARP_WGRAD_CONFIGS:
+    for config in FOLD:
         fn = runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n, config=config)
         dw = torch.full((n * D + pad,), nan, dtype=torch.bfloat16, device=dev)
         db = torch.full((n + pad,), nan, dtype=torch.bfloat16, device=dev)
@@ -1042,17 +1204,17 @@ def test_tma_poisoned_outputs_are_fully_written(rows):
         return buf[:-pad].view(shape)
 
     ref_out = run("adaln_proj_fwd_wgmma", "wg_mid", (rows, N_FINAL), torch.bfloat16, act, w, b)
-    for c in launch.TMA_CONFIGS:
+    for c in TMA_FWD:
         out = run("adaln_proj_fwd_wgmma", c, (rows, N_FINAL), torch.bfloat16, act, w, b)
         assert_same_bits(out, ref_out, f"forward {c} vs wg_mid, T={rows}")
     part_shape = (launch.DGRAD_SPLITS, rows, D)
     ref_part = run("adaln_proj_dgrad_wgmma", "wg_mid", part_shape, torch.float32, grad, w)
-    for c in launch.TMA_DGRAD_CONFIGS:
+    for c in TMA_DGRAD:
         assert_same_bits(run("adaln_proj_dgrad_wgmma", c, part_shape, torch.float32, grad, w), ref_part,
                          f"d_temb partials {c} vs wg_mid, T={rows}")
     kernels = _wgrad_kernels("wgmma")
     results = {}
-    for c in ("wg_wgrad", *launch.TMA_WGRAD_CONFIGS):
+    for c in ("wg_wgrad", *TMA_WGRAD):
         dw = torch.full((N_FINAL * D + pad,), nan, dtype=torch.bfloat16, device=dev)
         db = torch.full((N_FINAL + pad,), nan, dtype=torch.bfloat16, device=dev)
         kernels[c](grad, act, dw[:-pad].view(N_FINAL, D), db[:-pad])
@@ -1132,7 +1294,7 @@ def test_nan_input_propagates_per_row(config):
     assert out[2].isnan().all() and not out[rest].isnan().any()
     grad = torch.randn((70, N_FINAL), generator=_gen(5), device="cuda").to(torch.bfloat16)
     grad[5, 40] = float("nan")
-    dgrad_config = config if config in launch.TMA_DGRAD_CONFIGS else "wg_mid"
+    dgrad_config = config if config in TMA_DGRAD else "wg_mid"
     dtemb = launch.backward(grad, temb.nan_to_num(), w, config=dgrad_config)[0]
     assert dtemb[5].isnan().all() and not dtemb[torch.arange(70, device="cuda") != 5].isnan().any()
 
@@ -1156,7 +1318,7 @@ def test_fresh_inputs_each_seed(block_params):
                                      reference.adaln_projection_fp64(temb, w, b), f"forward seed {seed}")
 
 
-# ---- dW with TMA-stored C (`_WgmmaTmaStoreGemm`, kernels/adaln_gemm.WGRAD_TMA_STORE) --------------------------
+# ---- dW with TMA-stored C (`_WgmmaTmaStoreGemm`: the cp.async ring's configs with store "tma") ----------------
 
 
 def test_tma_store_wgrad_configs_are_registered_whole_tiles():
@@ -1164,9 +1326,10 @@ def test_tma_store_wgrad_configs_are_registered_whole_tiles():
     perf/adaln_kernels.py times them), tile every projection width exactly (the kernel has no bounds checks)
     and fit their (bm, bn) BF16 C tile into A's stages, which it reuses."""
     k = _tma_kernels()
-    assert k.WGRAD_TMA_STORE and k.WGRAD_TMA_STORE <= set(launch.WGRAD_WGMMA_CONFIGS)
-    for name in k.WGRAD_TMA_STORE:
-        tile = k.WGRAD_WGMMA_CONFIGS[name]
+    assert TMA_STORE_CPW == ("wg_wgrad_n64_1wg_tstore", "wg_wgrad_n64_tstore", "wg_wgrad_tstore")
+    assert all(k.kernel_class(CFG[name]) is k._WgmmaTmaStoreGemm for name in TMA_STORE_CPW)
+    for name in TMA_STORE_CPW:
+        tile = TILE[name]
         assert all(n % tile.bm == 0 for n in k.OUT_FEATURES) and D % tile.bn == 0, name
         assert tile.bm * tile.bn <= tile.stages * tile.bm * tile.bk, name
 
@@ -1181,8 +1344,8 @@ def test_tma_store_wgrad_instructions():
 
     k = _tma_kernels()
     spec = _specs()["adaln_proj_wgrad_wgmma"]
-    for config in sorted(k.WGRAD_TMA_STORE):
-        tile = k.WGRAD_WGMMA_CONFIGS[config]
+    for config in sorted(TMA_STORE_CPW):
+        tile = TILE[config]
         for n in k.OUT_FEATURES:
             ptx = ptx_of(spec, "sm_90a", dict(out_features=n, config=config, wgmma=True))
             text = "\n".join(ptx)
@@ -1238,13 +1401,13 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
     # transposing stmatrix) index the accumulator through the order; the 128-row cooperative persistent tiles hand
     # `r2s.retile(acc)` to stmatrix: valid only while the orders agree.
     dw = dict(a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
-    gemms = {name: (k._WgmmaTmaStoreGemm, k.WGRAD_WGMMA_CONFIGS[name], k.WGRAD_WGMMA_CONFIGS[name].threads, dw)
-             for name in sorted(k.WGRAD_TMA_STORE)}
+    gemms = {name: (k._WgmmaTmaStoreGemm, TILE[name], TILE[name].threads, dw)
+             for name in sorted(TMA_STORE_CPW)}
     gemms.update({name: (k._TmaWgmmaPersistentGemm, tile, 128 if tile.pingpong else tile.threads, dw)
-                  for name, tile in k.TMA_WGRAD_CONFIGS.items() if tile.pingpong or tile.bm == 256})
+                  for name, tile in _tiles(TMA_WGRAD).items() if tile.pingpong or tile.bm == 256})
     fwd = dict(a_k_major=True, b_k_major=True, epilogue="bias_bf16", c_n_major=False)
     gemms.update({name: (k._TmaWgmmaPersistentGemm, tile, tile.threads, fwd)
-                  for name, tile in k.TMA_CONFIGS.items() if tile.persistent_ctas})
+                  for name, tile in _tiles(TMA_FWD).items() if tile.persistent_ctas})
     row_offsets = {}
     for name, (cls, tile, threads, kw) in gemms.items():
         gemm = cls(tile, **kw)
@@ -1270,7 +1433,7 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
 
         cute.compile(probe, options="--gpu-arch sm_90a")
         assert all(row_offsets[(name, t)] == row_offsets[(name, 0)] for t in range(threads)), name
-    for name, tile in k.TMA_WGRAD_CONFIGS.items():
+    for name, tile in _tiles(TMA_WGRAD).items():
         if tile.persistent_ctas and not tile.pingpong and tile.bm == 128:
             gemm = k._TmaWgmmaPersistentGemm(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
 
@@ -1300,4 +1463,4 @@ def test_tma_store_wgrad_on_the_block_table(rows):
     element written, nothing past the end, the bits of wg_wgrad (dW, and db up to FUSED_DBIAS_ROWS, including an
     all -0.0 column), db untouched beyond; fresh inputs per T, each kernel run twice."""
     _assert_wgrad_tiles_match_wg_wgrad_on_block_table(
-        rows, 90, [c for c in launch.WGRAD_WGMMA_CONFIGS if c.endswith("_tstore")])  # the device has no cutlass
+        rows, 90, [c for c in WGRAD_CPW if c.endswith("_tstore")])  # the device has no cutlass

@@ -518,3 +518,38 @@ def test_gpu_graph_time_is_the_device_time_of_the_replay():
     spin = timing._spin_us(cycles, torch.device("cuda"))
     us, why = timing.graph_time(lambda: torch.cuda._sleep(cycles), "cuda", 3, 10)
     assert why is None and spin * 0.9 < us < spin * 1.1 + 10, (us, spin)
+
+
+def test_sweep_names_configs_by_short_names():
+    """The sweep's rows are named by short names: the launcher's module-level names (timestep_mlp), the AdaLN
+    projection's config names (the forward candidates of the device's family, sm_90a's on a CPU, picks first)."""
+    from h3cute.kernels._adaln_configs import candidates
+    from h3cute.bench.sweep import op_configs
+
+    _, mlp = op_configs("timestep_mlp")
+    assert [n for n, _ in mlp][:4] == ["SMALL_T", "WIDE_T", "MID_T", "LARGE_T"]
+    assert all(len(n) <= 16 for n, _ in mlp)
+    _, proj = op_configs("adaln_projection", CPU)
+    assert sorted(n for n, _ in proj) == sorted(candidates("fwd", "wgmma")) == sorted(c for _, c in proj)
+    assert "tma_persist_m256" in dict(proj) and "skinny" not in dict(proj)
+
+
+def test_sweep_selects_named_configs_and_command_line_configs_after_the_picks():
+    """`--config` names declared configs; a text the op does not declare goes to the launcher's `sweep_config`
+    (adaln_projection: field overrides of a named config), and then the shipped picks run first, so the new config's
+    bits are compared with theirs; an op without `sweep_config` refuses it."""
+    from h3cute.bench.sweep import op_configs, select_configs
+    from h3cute.launch import adaln_projection
+
+    mod, configs = op_configs("adaln_projection", CPU)
+    assert select_configs(mod, configs, None, CPU) == configs
+    assert select_configs(mod, configs, ["tma_mid"], CPU) == [("tma_mid", "tma_mid")]
+    got = select_configs(mod, configs, ["tma_mid", "tma_wide:stages=4"], CPU)
+    picks = adaln_projection.sweep_picks(CPU)
+    assert [n for n, _ in got] == [*picks, "tma_mid", "tma_wide:stages=4"]
+    with pytest.raises(ValueError, match="not a named config"):
+        select_configs(mod, configs, ["huge:stages=4"], CPU)
+    mlp, mlp_configs = op_configs("timestep_mlp")
+    with pytest.raises(ValueError, match="unknown configs"):
+        select_configs(mlp, mlp_configs, ["SMALL_T:stages=4"], CPU)
+    assert select_configs(mlp, mlp_configs, ["WIDE_T"], CPU) == [("WIDE_T", mlp.WIDE_T)]

@@ -539,6 +539,7 @@ def test_final_adaln_out_row_ranges_hold_every_launch_choice(monkeypatch, wgmma,
     from h3cute.launch import adaln_projection, final_adaln_out as F
 
     monkeypatch.setattr(adaln_projection, "_uses_wgmma", lambda device, config: wgmma)
+    monkeypatch.setattr(adaln_projection.runtime, "sm_count", lambda device: adaln_projection.H200_SMS)  # T_BOUNDS'
     top = 24 if backward else 3000  # the C++ backward takes T <= 24 (fused norm backward caps)
     bounds = (0,) + F.T_BOUNDS
     for rows in range(1, top + 1):

@@ -10,6 +10,8 @@
   h3cute-bench status DIR
       the fastest-peer table (each op, size, phase) over every prior-art report in DIR: the README's status table.
   h3cute-bench sweep --op OP [--config NAME ...] [--full] [--out FILE.json]
+      every tile config of an op (or those named), ranked; adaln_projection also takes field overrides of a named
+      config (--config tma_wide:stages=4), compiled on demand and checked against the shipped picks.
   h3cute-bench model [--quick] [--out FILE.json] [--resume] [--budget-s SECONDS] [--sizes S ...] [--batches B ...]
       diffusers' MiniMax-H3 model with h3cute.patch against it unpatched (2 blocks at H3's widths): FILE.json,
       FILE.md, FILE.png. --resume continues FILE.json; --budget-s stops starting configurations after that long.
@@ -142,20 +144,20 @@ def _status(args) -> int:
 def _sweep(args) -> int:
     from h3cute.bench import checks
     from h3cute.bench.prior_art import default_device
-    from h3cute.bench.sweep import NoConfigs, op_configs, sweep, sweep_markdown
+    from h3cute.bench.sweep import NoConfigs, op_configs, select_configs, sweep, sweep_markdown
+    device = default_device()
     try:
-        mod, configs = op_configs(args.op)
+        mod, configs = op_configs(args.op, device)
     except NoConfigs as e:
         console.print(f"{args.op}: nothing to sweep: {e}")
         return 2
-    if args.config:
-        unknown = set(args.config) - {n for n, _ in configs}
-        if unknown:
-            console.print(f"unknown configs {sorted(unknown)}; the op declares {[n for n, _ in configs]}")
-            return 2
-        configs = [(n, c) for n, c in configs if n in args.config]
+    try:
+        configs = select_configs(mod, configs, args.config, device)
+    except ValueError as e:
+        console.print(str(e))
+        return 2
     plan = (checks.FULL if args.full else checks.QUICK).with_overrides(args.overrides)
-    res = sweep(PROBLEMS[args.op], configs, mod.forward, plan, default_device(), log=_log)
+    res = sweep(PROBLEMS[args.op], configs, mod.forward, plan, device, log=_log)
     out = args.out or Path(f"h3_sweep_{args.op}.json")
     out.write_text(json.dumps(res, indent=2))
     md = sweep_markdown(res)
@@ -202,7 +204,9 @@ def parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_status)
     sw = sub.add_parser("sweep", help="judge and rank every tile config of an op")
     sw.add_argument("--op", required=True, choices=OPS)
-    sw.add_argument("--config", action="append", help="only these config names (repeatable)")
+    sw.add_argument("--config", action="append",
+                    help="only these configs (repeatable): names, or where the op allows field overrides of a named "
+                         "config (adaln_projection: tma_wide:stages=4), compiled on demand and run after the picks")
     sw.add_argument("--full", action="store_true", help="the full invariance method instead of the quick one")
     sw.add_argument("--out", type=Path)
     sw.add_argument("--plan", action="append", metavar="FIELD=JSON", help="override a field of the check plan")

@@ -1,9 +1,14 @@
 """Tile-config sweep for kernel authors: every config of an op's launch module, judged and ranked.
 
-The configs are `h3cute.launch.<op>.CONFIGS` (a dict name -> config, or a sequence of configs) and are
-passed as `forward(..., config=cfg)`. Each config's forward is checked for batch invariance (the
-harness's forward checks) and its outputs at every accuracy size are compared bitwise with the first
-config's: a config choice must never change the bits. Ranked by forward latency at the largest size.
+The configs are `h3cute.launch.<op>.sweep_configs(device)` where the module defines it (a dict short name ->
+config: the candidates of the device's kernel family), else `h3cute.launch.<op>.CONFIGS` (a dict name -> config,
+or a sequence of configs, each named by its `name`, or the module-level name that holds it), and are passed as
+`forward(..., config=cfg)`. Each config's forward is checked for batch invariance (the harness's forward checks)
+and its outputs at every accuracy size are compared bitwise with the first config's: a config choice must never
+change the bits. Ranked by forward latency at the largest size. Where the launcher defines `sweep_config(text,
+device)` the command line may also name configs that are not declared (e.g. field overrides of a named config,
+`tma_wide:stages=4`): they compile on demand and run after the op's shipped picks (`sweep_picks(device)`), whose
+bits they must match.
 """
 from __future__ import annotations
 
@@ -21,20 +26,47 @@ class NoConfigs(LookupError):
     pass
 
 
-def op_configs(op: str) -> tuple[object, list[tuple[str, object]]]:
+def op_configs(op: str, device=None) -> tuple[object, list[tuple[str, object]]]:
     """(launch module, [(name, config)]) or NoConfigs saying why the op has nothing to sweep."""
     try:
         mod = importlib.import_module(f"h3cute.launch.{op}")
     except ModuleNotFoundError as e:
         raise NoConfigs(f"h3cute.launch.{op} does not exist ({e})") from None
-    configs = getattr(mod, "CONFIGS", None)
+    configs = mod.sweep_configs(device) if hasattr(mod, "sweep_configs") else getattr(mod, "CONFIGS", None)
     if not configs:
         raise NoConfigs(f"h3cute.launch.{op} declares no CONFIGS")
     if "config" not in inspect.signature(mod.forward).parameters:
         raise NoConfigs(f"h3cute.launch.{op}.forward takes no config= keyword")
     if isinstance(configs, dict):
         return mod, [(str(k), v) for k, v in configs.items()]
-    return mod, [(c if isinstance(c, str) else getattr(c, "name", None) or repr(c), c) for c in configs]
+    return mod, [(config_name(mod, c), c) for c in configs]
+
+
+def select_configs(mod, configs: list[tuple[str, object]], requested, device) -> list[tuple[str, object]]:
+    """The configs a sweep runs: every declared one, or those `requested` by name; a requested text the op does not
+    declare is parsed by the launcher's `sweep_config` (ValueError if it has none or the text is no config), and then
+    the op's shipped picks run first, so every config is compared with their bits."""
+    if not requested:
+        return configs
+    declared = dict(configs)
+    extra = [r for r in dict.fromkeys(requested) if r not in declared]
+    if extra and not hasattr(mod, "sweep_config"):
+        raise ValueError(f"unknown configs {sorted(extra)}; the op declares {list(declared)}")
+    custom = [mod.sweep_config(text, device) for text in extra]
+    picks = mod.sweep_picks(device) if custom and hasattr(mod, "sweep_picks") else ()
+    named = [n for n in dict.fromkeys([*picks, *requested]) if n in declared]
+    return [(n, declared[n]) for n in named] + custom
+
+
+def config_name(mod, config) -> str:
+    """A config's short name: itself if a string, its `name`, the module-level name that holds it (SMALL_T), else
+    its repr."""
+    if isinstance(config, str):
+        return config
+    name = getattr(config, "name", None)
+    if name:
+        return name
+    return next((n for n, v in vars(mod).items() if v is config and n.isupper()), repr(config))
 
 
 def sweep(problem: Problem, configs: list[tuple[str, object]], forward, plan: checks.Plan, device,

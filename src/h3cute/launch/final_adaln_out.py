@@ -18,18 +18,25 @@ from h3cute.launch import adaln_projection, norm_modulate
 from h3cute.widths import FINAL_PROJECTION, HIDDEN, NORM_EPS, TEMB
 
 OP = "final_adaln_out"
-# Where some launch choice of the C++ impls changes with T: the projection configs (adaln_projection.T_BOUNDS)
-# and the fused norm backward's table caps (12, 24).
-T_BOUNDS = tuple(sorted({12, 24, *adaln_projection.T_BOUNDS}))
+
+
+def t_bounds(sms: int = adaln_projection.H200_SMS) -> tuple:
+    """Where some launch choice of the C++ impls changes with T on a GPU of `sms` SMs: the projection configs
+    (adaln_projection.t_bounds) and the fused norm backward's table caps (12, 24)."""
+    return tuple(sorted({12, 24, *adaln_projection.t_bounds(sms)}))
+
+
+T_BOUNDS = t_bounds()  # the H200's
 
 
 def _choices(dev, rows: int, backward: bool) -> tuple:
     wgmma = adaln_projection._uses_wgmma(dev, None)
-    fwd = adaln_projection.config_for_rows(rows, wgmma)
+    sms = runtime.sm_count(dev)
+    fwd = adaln_projection.config_for_rows(rows, wgmma, sms)
     if not backward:
         return wgmma, fwd
-    return (wgmma, fwd, adaln_projection.dgrad_config_for_rows(rows, wgmma),
-            adaln_projection.wgrad_config_for_rows(rows, wgmma), norm_modulate.table_rows_cap(rows))
+    return (wgmma, fwd, adaln_projection.dgrad_config_for_rows(rows, wgmma, sms),
+            adaln_projection.wgrad_config_for_rows(rows, wgmma, sms), norm_modulate.table_rows_cap(rows))
 
 
 def kernel_handles(device: int, backward: int, num_rows: int):
@@ -39,7 +46,7 @@ def kernel_handles(device: int, backward: int, num_rows: int):
     backward's (silu_cast, projection, `norm_modulate_bwd_fused`, `rowwise_fold`, the d_temb GEMM,
     `adaln_dtemb_fold`, the dW GEMM; db fused into it) with the fused norm's row-group count."""
     dev = torch.device("cuda", device)
-    lo, hi = runtime.row_range(T_BOUNDS, num_rows)
+    lo, hi = runtime.row_range(t_bounds(runtime.sm_count(dev)), num_rows)
     choices = _choices(dev, num_rows, bool(backward))
     assert _choices(dev, max(lo, 1), bool(backward)) == choices == _choices(dev, hi, bool(backward)), "stale T_BOUNDS"
     wgmma, fwd = choices[:2]

@@ -15,7 +15,7 @@ import threading
 from .spec import SM_COUNT, SUPPORTED_ARCHS, KernelSpec, canonical_static
 
 __all__ = ["MAX_ROWS", "row_range", "KernelSpec", "compile_for", "kernel", "kernel_for_arch", "arch_of", "SM_COUNT",
-           "SUPPORTED_ARCHS", "canonical_static"]
+           "sm_count", "SUPPORTED_ARCHS", "canonical_static"]
 
 log = logging.getLogger("h3cute.runtime")
 
@@ -38,6 +38,7 @@ def row_range(bounds, rows: int) -> tuple[int, int]:
 _by_call: dict = {}  # (name, device, static items) -> function: the hot path
 _by_arch: dict = {}  # (name, arch, canonical static) -> function
 _arch_of_device: dict = {}
+_sm_count_of_device: dict = {}
 _resolve_lock = threading.RLock()
 _bundle_warned: set = set()  # H3CUTE_PREBUILT values already warned about (a bundle that cannot serve)
 
@@ -68,6 +69,20 @@ def arch_of(device) -> str:
             )
         _arch_of_device[device] = arch
     return arch
+
+
+def sm_count(device) -> int:
+    """The streaming multiprocessors of a CUDA device (an H100 PCIe has 114, an H200 132, a B200 148): for launch
+    choices that model rounds of CTAs over the GPU. Without a GPU to ask (CPU emulation, ahead-of-time work) the
+    arch's `SM_COUNT`. Compiled grids stay sized from the arch."""
+    count = _sm_count_of_device.get(device)
+    if count is None:
+        import torch
+
+        if not (torch.cuda.is_available() and torch.device(device).type == "cuda"):
+            return SM_COUNT[arch_of(device)]
+        count = _sm_count_of_device[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return count
 
 
 def kernel(name: str, device, **static):

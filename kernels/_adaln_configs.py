@@ -1,0 +1,270 @@
+"""The AdaLN projection GEMM's configs as data, shared by kernels/adaln_gemm.py and its launcher without the DSL (a
+`_` module of `h3cute.kernels`: no kernels, no cutlass, no torch). `AdalnGemmConfig` is one frozen dataclass whose
+fields say what a config is (tile, mainloop, C store, schedule, side warps, cluster, tail handling, the GEMMs it is
+built for); `ADALN_GEMM_CONFIGS` holds every named config. kernels/adaln_gemm.py builds a kernel from a config
+(`kernel_class` picks the class from its fields); launch/adaln_projection.py picks configs by T from its pick
+tables; `h3cute-bench sweep` ranks them. Bits never depend on the config within a family (docs/adaln_projection.md),
+so a config is a speed choice only.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from h3cute.runtime.spec import SM_COUNT
+
+# The persistent kernels' grid, compiled in: one CTA per H200 SM. On a GPU with more SMs the kernel stays correct and
+# leaves some idle; the tile order, hence the bits, never depends on it. The pickers' cost models read the device's
+# SM count instead (launch/adaln_projection.py).
+PERSISTENT_CTAS = SM_COUNT["sm_90a"]
+
+MAINLOOPS = ("mma_sync", "cp_async_wgmma", "tma_wgmma")  # warp mma.sync; wgmma fed by a cp.async ring or by TMA
+STORES = ("smem", "tma")  # C staged in shared memory then vector stores by the threads; or bulk-stored by TMA
+SCHEDULES = ("grid", "persistent", "pingpong")  # one CTA per tile; PERSISTENT_CTAS CTAs walking the tiles; the same
+# with each consumer warpgroup taking whole tiles in turn
+SIDE_WARPS = ("none", "dbias", "fold")  # the persistent kernels' idle producer warps: nothing; sum db at every T;
+# fold d_temb from the d_temb GEMM's partials and sum db's blocks (`adaln_proj_wgrad_fold`)
+ROLES = ("fwd", "dgrad", "wgrad", "wgrad_fold")  # the GEMMs a config is built for (kernel adaln_proj_<role>)
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """What a kernel compiles from a config: CTA tile (bm x bn x bk), warp grid (warps_m x warps_n) and pipeline
+    depth; `ctas_per_sm` > 0 asks ptxas for that many resident CTAs (.maxntid + .minnctapersm: a register cap);
+    `persistent_ctas` > 0: a persistent grid of that many CTAs walking the output tiles (`_TmaWgmmaPersistentGemm`);
+    `cluster_m` > 1: clusters of that many M tiles (grid y) of one N tile that share B by TMA multicast;
+    `cluster_n` > 1: clusters of that many N tiles (grid x) of one M tile that share A (`_TmaWgmmaGemm`; one of the
+    two at most)."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps_m: int
+    warps_n: int
+    stages: int
+    ctas_per_sm: int = 0
+    persistent_ctas: int = 0
+    cluster_m: int = 1
+    cluster_n: int = 1
+    pingpong: bool = False  # persistent dW: each consumer warpgroup takes whole tiles, in turn
+    tail_halves: bool = False  # d_temb's 256-wide tile: a thin last round runs as 128-wide halves (`tail_units`)
+
+    @property
+    def mma_warpgroups(self) -> int:
+        """Warpgroups stacked along M in one tiled MMA: one per 64 rows, or one for the whole tile (pingpong)."""
+        return 1 if self.pingpong else self.warps_m // 4
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_m * self.cluster_n
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    def launch_bounds(self) -> dict:
+        """Extra launch arguments: the occupancy request (with the largest smem carveout) if any."""
+        if not self.ctas_per_sm:
+            return {}
+        return dict(max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
+                    preferred_smem_carveout=100)
+
+    def check(self) -> None:
+        # The tiled MMA is (16 warps_m) x (16 warps_n) x 16 (two n8 atoms per warp so ldmatrix.x4
+        # feeds B); the CTA tile must be a whole number of those, and each gmem copy pass must fit.
+        assert self.bm % (16 * self.warps_m) == 0 and self.bn % (16 * self.warps_n) == 0, self
+        assert self.bk % 16 == 0 and self.stages >= 3, self
+        assert self.threads % (self.bk // 8) == 0 and self.threads // (self.bk // 8) <= min(self.bm, self.bn), self
+        assert all(self.threads % (mn // 8) == 0 and self.threads // (mn // 8) <= self.bk
+                   for mn in (self.bm, self.bn)), self
+
+
+@dataclass(frozen=True)
+class AdalnGemmConfig:
+    """One AdaLN projection GEMM config. `name` is short and unique; the other fields are the whole config."""
+
+    name: str
+    bm: int
+    bn: int
+    bk: int
+    warps_m: int  # warpgroup MMAs: 4 per warpgroup (warps_n = 1)
+    warps_n: int
+    stages: int
+    mainloop: str  # MAINLOOPS
+    roles: tuple  # ROLES it is built for, e.g. ("fwd", "dgrad")
+    store: str = "smem"  # STORES
+    schedule: str = "grid"  # SCHEDULES
+    side_warps: str = "none"  # SIDE_WARPS (fold: only in the `wgrad_fold` role's kernel, `for_role`)
+    cluster_m: int = 1
+    cluster_n: int = 1
+    tail_halves: bool = False  # d_temb only: a thin last round of CTAs runs as 128-wide halves
+    ctas_per_sm: int = 0  # > 0: a register cap for that many resident CTAs
+
+    def __post_init__(self):
+        for field, allowed in (("mainloop", MAINLOOPS), ("store", STORES), ("schedule", SCHEDULES),
+                               ("side_warps", SIDE_WARPS)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"AdalnGemmConfig {self.name!r}: {field} = {getattr(self, field)!r}, not one of "
+                                 f"{allowed}")
+        if not self.roles or set(self.roles) - set(ROLES):
+            raise ValueError(f"AdalnGemmConfig {self.name!r}: roles = {self.roles!r}, a non-empty subset of {ROLES}")
+
+    @property
+    def family(self) -> str:
+        """"warp" (mma.sync, every arch) or "wgmma" (sm_90a): each family has its own numeric contract."""
+        return "warp" if self.mainloop == "mma_sync" else "wgmma"
+
+    @property
+    def tile(self) -> GemmTile:
+        """The compile-time tile the kernel classes read."""
+        return GemmTile(bm=self.bm, bn=self.bn, bk=self.bk, warps_m=self.warps_m, warps_n=self.warps_n,
+                        stages=self.stages, ctas_per_sm=self.ctas_per_sm,
+                        persistent_ctas=PERSISTENT_CTAS if self.schedule != "grid" else 0,
+                        cluster_m=self.cluster_m, cluster_n=self.cluster_n, pingpong=self.schedule == "pingpong",
+                        tail_halves=self.tail_halves)
+
+    def for_role(self, role: str) -> AdalnGemmConfig:
+        """The config as the `role` GEMM's kernel builds it: `wgrad_fold` runs the dW tile with fold side warps."""
+        if role not in self.roles:
+            raise ValueError(f"AdalnGemmConfig {self.name!r} is not built for {role!r} (roles {self.roles})")
+        return dataclasses.replace(self, side_warps="fold") if role == "wgrad_fold" else self
+
+
+def _configs(*configs: AdalnGemmConfig) -> dict:
+    named = {c.name: c for c in configs}
+    assert len(named) == len(configs), "config names must be unique"
+    return named
+
+
+_FD = ("fwd", "dgrad")
+_W = ("wgrad",)
+_WARP = dict(mainloop="mma_sync")
+_CPW = dict(mainloop="cp_async_wgmma")
+_TMA = dict(mainloop="tma_wgmma")
+_PERSIST = dict(mainloop="tma_wgmma", store="tma", schedule="persistent")
+
+# Every config by name; launch/adaln_projection.py picks from them by T. Comments: why a config exists.
+ADALN_GEMM_CONFIGS = _configs(
+    # ---- the warp family (mma.sync, cp.async ring): sm_90a and sm_100a
+    # T <= 16: memory-bound, streams W; small M tiles keep all SMs busy to the end.
+    AdalnGemmConfig("skinny", 64, 16, 64, 4, 1, 5, roles=_FD, **_WARP),
+    AdalnGemmConfig("skinny_m32", 32, 16, 64, 2, 1, 6, roles=_FD, **_WARP),
+    AdalnGemmConfig("skinny_m128", 128, 16, 64, 4, 1, 4, roles=_FD, **_WARP),
+    AdalnGemmConfig("mid", 128, 64, 64, 2, 2, 4, roles=_FD, **_WARP),
+    AdalnGemmConfig("wide", 128, 128, 64, 2, 2, 3, roles=_FD, **_WARP),
+    # Large-T alternatives (CUTLASS's usual Ampere shapes) to measure against "wide".
+    AdalnGemmConfig("wide_k32", 128, 128, 32, 2, 2, 4, roles=_FD, **_WARP),
+    AdalnGemmConfig("wide_8warps", 128, 256, 32, 2, 4, 3, roles=_FD, **_WARP),
+    # dW (K = T, usually tiny: a short bk wastes little on the zero-padded K tail). T > 64: the big tile.
+    AdalnGemmConfig("wgrad", 128, 128, 32, 2, 2, 4, roles=_W, **_WARP),
+    # T <= 64: writing dW (520 MB) is the whole cost, so resident CTAs (dW bytes in flight) matter: 36 KB of smem
+    # (the C tile reuses A's stages) would allow 6 per SM, registers allow 3 (ptxas: 140); the cap at 4 per SM costs
+    # ptxas 12 bytes of spill (sm_90a). 5 would spill 260 bytes.
+    AdalnGemmConfig("wgrad_n64", 128, 64, 32, 2, 2, 3, roles=_W, ctas_per_sm=4, **_WARP),
+    # ---- the wgmma family (sm_90a), cp.async ring: warps_m = 4 x warpgroups
+    AdalnGemmConfig("wg_skinny", 64, 16, 64, 4, 1, 5, roles=_FD, **_CPW),
+    AdalnGemmConfig("wg_mid", 128, 64, 64, 4, 1, 4, roles=_FD, **_CPW),
+    # 3 stages (96 KB) let 2 CTAs share an SM, hiding each other's per-k-tile barrier; 4 to compare.
+    AdalnGemmConfig("wg_wide", 128, 128, 64, 8, 1, 3, roles=_FD, **_CPW),
+    AdalnGemmConfig("wg_wide_s4", 128, 128, 64, 8, 1, 4, roles=_FD, **_CPW),
+    # dW: wg_wgrad_n64 needs 64 registers (4 CTAs per SM; a cap at 5 does not assemble).
+    AdalnGemmConfig("wg_wgrad", 128, 128, 32, 8, 1, 4, roles=_W, **_CPW),
+    AdalnGemmConfig("wg_wgrad_n64", 128, 64, 32, 8, 1, 3, roles=_W, **_CPW),
+    # One warpgroup over both 64-row slabs: 96 registers x 128 threads, 5 CTAs per SM without spills (a cap at 6
+    # spills 1 KB), 25% more dW bytes in flight than wg_wgrad_n64 if its epilogue keeps up.
+    AdalnGemmConfig("wg_wgrad_n64_1wg", 128, 64, 32, 4, 1, 3, roles=_W, ctas_per_sm=5, **_CPW),
+    # The same tiles with C stored by TMA (`_WgmmaTmaStoreGemm`): stmatrix + one bulk store in place of scalar
+    # st.shared + ld.shared.v4 + st.global.v4, the shared-memory instruction queue (MIO) that throttles the 1wg
+    # kernel at T = 64. ptxas: 96 / 64 / 94 registers, no spills; the 1wg tile capped at 6 CTAs per SM spills 1 KB
+    # and serializes its wgmmas (C7512).
+    AdalnGemmConfig("wg_wgrad_n64_1wg_tstore", 128, 64, 32, 4, 1, 3, roles=_W, ctas_per_sm=5, store="tma", **_CPW),
+    AdalnGemmConfig("wg_wgrad_n64_tstore", 128, 64, 32, 8, 1, 3, roles=_W, store="tma", **_CPW),
+    AdalnGemmConfig("wg_wgrad_tstore", 128, 128, 32, 8, 1, 4, roles=_W, store="tma", **_CPW),
+    # ---- the wgmma family, TMA + mbarrier warp-specialized mainloop (`_TmaWgmmaGemm`): same k16 walk, so the same
+    # bits as the cp.async ring. Two consumer warpgroups of 64 rows (warps_m = 8) and enough stages to fill shared
+    # memory: one CTA per SM, which the register split assumes. d_temb keeps acc and two block tiles up to bn = 128,
+    # one block tile up to 192, and at 256 two accumulators of 128-wide halves (`_ieee_serial_mainloop`); clusters
+    # along M do not tile d_temb's M = 2688 (21 tiles of 128).
+    AdalnGemmConfig("tma_mid", 128, 64, 64, 8, 1, 6, roles=_FD, **_TMA),  # 144 KB
+    AdalnGemmConfig("tma_wide", 128, 128, 64, 8, 1, 5, roles=_FD, **_TMA),  # 160 KB
+    AdalnGemmConfig("tma_wide_n256", 128, 256, 64, 8, 1, 4, roles=_FD, **_TMA),  # 192 KB
+    # tma_wide_n256 in clusters of 2 W tiles of one T tile: each CTA loads half of the a tile (B) into both (TMA
+    # multicast), halving B's L2 reads. Forward only.
+    AdalnGemmConfig("tma_wide_n256_mc2", 128, 256, 64, 8, 1, 4, roles=("fwd",), cluster_m=2, **_TMA),  # 192 KB
+    # tma_wide in clusters of 2 T tiles of one A tile (d_temb: a W^T tile of one K split; forward: a W tile), each
+    # CTA loading half of it into both: a stage's L2 reads drop from 32 to 24 KB per CTA.
+    AdalnGemmConfig("tma_wide_a_mc2", 128, 128, 64, 8, 1, 5, roles=_FD, cluster_n=2, **_TMA),  # 160 KB
+    AdalnGemmConfig("tma_wide_n256_a_mc2", 128, 256, 64, 8, 1, 4, roles=_FD, cluster_n=2, **_TMA),  # 192 KB
+    # 192 T rows per tile: 20% fewer operand bytes per MMA than 128 x 128; d_temb runs it with one block tile.
+    AdalnGemmConfig("tma_wide_n192", 128, 192, 64, 8, 1, 5, roles=_FD, **_TMA),  # 200 KB
+    # Forward only, large T: the persistent 256-row kernel of the dW, 256 W rows x 128 T rows per tile, C (the table,
+    # M-major) stored by TMA from one buffer while the next tile's stages land.
+    AdalnGemmConfig("tma_persist_m256", 256, 128, 64, 8, 1, 3, roles=("fwd",), **_PERSIST),  # 144 + 64 KB
+    # d_temb only: tma_wide_n256 whose grid's last round, where at most half full, runs as twice as many 128-wide
+    # halves (`tail_units`); and the same in tma_wide_n256_a_mc2's clusters (two whole units of one W^T tile, or the
+    # two halves of one unit).
+    AdalnGemmConfig("tma_wide_n256_tail", 128, 256, 64, 8, 1, 4, roles=("dgrad",), tail_halves=True, **_TMA),
+    AdalnGemmConfig("tma_wide_n256_a_mc2_tail", 128, 256, 64, 8, 1, 4, roles=("dgrad",), cluster_n=2,
+                    tail_halves=True, **_TMA),  # 192 KB
+    # dW on TMA.
+    AdalnGemmConfig("tma_wgrad", 128, 128, 64, 8, 1, 5, roles=_W, **_TMA),  # 160 KB
+    # bk 32: half the zero-padded K tail at mid T (T = 256: 8 k tiles).
+    AdalnGemmConfig("tma_wgrad_k32", 128, 128, 32, 8, 1, 8, roles=_W, **_TMA),  # 128 KB
+    # tma_wgrad in clusters of 2 dW row tiles sharing the a^T tile (B) by TMA multicast.
+    AdalnGemmConfig("tma_wgrad_mc2", 128, 128, 64, 8, 1, 5, roles=_W, cluster_m=2, **_TMA),  # 160 KB
+    # Persistent (T <= 256, where writing dW's 520 MB is the cost): + two C buffers for the TMA stores.
+    AdalnGemmConfig("tma_wgrad_persist", 128, 128, 64, 8, 1, 4, roles=_W, **_PERSIST),  # 128 + 64 KB
+    AdalnGemmConfig("tma_wgrad_persist_n64", 128, 64, 64, 8, 1, 6, roles=_W, **_PERSIST),  # 144 + 32 KB
+    # Each consumer warpgroup computes whole 128 x 128 tiles in turn (128 accumulator registers per thread), one C
+    # buffer each: a warpgroup's epilogue runs while the other's wgmmas do.
+    AdalnGemmConfig("tma_wgrad_persist_pingpong", 128, 128, 64, 8, 1, 4, roles=_W, **{**_PERSIST,
+                                                                                     "schedule": "pingpong"}),
+    # Large T, where the MMAs are the cost: 256 dW rows per tile (each warpgroup two 64-row slabs, 128 accumulator
+    # registers per thread), 25% fewer operand bytes per MMA than 128 x 128 and half the epilogues per flop; one C
+    # buffer (a tile's MMAs take far longer than its store's read of the buffer). Also built with fold side warps
+    # (`adaln_proj_wgrad_fold`); the pingpong tile with fold warps was never ahead of it by more than 2 us.
+    AdalnGemmConfig("tma_wgrad_persist_m256", 256, 128, 64, 8, 1, 3, roles=("wgrad", "wgrad_fold"),
+                    **_PERSIST),  # 144 + 64 KB
+    # The persistent dW tiles whose producer warps also sum db at every T (`_TmaWgmmaPersistentDbGemm`).
+    AdalnGemmConfig("tma_wgrad_persist_db", 128, 128, 64, 8, 1, 4, roles=_W, side_warps="dbias", **_PERSIST),
+    AdalnGemmConfig("tma_wgrad_persist_pingpong_db", 128, 128, 64, 8, 1, 4, roles=_W, side_warps="dbias",
+                    **{**_PERSIST, "schedule": "pingpong"}),
+)
+
+
+def candidates(role: str, family: str) -> tuple:
+    """The names of a family's configs built for `role`, in `ADALN_GEMM_CONFIGS` order (the bundle's variants)."""
+    return tuple(n for n, c in ADALN_GEMM_CONFIGS.items() if role in c.roles and c.family == family)
+
+
+def parse_config(text: str, registry: dict = ADALN_GEMM_CONFIGS) -> AdalnGemmConfig:
+    """A config named `name` or written as `name:field=value,...`, field overrides of a named config (the new
+    config's name is the text itself). Values parse as the field's type (int, bool, str; roles as `fwd+dgrad`)."""
+    base, _, overrides = text.partition(":")
+    if base not in registry:
+        raise ValueError(f"config {base!r} is not a named config; one of {sorted(registry)}")
+    config = registry[base]
+    if not overrides:
+        return config
+    fields = {f.name: f for f in dataclasses.fields(AdalnGemmConfig)}
+    changes = {"name": text}
+    for item in overrides.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key not in fields or key == "name":
+            raise ValueError(f"config {text!r}: {item!r} is not field=value with a field of "
+                             f"{sorted(set(fields) - {'name'})}")
+        current = getattr(config, key)
+        if isinstance(current, bool):
+            if value not in ("0", "1", "true", "false", "True", "False"):
+                raise ValueError(f"config {text!r}: {key} takes true or false, not {value!r}")
+            changes[key] = value in ("1", "true", "True")
+        elif isinstance(current, int):
+            try:
+                changes[key] = int(value)
+            except ValueError:
+                raise ValueError(f"config {text!r}: {key} takes an integer, not {value!r}") from None
+        elif isinstance(current, tuple):
+            changes[key] = tuple(value.split("+"))
+        else:
+            changes[key] = value
+    return dataclasses.replace(config, **changes)
