@@ -123,9 +123,8 @@ def _checked(op: Op, body, rows: str | None = None, pending: bool = False):
 
 
 def _argument_names(schema: str) -> list[str]:
-    """The argument names of a schema string (`Type name[=default]`, comma separated, no nested commas)."""
-    arguments = schema.split("(", 1)[1].rsplit(") ->", 1)[0]
-    return [a.split("=", 1)[0].split()[-1] for a in arguments.split(",")]
+    """The argument names of a schema string, by torch's own schema parser (before the op is defined)."""
+    return [a.name for a in _C.parse_schema(schema).arguments]
 
 
 def _zeroed(out):
