@@ -17,10 +17,12 @@ group checks, bitwise, what the seed reports' method checks for the ops:
 under each mechanism of MECHANISMS, each in its own process (cuBLAS reads its workspace variables when CUDA
 starts): `plain` (torch's defaults), `vllm` (vLLM's batch-invariant cuBLASLt settings, as the prior-art harness's
 vllm mode sets them), `deterministic` (`torch.use_deterministic_algorithms(True)` with its cuBLAS workspace),
-and attention once per SDPA backend (flash, efficient, cudnn, math) in every mechanism. A negative control (a
+and attention once per SDPA backend (flash, efficient, cudnn, math) and with FlashAttention-4's deterministic
+kernels (`fa4`, where flash-attn-4 is importable) in every mechanism. A negative control (a
 linear whose output depends on its row count) must fail the rows check, or the run stops.
 
-Run: `bash perf/device_run.sh python3 perf/call_site_invariance.py [--rows S]` (H3CUTE_GPU_TESTS=skip); `--quick`
+Run: `bash perf/device_run.sh python3 perf/call_site_invariance.py [--rows S] [--mechanisms plain,vllm]
+[--kinds attention]` (H3CUTE_GPU_TESTS=skip; FA4 needs the DSL staged by perf/stage_dsl.sh); `--quick`
 on a CPU (the tiny model, two row counts, plain only: a smoke run, not a measurement). Writes
 $H3CUTE_OUT/call_site_invariance.json (else ./) and prints a markdown table.
 """
@@ -185,28 +187,50 @@ def _attention_entries(g, device) -> dict:
         m = None if mask is None else mask.expand(a.shape[0], *mask.shape[1:])
         return F.scaled_dot_product_attention(a, b, c, attn_mask=m, is_causal=causal, scale=scale, **kw)
 
-    for backend in SDPA_BACKENDS:
+    def fa4(a, b, c):  # FlashAttention-4 on (B, S, H, D), the layout diffusers' attention hands its backends
+        from flash_attn.cute import flash_attn_func
+        return flash_attn_func(a, b, c, softmax_scale=scale, causal=causal, deterministic=True)
+
+    for backend in SDPA_BACKENDS + ("fa4",):
         e = {"kind": "attention", "sites": g["sites"], "shape": f"q {tuple(q.shape)}, k {tuple(k.shape)}, {q.dtype}"}
+        if backend == "fa4":
+            if mask is not None or kw:
+                out[backend] = {**e, "unavailable": "FA4 is run here without a mask or extra arguments"}
+                continue
+            try:
+                import flash_attn.cute  # noqa: F401
+            except ImportError as err:
+                out[backend] = {**e, "unavailable": f"flash-attn-4 is not importable: {err}"[:200]}
+                continue
         try:
+            if backend == "fa4":  # the same measurements on (B, S, H, D) copies, made outside the timings
+                e = {**e, **_measure(fa4, *(t.transpose(1, 2).contiguous() for t in (q, k, v, qb, kb, vb)),
+                                     upstream.transpose(1, 2).contiguous(), device)}
+                out[backend] = e
+                continue
             with sdpa_kernel([getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                                                    "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[backend])]):
-                alone = _grads(attend, (q, k, v), upstream[:1])
-                inside = _grads(attend, (qb, kb, vb), upstream)
-                e["batch_invariance"] = {
-                    "fwd_differ": not torch.equal(alone[0], inside[0][:1]),
-                    "grads_differ": [not torch.equal(a, b[:1]) for a, b in zip(alone[1:], inside[1:])]}
-                e["batch_invariance"]["invariant"] = not (e["batch_invariance"]["fwd_differ"]
-                                                          or any(e["batch_invariance"]["grads_differ"]))
-                e["repeat"] = repeat_check(attend, [t.detach().requires_grad_(True) for t in (qb, kb, vb)],
-                                           upstream, [])
-                e["fwd_us"] = median_us(lambda: attend(q, k, v), device)
-                ql, kl, vl = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-                e["fwd_bwd_us"] = median_us(lambda: torch.autograd.grad(attend(ql, kl, vl), (ql, kl, vl),
-                                                                        upstream[:1]), device)
+                e = {**e, **_measure(attend, q, k, v, qb, kb, vb, upstream, device)}
         except RuntimeError as err:  # the backend does not serve this shape / dtype / machine
             e = {**e, "unavailable": str(err).splitlines()[0][:200]}
         out[backend] = e
     return out
+
+
+def _measure(attend, q, k, v, qb, kb, vb, upstream, device) -> dict:
+    """Sample 0 alone against inside the batch (qb, kb, vb), repeatability of the batch's gradients, and the
+    median forward and fwd+bwd µs of sample 0 alone."""
+    alone = _grads(attend, (q, k, v), upstream[:1])
+    inside = _grads(attend, (qb, kb, vb), upstream)
+    bi = {"fwd_differ": not torch.equal(alone[0], inside[0][:1]),
+          "grads_differ": [not torch.equal(a, b[:1]) for a, b in zip(alone[1:], inside[1:])]}
+    bi["invariant"] = not (bi["fwd_differ"] or any(bi["grads_differ"]))
+    e = {"batch_invariance": bi,
+         "repeat": repeat_check(attend, [t.detach().requires_grad_(True) for t in (qb, kb, vb)], upstream, []),
+         "fwd_us": median_us(lambda: attend(q, k, v), device)}
+    ql, kl, vl = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    e["fwd_bwd_us"] = median_us(lambda: torch.autograd.grad(attend(ql, kl, vl), (ql, kl, vl), upstream[:1]), device)
+    return e
 
 
 def _grads(fn, inputs, upstream):
@@ -232,7 +256,7 @@ def negative_control(device, row_counts) -> dict:
 
 # ---- one mechanism, in this process --------------------------------------------------------------------
 
-def run_mechanism(mechanism: str, quick: bool, rows: int = 4097) -> dict:
+def run_mechanism(mechanism: str, quick: bool, rows: int = 4097, kinds: tuple[str, ...] | None = None) -> dict:
     import h3cute
     from h3cute.bench.candidates import apply_mode
     from h3cute.bench.model import H3_TWO_BLOCKS, TINY, build_model, packed_inputs
@@ -255,6 +279,8 @@ def run_mechanism(mechanism: str, quick: bool, rows: int = 4097) -> dict:
     out = {"mechanism": mechanism, "environment": {k: os.environ.get(k) for k in MECHANISMS[mechanism]},
            "negative_control": control, "groups": []}
     for key, g in groups.items():
+        if kinds and g["kind"] not in kinds:
+            continue
         print(f"[{mechanism}] {key}", file=sys.stderr, flush=True)
         if g["kind"] == "attention":
             if device.type != "cuda":
@@ -296,17 +322,26 @@ def main(argv=None) -> int:
     ap.add_argument("--mechanism", choices=tuple(MECHANISMS), help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--out", type=Path)
     ap.add_argument("--rows", type=int, default=4097, help="packed rows S of the captured forward (default 4097)")
+    ap.add_argument("--mechanisms", default=",".join(MECHANISMS),
+                    help=f"comma-separated subset of {', '.join(MECHANISMS)} (default all)")
+    ap.add_argument("--kinds", help="comma-separated call-site kinds to measure (linear, rms_norm, attention; "
+                                    "default all)")
     args = ap.parse_args(argv)
     if args.mechanism:
-        json.dump(run_mechanism(args.mechanism, args.quick, args.rows), sys.stdout)
+        kinds = tuple(args.kinds.split(",")) if args.kinds else None
+        json.dump(run_mechanism(args.mechanism, args.quick, args.rows, kinds), sys.stdout)
         return 0
-    mechanisms = ("plain",) if args.quick else tuple(MECHANISMS)
+    mechanisms = ("plain",) if args.quick else tuple(args.mechanisms.split(","))
+    unknown = [m for m in mechanisms if m not in MECHANISMS]
+    if unknown:
+        ap.error(f"unknown mechanism(s) {unknown}: choose from {', '.join(MECHANISMS)}")
     runs = []
     for m in mechanisms:
         env = {k: v for k, v in os.environ.items() if k not in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
         env.update(MECHANISMS[m])
         cmd = [sys.executable, __file__, "--mechanism", m, "--rows", str(args.rows)]
         cmd += ["--quick"] if args.quick else []
+        cmd += ["--kinds", args.kinds] if args.kinds else []
         done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
         if done.returncode != 0:
             raise SystemExit(f"mechanism {m} failed (exit {done.returncode})")
@@ -314,7 +349,7 @@ def main(argv=None) -> int:
     from h3cute.bench.report import environment, h3cute_commit
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = {"kind": "h3_call_site_invariance", "environment": environment(device, {}), "h3cute": h3cute_commit(),
-              "quick": args.quick, "rows": 48 if args.quick else args.rows, "runs": runs}
+              "quick": args.quick, "rows": 48 if args.quick else args.rows, "kinds": args.kinds, "runs": runs}
     out = args.out or Path(os.environ.get("H3CUTE_OUT", ".")) / "call_site_invariance.json"
     out.write_text(json.dumps(report, indent=1))
     sys.stdout.write(markdown(report))

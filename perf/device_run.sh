@@ -30,6 +30,25 @@ if ls .devstage/whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/h3-peers${PYTHONPATH:+:$PYTHONPATH}
 fi
 [ -d .devstage/peers ] && export H3CUTE_PEER_FILES=$ROOT/.devstage/peers
+# Optional CuTe DSL with flash-attn-4 and quack-kernels (perf/stage_dsl.sh), unpacked once per machine into
+# /opt/h3dsl; it serves FA4 and quack, while h3cute's own kernels still come from the bundle. The archive arrives in
+# a call of its own (it is too large to travel with .snap): from .devdsl here, or from ../.devdsl when the command
+# runs inside .snap.
+DSL=/opt/h3dsl
+for a in .devdsl/h3dsl.tar.xz ../.devdsl/h3dsl.tar.xz; do
+  if [ ! -f $DSL/.ok ] && [ -f "$a" ]; then
+    rm -rf $DSL && mkdir -p $DSL && xz -d -c "$a" | tar -x -C $DSL \
+      && cp /opt/h3rt/lib/libcute_dsl_runtime.so $DSL/nvidia_cutlass_dsl/cu13/lib/ && touch $DSL/.ok
+  fi
+done
+if [ -f $DSL/.ok ]; then
+  export PYTHONPATH=$PYTHONPATH:$DSL:$DSL/nvidia_cutlass_dsl/dsl_packages
+  # the DSL's own dependencies, behind the image's packages (.devstage/dsl, staged by perf/stage_dsl.sh)
+  if ls .devstage/dsl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/h3-dsl-deps .devstage/dsl/*.whl \
+      && export PYTHONPATH=$PYTHONPATH:/tmp/h3-dsl-deps
+  fi
+fi
 export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
 export H3CUTE_PREBUILT=$ROOT/.prebuilt
 export H3CUTE_CACHE_DIR=/tmp/h3cute-cache   # stays empty unless something compiles (it cannot here)
@@ -47,6 +66,12 @@ m = json.load(open(".prebuilt/manifest.json"))
 print("python", sys.version.split()[0], "torch", torch.__version__, "tvm_ffi", tvm_ffi.__version__)
 print("bundle", m["fingerprint"][:12], "sources", sources.source_fingerprint()[:12], "entries", len(m["entries"]))
 print("cutlass importable:", sources.dsl_available())
+from importlib import metadata
+for dist in ("flash-attn-4", "quack-kernels"):
+    try:
+        print(dist, metadata.version(dist))
+    except metadata.PackageNotFoundError:
+        print(dist, "not installed")
 print("gpu", torch.cuda.get_device_name(), torch.cuda.get_device_capability(), "->", rt.arch_of(0))
 from h3cute.bench import peers
 print("peer files", peers.versions())

@@ -6,8 +6,9 @@
 #   .devstage/peers/  the one file each of SGLang's and Megatron's batch-invariant modes loads, extracted from
 #                     their wheels (SGLang's is 39 MB whole); device_run.sh points $H3CUTE_PEER_FILES here
 # Pure-Python needs of these that the device lacks travel too; torch, triton, numpy, packaging, zipp, filelock,
-# huggingface-hub, regex, requests, safetensors and Pillow are in the device's image. quack-kernels does not
-# travel: it compiles its kernels with the CuTe DSL, which the device does not have and a call cannot carry.
+# huggingface-hub, regex, requests, safetensors and Pillow are in the device's image. quack-kernels compiles its
+# kernels with the CuTe DSL, which the device lacks: it travels with the DSL, in a call of its own
+# (perf/stage_dsl.sh).
 # Then prints what a call carrying [".devstage", ".prebuilt"] sends, against the 64 MiB a call carries.
 #
 # Usage, from the repo root:  bash perf/stage_peers.sh        (after ../shared/device/prepare_runtime.sh and the

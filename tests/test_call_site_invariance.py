@@ -67,3 +67,33 @@ def test_cpu_smoke_run_reports_every_site_group(tmp_path):
             "transformer_blocks.1.ff.net.2"} <= sites
     assert not any(s.startswith("time_embedder") or ".adaln_proj" in s for s in sites)  # h3cute's sites
     assert "| plain | linear | proj_out |" in done.stdout
+
+
+def test_cpu_smoke_run_keeps_only_the_kinds_asked_for(tmp_path):
+    out = tmp_path / "csi.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--kinds", "rms_norm", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    kinds = {e["kind"] for e in report["runs"][0]["groups"]}
+    assert kinds == {"rms_norm"} and report["kinds"] == "rms_norm"
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--mechanisms", "plain,fast"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "unknown mechanism(s) ['fast']" in bad.stderr
+
+
+def test_measure_compares_sample_zero_alone_with_inside_the_batch(probe):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    qb, kb, vb = (torch.cat([t, torch.randn(3, 4, 16, 8, generator=g, dtype=torch.float64)]) for t in (q, k, v))
+    up = torch.randn(4, 4, 16, 8, generator=g, dtype=torch.float64)
+
+    def attend(a, b, c):  # per-sample softmax attention: sample 0 does not see its neighbours
+        return torch.softmax(a @ b.transpose(-1, -2), -1) @ c
+    e = probe._measure(attend, q, k, v, qb, kb, vb, up, torch.device("cpu"))
+    assert e["batch_invariance"]["invariant"] and e["repeat"]["deterministic"] and e["fwd_us"] > 0
+
+    def leaky(a, b, c):  # sample 0's output depends on the batch's mean
+        return attend(a, b, c) + 1e-6 * a.mean()
+    e = probe._measure(leaky, q, k, v, qb, kb, vb, up, torch.device("cpu"))
+    assert not e["batch_invariance"]["invariant"] and e["batch_invariance"]["fwd_differ"]
