@@ -189,12 +189,13 @@ def _attention_entries(g, device) -> dict:
 
     def fa4(a, b, c):  # FlashAttention-4 on (B, S, H, D), the layout diffusers' attention hands its backends
         from flash_attn.cute import flash_attn_func
-        return flash_attn_func(a, b, c, softmax_scale=scale, causal=causal, deterministic=True)
+        out = flash_attn_func(a, b, c, softmax_scale=scale, causal=causal, deterministic=True)
+        return out[0] if isinstance(out, tuple) else out  # (out, lse)
 
     for backend in SDPA_BACKENDS + ("fa4",):
         e = {"kind": "attention", "sites": g["sites"], "shape": f"q {tuple(q.shape)}, k {tuple(k.shape)}, {q.dtype}"}
         if backend == "fa4":
-            if mask is not None or kw:
+            if mask is not None or any(v not in (None, False) for v in kw.values()):
                 out[backend] = {**e, "unavailable": "FA4 is run here without a mask or extra arguments"}
                 continue
             try:

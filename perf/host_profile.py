@@ -27,7 +27,7 @@ import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import runtime
 from h3cute.bench import problems, timing
 from h3cute.bench.report import write_device_json
-from h3cute.launch import norm_modulate, timestep_mlp, timestep_sinusoid
+from h3cute.launch import checks, norm_modulate, timestep_mlp, timestep_sinusoid
 from h3cute.ops import adaln, timestep
 from h3cute.widths import FREQ, HIDDEN, NORM_EPS, TEMB
 
@@ -88,9 +88,10 @@ def sinusoid() -> dict:
     t = torch.rand(3, device=DEV)
     out = torch.empty((3, FREQ), device=DEV)
     fn = runtime.kernel("timestep_sinusoid", DEV, width=FREQ, check_range=True)
+    slots = checks.slot_addresses(DEV.index or 0, "timestep_sinusoid", "t")  # the device's error words
     op = torch.ops.h3.timestep_sinusoid
     return {
-        "kernel": median_us(lambda: fn(t, out)),
+        "kernel": median_us(lambda: fn(t, out, *slots)),
         "launch": median_us(lambda: timestep_sinusoid.forward(t, True)),
         "impl": median_us(lambda: timestep._sinusoid_cuda(t)),
         "op": median_us(lambda: op(t)),
