@@ -21,6 +21,14 @@ The six chunks stay row-strided views of the projection's (3T, 6H) table and are
 gather pass); the rope, the input projections, the token refiner, every block's attention and feed-forward and
 the output heads are not conditioning ops and stay diffusers'.
 
+`patch(transformer, scope="model")` makes the rest of the forward batch-invariant too: the FP32 heads
+(proj_in, audio_proj_in, proj_out, audio_proj_out) switch to `torch.ops.h3.linear` the same way; every
+`MiniMaxH3Attention`'s processor becomes `h3cute.invariant.AttnProcessor` (FlashAttention-4, deterministic;
+`unpatch()` puts the previous processor back); the BF16 linears and the remaining RMSNorms stay diffusers' and are
+reported with the mechanism that keeps them invariant (`h3cute.invariant`: cuBLASLt's process-wide settings, torch's
+row-wise kernels). A missing mechanism (the environment variables, FlashAttention-4) is one refusal per reason,
+naming every site it concerns.
+
 How a module is switched. Its class becomes a subclass of its own class, made once per class, with the same
 `__name__` (diffusers' `_no_split_modules` / `_repeated_blocks` match names) and a `forward` of the same
 signature (diffusers' context-parallel hooks read it to find `adaln_indices` / `timestep_indices`). Parameters,
@@ -71,8 +79,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from h3cute import invariant
 from h3cute.ops.adaln import adaln_indices
-from h3cute.widths import BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN, TEMB
+from h3cute.widths import (AUDIO_CHANNELS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN,
+                           TEMB, VIDEO_PATCH)
 
 BF16, F32 = torch.bfloat16, torch.float32
 _ARMED = "_h3cute_armed"
@@ -87,12 +97,14 @@ class PatchError(ValueError):
 
 @dataclass(frozen=True)
 class CallSite:
-    """One place where the model computes a conditioning op. `left` is None when an h3 op computes it, else why
-    diffusers still does."""
+    """One place where the model computes something the patch makes invariant. `op` is the h3 op that computes
+    it, or None where `mechanism` (scope="model": cuBLASLt's settings, FlashAttention-4, torch's row-wise kernels)
+    keeps diffusers' computation invariant. `left` is None when the site is served, else why it is not."""
     module: str
     computes: str
-    op: str
+    op: str | None
     left: str | None = None
+    mechanism: str | None = None
 
 
 # ---- the patched forwards ------------------------------------------------------------------------------
@@ -178,6 +190,13 @@ def _norm_out_forward(self, hidden_states: torch.Tensor, temb: torch.Tensor,
     return out.view(hidden_states.shape)
 
 
+def _linear_forward(self, input: torch.Tensor) -> torch.Tensor:
+    """An FP32 head under scope="model": torch.ops.h3.linear (cuBLAS's FP32 GEMMs are not row-invariant)."""
+    if not getattr(self, _ARMED, False):
+        return _base_forward(self)(self, input)
+    return torch.ops.h3.linear(input, self.weight, self.bias)
+
+
 # ---- the patched classes -------------------------------------------------------------------------------
 
 _PATCHED: dict[type, type] = {}  # base class -> its patched subclass
@@ -194,6 +213,7 @@ def _diffusers() -> SimpleNamespace:
         return cls.__dict__.get("_h3cute_base", cls)
     return SimpleNamespace(
         module=module, Model=module.MiniMaxH3Transformer3DModel, Modulation=module.MiniMaxH3AdaLayerNormModulation,
+        Attention=module.MiniMaxH3Attention, AttnProcessor=module.MiniMaxH3AttnProcessor,
         Timesteps=embeddings.Timesteps, TimestepEmbedding=embeddings.TimestepEmbedding,
         Block=base(module.MiniMaxH3TransformerBlock), NormOut=base(module.MiniMaxH3AdaLayerNormOut),
     )
@@ -359,6 +379,79 @@ def _targets(model) -> list[tuple[str, nn.Module, str]]:
             ("norm_out", model.norm_out, "norm_out")]
 
 
+# ---- scope="model": the rest of the forward --------------------------------------------------------------
+
+SCOPES = ("conditioning", "model")
+_HEADS = {"proj_in": (HIDDEN, VIDEO_PATCH), "audio_proj_in": (HIDDEN, AUDIO_CHANNELS),
+          "proj_out": (VIDEO_PATCH, HIDDEN), "audio_proj_out": (AUDIO_CHANNELS, HIDDEN)}  # FP32 (out, in)
+_BLAS = ("cuBLASLt without split-K (vLLM's settings: "
+         + ", ".join(f"{k}={v}" for k, v in invariant.ENVIRONMENT.items()) + "; process-wide)")
+_FA4 = "FlashAttention-4, deterministic=True (this model's attention processors)"
+_ROWWISE = "torch's row-wise kernel (nothing to change)"
+
+
+def _conditioning_modules(model) -> set[int]:
+    """ids of the linears and norms the conditioning ops take over (h3 ops read their weights)."""
+    mods = [model.time_embedder.linear_1, model.time_embedder.linear_2, model.norm_out.linear, model.norm_out.norm]
+    mods += [m for b in model.transformer_blocks for m in (b.adaln_proj.linear, b.norm1, b.norm2)]
+    return {id(m) for m in mods}
+
+
+def _head_problems(name, m) -> list[tuple[str, str]]:
+    return _linear_problems(name, m, _HEADS[name], F32, "_keep_in_fp32_modules: the heads are FP32") \
+        if m.bias is not None else [(name, "has no bias; the checkpoint's heads have one")]
+
+
+def _attention_problems(name, m) -> list[tuple[str, str]]:
+    d = _diffusers()
+    if type(m).forward is not d.Attention.forward:
+        return [(name, f"its class {type(m).__qualname__} overrides MiniMaxH3Attention.forward")]
+    proc = m.processor
+    if not isinstance(proc, invariant.AttnProcessor) and type(proc) is not d.AttnProcessor:
+        return [(name, f"runs the attention processor {type(proc).__qualname__}, not diffusers' "
+                       "MiniMaxH3AttnProcessor (the patch would replace it)")]
+    return []
+
+
+def _model_plan(model) -> tuple[list, list[tuple[str, str]]]:
+    """[(name, module, kind, problems)] for the model scope's sites beyond the conditioning path, and the
+    problems that hold for every site of a kind (a missing mechanism)."""
+    d = _diffusers()
+    taken = _conditioning_modules(model)
+    plan = []
+    env = invariant.environment_problems()
+    fa4 = invariant.fa4_problem()
+    for name, m in model.named_modules():
+        if isinstance(m, d.Attention):
+            plan.append((name, m, "attention", [(name, fa4)] if fa4 else _attention_problems(name, m)))
+        elif name in _HEADS:
+            plan.append((name, m, "head", _head_problems(name, m)))
+        elif isinstance(m, nn.Linear) and id(m) not in taken:
+            if m.weight.dtype != BF16:
+                probs = [(name, f"is {_dtype_name(m.weight.dtype)}; scope='model' serves the checkpoint's BF16 "
+                                "linears (and its FP32 heads with h3.linear)")]
+            elif env:
+                probs = [(name, "the environment lacks vLLM's cuBLASLt settings (" + "; ".join(env) + "): call "
+                                "h3cute.invariant.set_environment() before CUDA initializes, or export them")]
+            else:
+                probs = []
+            plan.append((name, m, "linear", probs))
+        elif isinstance(m, nn.RMSNorm) and id(m) not in taken:
+            plan.append((name, m, "rms_norm", []))
+    return plan
+
+
+def _model_sites(kind: str, name: str, m, left: str | None = None) -> CallSite:
+    if kind == "attention":
+        return CallSite(name, "softmax attention over the packed sequence (q/k norms, rope in the processor)", None,
+                        left, _FA4)
+    if kind == "head":
+        return CallSite(name, f"linear {m.in_features} -> {m.out_features} (FP32)", "linear", left)
+    if kind == "linear":
+        return CallSite(name, f"linear {m.in_features} -> {m.out_features} (BF16)", None, left, _BLAS)
+    return CallSite(name, f"rms_norm over {tuple(m.normalized_shape)}", None, left, _ROWWISE)
+
+
 # ---- row validation, once per forward --------------------------------------------------------------------
 
 _ROW_ARGS = ((3, "timestep"), (4, "timestep_indices"), (5, "token_tags"))  # in MiniMaxH3Transformer3DModel.forward
@@ -389,17 +482,26 @@ def _check_rows(model, args, kwargs):
 class Patch:
     """What `h3cute.patch` changed on one model: `sites`, `unpatch()`, `report()`; a context manager too."""
 
-    def __init__(self, model, sites, changed, hook, strict):
+    def __init__(self, model, sites, changed, hook, strict, *, scope="conditioning", processors=(), blas=False):
         self._model = weakref.ref(model)
         self.sites: tuple[CallSite, ...] = tuple(sites)
         self._changed = changed  # [(module, class it had before the patch, or None when already patched)]
         self._hook = hook
+        self._processors = list(processors)  # [(attention module, its processor before the patch)]
+        self._blas = blas  # holds h3cute.invariant's process-wide BLAS settings
         self.strict = strict
+        self.scope = scope
         self.active = True
 
     @property
     def replaced(self) -> tuple[CallSite, ...]:
-        return tuple(s for s in self.sites if s.left is None)
+        """The sites an h3 op computes."""
+        return tuple(s for s in self.sites if s.left is None and s.op is not None)
+
+    @property
+    def by_mechanism(self) -> tuple[CallSite, ...]:
+        """The sites diffusers still computes, kept invariant by a mechanism (scope="model")."""
+        return tuple(s for s in self.sites if s.left is None and s.op is None)
 
     @property
     def left(self) -> tuple[CallSite, ...]:
@@ -413,6 +515,11 @@ class Patch:
             m.__dict__.pop(_ARMED, None)
             if before is not None and type(m) is _PATCHED.get(before):
                 m.__class__ = before
+        for m, processor in self._processors:
+            if isinstance(m.processor, invariant.AttnProcessor):
+                m.set_processor(processor)
+        if self._blas:
+            invariant.release_blas_settings()
         if self._hook is not None:
             self._hook.remove()
         model = self._model()
@@ -427,22 +534,27 @@ class Patch:
     def report(self) -> str:
         model = self._model()
         title = type(model).__name__ if model is not None else "model"
-        lines = [f"h3cute.patch of {title} ({'active' if self.active else 'unpatched'}, strict={self.strict}): "
-                 f"{len(self.replaced)} call sites on torch.ops.h3, {len(self.left)} left to diffusers"]
+        mechanism = f", {len(self.by_mechanism)} invariant by a mechanism" if self.scope == "model" else ""
+        lines = [f"h3cute.patch of {title} (scope={self.scope!r}, {'active' if self.active else 'unpatched'}, "
+                 f"strict={self.strict}): {len(self.replaced)} call sites on torch.ops.h3{mechanism}, "
+                 f"{len(self.left)} left to diffusers"]
         width = max(len(s.module) for s in self.sites)
         for s in self.sites:
-            state = "replaced" if s.left is None else "left"
-            lines.append(f"  {state:<8}  {s.module:<{width}}  {s.computes}  ->  h3::{s.op}")
+            state = "left" if s.left is not None else "replaced" if s.op is not None else "kept"
+            by = f"h3::{s.op}" if s.op is not None else s.mechanism
+            lines.append(f"  {state:<8}  {s.module:<{width}}  {s.computes}  ->  {by}")
             if s.left is not None:
                 lines.append(f"  {'':<8}  {'':<{width}}  left to diffusers: {s.left}")
         if self._hook is not None:
             lines.append("  rows: validated once per forward by h3cute.adaln_indices(timestep_indices, token_tags, T) "
                          "in a forward pre-hook of the model; the block and norm_out ops run with check_indices=False")
-        lines.append(f"  not conditioning ops, diffusers' own: {_NOT_CONDITIONING}")
+        if self.scope == "conditioning":
+            lines.append(f"  not conditioning ops, diffusers' own: {_NOT_CONDITIONING}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"<h3cute.Patch {len(self.replaced)} replaced, {len(self.left)} left, active={self.active}>"
+        return (f"<h3cute.Patch scope={self.scope!r} {len(self.replaced)} replaced, {len(self.by_mechanism)} by a "
+                f"mechanism, {len(self.left)} left, active={self.active}>")
 
     def __enter__(self) -> "Patch":
         return self
@@ -454,20 +566,30 @@ class Patch:
 _PATCHES: "weakref.WeakKeyDictionary[nn.Module, Patch]" = weakref.WeakKeyDictionary()
 
 
-def patch(transformer, *, strict: bool = True) -> Patch:
+def patch(transformer, *, strict: bool = True, scope: str = "conditioning") -> Patch:
     """Computes `transformer`'s conditioning path (time_proj, time_embedder, every MiniMaxH3TransformerBlock's
     AdaLN projection, norm/modulates and gated residuals, norm_out) with `torch.ops.h3` (see the module
-    docstring). A model that is already patched returns its Patch unchanged.
+    docstring). A model that is already patched with this scope returns its Patch unchanged.
+
+    scope: "conditioning" (the h3 ops' sites only) or "model": every op of the forward and backward
+    batch-invariant, the conditioning path as above plus the FP32 heads on `torch.ops.h3.linear`, attention on
+    FlashAttention-4's deterministic kernels (this model's attention processors), the BF16 linears on cuBLASLt
+    under vLLM's settings (process-wide: `h3cute.invariant`), the remaining norms on torch's row-wise kernels.
 
     strict: a module h3cute cannot serve raises PatchError (each module and reason) before anything changes;
     with strict=False such a module stays diffusers' and `report()` says why.
     """
     d = _diffusers()
+    if scope not in SCOPES:
+        raise ValueError(f"h3cute.patch: scope must be one of {SCOPES}, got {scope!r}")
     if not isinstance(transformer, d.Model):
         raise TypeError(f"h3cute.patch: expected diffusers' MiniMaxH3Transformer3DModel, got "
                         f"{type(transformer).__qualname__}")
     existing = _PATCHES.get(transformer)
     if existing is not None:
+        if existing.scope != scope:
+            raise PatchError(f"h3cute.patch: the model is already patched with scope={existing.scope!r}; call its "
+                             f"Patch's unpatch() before patching with scope={scope!r}")
         return existing
     kinds = _kinds()
     plan = []
@@ -475,30 +597,55 @@ def patch(transformer, *, strict: bool = True) -> Patch:
         cls, forward = kinds[kind]
         problems = _module_problems(name, m, cls, forward) or _PROBLEMS[kind](name, m)
         plan.append((name, m, kind, problems))
-    problems = [p for *_, probs in plan for p in probs]
+    model_plan = _model_plan(transformer) if scope == "model" else []
+    problems = [f"{path}: {why}" for *_, probs in plan for path, why in probs]
+    by_reason: dict[str, list[str]] = {}
+    for *_, probs in model_plan:  # a missing mechanism is one reason for many sites: one line per reason
+        for path, why in probs:
+            by_reason.setdefault(why, []).append(path)
+    problems += [f"{', '.join(paths)}: {why}" for why, paths in by_reason.items()]
     if strict and problems:
-        raise PatchError("h3cute.patch refused (nothing was changed; strict=False leaves these modules to "
-                         "diffusers):\n  " + "\n  ".join(f"{path}: {why}" for path, why in problems))
+        raise PatchError(f"h3cute.patch(scope={scope!r}) refused (nothing was changed; strict=False leaves these "
+                         "modules to diffusers):\n  " + "\n  ".join(problems))
     sites, changed = [], []
     for name, m, kind, probs in plan:
         if probs:
             sites += _sites(kind, name, left="; ".join(f"{path}: {why}" for path, why in probs))
             continue
         sites += _sites(kind, name)
-        before = None
-        # A class with a patched forward in its MRO (built under apply_to_minimax_h3, or FSDP2's subclass of one
-        # patched earlier) is only armed: a patched class over it would call the patched forward as its base's.
-        if getattr(type(m), "_h3cute_base", None) is None:
-            before = type(m)
-            m.__class__ = _patched_class(before, kinds[kind][1])
-        m.__dict__[_ARMED] = True
-        changed.append((m, before))
+        _switch(m, kinds[kind][1], changed)
+    processors = []
+    for name, m, kind, probs in model_plan:
+        left = "; ".join(why for _, why in probs) or None
+        sites.append(_model_sites(kind, name, m, left))
+        if left is not None:
+            continue
+        if kind == "head":
+            _switch(m, _linear_forward, changed)
+        elif kind == "attention" and not isinstance(m.processor, invariant.AttnProcessor):
+            processors.append((m, m.processor))
+            m.set_processor(invariant.AttnProcessor(d.module._apply_rotary_emb))
     rows_indexed = any(kind in ("block", "norm_out") and not probs for _, _, kind, probs in plan)
     hook = (transformer.register_forward_pre_hook(_check_rows, with_kwargs=True, prepend=True)
             if rows_indexed else None)
-    result = Patch(transformer, sites, changed, hook, strict)
+    blas = scope == "model" and any(kind == "linear" and not probs for _, _, kind, probs in model_plan)
+    if blas:
+        invariant.hold_blas_settings()
+    result = Patch(transformer, sites, changed, hook, strict, scope=scope, processors=processors, blas=blas)
     _PATCHES[transformer] = result
     return result
+
+
+def _switch(m: nn.Module, forward, changed: list) -> None:
+    """Arms m, switching its class to the patched subclass unless a patched forward is already in its MRO (a
+    class built under apply_to_minimax_h3, or FSDP2's subclass of one patched earlier: a patched class over it
+    would call the patched forward as its base's)."""
+    before = None
+    if getattr(type(m), "_h3cute_base", None) is None:
+        before = type(m)
+        m.__class__ = _patched_class(before, forward)
+    m.__dict__[_ARMED] = True
+    changed.append((m, before))
 
 
 # ---- the class-level switch ----------------------------------------------------------------------------
@@ -509,8 +656,8 @@ _FIRST_FORWARD: "weakref.WeakKeyDictionary[nn.Module, object]" = weakref.WeakKey
 
 
 @torch.compiler.disable  # patches modules: runs eagerly, once, ahead of what torch.compile traces
-def _patch_at_first_forward(model, args, kwargs, *, strict):
-    result = patch(model, strict=strict)  # raises (every forward, until fixed) when a guard refuses
+def _patch_at_first_forward(model, args, kwargs, *, strict, scope):
+    result = patch(model, strict=strict, scope=scope)  # raises (every forward, until fixed) when a guard refuses
     handle = _FIRST_FORWARD.pop(model, None)
     if handle is not None:
         handle.remove()
@@ -519,14 +666,16 @@ def _patch_at_first_forward(model, args, kwargs, *, strict):
     return None
 
 
-def apply_to_minimax_h3(*, strict: bool = True) -> None:
+def apply_to_minimax_h3(*, strict: bool = True, scope: str = "conditioning") -> None:
     """Switches diffusers' MiniMax-H3 classes: a MiniMaxH3Transformer3DModel built from now on (`from_pretrained`
     included) is built with the patched block, time-step and norm_out classes (unarmed), and `patch(model,
-    strict=strict)` runs in a forward pre-hook before its first forward computes anything, when the loaded
+    strict=strict, scope=scope)` runs in a forward pre-hook before its first forward computes anything, when the loaded
     weights' dtypes are final. Only the names in diffusers' transformer_minimax_h3 module change, so other diffusers
     models keep their Timesteps / TimestepEmbedding. A second call does nothing; `undo_minimax_h3` reverts."""
     if _CLASS_LEVEL:
         return
+    if scope not in SCOPES:
+        raise ValueError(f"h3cute.apply_to_minimax_h3: scope must be one of {SCOPES}, got {scope!r}")
     d = _diffusers()
     saved = {name: getattr(d.module, name) for name in _CLASS_NAMES}
     init = d.Model.__dict__["__init__"]
@@ -536,7 +685,7 @@ def apply_to_minimax_h3(*, strict: bool = True) -> None:
         init(self, *args, **kwargs)
         _BUILT.add(self)
         _FIRST_FORWARD[self] = self.register_forward_pre_hook(
-            functools.partial(_patch_at_first_forward, strict=strict), with_kwargs=True, prepend=True)
+            functools.partial(_patch_at_first_forward, strict=strict, scope=scope), with_kwargs=True, prepend=True)
 
     for cls, forward in _kinds().values():
         setattr(d.module, cls.__name__, _patched_class(cls, forward))

@@ -15,6 +15,7 @@
   h3cute-bench model [--quick] [--out FILE.json] [--resume] [--budget-s SECONDS] [--sizes S ...] [--batches B ...]
       diffusers' MiniMax-H3 model with h3cute.patch against it unpatched (2 blocks at H3's widths): FILE.json,
       FILE.md, FILE.png. --resume continues FILE.json; --budget-s stops starting configurations after that long.
+      --variants model (with vLLM's cuBLASLt settings exported) adds h3cute.patch(scope="model") to a report.
 """
 from __future__ import annotations
 
@@ -224,6 +225,9 @@ def parser() -> argparse.ArgumentParser:
     mb.add_argument("--phases", nargs="+", choices=("fwd", "fwd_bwd"))
     mb.add_argument("--backend", help="torch.compile backend (default inductor; --quick: aot_eager)")
     mb.add_argument("--no-share", action="store_true", help="skip the conditioning path's instrumented call")
+    mb.add_argument("--variants", nargs="+", choices=("unpatched", "patched", "model"),
+                    help="default unpatched patched; model (scope='model') needs vLLM's cuBLASLt settings in the "
+                         "environment, so it runs in a process of its own: --variants model --resume")
     mb.set_defaults(func=_model)
     md = sub.add_parser("_mode", help=argparse.SUPPRESS)
     md.add_argument("--op", required=True, choices=OPS)

@@ -34,7 +34,11 @@ from h3cute.bench import report, timing
 from h3cute.bench.model import H3_TWO_BLOCKS, TINY, ModelSize, build_model, packed_inputs
 
 KIND = "h3_model_bench"
-VARIANTS = ("unpatched", "patched")
+# unpatched: diffusers; patched: h3cute.patch (scope="conditioning"); model: h3cute.patch(scope="model"), whose BF16
+# linears need vLLM's cuBLASLt settings in the process environment (h3cute.invariant), so it runs in a process of
+# its own: `--variants model --resume` on the report of a run without them. Eager only (FlashAttention-4 is not
+# measured under torch.compile).
+VARIANTS = ("unpatched", "patched", "model")
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Plan:
     max_samples: int = 20
     target_s: float = 2.0                         # seconds of timed calls per configuration and variant
     share: bool = True
+    variants: tuple[str, ...] = ("unpatched", "patched")
 
 
 # Smoke scale on a CPU (CI): one block, a 48-row sequence, B = 2, aot_eager instead of Inductor; not a measurement.
@@ -214,6 +219,12 @@ def _key(r) -> tuple:
     return r["mode"], r["S"], r["B"], r["phase"]
 
 
+def _measured(entry: dict, variant: str) -> bool:
+    """A variant of a configuration that needs no new run: timed, or recorded as not measured (compiled model)."""
+    v = entry.get(variant, {})
+    return "ms" in v or (variant == "model" and entry.get("mode") == "compile" and "error" in v)
+
+
 def _configs(plan: Plan) -> list[tuple]:
     return [(mode, s, b, phase) for mode in plan.modes for s in plan.sizes for b in plan.batches
             for phase in plan.phases]
@@ -237,8 +248,15 @@ def run(plan: Plan, out: Path, device=None, resume: bool = False, budget_s: floa
     if rep is None:
         rep = {"kind": KIND, "environment": report.environment(device, {}), "plan": _plan_json(plan),
                "results": [], "complete": False}
-    done = {_key(r) for r in rep["results"] if all("ms" in r.get(v, {}) for v in VARIANTS)}
-    rep["results"] = [r for r in rep["results"] if _key(r) in done]
+    if "model" in plan.variants:
+        from h3cute import invariant
+        if invariant.environment_problems():
+            raise SystemExit("--variants model needs vLLM's cuBLASLt settings in the environment before CUDA starts: "
+                             + " ".join(f"{k}={v}" for k, v in invariant.ENVIRONMENT.items()) + " (they are "
+                             "process-wide: measure the other variants in a process without them, then add this one "
+                             "with --resume)")
+    entries = {_key(r): r for r in rep["results"]}
+    done = {k for k, r in entries.items() if all(_measured(r, v) for v in plan.variants)}
     todo = [c for c in _configs(plan) if c not in done]
     if not todo:
         rep["complete"] = True
@@ -249,8 +267,12 @@ def run(plan: Plan, out: Path, device=None, resume: bool = False, budget_s: floa
         f"FFN {plan.size.ffn}, text {plan.size.text_dim}) on {device}")
     model = build_model(plan.size, device=device, seed=0)
     rep["model"] = {**asdict(plan.size), "parameters": sum(p.numel() for p in model.parameters())}
-    with h3cute.patch(model) as p:
-        rep["patch_report"] = p.report()
+    if "patched" in plan.variants:
+        with h3cute.patch(model) as p:
+            rep["patch_report"] = p.report()
+    if "model" in plan.variants:
+        with h3cute.patch(model, scope="model") as p:
+            rep["model_patch_report"] = p.report()
     compiled = None
     if "compile" in plan.modes:
         # one compiled module serves every variant, phase and shape: room for all their graphs
@@ -259,7 +281,8 @@ def run(plan: Plan, out: Path, device=None, resume: bool = False, budget_s: floa
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
         compiled = torch.compile(model, backend=plan.backend, dynamic=False)
-    task = progress.add_task("model", total=len(todo) * len(VARIANTS)) if progress else None
+    task = progress.add_task("model", total=len(todo) * len(plan.variants)) if progress else None
+    blas_env = {k: os.environ.get(k) for k in ("CUBLASLT_WORKSPACE_SIZE", "CUBLAS_WORKSPACE_CONFIG")}
     inputs_cache = {}
     for mode, s, b, phase in todo:
         if budget_s is not None and time.perf_counter() - started > budget_s:
@@ -271,13 +294,20 @@ def run(plan: Plan, out: Path, device=None, resume: bool = False, budget_s: floa
             inputs_cache[(s, b)] = packed_inputs(plan.size, **layout(s), timesteps=plan.timesteps, batch=b,
                                                  device=device, seed=1)
         inputs = inputs_cache[(s, b)]
-        entry = {"mode": mode, "S": s, "B": b, "phase": phase}
-        for variant in VARIANTS:
+        entry = entries.get((mode, s, b, phase)) or {"mode": mode, "S": s, "B": b, "phase": phase}
+        for variant in plan.variants:
+            if _measured(entry, variant):
+                continue
             log(f"{mode} S={s} B={b} {phase}: {variant}")
-            patch = h3cute.patch(model) if variant == "patched" else None
+            if variant == "model" and mode == "compile":
+                entry[variant] = {"error": "not measured: scope='model' is measured eager"}
+                continue
+            patch = None if variant == "unpatched" else h3cute.patch(
+                model, scope="model" if variant == "model" else "conditioning")
             try:
                 fn = model if mode == "eager" else compiled
                 entry[variant] = measure(model, fn, inputs, phase, plan, device, mode == "compile")
+                entry[variant]["blas_environment"] = blas_env
             except Exception as e:  # e.g. out of memory at one size: record it, keep going
                 entry[variant] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
                 log(f"  {entry[variant]['error']}")
@@ -289,15 +319,19 @@ def run(plan: Plan, out: Path, device=None, resume: bool = False, budget_s: floa
                     torch.cuda.empty_cache()
             if task is not None:
                 progress.advance(task)
-        u, p = entry["unpatched"].get("ms"), entry["patched"].get("ms")
+        u, p, m = (entry.get(v, {}).get("ms") for v in VARIANTS)
         entry["speedup"] = u / p if u and p else None
+        entry["model_cost"] = m / u - 1 if u and m else None
         if u and p:
             log(f"  {u:.2f} ms unpatched, {p:.2f} ms patched: {u / p:.3f}x")
-        rep["results"].append(entry)
+        if u and m:
+            log(f"  {u:.2f} ms unpatched, {m:.2f} ms scope='model': {m / u - 1:+.1%}")
+        entries[(mode, s, b, phase)] = entry
+        rep["results"] = list(entries.values())
         _save(rep, out)
     order = {c: i for i, c in enumerate(_configs(plan))}
     rep["results"].sort(key=lambda r: order.get(_key(r), len(order)))
-    done = {_key(r) for r in rep["results"] if all("ms" in r.get(v, {}) for v in VARIANTS)}
+    done = {_key(r) for r in rep["results"] if all(_measured(r, v) for v in plan.variants)}
     rep["complete"] = all(c in done for c in _configs(plan))
     written = write_outputs(rep, out)
     log("wrote " + ", ".join(str(p) for p in written) + ("" if rep["complete"] else " (incomplete: --resume)"))
@@ -351,8 +385,10 @@ def markdown(rep: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rep["results"]:
-        u, p = r["unpatched"], r["patched"]
-        if "error" in u or "error" in p:
+        u, p = r.get("unpatched", {}), r.get("patched", {})
+        if not p:
+            continue
+        if "error" in u or "error" in p or "ms" not in u:
             lines.append(f"| {r['mode']} | {r['S']} | {r['B']} | {r['phase']} | {u.get('error', _fmt(u.get('ms')))} "
                          f"| {p.get('error', _fmt(p.get('ms')))} | – | – | – | – |")
             continue
@@ -370,8 +406,30 @@ def markdown(rep: dict) -> str:
         lines += ["", f"Bar (the patched model faster than diffusers' at every measured configuration): "
                       f"{'met' if faster else 'not met'}; speedups {min(r['speedup'] for r in measured):.3f}x to "
                       f"{max(r['speedup'] for r in measured):.3f}x over {len(measured)} configurations."]
+    scoped = [r for r in rep["results"] if "ms" in r.get("model", {}) and "ms" in r.get("unpatched", {})]
+    if scoped:
+        lines += ["", "## scope='model': the whole forward batch-invariant", "",
+                  "h3cute.patch(model, scope='model') against the unpatched model (diffusers' attention dispatch, "
+                  "plain cuBLAS), eager; the scope='model' process runs with vLLM's cuBLASLt settings. Cost: scope="
+                  "'model' ms / diffusers ms - 1 (negative: faster). Bar: no more than +3%.", "",
+                  "| mode | S | B | phase | diffusers ms | scope='model' ms | cost "
+                  "| max GiB diffusers / scope='model' |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in scoped:
+            u, m = r["unpatched"], r["model"]
+            mem = (f"{_fmt(u.get('max_memory_gib'), '.1f')} / {_fmt(m.get('max_memory_gib'), '.1f')}"
+                   if "max_memory_gib" in u else "–")
+            lines.append(f"| {r['mode']} | {r['S']} | {r['B']} | {r['phase']} | {_fmt(u['ms'])} | {_fmt(m['ms'])} | "
+                         f"{r['model_cost']:+.1%} | {mem} |")
+        worst = max(r["model_cost"] for r in scoped)
+        lines += ["", f"Bar (scope='model' no more than 3% slower than the unpatched model at every measured "
+                      f"configuration): {'met' if worst <= 0.03 else 'not met'}; costs "
+                      f"{min(r['model_cost'] for r in scoped):+.1%} to {worst:+.1%} over {len(scoped)} "
+                      "configurations."]
     if rep.get("patch_report"):
         lines += ["", "```", rep["patch_report"], "```"]
+    if rep.get("model_patch_report"):
+        lines += ["", "```", rep["model_patch_report"], "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -431,5 +489,7 @@ def plan_from_args(args) -> Plan:
         fields["backend"] = args.backend
     if args.no_share:
         fields["share"] = False
+    if getattr(args, "variants", None):
+        fields["variants"] = tuple(args.variants)
     return replace(plan, **fields)
 
