@@ -1,9 +1,6 @@
 """h3cute.patch(transformer, scope="model") on a CPU: what it switches, what it refuses, what it restores, and that
 its attention processor computes diffusers' processor (FlashAttention-4 replaced by SDPA here: the CPU has no
 FA4). The proof on the GPU: tests/test_patch_model_gpu.py."""
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +9,7 @@ import torch.nn.functional as F
 
 import h3cute
 from h3cute import invariant
-from h3cute.bench.model import TINY, build_model, packed_inputs
+from h3cute.bench.model import TINY, build_model
 
 SCRIPT = Path(__file__).resolve().parents[1] / "perf" / "model_invariance.py"
 
