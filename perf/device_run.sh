@@ -43,6 +43,8 @@ for a in .devdsl/h3dsl.tar.xz ../.devdsl/h3dsl.tar.xz; do
 done
 if [ -f $DSL/.ok ]; then
   export PYTHONPATH=$PYTHONPATH:$DSL:$DSL/nvidia_cutlass_dsl/dsl_packages
+  # FA4 keeps its compiled kernels on disk, so each process of a run compiles them once per machine
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4-cache
   # the DSL's own dependencies, behind the image's packages (.devstage/dsl, staged by perf/stage_dsl.sh)
   if ls .devstage/dsl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/h3-dsl-deps .devstage/dsl/*.whl \
