@@ -20,8 +20,6 @@ reasoning per role is in docs/linear.md: wide outputs (N' = 5376, K' <= 96, boun
 """
 from __future__ import annotations
 
-from h3cute.widths import LINEAR_SHAPES
-
 ROLES = ("fwd", "dgrad", "wgrad")
 
 _WIDE = (128, 128, 32, 3, 2, 4)  # (tile_m, tile_n, tile_k, stages, warps_m, warps_n): GemmConfig's fields

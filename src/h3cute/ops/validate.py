@@ -325,7 +325,9 @@ def check_linear(x, weight, bias=NO_ARG, grad=NO_ARG):
     contiguous; (N, K) must be one of the four FP32 heads' weight shapes (widths.LINEAR_SHAPES)."""
     op = "linear" if grad is NO_ARG else "linear_backward"
     d = device_of(op, "x", x)
-    check_tensor(op, "weight", weight, F32, ("N", "K"), d, hint=LINEAR_HINT)
+    # (N, K) as given (check_tensor's fast path takes a free width only in dim 0); its value is checked next
+    check_tensor(op, "weight", weight, F32, tuple(weight.shape) if weight is not None and weight.dim() == 2
+                 else ("N", "K"), d, hint=LINEAR_HINT)
     n, k = weight.shape
     if (n, k) not in LINEAR_SHAPES:
         raise ValueError(f"h3::{op}: weight has shape {tuple(weight.shape)}; the op serves the MiniMax-H3 FP32 heads' "
