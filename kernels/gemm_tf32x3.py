@@ -25,7 +25,8 @@ from K alone; K_CHUNK is a contract constant, not a config field.
 
 Epilogues (static): "partial" stores the raw slice sums to P[s, m, n] for a fixed-order fold
 (kernels/timestep_mlp.py); "bias_silu" stores z = acc + bias[n] and h = silu(z) = z / (1 + exp(-z)),
-"bias_silu_h" only h (the forward never reads z) (fused, so splits must be 1).
+"bias_silu_h" only h (the forward never reads z); "bias" stores C = acc + bias[n], one IEEE add.rn after the
+whole K sum (kernels/linear.py) (fused, so splits must be 1).
 
 Launch: programmatic dependent launch (PDL); the kernel waits (griddepcontrol.wait) before touching
 anything the previous kernel may write, and with `prefetch_b` streams its first B (weight) tiles
@@ -43,7 +44,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from h3cute.kernels._tiles import GemmConfig
 
-EPILOGUES = ("partial", "bias_silu", "bias_silu_h", "bias_silu_split")
+EPILOGUES = ("partial", "bias", "bias_silu", "bias_silu_h", "bias_silu_split")
 
 
 K_CHUNK = 8  # k per tensor-core chunk sum: one m16n8k8 step (part of the numeric contract)
@@ -199,9 +200,10 @@ class GemmTF32x3:
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mBias: cute.Tensor,
                  mH: cute.Tensor, stream):
-        """mA (M, K), mB (N, K); mC is P (splits, M, N) for "partial", z (M, N) for "bias_silu", h (M, N)
-        for "bias_silu_h", h's big TF32 operand array for "bias_silu_split"; mBias (N,) is read by the bias
-        epilogues, mH (M, N) written by "bias_silu" (h) and "bias_silu_split" (h's small operand array)."""
+        """mA (M, K), mB (N, K); mC is P (splits, M, N) for "partial", C (M, N) for "bias", z (M, N) for
+        "bias_silu", h (M, N) for "bias_silu_h", h's big TF32 operand array for "bias_silu_split"; mBias (N,) is
+        read by the bias epilogues, mH (M, N) written by "bias_silu" (h) and "bias_silu_split" (h's small operand
+        array)."""
         cfg = self.config
         threads = cfg.threads
         g2s_atom = cute.make_copy_atom(
@@ -509,6 +511,8 @@ class GemmTF32x3:
                 v = acc[i]
                 if cutlass.const_expr(self.epilogue == "partial"):
                     tCgC[i] = v
+                elif cutlass.const_expr(self.epilogue == "bias"):
+                    tCgC[i] = add_rn(v, mBias[coord[1]])
                 else:
                     first, second = fc1_outputs(v, mBias[coord[1]], self.epilogue)
                     tCgC[i] = first

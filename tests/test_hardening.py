@@ -5,7 +5,7 @@ import torch
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN as H, MLP_HIDDEN,
-                           MODALITIES, NORM_EPS, TEMB)
+                           MODALITIES, NORM_EPS, TEMB, VIDEO_PATCH)
 
 ops = torch.ops.h3
 BF16, F32, I64 = torch.bfloat16, torch.float32, torch.int64
@@ -57,6 +57,8 @@ def _build_valid_args(op):
                                                 _z(TABLE_ROWS, H), _idx(S)],
         "gate_residual_norm_modulate_backward": lambda: [_z(S, H), _z(S, H), _z(S, H), _z(TABLE_ROWS, H), _z(S, H),
                                                          _z(H), _z(TABLE_ROWS, H), _idx(S), NORM_EPS, TABLE_ROWS],
+        "linear": lambda: [_z(S, VIDEO_PATCH, dtype=F32), _z(H, VIDEO_PATCH, dtype=F32), _z(H, dtype=F32)],
+        "linear_backward": lambda: [_z(S, H, dtype=F32), _z(S, VIDEO_PATCH, dtype=F32), _z(H, VIDEO_PATCH, dtype=F32)],
     }[op]()
 
 
@@ -64,7 +66,7 @@ ALL_OPS = ["timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "adaln_
            "adaln_projection_backward", "adaln_row_gather", "adaln_row_gather_backward", "norm_modulate",
            "norm_modulate_backward", "gate_residual", "gate_residual_backward", "final_adaln_out",
            "final_adaln_out_fwd", "final_adaln_out_backward", "adaln_indices", "gate_residual_norm_modulate",
-           "gate_residual_norm_modulate_backward"]
+           "gate_residual_norm_modulate_backward", "linear", "linear_backward"]
 
 
 def test_all_ops_lists_every_registered_op():
@@ -153,7 +155,7 @@ def test_all_meta_inputs_give_meta_outputs(op):
 # ---- forward-mode AD ----------------------------------------------------------------------------------------
 
 FORWARD_OPS = ["timestep_sinusoid", "timestep_mlp", "adaln_projection", "adaln_row_gather", "norm_modulate",
-               "gate_residual", "final_adaln_out"]
+               "gate_residual", "final_adaln_out", "linear"]
 
 
 def _split_floating(args):

@@ -1,6 +1,9 @@
 """h3cute.patch(transformer, scope="model") on a CPU: what it switches, what it refuses, what it restores, and that
 its attention processor computes diffusers' processor (FlashAttention-4 replaced by SDPA here: the CPU has no
 FA4). The proof on the GPU: tests/test_patch_model_gpu.py."""
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,17 @@ def test_model_bench_refuses_the_model_variant_without_the_environment(tmp_path,
     plan = replace(model_bench.QUICK, variants=("model",))
     with pytest.raises(SystemExit, match="needs vLLM's cuBLASLt settings"):
         model_bench.run(plan, tmp_path / "m.json", device="cpu")
+
+
+def test_the_proofs_harness_runs_end_to_end_on_a_cpu(tmp_path):
+    """perf/model_invariance.py --quick: the tiny model, SDPA for FA4. A smoke run of the harness (the proofs hold
+    on a CPU too, and the negative controls fail there as well: CPU GEMMs are not row-count invariant either)."""
+    out = tmp_path / "mi.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], capture_output=True, text=True,
+                          timeout=900)
+    assert out.exists(), done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["verdict"]) == {"1_batch", "2_timesteps", "3_gradients", "4_controls_fail", "5_accuracy"}
+    model_run = next(r for r in report["runs"] if r["variant"] == "model")
+    assert model_run["batch"]["checked"] == 8 * 9 and model_run["gradients"]["parameters"] > 0
+    assert "| 1_batch |" in done.stdout

@@ -151,6 +151,12 @@ def final_adaln_out_fp64(x, norm_weight, temb, proj_weight, proj_bias, timestep_
     return norm_modulate_fp64(x, norm_weight, shift, scale, timestep_indices, eps)
 
 
+def linear_fp64(x, weight, bias=None):
+    """h3::linear in FP64: x (..., K) weight (N, K)^T + bias (N,)."""
+    y = x.double() @ weight.double().t()
+    return y if bias is None else y + bias.double()
+
+
 # ---- example inputs (the seed reports' recipe) -------------------------------------------------------
 
 OPS = ("timestep_sinusoid", "timestep_mlp", "adaln_projection", "final_adaln_out", "adaln_row_gather",

@@ -26,5 +26,9 @@ ATTENTION_HEADS = 56  # [num_attention_heads]
 ATTENTION_HEAD_DIM = 128  # [attention_head_dim]: heads x head_dim = 7168 attention channels
 FFN = 14336  # [ffn_dim]: the SwiGLU feed-forward's inner width
 TEXT = 5120  # [text_dim]: the text encoder's width, context_embedder's in_features
-VIDEO_PATCH = 96  # [in_channels * prod(patch_size)] = 24 * 1 * 2 * 2: proj_in's in_features, proj_out's out_features
+
+# ---- the FP32 input and output heads (h3::linear): hidden <-> latent patches ----
+VIDEO_PATCH = 96  # [in_channels * prod(patch_size)] = 24 * (1 * 2 * 2): proj_in's in_features, proj_out's out_features
 AUDIO_CHANNELS = 32  # [audio_in_channels]: audio_proj_in's in_features, audio_proj_out's out_features
+# (out_features, in_features) of proj_in, audio_proj_in, proj_out, audio_proj_out: the weights h3::linear serves
+LINEAR_SHAPES = ((HIDDEN, VIDEO_PATCH), (HIDDEN, AUDIO_CHANNELS), (VIDEO_PATCH, HIDDEN), (AUDIO_CHANNELS, HIDDEN))

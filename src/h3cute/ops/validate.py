@@ -9,7 +9,8 @@ H3's widths come from `h3cute.widths`.
 """
 import torch
 
-from h3cute.widths import BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN, TEMB
+from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, LINEAR_SHAPES,
+                           MLP_HIDDEN, TEMB)
 
 F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
 # Timesteps in these dtypes are widened exactly to FP32, as diffusers' `timesteps[:, None].float()` does.
@@ -309,3 +310,46 @@ def _check_modulation(op, weight, shift, scale, d):
     check_tensor(op, "scale", scale, BF16, ("3T", HIDDEN), d, ROW_STRIDED)
     if shift is not NO_ARG:
         _rows(op, "shift", shift.shape[0], "scale", scale.shape[0])
+
+
+LINEAR_HINT = " (the H3 input and output heads are FP32 modules: do not cast their inputs or weights down)"
+
+
+def _linear_served():
+    return ", ".join(_shape_text(s) for s in LINEAR_SHAPES)
+
+
+def check_linear(x, weight, bias=NO_ARG, grad=NO_ARG):
+    """h3::linear's arguments (x (..., K), weight (N, K), bias (N,) or None), or with `grad` (..., N) the backward's
+    (which has no bias). x and grad may have any strides (the CUDA impl makes rows contiguous); weight and bias are
+    contiguous; (N, K) must be one of the four FP32 heads' weight shapes (widths.LINEAR_SHAPES)."""
+    op = "linear" if grad is NO_ARG else "linear_backward"
+    d = device_of(op, "x", x)
+    # (N, K) as given (check_tensor's fast path takes a free width only in dim 0); its value is checked next
+    check_tensor(op, "weight", weight, F32, tuple(weight.shape) if weight is not None and weight.dim() == 2
+                 else ("N", "K"), d, hint=LINEAR_HINT)
+    n, k = weight.shape
+    if (n, k) not in LINEAR_SHAPES:
+        raise ValueError(f"h3::{op}: weight has shape {tuple(weight.shape)}; the op serves the MiniMax-H3 FP32 heads' "
+                         f"(out_features, in_features) {_linear_served()} only")
+    _check_rows_tensor(op, "x", x, k, d)
+    if bias is not NO_ARG and bias is not None:
+        check_tensor(op, "bias", bias, F32, (n,), d, hint=LINEAR_HINT)
+    if grad is not NO_ARG:
+        _check_rows_tensor(op, "grad", grad, n, d)
+        if grad.shape[:-1] != x.shape[:-1]:
+            raise ValueError(f"h3::{op}: grad has leading shape {tuple(grad.shape[:-1])}, x has "
+                             f"{tuple(x.shape[:-1])}; they must agree")
+
+
+def _check_rows_tensor(op, name, t, width, d):
+    """An FP32 (..., width) tensor on device d, any strides."""
+    if t is None:
+        raise TypeError(f"h3::{op}: {name} is None; the op takes a float32 tensor of shape (..., {width}) there")
+    if t.dtype is not F32:
+        raise TypeError(f"h3::{op}: {name} must be float32, got {_name(t.dtype)}{LINEAR_HINT}")
+    if t.dim() < 1 or t.shape[-1] != width:
+        raise ValueError(f"h3::{op}: {name} must have shape (..., {width}), got {tuple(t.shape)}")
+    if _key(t) != d:
+        raise ValueError(f"h3::{op}: {name} is on {t.device}, expected {_device_name(d)} "
+                         "(the device of the other inputs)")

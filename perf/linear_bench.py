@@ -1,0 +1,88 @@
+"""Device script: h3::linear against torch's FP32 linear (cuBLAS, TF32 off) on MiniMax-H3's four FP32 heads.
+
+Runs against the prebuilt bundle (never compiles):
+    bash perf/device_run.sh python3 perf/linear_bench.py
+For each head (proj_in 96 -> 5376, audio_proj_in 32 -> 5376, proj_out 5376 -> 96, audio_proj_out 5376 -> 32, all
+with bias) at M = 4097, 32768, 131072 rows, median µs over 30 samples after 5 warm-ups (h3cute.bench.timing) of:
+fwd (the op under no_grad), fwd_bwd (forward + backward through autograd, x, weight and bias needing gradients),
+fwd_bwd_frozen_x (x needs none: no dx GEMM, as for proj_in's latent input), for `h3` (torch.ops.h3.linear) and
+`cublas` (torch.nn.functional.linear), in the same run. `ratio` = cublas µs / h3 µs (issue 26's bar: >= 0.9 at
+M >= 4096, fwd and fwd_bwd). Prints a table; writes `$H3CUTE_OUT/linear_bench.json`.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import h3cute  # noqa: F401  (registers torch.ops.h3)
+from h3cute.bench import timing
+from h3cute.bench.report import write_device_json
+from h3cute.widths import AUDIO_CHANNELS, HIDDEN, VIDEO_PATCH
+
+HEADS = {"proj_in": (HIDDEN, VIDEO_PATCH), "audio_proj_in": (HIDDEN, AUDIO_CHANNELS),
+         "proj_out": (VIDEO_PATCH, HIDDEN), "audio_proj_out": (AUDIO_CHANNELS, HIDDEN)}  # (out, in) features
+ROWS = (4097, 32768, 131072)
+BAR = 0.9
+WARMUP, SAMPLES = 5, 30
+IMPLS = {"h3": lambda x, w, b: torch.ops.h3.linear(x, w, b), "cublas": F.linear}
+
+_median_us = timing.timer("cuda", WARMUP, SAMPLES)
+
+
+def _phases(fn, x, w, b, grad):
+    """phase -> zero-argument call."""
+    def fwd():
+        with torch.no_grad():
+            fn(x, w, b)
+
+    def fwd_bwd(x_leaf):
+        def call():
+            fn(x_leaf, w, b).backward(grad)
+            x_leaf.grad = w.grad = b.grad = None
+        return call
+
+    return {"fwd": fwd, "fwd_bwd": fwd_bwd(x.detach().requires_grad_()), "fwd_bwd_frozen_x": fwd_bwd(x.detach())}
+
+
+def main() -> int:
+    torch.backends.cuda.matmul.allow_tf32 = False  # cuBLAS in true FP32 (the comparison the bar is set on)
+    torch.backends.cudnn.allow_tf32 = False
+    dev = torch.device("cuda")
+    t0 = time.time()
+    report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "warmup": WARMUP,
+              "samples": SAMPLES, "bar": BAR, "heads": {}}
+    misses = []
+    for head, (n, k) in HEADS.items():
+        g = torch.Generator(device=dev).manual_seed(n + k)
+        w = (torch.randn((n, k), generator=g, device=dev) * k ** -0.5).requires_grad_()
+        b = (torch.randn((n,), generator=g, device=dev) * 0.02).requires_grad_()
+        report["heads"][head] = {"out_features": n, "in_features": k, "rows": {}}
+        for m in ROWS:
+            x = torch.randn((m, k), generator=g, device=dev)
+            grad = torch.randn((m, n), generator=g, device=dev)
+            row = {}
+            for impl, fn in IMPLS.items():
+                for phase, call in _phases(fn, x, w, b, grad).items():
+                    row.setdefault(phase, {})[impl] = _median_us(call)
+            for phase, t in row.items():
+                t["ratio"] = t["cublas"] / t["h3"]
+                ok = t["ratio"] >= BAR
+                if not ok and phase != "fwd_bwd_frozen_x":
+                    misses.append((head, m, phase))
+                print(f"{head:<15} M={m:<7} {phase:<17} h3 {t['h3']:10.1f} us  cublas {t['cublas']:10.1f} us  "
+                      f"ratio {t['ratio']:.3f} {'ok' if ok else 'MISS'}")
+            report["heads"][head]["rows"][str(m)] = row
+            del x, grad
+            torch.cuda.empty_cache()
+    report["misses"] = [list(m) for m in misses]
+    report["wall_s"] = time.time() - t0
+    print(f"\nlinear_bench: {len(misses)} misses of the {BAR}x bar; {report['wall_s']:.1f} s -> "
+          f"{write_device_json(report, 'linear_bench.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
