@@ -5,10 +5,11 @@
 #   plain   (first call, carry .snap)   h3::linear against cuBLAS (perf/linear_bench.py); h3cute-bench model's
 #           unpatched and conditioning-patched variants, eager, in a process without vLLM's settings; its JSON
 #           stays on the machine for the second call
-#   model   (second call, carry .devdsl) the five proofs (perf/model_invariance.py) and the model bench's
-#           scope="model" variant, added with --resume in a process started with vLLM's cuBLASLt settings
+#   model   (second call, carry .devdsl, H3CUTE_GPU_TESTS=tests/test_patch_model_gpu.py: the five proofs, whose
+#           fixture runs perf/model_invariance.py) the model bench's scope="model" variant, added with --resume in a
+#           process started with vLLM's cuBLASLt settings
 #
-# Reports go to $H3CUTE_OUT: linear_bench.json, model_invariance.json, model_scope.{json,md,png}.
+# Reports go to $H3CUTE_OUT: linear_bench.json, model_invariance.json (the GPU tests), model_scope.{json,md,png}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STATE=/tmp/h3-model-scope.json   # the bench report between the two calls (the machine keeps /tmp while warm)
@@ -21,7 +22,6 @@ case "${1:?plain or model}" in
     ;;
   model)
     [ -f "$STATE" ] || { echo "model_scope_run: $STATE missing (run 'plain' first on this machine)" >&2; exit 2; }
-    python3 perf/model_invariance.py || rc=1
     env CUBLASLT_WORKSPACE_SIZE=1 CUBLAS_WORKSPACE_CONFIG=:16:8 "${BENCH[@]}" --variants model --resume \
       --out "$STATE" || rc=1
     ;;
