@@ -148,3 +148,25 @@ def test_the_proofs_harness_runs_end_to_end_on_a_cpu(tmp_path):
     model_run = next(r for r in report["runs"] if r["variant"] == "model")
     assert model_run["batch"]["checked"] == 8 * 9 and model_run["gradients"]["parameters"] > 0
     assert "| 1_batch |" in done.stdout
+
+
+def test_apply_to_minimax_h3_with_the_model_scope(fa4_stand_in, blas_environment):
+    """Models built under apply_to_minimax_h3(scope="model") are patched with that scope at their first forward
+    (heads on h3::linear, attention on the processor), and undo_minimax_h3 puts everything back."""
+    from h3cute import minimax_h3
+    from h3cute.bench.model import packed_inputs
+    with pytest.raises(ValueError, match="scope must be one of"):
+        h3cute.apply_to_minimax_h3(scope="all")
+    h3cute.apply_to_minimax_h3(scope="model")
+    try:
+        m = build_model(TINY, seed=3)
+        with torch.no_grad():
+            m(**packed_inputs(TINY, video=20, text=5, audio=6, seed=2))
+        p = minimax_h3._PATCHES[m]
+        assert p.scope == "model" and not p.left
+        assert isinstance(m.transformer_blocks[0].attn.processor, invariant.AttnProcessor)
+        assert getattr(m.proj_out, "_h3cute_armed", False)
+    finally:
+        h3cute.undo_minimax_h3()
+    assert not p.active and not isinstance(m.transformer_blocks[0].attn.processor, invariant.AttnProcessor)
+    assert all(type(x).__module__.startswith(("diffusers", "torch")) for x in m.modules())
