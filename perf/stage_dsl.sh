@@ -24,19 +24,18 @@ LIMIT_MIB=64
 grep -qx '/.devdsl/' .git/info/exclude 2>/dev/null || git check-ignore -q .devdsl \
   || { echo "stage_dsl: .devdsl is not git-ignored" >&2; exit 2; }
 mkdir -p "$CACHE/whl" "$CACHE/deps" .devdsl .devstage/dsl
-for spec in "${DEPS[@]}"; do
-  norm=$(echo "${spec%%==*}" | tr '-' '_')
-  ls "$CACHE/deps/${norm}-${spec##*==}-"*.whl >/dev/null 2>&1 \
-    || "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-         --platform manylinux_2_28_x86_64 -d "$CACHE/deps" "$spec"
-done
+fetch() {   # fetch DIR SPEC...: each wheel for the device (CPython 3.12, x86-64 Linux) into DIR, once
+  local dir=$1 spec norm; shift
+  for spec in "$@"; do
+    norm=$(echo "${spec%%==*}" | tr '-' '_')
+    ls "$dir/${norm}-${spec##*==}-"*.whl >/dev/null 2>&1 \
+      || "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+           --platform manylinux_2_28_x86_64 -d "$dir" "$spec"
+  done
+}
+fetch "$CACHE/deps" "${DEPS[@]}"
 rm -f .devstage/dsl/*.whl && cp "$CACHE"/deps/*.whl .devstage/dsl/
-for spec in "${WHEELS[@]}"; do
-  norm=$(echo "${spec%%==*}" | tr '-' '_')
-  ls "$CACHE/whl/${norm}-${spec##*==}-"*.whl >/dev/null 2>&1 \
-    || "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-         --platform manylinux_2_28_x86_64 -d "$CACHE/whl" "$spec"
-done
+fetch "$CACHE/whl" "${WHEELS[@]}"
 
 SITE=$(mktemp -d)
 trap 'rm -rf "$SITE"' EXIT
