@@ -47,11 +47,13 @@ TILES = {
 
 
 # (role, out_features, in_features) -> K' slices, 1 where absent. dgrad of the in-heads (K' = 5376 = 168 x 32):
-# a count from the width alone keeps dx row-invariant and multiplies the ~M / tile_m CTAs (4 x 42 and 6 x 28 k tiles).
-# wgrad: the M rows in that many chunks, so the fixed 168-252 output tiles become over 1300 CTAs.
+# a count from the width alone keeps dx row-invariant and multiplies the ~M / tile_m CTAs (3 x 56 and 4 x 42 k
+# tiles): at M = 4097, 86 x 3 = 258 CTAs of the 48-row tile (154 registers x 192 threads: 2 per SM) and 129 x 4 = 516
+# of the 32-row one (105 x 128: 4 per SM), one wave each on 132 SMs. wgrad: the M rows in that many chunks, so the
+# fixed 168-252 output tiles become 1344-2016 CTAs, several waves, so the last one's idle SMs cost little.
 SPLITS = {
-    ("dgrad", 5376, 96): 4,
-    ("dgrad", 5376, 32): 6,
+    ("dgrad", 5376, 96): 3,
+    ("dgrad", 5376, 32): 4,
     **{("wgrad", n, k): 8 for n, k in ((5376, 96), (5376, 32), (96, 5376), (32, 5376))},
 }
 

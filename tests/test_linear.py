@@ -66,7 +66,7 @@ def test_every_role_has_a_static_tile_that_fits_the_gemm():
 def test_slice_counts_are_pinned():
     """The forward sums in one slice (its fused bias epilogue); the dgrad's count depends on the widths alone (dx
     row-invariant); every wgrad chunks its rows."""
-    assert C.SPLITS == {("dgrad", 5376, 96): 4, ("dgrad", 5376, 32): 6, ("wgrad", 5376, 96): 8,
+    assert C.SPLITS == {("dgrad", 5376, 96): 3, ("dgrad", 5376, 32): 4, ("wgrad", 5376, 96): 8,
                         ("wgrad", 5376, 32): 8, ("wgrad", 96, 5376): 8, ("wgrad", 32, 5376): 8}
     assert all(C.splits("fwd", n, k) == 1 for n, k in LINEAR_SHAPES)
 
@@ -89,7 +89,7 @@ def test_launcher_asks_for_exactly_the_built_variants():
         asked = {tuple(C.gemm_static(g, n, k).items()) for g in C.GEMMS for n, k in LINEAR_SHAPES}
         assert built == asked
         folds = {(v["splits"], v["width"]) for v in fold.variants(arch)}
-        assert folds == {(4, 96), (6, 32), (9, 96), (9, 32), (9, 5376)}
+        assert folds == {(3, 96), (4, 32), (9, 96), (9, 32), (9, 5376)}
 
 
 class _Recorder:
