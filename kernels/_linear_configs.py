@@ -17,28 +17,33 @@ only. The wgrad splits its M rows (`wgrad_rows`): a "wgrad" launch sums SPLITS e
 into one more partial, and the fold adds the partials in increasing row order: a pure function of M, deterministic.
 
 One tile per (role, N, K), never a function of M (every tile gives the same bits; the choice is speed only). The
-reasoning per role is in docs/linear.md: wide outputs (N' = 5376, K' <= 96, bound by writing C) take the MLP's
-128 x 128 tile; the 5376-deep narrow GEMMs (N' = 96 or 32) take 32-48-row tiles whose N' spans the whole output row
-(so A is read once) and give ~130 CTAs from M = 4096, times the dgrad's slices; the M-deep weight gradients take
-tiles giving 168-252 output tiles, times their row chunks.
+reasoning per role is in docs/linear.md: wide outputs (N' = 5376, K' <= 96, bound by writing C) take 64-row tiles
+that several CTAs per SM hold at once; the 5376-deep narrow GEMMs (N' = 96 or 32) take 32-48-row tiles whose N'
+spans the whole output row (so A is read once) and give ~130 CTAs from M = 4096, times the dgrad's slices; the
+M-deep weight gradients take tiles giving 168-252 output tiles, times their row chunks.
 """
 from __future__ import annotations
 
 ROLES = ("fwd", "dgrad", "wgrad")  # the GEMMs of a linear
 GEMMS = ROLES + ("wgrad_tail",)  # the compiled GEMM kinds: the wgrad's rows past its chunks take one more
 
-_WIDE = (128, 128, 32, 3, 2, 4)  # (tile_m, tile_n, tile_k, stages, warps_m, warps_n): GemmConfig's fields
+# (tile_m, tile_n, tile_k, stages, warps_m, warps_n): GemmConfig's fields. The wide outputs (N' = 5376, K' = 96 or
+# 32) take tiles that several CTAs per SM hold at once, so that one's C stores overlap another's loads and mma
+# (ptxas: 144-155 registers x 128 threads, 3 per SM; 86-128 x 256 threads, 2 per SM; the 128 x 128 tile's 139-231
+# registers x 256 threads left one).
+_WIDE_96 = (64, 64, 32, 3, 2, 2)
+_WIDE_32 = (64, 128, 32, 3, 2, 4)
 _NARROW = (32, 32, 32, 4, 1, 4)
 # (role, out_features, in_features) -> tile. Keys: every role of every served weight shape (a CPU test pins it).
 TILES = {
-    ("fwd", 5376, 96): _WIDE,  # proj_in: C (M, 5376), K = 96
-    ("fwd", 5376, 32): _WIDE,  # audio_proj_in: C (M, 5376), K = 32
+    ("fwd", 5376, 96): _WIDE_96,  # proj_in: C (M, 5376), K = 96
+    ("fwd", 5376, 32): _WIDE_32,  # audio_proj_in: C (M, 5376), K = 32
     ("fwd", 96, 5376): (32, 96, 32, 4, 1, 4),  # proj_out: C (M, 96), K = 5376; warp tile 32 x 24 (6 atoms)
     ("fwd", 32, 5376): _NARROW,  # audio_proj_out: C (M, 32), K = 5376
     ("dgrad", 5376, 96): (48, 96, 32, 4, 3, 2),  # proj_in: dx (M, 96), K' = 5376; 192 threads (N-major 96-row B)
     ("dgrad", 5376, 32): _NARROW,  # audio_proj_in: dx (M, 32), K' = 5376
-    ("dgrad", 96, 5376): _WIDE,  # proj_out: dx (M, 5376), K' = 96
-    ("dgrad", 32, 5376): _WIDE,  # audio_proj_out: dx (M, 5376), K' = 32
+    ("dgrad", 96, 5376): _WIDE_96,  # proj_out: dx (M, 5376), K' = 96
+    ("dgrad", 32, 5376): _WIDE_32,  # audio_proj_out: dx (M, 5376), K' = 32
     ("wgrad", 5376, 96): (64, 32, 32, 4, 2, 2),  # proj_in: dW (5376, 96): 252 CTAs
     ("wgrad", 5376, 32): _NARROW,  # audio_proj_in: dW (5376, 32): 168 CTAs
     ("wgrad", 96, 5376): (32, 64, 32, 4, 2, 2),  # proj_out: dW (96, 5376): 252 CTAs
