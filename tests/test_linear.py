@@ -1,10 +1,12 @@
 """h3::linear, the batch-invariant FP32 linear of MiniMax-H3's four FP32 heads (docs/linear.md).
 
-CPU: the roles' tiles are the built variants and fit the GEMM's constraints, every variant compiles with three tf32
-mma per k8 step; schemas, checks and their messages, fake (meta) shapes, the CPU impl and its autograd against FP64,
-opcheck. GPU (`-m gpu`): bitwise row invariance of y and dx (probe rows inside batches of every size), with a
-negative control (cuBLAS FP32 fails the same check), accuracy against FP64 no worse than cuBLAS FP32's, repeatable
-dweight / dbias, poisoned (NaN-filled) output memory fully overwritten, a NaN row staying in its row, no rows.
+CPU: the roles' tiles and slice counts are the built variants and fit the GEMM's constraints, every variant compiles
+with three tf32 mma per k8 step, every fold with its IEEE adds in slice order; the backward's launch sequence and the
+row order of the wgrad's partials (recorded kernels); schemas, checks and their messages, fake (meta) shapes, the
+CPU impl and its autograd against FP64, opcheck. GPU (`-m gpu`): bitwise row invariance of y and dx (probe rows
+inside batches of every size), with a negative control (cuBLAS FP32 fails the same check), accuracy against FP64
+within the 3xTF32 contract, repeatable dweight / dbias (M = 4097: chunks and a tail; M = 8192: chunks, no tail),
+poisoned (NaN-filled) output memory fully overwritten, a NaN row staying in its row, no rows.
 """
 import pytest
 import torch
@@ -54,21 +56,101 @@ def test_every_role_has_a_static_tile_that_fits_the_gemm():
         rows, width, depth = C.gemm_dims(role, n, k)
         assert width % cfg.tile_n == 0, (role, n, k)
         assert rows is None or rows % cfg.tile_m == 0, (role, n, k)  # MN-major A: rows not predicated
-        assert depth is None or depth % cfg.tile_k == 0, (role, n, k)
+        assert depth is None or depth % (C.splits(role, n, k) * cfg.tile_k) == 0, (role, n, k)
         for mn_major, tile_rows in ((role == "wgrad", cfg.tile_m), (role != "fwd", cfg.tile_n)):
             if mn_major:  # GemmTF32x3's MN-major copy: whole 32-row atoms, whole k-row passes
                 vec = tile_rows // 4
                 assert tile_rows % 32 == 0 and cfg.threads % vec == 0 and cfg.tile_k % (cfg.threads // vec) == 0
 
 
+def test_slice_counts_are_pinned():
+    """The forward sums in one slice (its fused bias epilogue); the dgrad's count depends on the widths alone (dx
+    row-invariant); every wgrad chunks its rows."""
+    assert C.SPLITS == {("dgrad", 5376, 96): 3, ("dgrad", 5376, 32): 4, ("wgrad", 5376, 96): 8,
+                        ("wgrad", 5376, 32): 8, ("wgrad", 96, 5376): 8, ("wgrad", 32, 5376): 8}
+    assert all(C.splits("fwd", n, k) == 1 for n, k in LINEAR_SHAPES)
+
+
+@pytest.mark.parametrize("rows, want", [(1, (0, 1)), (255, (0, 255)), (256, (256, 0)), (257, (256, 1)),
+                                        (4097, (4096, 1)), (32768, (32768, 0)), (131071, (130816, 255))])
+def test_wgrad_rows_split_into_whole_chunks_and_a_tail(rows, want):
+    for n, k in LINEAR_SHAPES:  # 8 chunks of whole 32-deep k tiles
+        assert C.wgrad_rows(n, k, rows) == want
+
+
 def test_launcher_asks_for_exactly_the_built_variants():
     pytest.importorskip("cutlass", reason="the kernel module imports the CuTe DSL", exc_type=ImportError)
     from h3cute.kernels import linear as K
 
-    (spec,) = K.SPECS
+    gemm, fold = K.SPECS
+    assert (gemm.name, fold.name) == ("linear_gemm", "linear_fold")
     for arch in ("sm_90a", "sm_100a"):
-        built = {(v["role"], v["out_features"], v["in_features"], v["tile"]) for v in spec.variants(arch)}
-        assert built == {(r, n, k, t) for (r, n, k), t in C.TILES.items()}
+        built = {tuple(v.items()) for v in gemm.variants(arch)}
+        asked = {tuple(C.gemm_static(g, n, k).items()) for g in C.GEMMS for n, k in LINEAR_SHAPES}
+        assert built == asked
+        folds = {(v["splits"], v["width"]) for v in fold.variants(arch)}
+        assert folds == {(3, 96), (4, 32), (9, 96), (9, 32), (9, 5376)}
+
+
+class _Recorder:
+    """Stands in for runtime.kernel on CPU: records every launch (kernel, static args, rows of grad / x it reads,
+    partial slots it writes) and does its arithmetic in FP64: a GEMM writes each slice's sum of its K' chunk, the
+    fold adds the partials in slice order (what the kernels compute, up to rounding)."""
+
+    def __init__(self, grad):
+        self.grad, self.launches = grad, []
+
+    def __call__(self, name, device, **static):
+        def run(*args):
+            if name == "linear_fold":
+                parts, _, out = args
+                self.launches.append((name, static["splits"], static["width"]))
+                acc = parts[0].double()
+                for s in range(1, parts.shape[0]):
+                    acc = acc + parts[s].double()
+                out.copy_(acc)
+                return
+            a, b, p = args
+            s, depth = static["splits"], a.shape[1]
+            first = None
+            if static["role"].startswith("wgrad"):  # a = grad[rows].t(): which rows
+                first = a.storage_offset() // self.grad.shape[1]
+                slot = p.storage_offset() // (p.shape[1] * p.shape[2])
+                self.launches.append((static["role"], s, first, first + depth, slot))
+            else:
+                self.launches.append((static["role"], s))
+            for i in range(s):
+                cols = slice(i * depth // s, (i + 1) * depth // s)
+                p[i].copy_(a[:, cols].double() @ b[:, cols].double().t())
+        return run
+
+
+@pytest.mark.parametrize("head", IDS)
+@pytest.mark.parametrize("m", [1, 255, 256, 257, 4097])
+def test_backward_launch_sequence_and_row_order(head, m, monkeypatch):
+    """The launcher's backward on CPU with recorded kernels: dgrad in its width's slices, then its fold; the wgrad's
+    whole chunks (partials 0..7, rows in increasing order), the tail (partial 8) or a zeroed partial 8, one fold of 9,
+    or the one-slice tail GEMM alone under one chunk per slice; the result is the FP64 grads within FP32 rounding."""
+    from h3cute.launch import linear as L
+
+    w, _ = _params(HEADS[head], 30)
+    n, k = w.shape
+    x, grad = _randn((m, k), 31), _randn((m, n), 32)
+    rec = _Recorder(grad)
+    monkeypatch.setattr(L.runtime, "kernel", rec)
+    dx, dw, db = L.backward(grad, x, w)
+    ds = C.splits("dgrad", n, k)
+    want = [("dgrad", ds)] + ([("linear_fold", ds, k)] if ds > 1 else [])
+    bulk = m // 256 * 256
+    if bulk:
+        want += [("wgrad", 8, 0, bulk, 0)] + ([("wgrad_tail", 1, bulk, m, 8)] if m > bulk else [])
+        want += [("linear_fold", 9, k)]
+    else:
+        want += [("wgrad_tail", 1, 0, m, 0)]
+    assert rec.launches == want
+    assert numerics.rel_err(dx, grad.double() @ w.double()) < 2e-6
+    assert numerics.rel_err(dw, grad.double().t() @ x.double()) < 2e-6
+    assert same_bits(db, grad.sum(0))
 
 
 def _mma_per_k_tile(tile):
@@ -83,7 +165,11 @@ def test_every_variant_compiles_with_three_tf32_mma_per_step(arch):
     from compiled_ptx import ptx_of
     from h3cute.kernels import linear as K
 
-    (spec,) = K.SPECS
+    spec, fold = K.SPECS
+    for static in fold.variants(arch):  # the partials added one by one in slice order: splits - 1 IEEE adds
+        ptx = "\n".join(ptx_of(fold, arch, static))
+        assert all(m in ptx for m in fold.ptx_markers) and not any(f in ptx for f in fold.ptx_forbidden), static
+        assert ptx.count("add.f32 ") == static["splits"] - 1 and "fma." not in ptx, static
     for static in spec.variants(arch):
         ptx = "\n".join(ptx_of(spec, arch, static))
         assert f".target {arch}" in ptx
@@ -300,7 +386,7 @@ def _fp64_all(x, w, b, grad):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head", IDS)
-@pytest.mark.parametrize("m", [1, 129, 4097])
+@pytest.mark.parametrize("m", [1, 129, 4097, 8192])
 def test_accuracy_against_fp64_within_the_3xtf32_contract(head, m):
     """max |err| / max |ref| of y, dx, dweight, dbias against FP64 within the 3xTF32 contract the timestep MLP
     holds (docs/linear.md: 2e-6 for y and dx, 1e-5 for the row-reduced dweight and dbias), cuBLAS FP32's own error
@@ -326,12 +412,13 @@ def test_accuracy_against_fp64_within_the_3xtf32_contract(head, m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head", IDS)
-def test_parameter_gradients_are_repeatable(head):
+@pytest.mark.parametrize("m", [4097, 8192])  # the wgrad's chunks and tail; chunks alone (a zeroed last partial)
+def test_parameter_gradients_are_repeatable(head, m):
     from poison import poison_allocator
 
     w, b = _params(HEADS[head], 16, "cuda")
-    x = _randn((4097, w.shape[1]), 17, "cuda")
-    grad = _randn((4097, w.shape[0]), 18, "cuda")
+    x = _randn((m, w.shape[1]), 17, "cuda")
+    grad = _randn((m, w.shape[0]), 18, "cuda")
     first = ops.linear_backward(grad, x, w)
     poison_allocator()
     second = ops.linear_backward(grad, x, w)
@@ -341,7 +428,7 @@ def test_parameter_gradients_are_repeatable(head):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head", IDS)
-@pytest.mark.parametrize("m", [1, 129, 4097])
+@pytest.mark.parametrize("m", [1, 129, 4097, 8192])
 def test_poisoned_outputs_are_overwritten(head, m):
     """Every output allocated over NaN-filled memory (poison_allocator) is finite for finite inputs."""
     from poison import poison_allocator

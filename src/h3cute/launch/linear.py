@@ -1,27 +1,33 @@
-"""Host side of `h3::linear` (+ backward) on CUDA: rows made contiguous, outputs allocated, one GEMM each.
+"""Host side of `h3::linear` (+ backward) on CUDA: rows made contiguous, outputs allocated, GEMMs and folds launched.
 
 Forward: y = x weight^T + bias, one `linear_gemm` "fwd" launch (bias None: a -0.0 bias, the IEEE additive
 identity, so y is the bare K sum bit for bit). Backward: dx = grad weight ("dgrad", weight read N-major in place
-through its transposed view), dweight = grad^T x ("wgrad", grad and x read through their transposed views, the
-M-deep K tail zero-filled in shared memory), dbias = grad.sum(0) (torch's column sum: a fixed reduction order for
-a given shape, no atomics, so bitwise repeatable run to run). Tiles are static per (role, N, K)
-(kernels/_linear_configs.py), never a function of M, so the launch sequence is the same at every M >= 1. The op
-layer validates dtypes, shapes and devices (h3cute.ops.validate.check_linear).
+through its transposed view, in the width's SPLITS slices folded in slice order by `linear_fold`); dweight = grad^T x
+(grad and x read through their transposed views: "wgrad" sums the first `bulk` rows in SPLITS equal chunks,
+"wgrad_tail" the rest with its k tail zero-filled in shared memory, one partial more, and `linear_fold` adds the
+partials in row order; see `wgrad_rows`); dbias = grad.sum(0) (torch's column sum: a fixed reduction order for a
+given shape, no atomics, so bitwise repeatable run to run). Tiles and the forward's and dgrad's slice counts are
+static per (role, N, K) (kernels/_linear_configs.py), never a function of M, so y's and dx's launch sequence is the
+same at every M >= 1; the wgrad's depends on M alone. The op layer validates dtypes, shapes and devices
+(h3cute.ops.validate.check_linear).
 """
 from __future__ import annotations
 
 import torch
 
 from h3cute import runtime
-from h3cute.kernels._linear_configs import TILES
+from h3cute.kernels._linear_configs import gemm_static, splits, wgrad_rows
 from h3cute.launch.timestep_mlp import transposed
 
 _ALIGN = 16  # bytes: the GEMM's cp.async vectors (GemmTF32x3's 16-byte aligned rows)
 
 
-def _gemm(device, role: str, weight: torch.Tensor):
-    n, k = weight.shape
-    return runtime.kernel("linear_gemm", device, role=role, out_features=n, in_features=k, tile=TILES[role, n, k])
+def _gemm(device, gemm: str, weight: torch.Tensor):
+    return runtime.kernel("linear_gemm", device, **gemm_static(gemm, *weight.shape))
+
+
+def _fold(device, parts: int, width: int):
+    return runtime.kernel("linear_fold", device, splits=parts, width=width)
 
 
 def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -62,10 +68,33 @@ def backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, x_grad: 
     w = _aligned(weight)
     dx = torch.empty((0, k), **f32)
     if x_grad:
-        dx = torch.empty((1, rows, k), **f32)
+        parts = splits("dgrad", n, k)
+        dx = torch.empty((parts, rows, k), **f32)
         _gemm(dev, "dgrad", weight)(g, transposed(w), dx)  # B = weight.t() (K, N), N-major in place
+        if parts > 1:
+            folded = torch.empty((rows, k), **f32)
+            _fold(dev, parts, k)(dx, folded[0, :1], folded)
+            dx = folded
         dx = dx.view(x.shape)
-    xr = _rows(x, k)
-    dweight = torch.empty((1, n, k), **f32)
-    _gemm(dev, "wgrad", weight)(transposed(g), transposed(xr), dweight)  # A = grad^T (N, M), B = x^T (K, M)
-    return dx, dweight[0], g.sum(0)
+    return dx, _dweight(g, _rows(x, k), weight), g.sum(0)
+
+
+def _dweight(g: torch.Tensor, xr: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dweight (N, K) = g^T xr over rows >= 1: A = g^T (N, rows), B = xr^T (K, rows), both read in place."""
+    n, k = weight.shape
+    dev = g.device
+    bulk, tail = wgrad_rows(n, k, g.shape[0])
+    if not bulk:  # fewer rows than one chunk per slice: the one-slice k-tail GEMM alone
+        dweight = torch.empty((1, n, k), dtype=torch.float32, device=dev)
+        _gemm(dev, "wgrad_tail", weight)(transposed(g), transposed(xr), dweight)
+        return dweight[0]
+    chunks = splits("wgrad", n, k)
+    partials = torch.empty((chunks + 1, n, k), dtype=torch.float32, device=dev)
+    _gemm(dev, "wgrad", weight)(transposed(g[:bulk]), transposed(xr[:bulk]), partials[:chunks])
+    if tail:  # rows bulk.. (a 16-byte aligned start: N and K are multiples of 4 floats)
+        _gemm(dev, "wgrad_tail", weight)(transposed(g[bulk:]), transposed(xr[bulk:]), partials[chunks:])
+    else:
+        partials[chunks].zero_()  # +0 leaves every sum's bits alone
+    dweight = torch.empty((n, k), dtype=torch.float32, device=dev)
+    _fold(dev, chunks + 1, k)(partials, dweight[0, :1], dweight)
+    return dweight
