@@ -31,12 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from h3cute.bench.report import child_json, environment, h3cute_commit
 
 MECHANISMS = {
     "plain": {},
@@ -343,11 +344,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--mechanism", m, "--rows", str(args.rows)]
         cmd += ["--quick"] if args.quick else []
         cmd += ["--kinds", args.kinds] if args.kinds else []
-        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"mechanism {m} failed (exit {done.returncode})")
-        runs.append(json.loads(done.stdout))
-    from h3cute.bench.report import environment, h3cute_commit
+        runs.append(child_json(cmd, env, f"mechanism {m}"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = {"kind": "h3_call_site_invariance", "environment": environment(device, {}), "h3cute": h3cute_commit(),
               "quick": args.quick, "rows": 48 if args.quick else args.rows, "kinds": args.kinds, "runs": runs}

@@ -26,11 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from h3cute.bench.report import child_json, environment, h3cute_commit
 
 LAYOUT = dict(video=600, text=77, audio=130)  # S = 807: no row count a multiple of a tile
 BATCH, TIMESTEPS = 8, 3
@@ -253,11 +254,7 @@ def main(argv=None) -> int:
     for variant in VARIANTS:
         print(f"[{variant}]", file=sys.stderr, flush=True)
         cmd = [sys.executable, __file__, "--variant", variant] + (["--quick"] if args.quick else [])
-        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"variant {variant} failed (exit {done.returncode})")
-        runs.append(json.loads(done.stdout))
-    from h3cute.bench.report import environment, h3cute_commit
+        runs.append(child_json(cmd, env, f"variant {variant}"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = {"kind": "h3_model_invariance", "environment": environment(device, {}), "h3cute": h3cute_commit(),
               "quick": args.quick, "model": "tiny, 1 block" if args.quick else "H3 widths, 2 blocks",

@@ -38,6 +38,15 @@ def write_device_json(report: dict, name: str, path: str | None = None) -> str:
 
 # ---- environment ---------------------------------------------------------------------------------
 
+def child_json(cmd: list[str], env: dict, what: str) -> dict:
+    """Runs a measurement's child process (a process of its own: cuBLAS reads its environment when CUDA starts)
+    and returns the JSON it printed; a failed child stops the run, naming `what`."""
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} failed (exit {done.returncode})")
+    return json.loads(done.stdout)
+
+
 def _version(dist: str):
     try:
         return importlib.metadata.version(dist)
