@@ -37,11 +37,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from h3cute import invariant
 from h3cute.bench.report import child_json, environment, h3cute_commit
 
 MECHANISMS = {
     "plain": {},
-    "vllm": {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"},
+    "vllm": invariant.ENVIRONMENT,
     "deterministic": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
 }
 ROW_COUNTS = (1, 2, 3, 7, 8, 9, 13, 16, 63, 64, 65, 127, 128, 129, 1023, 1024, 1025, 4097)
@@ -188,26 +189,22 @@ def _attention_entries(g, device) -> dict:
         m = None if mask is None else mask.expand(a.shape[0], *mask.shape[1:])
         return F.scaled_dot_product_attention(a, b, c, attn_mask=m, is_causal=causal, scale=scale, **kw)
 
-    def fa4(a, b, c):  # FlashAttention-4 on (B, S, H, D), the layout diffusers' attention hands its backends
-        from flash_attn.cute import flash_attn_func
-        out = flash_attn_func(a, b, c, softmax_scale=scale, causal=causal, deterministic=True)
-        return out[0] if isinstance(out, tuple) else out  # (out, lse)
-
     for backend in SDPA_BACKENDS + ("fa4",):
         e = {"kind": "attention", "sites": g["sites"], "shape": f"q {tuple(q.shape)}, k {tuple(k.shape)}, {q.dtype}"}
-        if backend == "fa4":
-            if mask is not None or any(v not in (None, False) for v in kw.values()):
-                out[backend] = {**e, "unavailable": "FA4 is run here without a mask or extra arguments"}
+        if backend == "fa4":  # h3cute.invariant.attention: what scope="model" runs
+            extra = any(v not in (None, False) for v in kw.values())
+            if mask is not None or causal or scale is not None or extra:
+                out[backend] = {**e, "unavailable": "FA4 is run here as scope='model' runs it: no mask, not causal, "
+                                                    "the default scale"}
                 continue
-            try:
-                import flash_attn.cute  # noqa: F401
-            except ImportError as err:
-                out[backend] = {**e, "unavailable": f"flash-attn-4 is not importable: {err}"[:200]}
+            problem = invariant.fa4_problem()
+            if problem:
+                out[backend] = {**e, "unavailable": problem[:200]}
                 continue
         try:
             if backend == "fa4":  # the same measurements on (B, S, H, D) copies, made outside the timings
-                e = {**e, **_measure(fa4, *(t.transpose(1, 2).contiguous() for t in (q, k, v, qb, kb, vb)),
-                                     upstream.transpose(1, 2).contiguous(), device)}
+                bshd = (t.transpose(1, 2).contiguous() for t in (q, k, v, qb, kb, vb, upstream))
+                e = {**e, **_measure(invariant.attention, *bshd, device)}
                 out[backend] = e
                 continue
             with sdpa_kernel([getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
@@ -339,7 +336,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown mechanism(s) {unknown}: choose from {', '.join(MECHANISMS)}")
     runs = []
     for m in mechanisms:
-        env = {k: v for k, v in os.environ.items() if k not in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")}
+        env = {k: v for k, v in os.environ.items() if k not in invariant.ENVIRONMENT}
         env.update(MECHANISMS[m])
         cmd = [sys.executable, __file__, "--mechanism", m, "--rows", str(args.rows)]
         cmd += ["--quick"] if args.quick else []

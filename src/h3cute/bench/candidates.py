@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from h3cute import invariant
 from h3cute.bench.problems import Problem
 from h3cute.widths import FREQ, HIDDEN, MLP_HIDDEN, NORM_EPS, TEMB
 
@@ -48,7 +49,7 @@ class Candidate:
 CUBLAS_MODES: dict[str, dict[str, str]] = {
     "plain": {},
     # vLLM's batch-invariant mode: cuBLASLt without split-K (no workspace to split into).
-    "vllm": {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"},
+    "vllm": dict(invariant.ENVIRONMENT),
 }
 
 # SGLang's and Megatron's batch-invariant modes (h3cute.bench.peers turns them on); TRITON_F32_DEFAULT=ieee
@@ -84,11 +85,8 @@ def apply_mode(mode: str) -> str | None:
     mode cannot run here, or None."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    if mode == "vllm":
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-        if torch.cuda.is_available():
-            torch.backends.cuda.preferred_blas_library("cublaslt")
+    if mode == "vllm":  # its torch switches, for the whole process
+        invariant.hold_blas_settings()
     if mode in CUBLAS_MODES:
         return None
     from h3cute.bench import peers

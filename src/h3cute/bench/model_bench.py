@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from h3cute import invariant
 from h3cute.bench import report, timing
 from h3cute.bench.model import H3_TWO_BLOCKS, TINY, ModelSize, build_model, packed_inputs
 
@@ -249,7 +250,6 @@ def run(plan: Plan, out: Path, device=None, resume: bool = False, budget_s: floa
         rep = {"kind": KIND, "environment": report.environment(device, {}), "plan": _plan_json(plan),
                "results": [], "complete": False}
     if "model" in plan.variants:
-        from h3cute import invariant
         if invariant.environment_problems():
             raise SystemExit("--variants model needs vLLM's cuBLASLt settings in the environment before CUDA starts: "
                              + " ".join(f"{k}={v}" for k, v in invariant.ENVIRONMENT.items()) + " (they are "
@@ -282,7 +282,7 @@ def run(plan: Plan, out: Path, device=None, resume: bool = False, budget_s: floa
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
         compiled = torch.compile(model, backend=plan.backend, dynamic=False)
     task = progress.add_task("model", total=len(todo) * len(plan.variants)) if progress else None
-    blas_env = {k: os.environ.get(k) for k in ("CUBLASLT_WORKSPACE_SIZE", "CUBLAS_WORKSPACE_CONFIG")}
+    blas_env = {k: os.environ.get(k) for k in invariant.ENVIRONMENT}
     inputs_cache = {}
     for mode, s, b, phase in todo:
         if budget_s is not None and time.perf_counter() - started > budget_s:
