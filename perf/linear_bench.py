@@ -22,10 +22,9 @@ import torch.nn.functional as F
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
-from h3cute.widths import AUDIO_CHANNELS, HIDDEN, VIDEO_PATCH
+from h3cute.widths import FP32_HEADS
 
-HEADS = {"proj_in": (HIDDEN, VIDEO_PATCH), "audio_proj_in": (HIDDEN, AUDIO_CHANNELS),
-         "proj_out": (VIDEO_PATCH, HIDDEN), "audio_proj_out": (AUDIO_CHANNELS, HIDDEN)}  # (out, in) features
+HEADS = FP32_HEADS  # (out, in) features by head
 ROWS = (4097, 32768, 131072)
 BAR = 0.9
 WARMUP, SAMPLES = 5, 30

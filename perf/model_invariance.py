@@ -27,10 +27,12 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from h3cute import invariant
 from h3cute.bench.report import child_json, environment, h3cute_commit
 
 LAYOUT = dict(video=600, text=77, audio=130)  # S = 807: no row count a multiple of a tile
@@ -164,12 +166,12 @@ def run_variant(variant: str, quick: bool) -> dict:
     from h3cute.bench.model import H3_TWO_BLOCKS, TINY, build_model, packed_inputs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    size = replace_layers(TINY) if quick else H3_TWO_BLOCKS
+    size = replace(TINY, layers=1) if quick else H3_TWO_BLOCKS
     layout = dict(video=40, text=9, audio=11) if quick else LAYOUT
     batch = BATCH
     model = build_model(size, device=device, seed=0)
     inputs = packed_inputs(size, **layout, timesteps=TIMESTEPS, batch=batch, device=device, seed=1)
-    rep = {"variant": variant, "environment": {k: os.environ.get(k) for k in _environment()},
+    rep = {"variant": variant, "environment": {k: os.environ.get(k) for k in invariant.ENVIRONMENT},
            "layout": {**layout, "batch": batch, "timesteps": TIMESTEPS}}
     if quick:
         _sdpa_for_fa4()
@@ -188,25 +190,14 @@ def run_variant(variant: str, quick: bool) -> dict:
     return rep
 
 
-def replace_layers(size):
-    from dataclasses import replace
-    return replace(size, layers=1)
-
-
-def _environment() -> dict:
-    from h3cute import invariant
-    return invariant.ENVIRONMENT
-
-
 def _sdpa_for_fa4() -> None:
     """--quick: torch's SDPA on (B, S, heads, head_dim) in place of FlashAttention-4, which this machine lacks."""
-    import h3cute.invariant as inv
     import torch.nn.functional as F
 
     def attention(q, k, v):
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-    inv.attention = attention
-    inv.fa4_problem = lambda: None
+    invariant.attention = attention
+    invariant.fa4_problem = lambda: None
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
@@ -249,7 +240,7 @@ def main(argv=None) -> int:
     if args.variant:
         json.dump(run_variant(args.variant, args.quick), sys.stdout)
         return 0
-    env = {**os.environ, **_environment()}
+    env = {**os.environ, **invariant.ENVIRONMENT}
     runs = []
     for variant in VARIANTS:
         print(f"[{variant}]", file=sys.stderr, flush=True)

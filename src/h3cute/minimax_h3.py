@@ -81,8 +81,8 @@ from torch import nn
 
 from h3cute import invariant
 from h3cute.ops.adaln import adaln_indices
-from h3cute.widths import (AUDIO_CHANNELS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN,
-                           TEMB, VIDEO_PATCH)
+from h3cute.widths import (BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FP32_HEADS, FREQ, HIDDEN, MLP_HIDDEN,
+                           TEMB)
 
 BF16, F32 = torch.bfloat16, torch.float32
 _ARMED = "_h3cute_armed"
@@ -382,8 +382,6 @@ def _targets(model) -> list[tuple[str, nn.Module, str]]:
 # ---- scope="model": the rest of the forward --------------------------------------------------------------
 
 SCOPES = ("conditioning", "model")
-_HEADS = {"proj_in": (HIDDEN, VIDEO_PATCH), "audio_proj_in": (HIDDEN, AUDIO_CHANNELS),
-          "proj_out": (VIDEO_PATCH, HIDDEN), "audio_proj_out": (AUDIO_CHANNELS, HIDDEN)}  # FP32 (out, in)
 _BLAS = ("cuBLASLt without split-K (vLLM's settings: "
          + ", ".join(f"{k}={v}" for k, v in invariant.ENVIRONMENT.items()) + "; process-wide)")
 _FA4 = "FlashAttention-4, deterministic=True (this model's attention processors)"
@@ -398,7 +396,7 @@ def _conditioning_modules(model) -> set[int]:
 
 
 def _head_problems(name, m) -> list[tuple[str, str]]:
-    return _linear_problems(name, m, _HEADS[name], F32, "_keep_in_fp32_modules: the heads are FP32") \
+    return _linear_problems(name, m, FP32_HEADS[name], F32, "_keep_in_fp32_modules: the heads are FP32") \
         if m.bias is not None else [(name, "has no bias; the checkpoint's heads have one")]
 
 
@@ -424,7 +422,7 @@ def _model_plan(model) -> tuple[list, list[tuple[str, str]]]:
     for name, m in model.named_modules():
         if isinstance(m, d.Attention):
             plan.append((name, m, "attention", [(name, fa4)] if fa4 else _attention_problems(name, m)))
-        elif name in _HEADS:
+        elif name in FP32_HEADS:
             plan.append((name, m, "head", _head_problems(name, m)))
         elif isinstance(m, nn.Linear) and id(m) not in taken:
             if m.weight.dtype != BF16:

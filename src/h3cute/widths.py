@@ -30,5 +30,7 @@ TEXT = 5120  # [text_dim]: the text encoder's width, context_embedder's in_featu
 # ---- the FP32 input and output heads (h3::linear): hidden <-> latent patches ----
 VIDEO_PATCH = 96  # [in_channels * prod(patch_size)] = 24 * (1 * 2 * 2): proj_in's in_features, proj_out's out_features
 AUDIO_CHANNELS = 32  # [audio_in_channels]: audio_proj_in's in_features, audio_proj_out's out_features
-# (out_features, in_features) of proj_in, audio_proj_in, proj_out, audio_proj_out: the weights h3::linear serves
-LINEAR_SHAPES = ((HIDDEN, VIDEO_PATCH), (HIDDEN, AUDIO_CHANNELS), (VIDEO_PATCH, HIDDEN), (AUDIO_CHANNELS, HIDDEN))
+# the FP32 heads' (out_features, in_features) by module name: the weights h3::linear serves
+FP32_HEADS = {"proj_in": (HIDDEN, VIDEO_PATCH), "audio_proj_in": (HIDDEN, AUDIO_CHANNELS),
+              "proj_out": (VIDEO_PATCH, HIDDEN), "audio_proj_out": (AUDIO_CHANNELS, HIDDEN)}
+LINEAR_SHAPES = tuple(FP32_HEADS.values())
