@@ -63,6 +63,11 @@ SPLITS = {
 }
 
 
+# The forwards whose C goes out through shared memory as 16-byte row vectors (GemmTF32x3's `staged_c`): the wide
+# outputs (N' = 5376 FP32 per row from K <= 96), bound by writing C rather than by the mma.
+STAGED_C = frozenset({("fwd", 5376, 96), ("fwd", 5376, 32)})
+
+
 def splits(role: str, out_features: int, in_features: int) -> int:
     return SPLITS.get((role, out_features, in_features), 1)
 
@@ -72,7 +77,8 @@ def gemm_static(gemm: str, out_features: int, in_features: int) -> dict:
     role = "wgrad" if gemm == "wgrad_tail" else gemm
     return dict(role=gemm, out_features=out_features, in_features=in_features,
                 tile=TILES[role, out_features, in_features],
-                splits=1 if gemm == "wgrad_tail" else splits(role, out_features, in_features))
+                splits=1 if gemm == "wgrad_tail" else splits(role, out_features, in_features),
+                staged_c=(gemm, out_features, in_features) in STAGED_C)
 
 
 def gemm_variants() -> list:
@@ -89,9 +95,14 @@ def fold_variants() -> list:
 def wgrad_rows(out_features: int, in_features: int, rows: int) -> tuple:
     """(bulk, tail) rows of a weight gradient over `rows` rows: bulk, the largest multiple of SPLITS * tile_k, is
     summed in SPLITS equal chunks; the tail (< SPLITS * tile_k rows) by the one-slice k-tail GEMM."""
-    step = splits("wgrad", out_features, in_features) * TILES["wgrad", out_features, in_features][2]
+    step = wgrad_step(out_features, in_features)
     bulk = rows // step * step
     return bulk, rows - bulk
+
+
+def wgrad_step(out_features: int, in_features: int) -> int:
+    """The weight gradient's bulk rows are a multiple of this: one tile_k deep k tile per chunk."""
+    return splits("wgrad", out_features, in_features) * TILES["wgrad", out_features, in_features][2]
 
 
 def gemm_dims(role: str, out_features: int, in_features: int) -> tuple:

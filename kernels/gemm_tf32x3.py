@@ -26,7 +26,10 @@ from K alone; K_CHUNK is a contract constant, not a config field.
 Epilogues (static): "partial" stores the raw slice sums to P[s, m, n] for a fixed-order fold
 (kernels/timestep_mlp.py); "bias_silu" stores z = acc + bias[n] and h = silu(z) = z / (1 + exp(-z)),
 "bias_silu_h" only h (the forward never reads z); "bias" stores C = acc + bias[n], one IEEE add.rn after the
-whole K sum (kernels/linear.py) (fused, so splits must be 1).
+whole K sum (kernels/linear.py) (fused, so splits must be 1). Stores: each accumulator element straight to
+global memory, or with `staged_c` ("bias" only) through a padded shared tile that reuses the B stages, then as
+16-byte row vectors (the wide, K-shallow outputs are bound by writing C: whole 128-byte lines per warp store
+instead of the mma fragment's 16-byte pieces). The values stored are the same either way.
 
 Launch: programmatic dependent launch (PDL); the kernel waits (griddepcontrol.wait) before touching
 anything the previous kernel may write, and with `prefetch_b` streams its first B (weight) tiles
@@ -47,6 +50,8 @@ from h3cute.kernels._tiles import GemmConfig
 EPILOGUES = ("partial", "bias", "bias_silu", "bias_silu_h", "bias_silu_split")
 
 
+C_VEC = 4  # FP32 per staged C store: 16 bytes
+C_PAD = 8  # floats of padding per staged C row: an 8-byte fragment store's 16 lanes (4 rows) hit distinct banks
 K_CHUNK = 8  # k per tensor-core chunk sum: one m16n8k8 step (part of the numeric contract)
 MAX_INTERLEAVED = 8  # chunk chains in flight per warp (register budget; speed only)
 TF32_BIG_MASK = -8192  # 0xffffe000: sign, exponent and the 10 TF32 mantissa bits
@@ -177,7 +182,7 @@ class GemmTF32x3:
     """One compiled GEMM: static config, epilogue, split count; M (and K when symbolic) at run time."""
 
     def __init__(self, config: GemmConfig, epilogue: str, splits: int, *, prefetch_b: bool = False,
-                 a_m_major: bool = False, b_n_major: bool = False, k_tail: bool = False):
+                 a_m_major: bool = False, b_n_major: bool = False, k_tail: bool = False, staged_c: bool = False):
         if epilogue not in EPILOGUES:
             raise ValueError(f"unknown epilogue {epilogue!r}; one of {EPILOGUES}")
         if epilogue != "partial" and splits != 1:
@@ -189,8 +194,14 @@ class GemmTF32x3:
                 raise ValueError(f"{config}: an MN-major copy needs tile rows % 32 == 0 and whole k-row passes")
         if k_tail and (splits != 1 or not (a_m_major and b_n_major)):
             raise ValueError("the K tail (zero-filled k rows) is built for one-slice MN-major GEMMs")
+        if staged_c and (epilogue != "bias" or config.threads % (config.tile_n // C_VEC)
+                         or config.tile_m % (config.threads // (config.tile_n // C_VEC))
+                         or config.tile_m * (config.tile_n + C_PAD) > config.tile_n * config.tile_k * config.stages):
+            raise ValueError(f"{config}: the staged C store is built for the bias epilogue, whole row passes of "
+                             f"{C_VEC}-float vectors and a C tile that fits in the B stages")
         self.config = config
         self.epilogue = epilogue
+        self.staged_c = staged_c
         self.splits = splits
         self.prefetch_b = prefetch_b
         self.a_m_major = a_m_major
@@ -505,16 +516,55 @@ class GemmTF32x3:
         cute.arch.cp_async_wait_group(0)
 
         rows_c = cute.size(mOut, mode=[0])
+        if cutlass.const_expr(self.staged_c):
+            self._store_staged(acc, thr_mma, tidx, storage, gC, cC, rows_c, mBias, bid_n)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                coord = tCcC[i]
+                if cute.elem_less(coord[0], rows_c):
+                    v = acc[i]
+                    if cutlass.const_expr(self.epilogue == "partial"):
+                        tCgC[i] = v
+                    elif cutlass.const_expr(self.epilogue == "bias"):
+                        tCgC[i] = add_rn(v, mBias[coord[1]])
+                    else:
+                        first, second = fc1_outputs(v, mBias[coord[1]], self.epilogue)
+                        tCgC[i] = first
+                        if cutlass.const_expr(self.epilogue != "bias_silu_h"):
+                            mH[coord] = second
+
+    @cute.jit
+    def _store_staged(self, acc: cute.Tensor, thr_mma, tidx, storage, gC: cute.Tensor, cC: cute.Tensor, rows_c,
+                      mBias: cute.Tensor, bid_n):
+        """"bias" epilogue through shared memory: fragments -> padded (tile_m, tile_n + C_PAD) FP32 tile over the B
+        stages -> C_VEC-float row vectors + bias[n] (one add.rn each) -> 16-byte global stores, one row check per
+        vector."""
+        cfg = self.config
+        sC_layout = cute.make_layout((cfg.tile_m, cfg.tile_n), stride=(cfg.tile_n + C_PAD, 1))
+        sC = cute.recast_tensor(storage.b.get_tensor(sC_layout), cutlass.Float32)
+        cute.arch.sync_threads()  # every warp is done reading the B stages the C tile reuses
+        tCsC = thr_mma.partition_C(sC)
         for i in cutlass.range_constexpr(cute.size(acc)):
-            coord = tCcC[i]
-            if cute.elem_less(coord[0], rows_c):
-                v = acc[i]
-                if cutlass.const_expr(self.epilogue == "partial"):
-                    tCgC[i] = v
-                elif cutlass.const_expr(self.epilogue == "bias"):
-                    tCgC[i] = add_rn(v, mBias[coord[1]])
-                else:
-                    first, second = fc1_outputs(v, mBias[coord[1]], self.epilogue)
-                    tCgC[i] = first
-                    if cutlass.const_expr(self.epilogue != "bias_silu_h"):
-                        mH[coord] = second
+            tCsC[i] = acc[i]
+        cute.arch.sync_threads()
+        along = cfg.tile_n // C_VEC
+        c_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=32 * C_VEC),
+            cute.make_layout((cfg.threads // along, along), stride=(along, 1)), cute.make_layout((1, C_VEC)))
+        thr_c = c_copy.get_slice(tidx)
+        tSsC = thr_c.partition_S(sC)
+        tSgC = thr_c.partition_D(gC)
+        tScC = thr_c.partition_D(cC)
+        # bias[n] broadcast over the tile's rows: each thread's columns are the same in every row pass.
+        gBias = cute.make_tensor(cute.local_tile(mBias, (cfg.tile_n,), (bid_n,)).iterator,
+                                 cute.make_layout((cfg.tile_m, cfg.tile_n), stride=(0, 1)))
+        tSgBias = thr_c.partition_S(gBias)
+        bias = cute.make_rmem_tensor_like(tSgBias[None, 0, 0])
+        cute.autovec_copy(tSgBias[None, 0, 0], bias)
+        tSrC = cute.make_rmem_tensor_like(tSsC)
+        cute.autovec_copy(tSsC, tSrC)
+        for m in cutlass.range_constexpr(cute.size(tSgC, mode=[1])):
+            for v in cutlass.range_constexpr(C_VEC):
+                tSrC[v, m, 0] = add_rn(tSrC[v, m, 0], bias[v])
+            if tScC[None, m, 0][0][0] < rows_c:
+                cute.copy(c_copy, tSrC[None, m, 0], tSgC[None, m, 0])

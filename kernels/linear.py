@@ -27,9 +27,10 @@ def _gemm_bias(gemm: cutlass.Constexpr, mA: cute.Tensor, mB: cute.Tensor, mBias:
     gemm(mA, mB, mC, mBias, mC, stream)  # mC stands in for the unused second output
 
 
-def build_gemm(arch: str, *, role: str, out_features: int, in_features: int, tile: tuple, splits: int):
+def build_gemm(arch: str, *, role: str, out_features: int, in_features: int, tile: tuple, splits: int,
+               staged_c: bool = False):
     """One GEMM of kind `role` (_linear_configs.GEMMS) for a weight (out_features, in_features) in `splits` K'
-    slices; tile = GemmConfig's fields in order."""
+    slices; tile = GemmConfig's fields in order; `staged_c`: C stored through shared memory (STAGED_C)."""
     if role not in GEMMS:
         raise ValueError(f"linear: unknown GEMM {role!r}; one of {GEMMS}")
     rows, n, k = gemm_dims(role, out_features, in_features)
@@ -39,7 +40,7 @@ def build_gemm(arch: str, *, role: str, out_features: int, in_features: int, til
         raise ValueError(f"linear {role}: tile {config} x {splits} slices does not divide M'={rows}, N'={n}, K'={k}")
     wgrad = role.startswith("wgrad")
     gemm = GemmTF32x3(config, "bias" if role == "fwd" else "partial", splits, a_m_major=wgrad,
-                      b_n_major=role != "fwd", k_tail=role == "wgrad_tail")
+                      b_n_major=role != "fwd", k_tail=role == "wgrad_tail", staged_c=staged_c)
     m_dim = cute.sym_int() if rows is None else rows
     k_dim = cute.sym_int() if k is None else k
     mA = _mn_major((m_dim, k_dim)) if wgrad else _compact((m_dim, k_dim))

@@ -12,10 +12,12 @@ import torch
 
 import h3cute
 from h3cute import native, reference
+from h3cute.kernels._linear_configs import splits, wgrad_step
 from h3cute.launch import checks
 from h3cute.ops import _library, adaln, timestep
-from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, MLP_HIDDEN,
-                           NORM_EPS, TEMB)
+from h3cute.ops import linear as linear_ops
+from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FP32_HEADS, FREQ, HIDDEN,
+                           LINEAR_SHAPES, MLP_HIDDEN, NORM_EPS, TEMB)
 
 from bitwise import same_bits
 from poison import poison_allocator
@@ -24,10 +26,11 @@ from poison import poison_allocator
 NATIVE_OPS = ("timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "norm_modulate", "norm_modulate_backward",
               "gate_residual", "gate_residual_backward", "final_adaln_out", "final_adaln_out_fwd",
               "final_adaln_out_backward", "adaln_row_gather", "adaln_row_gather_backward",
-              "gate_residual_norm_modulate", "adaln_projection", "adaln_projection_backward")
+              "gate_residual_norm_modulate", "adaln_projection", "adaln_projection_backward", "linear",
+              "linear_backward")
 # The ops whose autograd kernel is the C++ one.
 NATIVE_AUTOGRAD_OPS = ("timestep_mlp", "norm_modulate", "gate_residual", "final_adaln_out", "adaln_row_gather",
-                       "gate_residual_norm_modulate", "adaln_projection")
+                       "gate_residual_norm_modulate", "adaln_projection", "linear")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 no_compiler = shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None
@@ -520,6 +523,65 @@ def test_adaln_projection_cpp_keeps_the_python_messages(block_projection):
     assert dtemb.shape == (0, TEMB) and not dweight.any() and not dbias.any()
 
 
+def _linear_inputs(head, rows, seed):
+    n, k = FP32_HEADS[head]
+    x = _seeded((rows, k), seed)
+    weight, bias = _seeded((n, k), seed + 1, scale=k ** -0.5), _seeded((n,), seed + 2, scale=0.1)
+    return x, weight, bias, _seeded((rows, n), seed + 3)
+
+
+@gpu
+@pytest.mark.parametrize("head", list(FP32_HEADS))
+# one row, below / at / past the weight gradient's first chunk step (the k-tail GEMM alone, bulk only, both), a
+# long call
+@pytest.mark.parametrize("rows", [1, 255, 256, 257, 4097])
+def test_linear_cpp_equals_python_impl(head, rows):
+    x, weight, bias, grad = _linear_inputs(head, rows, 80 + rows)
+    for b in (bias, None):
+        slow = linear_ops._linear_cuda(x, weight, b)
+        poison_allocator()
+        assert _finite([slow]) and same_bits(torch.ops.h3.linear(x, weight, b), slow), (head, rows, b is None)
+    for x_grad in (True, False):
+        slow = linear_ops._linear_backward_cuda(grad, x, weight, x_grad)
+        assert _finite(slow)
+        poison_allocator()
+        fast = torch.ops.h3.linear_backward(grad, x, weight, x_grad)
+        assert same_bits(fast, slow) and fast[0].shape == slow[0].shape, (head, rows, x_grad)
+    # leading dims: (2, rows, K) rows of x, the gradient of the same shape
+    x3, g3 = torch.cat([x, x]).view(2, rows, -1), torch.cat([grad, grad]).view(2, rows, -1)
+    assert same_bits(torch.ops.h3.linear_backward(g3, x3, weight), linear_ops._linear_backward_cuda(g3, x3, weight))
+    assert _dispatches_to_native("linear") and _dispatches_to_native("linear_backward")
+
+
+@gpu
+@pytest.mark.parametrize("head", list(FP32_HEADS))
+def test_linear_cpp_autograd_gives_the_python_grads(head):
+    x, weight, bias, grad = _linear_inputs(head, 1031, 90)
+    out, grads = _autograd_grads("linear", (x, weight, bias), grad)
+    assert same_bits(out, linear_ops._linear_cuda(x, weight, bias))
+    assert same_bits(grads, linear_ops._linear_backward_cuda(grad, x, weight))
+    # no bias, frozen x: the backward skips dx and returns no bias gradient
+    w = weight.detach().clone().requires_grad_(True)
+    torch.autograd.backward(torch.ops.h3.linear(x, w), grad)
+    assert same_bits(w.grad, linear_ops._linear_backward_cuda(grad, x, weight, False)[1])
+
+
+@gpu
+def test_linear_cpp_keeps_the_python_messages_and_strided_inputs():
+    x, weight, bias, grad = _linear_inputs("proj_out", 5, 95)
+    with pytest.raises(TypeError, match="h3::linear: x must be float32, got bfloat16"):
+        torch.ops.h3.linear(x.bfloat16(), weight, bias)
+    with pytest.raises(ValueError, match="h3::linear: weight has shape"):
+        torch.ops.h3.linear(x[:, :64].contiguous(), weight[:, :64].contiguous(), bias)
+    with pytest.raises(ValueError, match="h3::linear_backward: grad has leading shape"):
+        torch.ops.h3.linear_backward(grad[:4], x, weight)
+    # a column-strided x is off the C++ fast path: the Python impl copies its rows, same bits
+    xs = torch.cat([x, x], 1)[:, ::2]
+    assert not xs.is_contiguous() and same_bits(torch.ops.h3.linear(xs, weight, bias),
+                                                torch.ops.h3.linear(xs.contiguous(), weight, bias))
+    assert torch.ops.h3.linear(x[:0], weight, bias).shape == (0, weight.shape[0])  # no rows: the Python impl
+
+
 # ---- CPU: the row ranges the C++ kernel tables cache by ---------------------------------------------------
 # A kernel_handles answer (lo, hi, ...) is reused for every row count in [lo, hi]: each launch choice the
 # Python launcher would make must be the same across that whole range.
@@ -568,7 +630,7 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     # Each answer the C++ tables cache: which kernels, in launch order, with which launch constants.
     from h3cute import runtime
     from h3cute.launch import (adaln_projection, adaln_row_gather, final_adaln_out, gate_residual,
-                               gate_residual_norm_modulate, norm_modulate, timestep_mlp, timestep_sinusoid)
+                               gate_residual_norm_modulate, linear, norm_modulate, timestep_mlp, timestep_sinusoid)
 
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
@@ -622,6 +684,13 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     assert constants == [fused]
     with pytest.raises(ValueError):
         final_adaln_out.kernel_handles(0, 1, 30)  # the C++ backward takes T <= 24
+    for head, (n, k) in enumerate(LINEAR_SHAPES):  # one sequence per weight shape at every row count
+        parts = splits("dgrad", n, k)
+        want = ["linear_gemm"] * 4 + ["linear_fold"] * (1 + (parts > 1))
+        assert asked(linear, head, 3) == asked(linear, head, 40000) == (want, [parts, splits("wgrad", n, k),
+                                                                               wgrad_step(n, k)])
+        assert [dict(s)["role"] for name, s in _FakeKernel.asked[:4]] == ["fwd", "dgrad", "wgrad", "wgrad_tail"]
+        assert linear.kernel_handles(0, head, 1)[:2] == (0, 2**62)
     assert asked(adaln_projection, 0, 3) == (["adaln_silu_cast", proj], ())
     bwd = [proj.replace("fwd", "dgrad"), "adaln_dtemb_fold", proj.replace("fwd", "wgrad")]
     assert asked(adaln_projection, 1, 64) == (bwd, [0])  # db fused into the dW GEMM

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from h3cute import runtime
-from h3cute.kernels._linear_configs import gemm_static, splits, wgrad_rows
+from h3cute.kernels._linear_configs import gemm_static, splits, wgrad_rows, wgrad_step
+from h3cute.widths import LINEAR_SHAPES
 from h3cute.launch.timestep_mlp import transposed
 
 _ALIGN = 16  # bytes: the GEMM's cp.async vectors (GemmTF32x3's 16-byte aligned rows)
@@ -98,3 +99,18 @@ def _dweight(g: torch.Tensor, xr: torch.Tensor, weight: torch.Tensor) -> torch.T
     dweight = torch.empty((n, k), dtype=torch.float32, device=dev)
     _fold(dev, chunks + 1, k)(partials, dweight[0, :1], dweight)
     return dweight
+
+
+def kernel_handles(device: int, head: int, rows: int):
+    """For the C++ impls (h3cute.native): every row count shares one launch sequence per weight shape
+    LINEAR_SHAPES[head] = (N, K). The C handles of `linear_gemm` fwd, dgrad, wgrad and wgrad_tail, the wgrad's fold
+    and, where the dgrad has more than one slice, its fold; the launch constants are the dgrad's slice count, the
+    wgrad's chunk count and its row step (the bulk rows are a multiple of it, `wgrad_rows`)."""
+    dev = torch.device("cuda", device)
+    n, k = LINEAR_SHAPES[head]
+    parts, chunks = splits("dgrad", n, k), splits("wgrad", n, k)
+    fns = [runtime.kernel("linear_gemm", dev, **gemm_static(g, n, k)) for g in ("fwd", "dgrad", "wgrad", "wgrad_tail")]
+    fns.append(_fold(dev, chunks + 1, k))
+    if parts > 1:
+        fns.append(_fold(dev, parts, k))
+    return 0, 2**62, [fn.__chandle__() for fn in fns], [parts, chunks, wgrad_step(n, k)]

@@ -98,9 +98,9 @@ def load():
     return module
 
 
-def constants() -> dict[str, int]:
+def constants() -> dict:
     """What h3_native.cpp computes with (its `Constants`), by field name: H3's widths and launch constants of the
-    ops it launches, read from the modules that own them."""
+    ops it launches (ints) and h3::linear's weight shapes ([N, K] pairs), read from the modules that own them."""
     from h3cute import widths
     from h3cute.launch import adaln_projection, norm_modulate, timestep_mlp
 
@@ -113,6 +113,7 @@ def constants() -> dict[str, int]:
         dgrad_splits=adaln_projection.DGRAD_SPLITS, fold_warps=adaln_projection.FOLD_WARPS_LAUNCH,
         dbias_row_block=adaln_projection.DBIAS_ROW_BLOCK,
         max_fused_table_rows=max(norm_modulate.FUSED_CAPS), max_table_rows=norm_modulate.MAX_TABLE_ROWS,
+        linear_shapes=[list(shape) for shape in widths.LINEAR_SHAPES],
     )
 
 

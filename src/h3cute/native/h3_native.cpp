@@ -24,6 +24,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -43,6 +44,8 @@ struct Constants {
   int64_t dgrad_splits, fold_warps, dbias_row_block;
   // launch/norm_modulate.py: the largest of FUSED_CAPS, MAX_TABLE_ROWS
   int64_t max_fused_table_rows, max_table_rows;
+  // h3cute.widths.LINEAR_SHAPES: h3::linear's weight shapes (N, K), in order (the index is its kernel table variant)
+  std::vector<std::pair<int64_t, int64_t>> linear_shapes;
 };
 Constants h3;
 
@@ -57,11 +60,16 @@ void configure(const py::dict& constants) {
       {"fc1_dgrad_splits", &h3.fc1_dgrad_splits}, {"wgmma_k_pad", &h3.wgmma_k_pad},
       {"dgrad_splits", &h3.dgrad_splits}, {"fold_warps", &h3.fold_warps}, {"dbias_row_block", &h3.dbias_row_block},
       {"max_fused_table_rows", &h3.max_fused_table_rows}, {"max_table_rows", &h3.max_table_rows}};
-  TORCH_CHECK(constants.size() == std::size(fields), "h3cute native: install() takes ", std::size(fields),
+  TORCH_CHECK(constants.size() == std::size(fields) + 1, "h3cute native: install() takes ", std::size(fields) + 1,
               " constants, got ", constants.size());
   for (const auto& [name, field] : fields) {
     TORCH_CHECK(constants.contains(name), "h3cute native: install() constants lack '", name, "'");
     *field = constants[name].cast<int64_t>();
+  }
+  TORCH_CHECK(constants.contains("linear_shapes"), "h3cute native: install() constants lack 'linear_shapes'");
+  for (const auto& shape : constants["linear_shapes"].cast<py::list>()) {
+    auto nk = shape.cast<py::tuple>();
+    h3.linear_shapes.emplace_back(nk[0].cast<int64_t>(), nk[1].cast<int64_t>());
   }
   TORCH_CHECK(h3.block_chunks == 6, "h3cute native: adaln_row_gather's kernel calls pass 6 chunks, not ",
               h3.block_chunks);
@@ -883,6 +891,95 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_projection_backward_cuda(co
   return projection_backward(k.fns, k.params[0], grad, temb, weight);
 }
 
+// ---- linear (h3cute/launch/linear.py, the FP32 heads) -----------------------------------------------------
+
+// variant: the weight shape's index in h3.linear_shapes. fns: [fwd, dgrad, wgrad, wgrad_tail, wgrad fold(, dgrad fold
+// where the dgrad has more than one slice)]; params: [dgrad slices, wgrad chunks, wgrad row step].
+KernelTable linear_kernels("h3cute.launch.linear");
+
+// The head index of a dense, aligned FP32 weight of a served shape on device d, else -1.
+int64_t linear_head(const at::Tensor& weight, int d) {
+  if (!(dense(weight, at::kFloat, d, {-1, -1}) && aligned16(weight))) return -1;
+  for (size_t i = 0; i < h3.linear_shapes.size(); ++i)
+    if (h3.linear_shapes[i] == std::make_pair(weight.size(0), weight.size(1))) return static_cast<int64_t>(i);
+  return -1;
+}
+
+// x (..., width) as dense, aligned FP32 rows on device d, at least one row.
+bool linear_rows(const at::Tensor& x, int64_t width, int d) {
+  return x.defined() && x.scalar_type() == at::kFloat && x.is_cuda() && x.get_device() == d && x.dim() >= 1 &&
+         x.size(-1) == width && x.numel() > 0 && x.is_contiguous() && aligned16(x);
+}
+
+at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int d = cuda_device(x);
+  const int64_t head = linear_head(weight, d);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (!(head >= 0 && linear_rows(x, weight.size(1), d) &&
+        (!has_bias || (dense(*bias, at::kFloat, d, {weight.size(0)}) && aligned16(*bias))) && !errors_pending(d)))
+    return python_impl<at::Tensor>("h3cute.ops.linear", "_linear_cuda", x, weight, bias);
+  const int64_t n = weight.size(0), rows = x.numel() / weight.size(1);
+  const auto& k = linear_kernels.get(d, head, rows);
+  at::Tensor y = at::empty({rows, n}, x.options());
+  // bias None: -0.0, the IEEE additive identity, so y is the bare K sum bit for bit
+  at::Tensor b = has_bias ? *bias : at::full({n}, -0.0, x.options());
+  StreamScope stream(d);
+  call_kernel(k.fns[0], {View(x, {rows, weight.size(1)}, {weight.size(1), 1}), weight, b, y});
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return y.view(shape);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
+                                                                    const at::Tensor& weight, bool x_grad) {
+  const int d = cuda_device(x);
+  const int64_t head = linear_head(weight, d);
+  if (!(head >= 0 && linear_rows(x, weight.size(1), d) && linear_rows(grad, weight.size(0), d) &&
+        grad.sizes().slice(0, grad.dim() - 1) == x.sizes().slice(0, x.dim() - 1) && !errors_pending(d)))
+    return python_impl<std::tuple<at::Tensor, at::Tensor, at::Tensor>>("h3cute.ops.linear", "_linear_backward_cuda",
+                                                                       grad, x, weight, x_grad);
+  const int64_t n = weight.size(0), k = weight.size(1), rows = x.numel() / k;
+  const auto& kt = linear_kernels.get(d, head, rows);
+  const TVMFFIObjectHandle* fn = kt.fns;
+  const int64_t parts = kt.params[0], chunks = kt.params[1], step = kt.params[2];
+  const int64_t bulk = rows / step * step, tail = rows - bulk;
+  const View g(grad, {rows, n}, {n, 1}), xr(x, {rows, k}, {k, 1});
+  // the operands read in place through their transposed (MN-major) views, rows [from, from + count)
+  auto t_rows = [](const at::Tensor& t, int64_t width, int64_t from, int64_t count) {
+    return View(t, {width, count}, {1, width}, from * width);
+  };
+  StreamScope stream(d);
+  at::Tensor dx = at::empty({0, k}, x.options());
+  if (x_grad) {
+    at::Tensor p = at::empty({parts, rows, k}, x.options());
+    call_kernel(fn[1], {g, View(weight, {k, n}, {1, k}), p});  // B = weight.t() (K, N), N-major in place
+    if (parts > 1) {
+      dx = at::empty({rows, k}, x.options());
+      call_kernel(fn[5], {p, View(dx, {1}, {1}), dx});  // the "sum" fold's (1,) aux operand is never read
+    } else {
+      dx = p[0];
+    }
+    dx = dx.view(x.sizes());
+  }
+  at::Tensor dweight;
+  if (bulk == 0) {  // fewer rows than one chunk per slice: the one-slice k-tail GEMM alone
+    at::Tensor one = at::empty({1, n, k}, x.options());
+    call_kernel(fn[3], {t_rows(grad, n, 0, rows), t_rows(x, k, 0, rows), one});
+    dweight = one[0];
+  } else {
+    at::Tensor partials = at::empty({chunks + 1, n, k}, x.options());
+    call_kernel(fn[2], {t_rows(grad, n, 0, bulk), t_rows(x, k, 0, bulk), View(partials, {chunks, n, k}, {n * k, k, 1})});
+    if (tail)
+      call_kernel(fn[3], {t_rows(grad, n, bulk, tail), t_rows(x, k, bulk, tail),
+                          View(partials, {1, n, k}, {n * k, k, 1}, chunks * n * k)});
+    else
+      partials[chunks].zero_();  // +0 leaves every sum's bits alone
+    dweight = at::empty({n, k}, x.options());
+    call_kernel(fn[4], {partials, View(dweight, {1}, {1}), dweight});
+  }
+  return {dx, dweight, at::sum(grad.view({rows, n}), 0)};
+}
+
 // ---- autograd (the Python register_autograd kernels of h3cute/ops, in C++) ---------------------------
 // Forward: the op below autograd (its CUDA or CPU impl), saving what the backward op needs; backward: the
 // h3 backward op through the dispatcher (so fake tensors and torch.compile trace it), one gradient per argument.
@@ -1043,6 +1140,23 @@ struct GateResidualNormModulateFn : torch::autograd::Function<GateResidualNormMo
   }
 };
 
+struct LinearFn : torch::autograd::Function<LinearFn> {
+  static T forward(AutogradContext* ctx, CT x, CT weight, const std::optional<T>& bias) {
+    static auto op = h3_op<T(CT, CT, const std::optional<T>&)>("h3::linear");
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    at::AutoDispatchBelowADInplaceOrView below;
+    return op.call(x, weight, bias);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = h3_op<std::tuple<T, T, T>(CT, CT, CT, bool)>("h3::linear_backward");
+    auto s = ctx->get_saved_variables();
+    const bool x_grad = ctx->needs_input_grad(0);
+    auto [dx, dweight, dbias] = op.call(grads[0].contiguous(), s[0], s[1], x_grad);
+    return {x_grad ? dx : T(), dweight, ctx->saved_data["has_bias"].toBool() ? dbias : T()};
+  }
+};
+
 // An input is None (an undefined tensor), which autograd's Function cannot take: the op runs below autograd, where its
 // Python impl refuses it naming the argument.
 bool any_undefined(std::initializer_list<std::reference_wrapper<const at::Tensor>> tensors) {
@@ -1090,6 +1204,11 @@ T final_adaln_out_autograd(CT x, CT nw, CT temb, CT pw, CT pb, CT ti, double eps
                                                                      check);
   return FinalAdalnOutFn::apply(x, nw, temb, pw, pb, ti, eps, check);
 }
+T linear_autograd(CT x, CT weight, const std::optional<T>& bias) {
+  if (any_undefined({x, weight}))
+    return below_autograd<T(CT, CT, const std::optional<T>&)>("h3::linear", x, weight, bias);
+  return LinearFn::apply(x, weight, bias);
+}
 T adaln_projection_autograd(CT temb, CT weight, CT bias) {
   if (any_undefined({temb, weight, bias}))
     return below_autograd<T(CT, CT, CT)>("h3::adaln_projection", temb, weight, bias);
@@ -1116,6 +1235,8 @@ void each_cuda_impl(Visit&& visit) {
   visit("gate_residual_norm_modulate", TORCH_FN(gate_residual_norm_modulate_cuda));
   visit("adaln_projection", TORCH_FN(adaln_projection_cuda));
   visit("adaln_projection_backward", TORCH_FN(adaln_projection_backward_cuda));
+  visit("linear", TORCH_FN(linear_cuda));
+  visit("linear_backward", TORCH_FN(linear_backward_cuda));
 }
 
 // Autograd kernels: h3cute.ops registers no Python autograd kernel for these ops.
@@ -1128,6 +1249,7 @@ void each_autograd_kernel(Visit&& visit) {
   visit("adaln_row_gather", TORCH_FN(adaln_row_gather_autograd));
   visit("gate_residual_norm_modulate", TORCH_FN(gate_residual_norm_modulate_autograd));
   visit("adaln_projection", TORCH_FN(adaln_projection_autograd));
+  visit("linear", TORCH_FN(linear_autograd));
 }
 
 // Takes the constants (see Constants), then registers the impls: once, the first call.
