@@ -1,17 +1,20 @@
 """The AdaLN projection GEMM's configs as data, shared by kernels/adaln_gemm.py and its launcher without the DSL (a
 `_` module of `h3cute.kernels`: no kernels, no cutlass, no torch). `AdalnGemmConfig` is one frozen dataclass whose
 fields say what a config is (tile, mainloop, C store, schedule, side warps, cluster, tail handling, the GEMMs it is
-built for); `ADALN_GEMM_CONFIGS` holds every named config. kernels/adaln_gemm.py builds a kernel from a config
-(`kernel_class` picks the class from its fields); launch/adaln_projection.py picks configs by T from its pick
-tables; `h3cute-bench sweep` ranks them. Bits never depend on the config within a family (docs/adaln_projection.md),
-so a config is a speed choice only.
+built for); `ADALN_GEMM_CONFIGS` holds every named config and `PICKS` the row-count pick tables, one per GEMM role.
+kernels/adaln_gemm.py builds a kernel from a config (`kernel_class` picks the class from its fields) and prebuilds
+the `picks` (what the tables can return; `candidates` adds the rest of a role's configs, compiled on demand);
+launch/adaln_projection.py picks configs by T from the tables; `h3cute-bench sweep` ranks them. Bits never depend on
+the config within a family (docs/adaln_projection.md), so a config is a speed choice only.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from h3cute.runtime.spec import SM_COUNT
+from h3cute.widths import TEMB
 
 # The persistent kernels' grid, compiled in: one CTA per H200 SM. On a GPU with more SMs the kernel stays correct and
 # leaves some idle; the tile order, hence the bits, never depends on it. The pickers' cost models read the device's
@@ -233,8 +236,127 @@ ADALN_GEMM_CONFIGS = _configs(
 
 
 def candidates(role: str, family: str) -> tuple:
-    """The names of a family's configs built for `role`, in `ADALN_GEMM_CONFIGS` order (the bundle's variants)."""
+    """The names of a family's configs built for `role`, in `ADALN_GEMM_CONFIGS` order: everything `h3cute-bench
+    sweep` may rank (the bundle builds only the `picks`; the others compile on demand)."""
     return tuple(n for n, c in ADALN_GEMM_CONFIGS.items() if role in c.roles and c.family == family)
+
+
+# ---- the row-count picks: launch/adaln_projection.py runs them, the bundle builds every config they can return
+
+DGRAD_SPLITS = 12  # d_temb's fixed chunks of N (kernels/adaln_gemm.DGRAD_SPLITS; a CPU test checks)
+H200_SMS = SM_COUNT["sm_90a"]  # the pickers' SM count where no device is given (the shipped tables' GPU)
+
+
+@dataclass(frozen=True)
+class RoundsPick:
+    """A pick that models the GPU: a grid of one-CTA-per-SM units runs in rounds of the device's SMs. `narrow` where
+    its rows times rounds (`dgrad_round_columns`) are under `margin` x `wide`'s, up to T = `max_rows`; else `wide`."""
+
+    wide: str
+    narrow: str
+    margin: float
+    max_rows: int
+
+    def __call__(self, rows: int, sms: int) -> str:
+        return self.narrow if any(lo <= rows <= hi for lo, hi in self.ranges(sms)) else self.wide
+
+    def ranges(self, sms: int) -> tuple:
+        """The T ranges (lo, hi) where `narrow` is picked on a GPU of `sms` SMs (from T = 1)."""
+        return _narrow_ranges(self, sms)
+
+    @property
+    def choices(self) -> tuple:
+        """The names it can return: which one at a T depends on the SM count."""
+        return self.wide, self.narrow
+
+    def columns(self, name: str, rows: int, sms: int) -> float:
+        config = ADALN_GEMM_CONFIGS[name]
+        return dgrad_round_columns(rows, config.bn, config.tail_halves, sms)
+
+
+@functools.cache
+def _narrow_ranges(pick: RoundsPick, sms: int) -> tuple:
+    wins = [t for t in range(1, pick.max_rows + 1)
+            if pick.columns(pick.narrow, t, sms) < pick.margin * pick.columns(pick.wide, t, sms)]
+    ranges = []
+    for t in wins:
+        if ranges and ranges[-1][1] == t - 1:
+            ranges[-1][1] = t
+        else:
+            ranges.append([t, t])
+    return tuple(tuple(r) for r in ranges)
+
+
+def dgrad_round_columns(rows: int, tile_rows: int, tail_halves: bool, sms: int = H200_SMS) -> float:
+    """A d_temb tile's cost model: the rounds of `sms` SMs its units take (ceil(T / tile_rows) T tiles x 21 W^T tiles x
+    DGRAD_SPLITS, one unit per SM; with `tail_halves` a last round at most half full counts half) times the T rows per
+    unit. tma_wide_n256_tail and tma_wide_n192 run the one-block-tile mainloop at the same cost per unit column on
+    the H200. (The tail kernel splits a round by its compiled PERSISTENT_CTAS; on the H200 that is the SM count.)"""
+    units = -(-rows // tile_rows) * (TEMB // 128) * DGRAD_SPLITS
+    rest = units % sms
+    rounds = units // sms + (0.5 if tail_halves and 2 * rest <= sms else 1) * (rest > 0)
+    return rounds * tile_rows
+
+
+# Beyond T = 384 (to DGRAD_MODEL_ROWS) d_temb takes tma_wide_n192 where `dgrad_round_columns` puts it more than 5%
+# under tma_wide_n256_tail, whose 256-row T tiles otherwise fill the rounds best.
+DGRAD_MODEL_ROWS = 8192
+DGRAD_ROUNDS = RoundsPick(wide="tma_wide_n256_tail", narrow="tma_wide_n192", margin=0.95, max_rows=DGRAD_MODEL_ROWS)
+
+# The pick tables: per GEMM role and family, ((up to T, pick), ...) in ascending T, the last bound None (every larger
+# T). A pick is a config name of ADALN_GEMM_CONFIGS or a `RoundsPick`. Speed only: within a family every config
+# gives the same bits. The wgmma family's entries, from the H200's per-launch timings (perf/adaln_kernels.py,
+# sustained at the power limit where they disagree with bursts: perf/clock_probe.py):
+PICKS = {
+    "fwd": {
+        "wgmma": (
+            (16, "wg_skinny"),  # W streams: small tiles keep every SM busy
+            (64, "wg_mid"),  # the cp.async ring still beats TMA's deeper ring here
+            (128, "tma_wide"),
+            (192, "tma_wide_n192"),  # one 192-row tile: fewer operand bytes per MMA
+            (256, "tma_wide_n256_mc2"),  # 2-CTA clusters share the activation tile (TMA multicast)
+            (512, "tma_wide"),  # 128-row T tiles: less padding of T than 256-row ones, and faster to 512
+            (None, "tma_persist_m256"),  # persistent: its stores overlap the next tile's loads and MMAs
+        ),
+        "warp": ((16, "skinny"), (64, "mid"), (None, "wide")),
+    },
+    "dgrad": {
+        "wgmma": (
+            (16, "wg_skinny"),
+            (64, "tma_mid"),
+            (128, "tma_wide"),
+            (192, "tma_wide_n192"),  # the widest tile T fills, run on one block tile with the warpgroups in turn
+            (256, "tma_wide_n256_tail"),
+            (384, "tma_wide"),  # 128-row tiles pad T less
+            (None, DGRAD_ROUNDS),
+        ),
+        "warp": ((16, "skinny"), (64, "mid"), (256, "wide"), (None, "wide_8warps")),
+    },
+    "wgrad": {
+        "wgmma": (
+            (64, "wg_wgrad_n64_1wg_tstore"),  # writing dW is the cost: more CTAs' stores in flight, C stored by TMA
+            (384, "tma_wgrad_persist_pingpong_db"),  # a warpgroup's epilogue runs under the other's wgmmas; db warps
+            (None, "tma_wgrad_persist_m256"),  # MMA-bound: 256-row tiles; with fold warps (`wgrad_folds`)
+        ),
+        "warp": ((64, "wgrad_n64"), (None, "wgrad")),
+    },
+}
+
+
+def pick(role: str, rows: int, wgmma: bool = False, sms: int = H200_SMS) -> str:
+    """The config name the `role` GEMM runs at T rows on a GPU of `sms` SMs (`PICKS`)."""
+    for bound, choice in PICKS[role]["wgmma" if wgmma else "warp"]:
+        if bound is None or rows <= bound:
+            return choice if isinstance(choice, str) else choice(rows, sms)
+    raise AssertionError(f"PICKS[{role!r}] has no last entry for every T")
+
+
+def picks(role: str, family: str) -> tuple:
+    """The names of every config the `role` GEMM's pick table of a family can return, at any T and SM count, in
+    table order (the bundle's variants; `candidates` holds the rest). `wgrad_fold`: the dW picks built for it."""
+    table = PICKS["wgrad" if role == "wgrad_fold" else role][family]
+    names = (n for _, choice in table for n in ((choice,) if isinstance(choice, str) else choice.choices))
+    return tuple(n for n in dict.fromkeys(names) if role in ADALN_GEMM_CONFIGS[n].roles)
 
 
 def parse_config(text: str, registry: dict = ADALN_GEMM_CONFIGS) -> AdalnGemmConfig:

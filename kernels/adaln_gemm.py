@@ -52,7 +52,7 @@ from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
 from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, TEMB  # TEMB: D, K of the forward GEMM
 
-from ._adaln_configs import PERSISTENT_CTAS, AdalnGemmConfig, GemmTile, candidates, parse_config
+from ._adaln_configs import PERSISTENT_CTAS, AdalnGemmConfig, GemmTile, candidates, parse_config, picks
 from .rowwise import vec_view
 
 OUT_FEATURES = (BLOCK_PROJECTION, FINAL_PROJECTION)  # the block table per call, the final AdaLN's shift | scale
@@ -2145,7 +2145,9 @@ def _gemm_spec(role: str, build, family: str, markers=(), **static) -> KernelSpe
                                                                  ptx_markers=_MMA_MARKERS + markers,
                                                                  ptx_forbidden=_NO_ATOMICS)
     return KernelSpec(build=build, variants=lambda arch: [dict(out_features=n, config=c, **static)
-                                                          for n in OUT_FEATURES for c in candidates(role, family)],
+                                                          for n in OUT_FEATURES for c in picks(role, family)],
+                      candidates=lambda arch: [dict(out_features=n, config=c, **static)
+                                               for n in OUT_FEATURES for c in candidates(role, family)],
                       **kind)
 
 
@@ -2160,7 +2162,9 @@ SPECS = [
         name="adaln_proj_wgrad_fold",
         build=_build_wgrad_fold,
         variants=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES
-                               for c in candidates("wgrad_fold", "wgmma")],
+                               for c in picks("wgrad_fold", "wgmma")],
+        candidates=lambda arch: [dict(out_features=n, config=c) for n in OUT_FEATURES
+                                 for c in candidates("wgrad_fold", "wgmma")],
         ptx_markers=_WGMMA_MARKERS + ("cp.async.bulk.tensor", "ld.global.cs.v4"),
         ptx_forbidden=_NO_ATOMICS + ("mma.sync",),
         archs=("sm_90a",),

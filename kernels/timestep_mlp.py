@@ -37,6 +37,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
+from h3cute.kernels._tiles import CONFIGS, T_BOUNDS, role_tiles
 from h3cute.kernels.gemm_tf32x3 import GemmConfig, GemmTF32x3
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
@@ -249,20 +250,11 @@ def build_colsum(arch: str, *, cols: int, fold_dz: bool):
 
 # --- what the launcher may ask for --------------------------------------------------------------
 
-# Per role, the tiles the launch heuristic may pick (src/h3cute/launch/timestep_mlp.py chooses among
-# exactly these; all of them give identical bits). Tuple order = GemmConfig fields.
-_SHARED_TILES = ((32, 128, 64, 3, 2, 4), (64, 64, 32, 4, 2, 2), (128, 128, 32, 3, 2, 4), (128, 128, 32, 5, 2, 4))
-_FC1_TILES = ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4)) + _SHARED_TILES
-GEMM_TILES = {
-    "fc1": _FC1_TILES,
-    "fc1_zh": _FC1_TILES,
-    "fc1_split": _FC1_TILES,
-    "fc2": ((16, 64, 32, 6, 1, 4), (16, 64, 64, 5, 1, 4)) + _SHARED_TILES,
-    "fc2_dgrad": ((16, 64, 32, 6, 1, 4), (16, 64, 64, 5, 1, 4)) + _SHARED_TILES,
-    "fc1_dgrad": ((16, 32, 32, 6, 1, 4), (16, 32, 64, 6, 1, 4)) + _SHARED_TILES,
-    "fc2_wgrad": ((128, 128, 32, 3, 2, 4), (128, 128, 32, 5, 2, 4), (64, 64, 32, 4, 2, 2)),
-    "fc1_wgrad": ((64, 64, 32, 4, 2, 2),),
-}
+# Per role, the tiles of the launcher's configs (kernels/_tiles.py; all of them give identical bits): those of the
+# configs its pick table T_BOUNDS returns are the bundle's variants, every config's are the sweep's candidates.
+# Tuple order = GemmConfig fields.
+PICKED_TILES = role_tiles(config for _, config in T_BOUNDS)
+GEMM_TILES = role_tiles(CONFIGS)
 FOLDS = (("fc2", "bias"), ("fc1_dgrad", "sum"))  # fc2_dgrad's partials: the colsum kernel's dz mode
 
 
@@ -270,7 +262,8 @@ SPECS = [
     KernelSpec(
         name="timestep_mlp_gemm",
         build=build_gemm,
-        variants=lambda arch: [dict(role=r, tile=t) for r, tiles in GEMM_TILES.items() for t in tiles],
+        variants=lambda arch: [dict(role=r, tile=t) for r, tiles in PICKED_TILES.items() for t in tiles],
+        candidates=lambda arch: [dict(role=r, tile=t) for r, tiles in GEMM_TILES.items() for t in tiles],
         ptx_markers=("mma.sync.aligned.m16n8k8", ".tf32", "db, 4096;", "add.rn.f32", "cp.async", "griddepcontrol.wait"),
         ptx_forbidden=("atom.", "\tred."),  # no atomics, no reductions to memory
     ),

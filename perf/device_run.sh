@@ -4,7 +4,8 @@
 #
 # Prepare here (CPU machine, repo root):
 #   bash ../shared/device/prepare_runtime.sh                        # -> .devstage/rt
-#   python -m h3cute build --arch sm_90a --out .prebuilt            # the product kernels
+#   python -m h3cute build --arch sm_90a --candidates --out .prebuilt  # the product kernels and every sweep candidate
+#                                                                  # (the GPU suite and perf scripts run every config)
 #   PYTHONPATH=src python tests/test_runtime.py .prebuilt/runtime_test   # the runtime's own test kernel
 #   bash perf/stage_peers.sh                                       # optional: the peers -> .devstage/{whl,peers}
 # Device `run`: carry [".devstage", ".prebuilt"], command
@@ -19,7 +20,7 @@ OUT=${OUT:-$ROOT/.device-out}
 mkdir -p "$OUT"
 
 [ -f .devstage/rt/rt_env.sh ] || { echo "device_run: .devstage/rt missing (bash ../shared/device/prepare_runtime.sh)" >&2; exit 2; }
-[ -f .prebuilt/manifest.json ] || { echo "device_run: .prebuilt/manifest.json missing (python -m h3cute build --arch sm_90a --out .prebuilt)" >&2; exit 2; }
+[ -f .prebuilt/manifest.json ] || { echo "device_run: .prebuilt/manifest.json missing (python -m h3cute build --arch sm_90a --candidates --out .prebuilt)" >&2; exit 2; }
 # shellcheck disable=SC1091
 source .devstage/rt/rt_env.sh || { echo "device_run: runtime install failed" >&2; exit 3; }
 

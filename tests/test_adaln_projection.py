@@ -23,7 +23,7 @@ import torch
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from h3cute import reference
-from h3cute.kernels._adaln_configs import ADALN_GEMM_CONFIGS as CFG, candidates
+from h3cute.kernels._adaln_configs import ADALN_GEMM_CONFIGS as CFG, candidates, picks
 from h3cute.launch import adaln_projection as launch
 from h3cute.widths import BLOCK_PROJECTION as N_BLOCK, FINAL_PROJECTION as N_FINAL, TEMB as D
 
@@ -151,12 +151,16 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
     kernels_package()
     import h3cute.kernels.adaln_gemm as k
 
-    # The bundle's variants are the configs built for each role (h3cute.kernels._adaln_configs), in registry order.
+    # The bundle's variants are the configs each role's pick table can return, in table order; the candidates every
+    # config built for the role (h3cute.kernels._adaln_configs), in registry order (tests/test_bundle_picks.py).
     specs = {s.name: s for s in k.SPECS}
     for role in ("fwd", "dgrad", "wgrad"):
         for family, name in (("warp", f"adaln_proj_{role}"), ("wgmma", f"adaln_proj_{role}_wgmma")):
             configs = [v["config"] for v in specs[name].variants("sm_90a")]
+            assert configs == [c for n in k.OUT_FEATURES for c in picks(role, family)], name
+            configs = [v["config"] for v in specs[name].candidates("sm_90a")]
             assert configs == [c for n in k.OUT_FEATURES for c in candidates(role, family)], name
+    assert [v["config"] for v in specs["adaln_proj_wgrad_fold"].candidates("sm_90a")] == list(FOLD) * 2
     assert [v["config"] for v in specs["adaln_proj_wgrad_fold"].variants("sm_90a")] == list(FOLD) * 2
     family = (*CPW, *TMA_FWD, *WGRAD_CPW, *TMA_WGRAD)
     assert all(c.startswith("tma_") for c in TMA_FWD + TMA_WGRAD)

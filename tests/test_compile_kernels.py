@@ -1,34 +1,36 @@
 """Compile-only CI test: every variant of every kernel spec, for sm_90a and sm_100a, on a CPU.
 
+The variants are the specs' `variants` (the picks the bundle builds); with H3CUTE_TEST_CANDIDATES=1 also every sweep
+candidate (`KernelSpec.candidates`; `python -m h3cute ptx-digest` compiles those too).
+
 Each variant compiles once per session through the runtime's own compile path (`dsl.compile_variant`,
 PTX kept; tests/compiled_ptx.py shares it with the per-family instruction tests), then its PTX is checked:
 the `.target` is the arch, every `ptx_markers` substring is present and no `ptx_forbidden` substring is.
 Specs are discovered the way the runtime discovers them (`h3cute.kernels.all_specs()`), so a new kernel
 module is covered as soon as it defines SPECS; a module that fails to import fails collection.
 """
+import os
+
 import pytest
 
 pytest.importorskip("cutlass", reason="compiling needs the CuTe DSL (the device runs prebuilt kernels only)",
                     exc_type=ImportError)
 
-from h3cute.runtime import SUPPORTED_ARCHS, canonical_static
+from h3cute.runtime import SUPPORTED_ARCHS
 from h3cute.runtime.sources import kernels_package
 
 from compiled_ptx import ptx_of
 
 SPECS = kernels_package().all_specs()
+CANDIDATES = os.environ.get("H3CUTE_TEST_CANDIDATES") == "1"
 CASES = [(name, arch) for name, spec in sorted(SPECS.items()) for arch in SUPPORTED_ARCHS if arch in spec.archs]
 
 
 def compiled_variants(name: str, arch: str) -> list:
-    """[(static, [ptx, ...])] for every distinct variant of `name` on `arch` (compiled once per session)."""
-    spec, out, seen = SPECS[name], [], set()
-    for static in spec.variants(arch):
-        canon = canonical_static(static)
-        if canon not in seen:
-            seen.add(canon)
-            out.append((dict(static), ptx_of(spec, arch, static)))
-    return out
+    """[(static, [ptx, ...])] for every distinct variant (and with CANDIDATES, candidate) of `name` on `arch`
+    (compiled once per session)."""
+    spec = SPECS[name]
+    return [(static, ptx_of(spec, arch, static)) for static in spec.statics(arch, CANDIDATES)]
 
 
 def test_every_spec_targets_a_supported_arch():

@@ -51,6 +51,7 @@ ADD = KernelSpec(
     name="test_add",
     build=_build_add,
     variants=lambda arch: [dict(addend=1.0), dict(addend=2.0, threads=64), dict(threads=64, addend=2.0)],
+    candidates=lambda arch: [dict(addend=3.0), dict(addend=1.0), dict(addend=2.0, threads=64)],  # + one sweep config
     ptx_markers=("add.f32",),
 )
 
@@ -104,6 +105,15 @@ def test_canonical_static_keys():
         canonical_static(dict(t=object()))
     canon = canonical_static(dict(tile=_Tile(), eps=1e-5))
     assert json.loads(static_key(canon)) == json.loads(json.dumps(canon))
+
+
+def test_spec_candidates_default_to_its_variants_and_statics_are_distinct():
+    plain = KernelSpec(name="plain", build=None, variants=ADD.variants)
+    assert plain.candidates is plain.variants
+    assert plain.statics("sm_90a") == plain.statics("sm_90a", candidates=True) == [dict(addend=1.0),
+                                                                                     dict(addend=2.0, threads=64)]
+    # the picks first, in listing order, then the candidates not among them
+    assert ADD.statics("sm_90a", candidates=True) == [dict(addend=1.0), dict(addend=2.0, threads=64), dict(addend=3.0)]
 
 
 def test_symbol_names_are_c_identifiers_and_distinct():
@@ -384,9 +394,10 @@ def test_bundle_layout_and_manifest(add_bundle):
     on_disk = json.loads((out / bundle.MANIFEST).read_text())
     assert on_disk == manifest
     assert manifest["fingerprint"] == sources.source_fingerprint() and manifest["dsl_version"] == sources.dsl_version()
-    # three variants listed, two distinct (the last two differ in argument order only)
+    # three variants listed, two distinct (the last two differ in argument order only); the candidate left out
     per_arch = {a: sorted(e["static"] for e in manifest["entries"] if e["arch"] == a) for a in ("sm_90a", "sm_100a")}
     assert per_arch["sm_90a"] == per_arch["sm_100a"] and len(per_arch["sm_90a"]) == 2
+    assert per_arch["sm_90a"] == sorted(static_key(canonical_static(s)) for s in ADD.statics("sm_90a"))
     assert len({e["symbol"] for e in manifest["entries"]}) == 4
     for arch in ("sm_90a", "sm_100a"):
         lib = out / bundle.library_name(arch)
@@ -406,10 +417,10 @@ def test_bundle_serves_kernels_without_cutlass(add_bundle):
         assert len(set(map(id, fns.values()))) == 4
         want = fns[("sm_90a", (("addend", 2.0), ("threads", 64)))]
         assert rt.kernel_for_arch("test_add", "sm_90a", threads=64, addend=2.0) is want
-        try:
-            rt.kernel_for_arch("test_add", "sm_90a", addend=9.0)
+        try:  # a sweep candidate the bundle does not hold, and no DSL to compile it
+            rt.kernel_for_arch("test_add", "sm_90a", addend=3.0)
         except LookupError as e:
-            assert "not installed" in str(e) and "addend" in str(e), e
+            assert "not installed" in str(e) and "addend" in str(e) and "build --candidates" in str(e), e
         else:
             raise AssertionError("a variant missing from the bundle was served")
         assert not [m for m in sys.modules if m == "cutlass" or m.startswith("cutlass.")]
@@ -484,6 +495,12 @@ def test_build_cli_writes_a_bundle_for_named_kernels(tmp_path, monkeypatch):
     manifest = json.loads((tmp_path / bundle.MANIFEST).read_text())
     assert {e["arch"] for e in manifest["entries"]} == {"sm_100a"} and len(manifest["entries"]) == 2
     assert (tmp_path / bundle.library_name("sm_100a")).is_file()
+    # --candidates: every sweep candidate too (the picks first, each distinct variant once)
+    everything = tmp_path / "candidates"
+    assert bundle.main(["--arch", "sm_100a", "--out", str(everything), "--kernel", ADD.name, "--candidates"]) == 0
+    manifest = json.loads((everything / bundle.MANIFEST).read_text())
+    assert [e["static"] for e in manifest["entries"]] == [static_key(canonical_static(s)) for s in (
+        dict(addend=1.0), dict(addend=2.0, threads=64), dict(addend=3.0))]
 
 
 # --- on the GPU ------------------------------------------------------------------------------------

@@ -49,6 +49,9 @@ def test_every_pickable_tile_is_a_built_variant(K):
             assert getattr(cfg, role).astuple() in K.GEMM_TILES[role], (cfg, role)
         assert cfg.fc1.astuple() in K.GEMM_TILES["fc1_zh"], cfg  # the backward's recompute uses cfg.fc1
     assert {L.pick_config(t) for t in range(1, 5000)} <= set(L.CONFIGS)  # the rest are sweep candidates
+    # The bundle builds the picked configs' tiles (tests/test_bundle_picks.py), the sweep compiles the rest.
+    assert K.GEMM_TILES == K.role_tiles(L.CONFIGS) and K.PICKED_TILES == K.role_tiles(c for _, c in L.T_BOUNDS)
+    assert all(set(K.PICKED_TILES[r]) < set(K.GEMM_TILES[r]) for r in ("fc1", "fc2", "fc2_dgrad", "fc2_wgrad"))
 
 
 def test_transposed_views_have_the_compiled_strides():

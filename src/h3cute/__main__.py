@@ -3,7 +3,7 @@
 `python -m h3cute COMMAND --help` describes each command's options."""
 import sys
 
-USAGE = ("usage: python -m h3cute build --arch sm_90a [--arch sm_100a] --out DIR [--kernel NAME ...]\n"
+USAGE = ("usage: python -m h3cute build --arch sm_90a [--arch sm_100a] --out DIR [--kernel NAME ...] [--candidates]\n"
          "       python -m h3cute ptx-digest --arch sm_90a [--arch sm_100a] --out FILE [--against FILE] "
          "[--kernel NAME ...]")
 

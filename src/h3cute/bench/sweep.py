@@ -5,10 +5,11 @@ config: the candidates of the device's kernel family), else `h3cute.launch.<op>.
 or a sequence of configs, each named by its `name`, or the module-level name that holds it), and are passed as
 `forward(..., config=cfg)`. Each config's forward is checked for batch invariance (the harness's forward checks)
 and its outputs at every accuracy size are compared bitwise with the first config's: a config choice must never
-change the bits. Ranked by forward latency at the largest size. Where the launcher defines `sweep_config(text,
-device)` the command line may also name configs that are not declared (e.g. field overrides of a named config,
-`tma_wide:stages=4`): they compile on demand and run after the op's shipped picks (`sweep_picks(device)`), whose
-bits they must match.
+change the bits. Ranked by forward latency at the largest size. A prebuilt bundle holds only the configs the op
+picks (unless built with `--candidates`): the others compile on demand, which needs the CuTe DSL. Where the launcher
+defines `sweep_config(text, device)` the command line may also name configs that are not declared (e.g. field
+overrides of a named config, `tma_wide:stages=4`): they compile on demand and run after the op's shipped picks
+(`sweep_picks(device)`), whose bits they must match.
 """
 from __future__ import annotations
 

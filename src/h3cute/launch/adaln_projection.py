@@ -13,7 +13,7 @@ order, BF16 out; the dW kernels use the same order, so the same bits). Beyond T 
 producer warps (db's blocks from the dW stages, folded by a second launch of the same compiled function: the same
 sums, the same bits), after `adaln_silu_cast` makes its operand. No atomics: every result is bitwise repeatable.
 
-Each GEMM's config (kernels/_adaln_configs.py) is picked from T by its role's table in `PICKS` purely for speed: every
+Each GEMM's config is picked from T by its role's table in `PICKS` (kernels/_adaln_configs.py) purely for speed: every
 config of a family runs the same k16 MMA sequence per output element, so the bits do not depend on it (tests check
 this); a pick that models the GPU (`RoundsPick`) reads the device's SM count. Used with out_features 96768 (this op)
 and 10752 (final_adaln_out's projection). No host syncs.
@@ -21,126 +21,27 @@ and 10752 (final_adaln_out's projection). No host syncs.
 Two MMA families: "warp" (mma.sync, sm_90a and sm_100a) and "wgmma" (sm_90a warpgroup MMA, `*_wgmma` kernels; the
 cp.async and the TMA mainloops, the same bits). The families' bits may differ, so a device uses one family for every
 T: `SM90_FAMILY` says which on sm_90a. An explicit `config` picks its family (tests, timing, `h3cute-bench sweep`);
-`candidates(role, family)` names a family's configs for a role.
+`candidates(role, family)` names a family's configs for a role; the bundle holds its `picks(role, family)`, the
+others compile on demand.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from h3cute import runtime
-from h3cute.kernels._adaln_configs import ADALN_GEMM_CONFIGS, candidates, parse_config
+from h3cute.kernels._adaln_configs import (ADALN_GEMM_CONFIGS, DGRAD_MODEL_ROWS, DGRAD_ROUNDS,  # noqa: F401
+                                          DGRAD_SPLITS, H200_SMS, PICKS, RoundsPick, candidates, dgrad_round_columns,
+                                          parse_config, pick)
 from h3cute.widths import BLOCK_PROJECTION, TEMB
 
-DGRAD_SPLITS = 12  # must equal kernels/adaln_gemm.DGRAD_SPLITS (a CPU test checks)
 DBIAS_ROW_BLOCK = 64  # kernels/adaln_gemm.DBIAS_ROW_BLOCK: db sums T in blocks of this many rows,
 DBIAS_CHAIN_ROWS = 16  # each of four chains of this many rows (kernels/adaln_gemm.DBIAS_CHAIN_ROWS)
 FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T every dW kernel writes db
 # The family sm_90a devices use: the wgmma family passed the GPU suite on an H200 and was as fast or faster at every
 # T measured; sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
-H200_SMS = runtime.SM_COUNT["sm_90a"]  # the pickers' SM count where no device is given (the shipped tables' GPU)
-
-
-@dataclass(frozen=True)
-class RoundsPick:
-    """A pick that models the GPU: a grid of one-CTA-per-SM units runs in rounds of the device's SMs. `narrow` where
-    its rows times rounds (`dgrad_round_columns`) are under `margin` x `wide`'s, up to T = `max_rows`; else `wide`."""
-
-    wide: str
-    narrow: str
-    margin: float
-    max_rows: int
-
-    def __call__(self, rows: int, sms: int) -> str:
-        return self.narrow if any(lo <= rows <= hi for lo, hi in self.ranges(sms)) else self.wide
-
-    def ranges(self, sms: int) -> tuple:
-        """The T ranges (lo, hi) where `narrow` is picked on a GPU of `sms` SMs (from T = 1)."""
-        return _narrow_ranges(self, sms)
-
-    def columns(self, name: str, rows: int, sms: int) -> float:
-        config = ADALN_GEMM_CONFIGS[name]
-        return dgrad_round_columns(rows, config.bn, config.tail_halves, sms)
-
-
-@functools.cache
-def _narrow_ranges(pick: RoundsPick, sms: int) -> tuple:
-    wins = [t for t in range(1, pick.max_rows + 1)
-            if pick.columns(pick.narrow, t, sms) < pick.margin * pick.columns(pick.wide, t, sms)]
-    ranges = []
-    for t in wins:
-        if ranges and ranges[-1][1] == t - 1:
-            ranges[-1][1] = t
-        else:
-            ranges.append([t, t])
-    return tuple(tuple(r) for r in ranges)
-
-
-def dgrad_round_columns(rows: int, tile_rows: int, tail_halves: bool, sms: int = H200_SMS) -> float:
-    """A d_temb tile's cost model: the rounds of `sms` SMs its units take (ceil(T / tile_rows) T tiles x 21 W^T tiles x
-    DGRAD_SPLITS, one unit per SM; with `tail_halves` a last round at most half full counts half) times the T rows per
-    unit. tma_wide_n256_tail and tma_wide_n192 run the one-block-tile mainloop at the same cost per unit column on
-    the H200. (The tail kernel splits a round by its compiled PERSISTENT_CTAS; on the H200 that is the SM count.)"""
-    units = -(-rows // tile_rows) * (TEMB // 128) * DGRAD_SPLITS
-    rest = units % sms
-    rounds = units // sms + (0.5 if tail_halves and 2 * rest <= sms else 1) * (rest > 0)
-    return rounds * tile_rows
-
-
-# Beyond T = 384 (to DGRAD_MODEL_ROWS) d_temb takes tma_wide_n192 where `dgrad_round_columns` puts it more than 5%
-# under tma_wide_n256_tail, whose 256-row T tiles otherwise fill the rounds best.
-DGRAD_MODEL_ROWS = 8192
-DGRAD_ROUNDS = RoundsPick(wide="tma_wide_n256_tail", narrow="tma_wide_n192", margin=0.95, max_rows=DGRAD_MODEL_ROWS)
-
-# The pick tables: per GEMM role and family, ((up to T, pick), ...) in ascending T, the last bound None (every larger
-# T). A pick is a config name of ADALN_GEMM_CONFIGS or a `RoundsPick`. Speed only: within a family every config
-# gives the same bits. The wgmma family's entries, from the H200's per-launch timings (perf/adaln_kernels.py,
-# sustained at the power limit where they disagree with bursts: perf/clock_probe.py):
-PICKS = {
-    "fwd": {
-        "wgmma": (
-            (16, "wg_skinny"),  # W streams: small tiles keep every SM busy
-            (64, "wg_mid"),  # the cp.async ring still beats TMA's deeper ring here
-            (128, "tma_wide"),
-            (192, "tma_wide_n192"),  # one 192-row tile: fewer operand bytes per MMA
-            (256, "tma_wide_n256_mc2"),  # 2-CTA clusters share the activation tile (TMA multicast)
-            (512, "tma_wide"),  # 128-row T tiles: less padding of T than 256-row ones, and faster to 512
-            (None, "tma_persist_m256"),  # persistent: its stores overlap the next tile's loads and MMAs
-        ),
-        "warp": ((16, "skinny"), (64, "mid"), (None, "wide")),
-    },
-    "dgrad": {
-        "wgmma": (
-            (16, "wg_skinny"),
-            (64, "tma_mid"),
-            (128, "tma_wide"),
-            (192, "tma_wide_n192"),  # the widest tile T fills, run on one block tile with the warpgroups in turn
-            (256, "tma_wide_n256_tail"),
-            (384, "tma_wide"),  # 128-row tiles pad T less
-            (None, DGRAD_ROUNDS),
-        ),
-        "warp": ((16, "skinny"), (64, "mid"), (256, "wide"), (None, "wide_8warps")),
-    },
-    "wgrad": {
-        "wgmma": (
-            (64, "wg_wgrad_n64_1wg_tstore"),  # writing dW is the cost: more CTAs' stores in flight, C stored by TMA
-            (384, "tma_wgrad_persist_pingpong_db"),  # a warpgroup's epilogue runs under the other's wgmmas; db warps
-            (None, "tma_wgrad_persist_m256"),  # MMA-bound: 256-row tiles; with fold warps (`wgrad_folds`)
-        ),
-        "warp": ((64, "wgrad_n64"), (None, "wgrad")),
-    },
-}
-
-
-def pick(role: str, rows: int, wgmma: bool = False, sms: int = H200_SMS) -> str:
-    """The config name the `role` GEMM runs at T rows on a GPU of `sms` SMs (`PICKS`)."""
-    for bound, choice in PICKS[role]["wgmma" if wgmma else "warp"]:
-        if bound is None or rows <= bound:
-            return choice if isinstance(choice, str) else choice(rows, sms)
-    raise AssertionError(f"PICKS[{role!r}] has no last entry for every T")
 
 
 def config_for_rows(rows: int, wgmma: bool = False, sms: int = H200_SMS) -> str:

@@ -21,61 +21,22 @@ chunk contract (same K slices, same k8 chunks, same IEEE adds), into the same fo
 every T (GPU tests compare the whole op). fc1 and fc1_zh take the weight GEMM too (w1 in registers, x split
 first, the bias + SiLU epilogues); fc1_dgrad and fc1_wgrad stay on mma.sync.
 
-Config choice may look at T (it changes only speed): every config in CONFIGS gives the same bits,
+Config choice may look at T (it changes only speed): every config in CONFIGS (kernels/_tiles.py, with the pick table
+T_BOUNDS; the bundle builds the tiles of the picked configs, the others compile on demand) gives the same bits,
 because the summation order is fixed by K and the slice count (kernels/timestep_mlp.py). The op
 layer validates shapes/dtypes/devices; here inputs are contiguous FP32 on one CUDA device, T >= 1.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from h3cute import runtime
-from h3cute.kernels._tiles import GemmConfig
+from h3cute.kernels._tiles import (CONFIGS, LARGE_T, LARGE_T_S5, MID_T, SMALL_T, SMALL_T_K64,  # noqa: F401
+                                   T_BOUNDS, WIDE_T, GemmConfig, MlpConfig)
 from h3cute.widths import FREQ, MLP_HIDDEN, TEMB
 
 # K-slice counts of the split GEMMs: K // 896 (kernels/timestep_mlp.py: k_splits; a CPU test pins it).
 SPLITS = {"fc2": MLP_HIDDEN // 896, "fc2_dgrad": TEMB // 896, "fc1_dgrad": MLP_HIDDEN // 896}
-
-
-@dataclass(frozen=True)
-class MlpConfig:
-    """One tile per GEMM role (every choice gives the same bits)."""
-
-    fc1: GemmConfig
-    fc2: GemmConfig
-    fc2_dgrad: GemmConfig
-    fc1_dgrad: GemmConfig
-    fc2_wgrad: GemmConfig
-    fc1_wgrad: GemmConfig
-
-
-_SMALL = GemmConfig(16, 64, 32, 6, 1, 4)  # deep ring: small T streams the weights
-_WIDE = GemmConfig(32, 128, 64, 3, 2, 4)  # 64-deep k tiles: also checks tile_k leaves the bits alone
-_MID = GemmConfig(64, 64, 32, 4, 2, 2)
-_LARGE = GemmConfig(128, 128, 32, 3, 2, 4)
-_SMALL_NARROW = GemmConfig(16, 32, 32, 6, 1, 4)  # fc1 (168 CTAs on 132 SMs), fc1_dgrad (N = 256)
-# The T-deep dW2 GEMM at T <= 64 (one or two k-tiles) is bound by writing 57.8 MB: the 64 x 64
-# tile (158 registers, 3 CTAs per SM) keeps more CTAs' loads and stores in flight than the
-# 128 x 128 one (235 registers x 256 threads: one CTA per SM), which wins once K = T is deep.
-_WGRAD_SHALLOW = dict(fc2_wgrad=_MID, fc1_wgrad=_MID)
-_WGRAD_DEEP = dict(fc2_wgrad=_LARGE, fc1_wgrad=_MID)
-SMALL_T = MlpConfig(fc1=_SMALL_NARROW, fc2=_SMALL, fc2_dgrad=_SMALL, fc1_dgrad=_SMALL_NARROW, **_WGRAD_SHALLOW)
-# Sweep candidate for small T (not picked yet): 64-deep k tiles, i.e. 256-byte runs per weight row
-# and tile (DRAM page locality) and 1.6x the weight bytes in flight per CTA (5 stages, 100 KB smem).
-SMALL_T_K64 = MlpConfig(fc1=GemmConfig(16, 32, 64, 6, 1, 4), fc2=GemmConfig(16, 64, 64, 5, 1, 4),
-                        fc2_dgrad=GemmConfig(16, 64, 64, 5, 1, 4), fc1_dgrad=GemmConfig(16, 32, 64, 6, 1, 4),
-                        **_WGRAD_SHALLOW)
-WIDE_T = MlpConfig(fc1=_WIDE, fc2=_WIDE, fc2_dgrad=_WIDE, fc1_dgrad=_WIDE, **_WGRAD_SHALLOW)
-MID_T = MlpConfig(fc1=_MID, fc2=_MID, fc2_dgrad=_MID, fc1_dgrad=_MID, **_WGRAD_DEEP)
-LARGE_T = MlpConfig(fc1=_LARGE, fc2=_LARGE, fc2_dgrad=_LARGE, fc1_dgrad=_LARGE, **_WGRAD_DEEP)
-# Sweep candidate for large T (not picked yet): the 128 x 128 tile runs one CTA per SM (235
-# registers x 256 threads), so shared memory is free for a 5-deep ring (160 KB) instead of 3.
-_LARGE_S5 = GemmConfig(128, 128, 32, 5, 2, 4)
-LARGE_T_S5 = MlpConfig(fc1=_LARGE_S5, fc2=_LARGE_S5, fc2_dgrad=_LARGE_S5, fc1_dgrad=_LARGE_S5,
-                       fc2_wgrad=_LARGE_S5, fc1_wgrad=_MID)
-CONFIGS = (SMALL_T, WIDE_T, MID_T, LARGE_T, SMALL_T_K64, LARGE_T_S5)  # pick_config's choices + sweep candidates
 
 
 # sm_90a from this many rows: the fc2-sized GEMMs and fc1 on TF32 wgmma (speed only: same bits). From T = 256 the
@@ -99,8 +60,6 @@ WEIGHT_FC1_TILE = (64, 32, 4)  # wgmma_tf32.WEIGHT_FC1_TILE
 WEIGHT_SMALL_TILES = ((8, (8, 32, 12)), (16, (16, 32, 10)))  # (up to T, tile)
 WEIGHT_SMALL_ROWS = WEIGHT_SMALL_TILES[-1][0]
 
-# pick_config's T ranges: up to each bound, its config.
-T_BOUNDS = ((16, SMALL_T), (64, WIDE_T), (256, MID_T), (runtime.MAX_ROWS, LARGE_T))
 
 
 def pick_config(num_rows: int) -> MlpConfig:

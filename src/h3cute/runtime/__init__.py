@@ -135,7 +135,8 @@ def _resolve(name: str, arch: str, static: dict, canon: tuple):
             if not dsl_available():
                 raise LookupError(
                     f"prebuilt bundle H3CUTE_PREBUILT={prebuilt} has no {arch} variant of {name} with static args "
-                    f"{static}, and the CuTe DSL is not installed to compile it; bundled variants: "
+                    f"{static}, and the CuTe DSL is not installed to compile it (a bundle holds the op layer's picks; "
+                    f"`python -m h3cute build --candidates` also bundles every sweep candidate); bundled variants: "
                     f"{bundle.variants_of(name, arch)}"
                 )
             log.warning("prebuilt bundle H3CUTE_PREBUILT=%s lacks %s %s %s; compiling it", prebuilt, name, arch, static)

@@ -1,6 +1,7 @@
 """Prebuilt bundles: every variant of every kernel, one shared library per arch plus a manifest.
 
-`python -m h3cute build --arch sm_90a --out DIR` compiles each spec's variants for each arch,
+`python -m h3cute build --arch sm_90a --out DIR` compiles each spec's variants (the configs the op layer picks;
+with `--candidates` also every config `h3cute-bench sweep` may rank, `KernelSpec.candidates`) for each arch,
 exports each as its own TVM-FFI symbol and links all of an arch's objects into DIR/h3cute_<arch>.so.
 DIR/manifest.json records the source fingerprint, the DSL version and, per entry, the kernel name,
 its module, arch, canonical static args, symbol, and each library's sha256.
@@ -137,8 +138,9 @@ def _read_bundle(root: Path) -> Bundle:
 
 
 def build_bundle(out: Path, archs: Sequence[str], specs: Iterable[KernelSpec], modules: dict[str, str],
-                 log=print) -> dict:
-    """Compile every variant of `specs` for `archs` into `out`; returns the manifest written."""
+                 log=print, candidates: bool = False) -> dict:
+    """Compile every variant of `specs` for `archs` into `out` (with `candidates`, every candidate too); returns the
+    manifest written."""
     from . import dsl
 
     out.mkdir(parents=True, exist_ok=True)
@@ -153,15 +155,11 @@ def build_bundle(out: Path, archs: Sequence[str], specs: Iterable[KernelSpec], m
             for spec in specs:
                 if arch not in spec.archs:
                     continue
-                seen = set()
-                for static in spec.variants(arch):
+                for static in spec.statics(arch, candidates):
                     canon = canonical_static(static)
-                    if canon in seen:
-                        continue
-                    seen.add(canon)
                     symbol = symbol_name(spec.name, arch, canon, fingerprint)
                     t0 = time.perf_counter()
-                    compiled, _ = dsl.compile_variant(spec, arch, dict(static))
+                    compiled, _ = dsl.compile_variant(spec, arch, static)
                     obj = Path(tmp) / f"{symbol}.o"
                     dsl.export_object(compiled, obj, symbol)
                     objects.append(obj)
@@ -194,6 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="target arch (repeatable)")
     parser.add_argument("--out", type=Path, required=True, help="bundle folder (library per arch + manifest.json)")
     parser.add_argument("--kernel", action="append", metavar="NAME", help="only these kernels (repeatable)")
+    parser.add_argument("--candidates", action="store_true",
+                        help="also every sweep candidate, not only the variants the op layer picks (a bundle for the "
+                             "GPU suite and the perf scripts, which run every config)")
     args = parser.parse_args(argv)
 
     from rich.console import Console
@@ -209,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown kernel(s) {unknown}; known: {sorted(specs)}")
     t0 = time.perf_counter()
     manifest = build_bundle(args.out, args.arch, [specs[n] for n in names],
-                            {n: kernels.module_of(n) for n in names}, log=console.log)
+                            {n: kernels.module_of(n) for n in names}, log=console.log, candidates=args.candidates)
     console.log(f"[bold]{len(manifest['entries'])} variants, {len(names)} kernels, "
                 f"{time.perf_counter() - t0:.0f} s -> {args.out / MANIFEST}")
     return 0

@@ -1,5 +1,8 @@
 """`python -m h3cute ptx-digest`: a sha256 of the generated PTX of every kernel variant, for refactors.
 
+Every variant: the op layer's picks and every sweep candidate (`KernelSpec.candidates`), so the guard covers configs
+the bundle does not build.
+
 A change to kernel source that should not change the device code (a helper extracted, a config moved) is
 shown to be exactly that when every variant's PTX digest is unchanged. Compiles on a machine without a GPU.
 
@@ -35,8 +38,8 @@ def kernel_specs(names: Sequence[str] | None) -> dict:
 
 def digests(archs: Sequence[str], names: Sequence[str] | None = None, log=print,
             ptx_dir: Path | None = None) -> dict[str, str]:
-    """{"<arch> <kernel> <static>": sha256 of the variant's PTX} for every variant of the named kernels;
-    with `ptx_dir`, each variant's PTX is written there as <arch>.<kernel>.<static values>.<i>.ptx."""
+    """{"<arch> <kernel> <static>": sha256 of the variant's PTX} for every variant and candidate of the named
+    kernels; with `ptx_dir`, each variant's PTX is written there as <arch>.<kernel>.<static values>.<i>.ptx."""
     from .dsl import compile_variant
 
     specs = kernel_specs(names)
@@ -46,7 +49,7 @@ def digests(archs: Sequence[str], names: Sequence[str] | None = None, log=print,
             spec = specs[name]
             if arch not in spec.archs:
                 continue
-            for static in spec.variants(arch):
+            for static in spec.statics(arch, candidates=True):
                 _, ptxs = compile_variant(spec, arch, static, keep_ptx=True)
                 key = f"{arch} {name} {static_key(canonical_static(static))}"
                 out[key] = hashlib.sha256("\n".join(ptxs).encode()).hexdigest()

@@ -19,8 +19,11 @@ class KernelSpec:
     """One compiled entry point of a kernel family (see docs/ARCHITECTURE.md).
 
     build(arch, **static) returns a CuTe DSL compiled function (from `compile_for`).
-    variants(arch) lists every static-argument set the op layer may request on that arch,
-    so `python -m h3cute build` can prebuild them all.
+    variants(arch) lists every static-argument set the op layer may request on that arch (the picks):
+    what `python -m h3cute build` prebuilds and the compile-only tests check.
+    candidates(arch), default `variants`, lists everything a kernel author may run on that arch (the picks and
+    the configs `h3cute-bench sweep` ranks against them; a superset of `variants`): `ptx-digest` digests them
+    all, `python -m h3cute build --candidates` prebuilds them too, otherwise the others compile on demand.
     ptx_markers / ptx_forbidden: substrings the generated PTX must / must not contain
     (checked by the compile-only tests for every variant and arch).
     """
@@ -28,9 +31,25 @@ class KernelSpec:
     name: str
     build: Callable[..., Any]
     variants: Callable[[str], Iterable[Mapping[str, Any]]]
+    candidates: Callable[[str], Iterable[Mapping[str, Any]]] | None = None
     ptx_markers: tuple[str, ...] = ()
     ptx_forbidden: tuple[str, ...] = ()
     archs: tuple[str, ...] = field(default=SUPPORTED_ARCHS)
+
+    def __post_init__(self):
+        if self.candidates is None:
+            object.__setattr__(self, "candidates", self.variants)
+
+    def statics(self, arch: str, candidates: bool = False) -> list[dict]:
+        """The distinct static-argument sets of `variants(arch)` (and with `candidates`, then those of
+        `candidates(arch)`), in listing order: the first of several spellings of one variant."""
+        seen, out = set(), []
+        for static in (*self.variants(arch), *(self.candidates(arch) if candidates else ())):
+            canon = canonical_static(static)
+            if canon not in seen:
+                seen.add(canon)
+                out.append(dict(static))
+        return out
 
 
 def canonical_static(static: Mapping[str, Any]) -> tuple:
