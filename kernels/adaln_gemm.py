@@ -19,6 +19,8 @@ accumulation over a long chain (see docs/timestep_mlp.md: the error grows with t
 dgrad runs `ieee_steps`: the warp family's each k16 MMA, the wgmma family's each DGRAD_K_BLOCK = 64-deep block
 of K (4 k16 wgmmas chained by the tensor core from zero) starts from zero and is added to the running sum with
 IEEE FP32 adds in ascending K; the `DGRAD_SPLITS` FP32 partials are then summed in split order
+(`adaln_dtemb_fold`). Its order depends on N_out only. dW and db are reductions over T: deterministic (fixed order, no
+atomics), not batch-invariant by nature.
 
 The family, organised as CUTLASS's and quack's GEMMs are: a small shared base and one sibling class per mainloop,
 picked by `kernel_class(config)` from the config's fields (kernels/_adaln_configs.py holds the configs as data).
@@ -62,6 +64,7 @@ from .adaln_gemm_persistent import TmaWgmmaPersistentGemm, c_buffers  # noqa: F4
 from .adaln_gemm_side_warps import SIDE_WARPS
 from .adaln_gemm_tma import (  # noqa: F401
     _IEEE_PIPELINED_MAX_BN, TmaWgmmaGemm, dgrad_n_halves, ieee_unit, produce_k_tiles, tail_units)
+
 
 def kernel_class(config: AdalnGemmConfig) -> type:
     """The GEMM class that runs `config` (as `config.for_role(role)` gives it), from its fields: the mainloop, then

@@ -13,6 +13,7 @@ from .adaln_gemm_base import bf16_c_stmatrix
 from .adaln_gemm_side_warps import NO_SIDE_WARPS, SideWarps
 from .adaln_gemm_tma import TmaWarpSpecialized, chained_mainloop
 
+
 def c_buffers(tile: GemmTile) -> int:
     """The persistent cooperative kernels' C buffers: two at 128 rows (a store reads one while the next tile's go to
     the other), one at 256 (two would not fit beside the stages). The pingpong kernel has one per warpgroup."""

@@ -88,6 +88,7 @@ class DbiasWarps(SideWarps):
             if n_tile == 0 and lane < 8:
                 vec_view(mBias, m_tile * t.bm + row).store(totals.load().to(cutlass.BFloat16))
 
+
 _DBIAS_LANE_ROWS = 8  # db rows of grad^T per stage-reading lane: one 16-byte load of BF16 per k
 
 
@@ -122,6 +123,7 @@ def _stage_dbias_block(sA_layout, base, stage_at, row_part):
             later[j] = cute.arch.shuffle_sync_down(sums[j], 8 * c)
         block = block + later.load()
     return block
+
 
 class FoldWarps(SideWarps):
     """The rest of the backward in the dW kernel's idle producer warps while the consumers run the MMAs (the config's
@@ -210,6 +212,7 @@ class FoldWarps(SideWarps):
             for j in cutlass.range_constexpr(_FOLD_COLS):
                 d_act[j] = dtemb_scale(d_act[j], x[j])
             vec_view(dtemb, at, _FOLD_COLS).store(d_act.load())
+
 
 _FOLD_COLS = 4  # d_temb columns per fold-warp vector: one 16-byte FP32 load per partial
 
