@@ -34,9 +34,9 @@ ROLES = ("fwd", "dgrad", "wgrad", "wgrad_fold")  # the GEMMs a config is built f
 class GemmTile:
     """What a kernel compiles from a config: CTA tile (bm x bn x bk), warp grid (warps_m x warps_n) and pipeline
     depth; `ctas_per_sm` > 0 asks ptxas for that many resident CTAs (.maxntid + .minnctapersm: a register cap);
-    `persistent_ctas` > 0: a persistent grid of that many CTAs walking the output tiles (`_TmaWgmmaPersistentGemm`);
+    `persistent_ctas` > 0: a persistent grid of that many CTAs walking the output tiles (`TmaWgmmaPersistentGemm`);
     `cluster_m` > 1: clusters of that many M tiles (grid y) of one N tile that share B by TMA multicast;
-    `cluster_n` > 1: clusters of that many N tiles (grid x) of one M tile that share A (`_TmaWgmmaGemm`; one of the
+    `cluster_n` > 1: clusters of that many N tiles (grid x) of one M tile that share A (`TmaWgmmaGemm`; one of the
     two at most)."""
 
     bm: int
@@ -176,18 +176,18 @@ ADALN_GEMM_CONFIGS = _configs(
     # One warpgroup over both 64-row slabs: 96 registers x 128 threads, 5 CTAs per SM without spills (a cap at 6
     # spills 1 KB), 25% more dW bytes in flight than wg_wgrad_n64 if its epilogue keeps up.
     AdalnGemmConfig("wg_wgrad_n64_1wg", 128, 64, 32, 4, 1, 3, roles=_W, ctas_per_sm=5, **_CPW),
-    # The same tiles with C stored by TMA (`_WgmmaTmaStoreGemm`): stmatrix + one bulk store in place of scalar
+    # The same tiles with C stored by TMA (`CpAsyncWgmmaTmaStoreGemm`): stmatrix + one bulk store in place of scalar
     # st.shared + ld.shared.v4 + st.global.v4, the shared-memory instruction queue (MIO) that throttles the 1wg
     # kernel at T = 64. ptxas: 96 / 64 / 94 registers, no spills; the 1wg tile capped at 6 CTAs per SM spills 1 KB
     # and serializes its wgmmas (C7512).
     AdalnGemmConfig("wg_wgrad_n64_1wg_tstore", 128, 64, 32, 4, 1, 3, roles=_W, ctas_per_sm=5, store="tma", **_CPW),
     AdalnGemmConfig("wg_wgrad_n64_tstore", 128, 64, 32, 8, 1, 3, roles=_W, store="tma", **_CPW),
     AdalnGemmConfig("wg_wgrad_tstore", 128, 128, 32, 8, 1, 4, roles=_W, store="tma", **_CPW),
-    # ---- the wgmma family, TMA + mbarrier warp-specialized mainloop (`_TmaWgmmaGemm`): same k16 walk, so the same
+    # ---- the wgmma family, TMA + mbarrier warp-specialized mainloop (`TmaWgmmaGemm`): same k16 walk, so the same
     # bits as the cp.async ring. Two consumer warpgroups of 64 rows (warps_m = 8) and enough stages to fill shared
     # memory: one CTA per SM, which the register split assumes. d_temb keeps acc and two block tiles up to bn = 128,
-    # one block tile up to 192, and at 256 two accumulators of 128-wide halves (`_ieee_serial_mainloop`); clusters
-    # along M do not tile d_temb's M = 2688 (21 tiles of 128).
+    # one block tile up to 192, and at 256 two accumulators of 128-wide halves (`TmaWgmmaGemm._ieee_serial_mainloop`);
+    # clusters along M do not tile d_temb's M = 2688 (21 tiles of 128).
     AdalnGemmConfig("tma_mid", 128, 64, 64, 8, 1, 6, roles=_FD, **_TMA),  # 144 KB
     AdalnGemmConfig("tma_wide", 128, 128, 64, 8, 1, 5, roles=_FD, **_TMA),  # 160 KB
     AdalnGemmConfig("tma_wide_n256", 128, 256, 64, 8, 1, 4, roles=_FD, **_TMA),  # 192 KB
@@ -228,7 +228,7 @@ ADALN_GEMM_CONFIGS = _configs(
     # (`adaln_proj_wgrad_fold`); the pingpong tile with fold warps was never ahead of it by more than 2 us.
     AdalnGemmConfig("tma_wgrad_persist_m256", 256, 128, 64, 8, 1, 3, roles=("wgrad", "wgrad_fold"),
                     **_PERSIST),  # 144 + 64 KB
-    # The persistent dW tiles whose producer warps also sum db at every T (`_TmaWgmmaPersistentDbGemm`).
+    # The persistent dW tiles whose producer warps also sum db at every T (side warps `DbiasWarps`).
     AdalnGemmConfig("tma_wgrad_persist_db", 128, 128, 64, 8, 1, 4, roles=_W, side_warps="dbias", **_PERSIST),
     AdalnGemmConfig("tma_wgrad_persist_pingpong_db", 128, 128, 64, 8, 1, 4, roles=_W, side_warps="dbias",
                     **{**_PERSIST, "schedule": "pingpong"}),
@@ -243,7 +243,9 @@ def candidates(role: str, family: str) -> tuple:
 
 # ---- the row-count picks: launch/adaln_projection.py runs them, the bundle builds every config they can return
 
-DGRAD_SPLITS = 12  # d_temb's fixed chunks of N (kernels/adaln_gemm.DGRAD_SPLITS; a CPU test checks)
+# d_temb = grad @ W reduces over N_out; it is split into this many fixed, equal K chunks so that the whole GPU streams
+# W even at T = 1. Never depends on T (batch invariance of d_temb). The kernels and the launcher read it here.
+DGRAD_SPLITS = 12
 H200_SMS = SM_COUNT["sm_90a"]  # the pickers' SM count where no device is given (the shipped tables' GPU)
 
 

@@ -44,7 +44,7 @@ from cutlass.cute.nvgpu.warpgroup.mma import MmaOp, MmaTraits
 from cutlass.utils import LayoutEnum
 from cutlass.utils import hopper_helpers as sm90
 
-from h3cute.kernels.adaln_gemm import produce_k_tiles
+from h3cute.kernels.adaln_gemm_tma import produce_k_tiles
 from h3cute.kernels.gemm_tf32x3 import K_CHUNK, TF32_BIG_MASK, add_rn, f32_bits, fc1_outputs, tf32_pair
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream, make_fake_compact_tensor
@@ -278,7 +278,7 @@ class Tf32x3WgmmaGemm:
     then wgmma(big_a, small_b) and wgmma(big_a, big_b) accumulating; commit; wait_group(1) (chunk j - 1
     is done) and add chunk j - 1 to acc with add.rn.f32; the k tile's last chunk is added after
     wait_group(0), and the slot released, before the next slot is awaited (a wgmma in flight across an
-    mbarrier spin makes ptxas serialize every wgmma: adaln_gemm `_ieee_mainloop`). The epilogue stores
+    mbarrier spin makes ptxas serialize every wgmma: adaln_gemm_tma `TmaWgmmaGemm._ieee_mainloop`). The epilogue stores
     acc to P rows < M straight from registers. Per element: the mma.sync kernel's chunk order, so its bits
     if the tensor cores agree (tf32_wgmma_probe).
     Launched with PDL: every thread waits (griddepcontrol.wait) before the first load.

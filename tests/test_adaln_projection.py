@@ -51,7 +51,7 @@ TMA_DGRAD = _names("dgrad", "wgmma", "tma_wgmma")
 TMA_WGRAD = _names("wgrad", "wgmma", "tma_wgmma")
 FOLD = _names("wgrad_fold", "wgmma")  # dW tiles also built with fold warps
 DB_WARPS = tuple(n for n in TMA_WGRAD if CFG[n].side_warps == "dbias")
-TMA_STORE_CPW = tuple(n for n in WGRAD_CPW if CFG[n].store == "tma")  # `_WgmmaTmaStoreGemm`
+TMA_STORE_CPW = tuple(n for n in WGRAD_CPW if CFG[n].store == "tma")  # `CpAsyncWgmmaTmaStoreGemm`
 TILE = {n: c.tile for n, c in CFG.items()}
 
 
@@ -202,22 +202,28 @@ def test_launch_and_kernel_agree_on_configs_and_splits():
 
 
 def test_kernel_class_follows_the_config_fields():
-    """`kernel_class` reads the mainloop, C store, schedule and side warps (never the name); `for_role` gives the
-    fold kernel its side warps; a config's tile carries the persistent grid, pingpong and tail fields the kernels
-    read."""
+    """`kernel_class` reads the mainloop, C store and schedule (never the name), one class per mainloop; the
+    persistent kernel takes the config's side warps as a strategy; `for_role` gives the fold kernel its side warps;
+    a config's tile carries the persistent grid, pingpong and tail fields the kernels read."""
     import dataclasses
 
     k = _tma_kernels()
-    want = {"skinny": k._WarpMmaGemm, "wgrad_n64": k._WarpMmaGemm, "wg_mid": k._WgmmaGemm,
-            "wg_wgrad_tstore": k._WgmmaTmaStoreGemm, "tma_wide_n256_mc2": k._TmaWgmmaGemm,
-            "tma_wide_n256_tail": k._TmaWgmmaGemm, "tma_persist_m256": k._TmaWgmmaPersistentGemm,
-            "tma_wgrad_persist_pingpong": k._TmaWgmmaPersistentGemm,
-            "tma_wgrad_persist_pingpong_db": k._TmaWgmmaPersistentDbGemm}
+    want = {"skinny": k.WarpMmaGemm, "wgrad_n64": k.WarpMmaGemm, "wg_mid": k.CpAsyncWgmmaGemm,
+            "wg_wgrad_tstore": k.CpAsyncWgmmaTmaStoreGemm, "tma_wide_n256_mc2": k.TmaWgmmaGemm,
+            "tma_wide_n256_tail": k.TmaWgmmaGemm, "tma_persist_m256": k.TmaWgmmaPersistentGemm,
+            "tma_wgrad_persist_pingpong": k.TmaWgmmaPersistentGemm,
+            "tma_wgrad_persist_pingpong_db": k.TmaWgmmaPersistentGemm}
     for name, cls in want.items():
         assert k.kernel_class(CFG[name]) is cls, name
         assert k.kernel_class(dataclasses.replace(CFG[name], name="renamed")) is cls, name
+    # No class inherits a mainloop it does not run: the siblings share only the base (and the TMA ring).
+    assert not issubclass(k.CpAsyncWgmmaGemm, k.WarpMmaGemm) and not issubclass(k.TmaWgmmaGemm, k.CpAsyncWgmmaGemm)
+    assert not issubclass(k.TmaWgmmaPersistentGemm, k.TmaWgmmaGemm)
     fold = CFG["tma_wgrad_persist_m256"].for_role("wgrad_fold")
-    assert k.kernel_class(fold) is k._TmaWgmmaPersistentFoldGemm and fold.tile == CFG["tma_wgrad_persist_m256"].tile
+    assert k.kernel_class(fold) is k.TmaWgmmaPersistentGemm and fold.tile == CFG["tma_wgrad_persist_m256"].tile
+    assert fold.side_warps == "fold" and CFG["tma_wgrad_persist_pingpong_db"].side_warps == "dbias"
+    assert {name: type(s).__name__ for name, s in k.SIDE_WARPS.items()} == \
+        {"none": "SideWarps", "dbias": "DbiasWarps", "fold": "FoldWarps"}
     with pytest.raises(ValueError, match="not built for 'wgrad_fold'"):
         CFG["tma_wgrad_persist"].for_role("wgrad_fold")
     with pytest.raises(ValueError, match="mainloop"):
@@ -289,7 +295,7 @@ def test_tma_configs_fit_one_cta_per_sm_and_the_register_split():
     one CTA per SM: each config's stages must fill more than half of the H200's 227 KB and fit in it; the
     BF16 C tile must fit in the A/B stages it reuses; d_temb's two block tiles need bn <= 128."""
     k = _tma_kernels()
-    gemm = k._TmaWgmmaGemm
+    gemm = k.TmaWgmmaGemm
     smem_max = 227 * 1024
     assert 128 * gemm._PRODUCER_REGS + 256 * gemm._CONSUMER_REGS <= 65536
     assert gemm._PRODUCER_REGS % 8 == 0 and gemm._CONSUMER_REGS % 8 == 0 and gemm._CONSUMER_REGS <= 256
@@ -437,11 +443,11 @@ def test_tma_mainloop_instructions():
             assert forbidden not in text, (name, config, forbidden)
         # The persistent dW with db warps or fold warps: their own register splits.
         fold = name == "adaln_proj_wgrad_fold"
-        cls = k._TmaWgmmaPersistentFoldGemm if fold else k._TmaWgmmaPersistentDbGemm if config in DB_WARPS \
-            else k._TmaWgmmaGemm
-        assert 128 * cls._PRODUCER_REGS + 256 * cls._CONSUMER_REGS <= 65536, cls
-        assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{cls._PRODUCER_REGS};", text)
-        assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{cls._CONSUMER_REGS};", text)
+        side = k.SIDE_WARPS["fold" if fold else "dbias" if config in DB_WARPS else "none"]
+        regs = side.registers or (k.TmaWgmmaGemm._PRODUCER_REGS, k.TmaWgmmaGemm._CONSUMER_REGS)
+        assert 128 * regs[0] + 256 * regs[1] <= 65536, side
+        assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{regs[0]};", text)
+        assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{regs[1]};", text)
         # One wgmma batch in flight while the next is issued; the one-block-tile d_temb drains each block first.
         serial = name == "adaln_proj_dgrad_wgmma" and tile.bn > k._IEEE_PIPELINED_MAX_BN
         assert bool(re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", text)) != serial, (name, config)
@@ -1325,7 +1331,7 @@ def test_fresh_inputs_each_seed(block_params):
                                      reference.adaln_projection_fp64(temb, w, b), f"forward seed {seed}")
 
 
-# ---- dW with TMA-stored C (`_WgmmaTmaStoreGemm`: the cp.async ring's configs with store "tma") ----------------
+# ---- dW with TMA-stored C (`CpAsyncWgmmaTmaStoreGemm`: the cp.async ring's configs with store "tma") ----------------
 
 
 def test_tma_store_wgrad_configs_are_registered_whole_tiles():
@@ -1334,7 +1340,7 @@ def test_tma_store_wgrad_configs_are_registered_whole_tiles():
     and fit their (bm, bn) BF16 C tile into A's stages, which it reuses."""
     k = _tma_kernels()
     assert TMA_STORE_CPW == ("wg_wgrad_n64_1wg_tstore", "wg_wgrad_n64_tstore", "wg_wgrad_tstore")
-    assert all(k.kernel_class(CFG[name]) is k._WgmmaTmaStoreGemm for name in TMA_STORE_CPW)
+    assert all(k.kernel_class(CFG[name]) is k.CpAsyncWgmmaTmaStoreGemm for name in TMA_STORE_CPW)
     for name in TMA_STORE_CPW:
         tile = TILE[name]
         assert all(n % tile.bm == 0 for n in k.OUT_FEATURES) and D % tile.bn == 0, name
@@ -1408,12 +1414,12 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
     # transposing stmatrix) index the accumulator through the order; the 128-row cooperative persistent tiles hand
     # `r2s.retile(acc)` to stmatrix: valid only while the orders agree.
     dw = dict(a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
-    gemms = {name: (k._WgmmaTmaStoreGemm, TILE[name], TILE[name].threads, dw)
+    gemms = {name: (k.CpAsyncWgmmaTmaStoreGemm, TILE[name], TILE[name].threads, dw)
              for name in sorted(TMA_STORE_CPW)}
-    gemms.update({name: (k._TmaWgmmaPersistentGemm, tile, 128 if tile.pingpong else tile.threads, dw)
+    gemms.update({name: (k.TmaWgmmaPersistentGemm, tile, 128 if tile.pingpong else tile.threads, dw)
                   for name, tile in _tiles(TMA_WGRAD).items() if tile.pingpong or tile.bm == 256})
     fwd = dict(a_k_major=True, b_k_major=True, epilogue="bias_bf16", c_n_major=False)
-    gemms.update({name: (k._TmaWgmmaPersistentGemm, tile, tile.threads, fwd)
+    gemms.update({name: (k.TmaWgmmaPersistentGemm, tile, tile.threads, fwd)
                   for name, tile in _tiles(TMA_FWD).items() if tile.persistent_ctas})
     row_offsets = {}
     for name, (cls, tile, threads, kw) in gemms.items():
@@ -1442,7 +1448,7 @@ def test_tma_store_wgrad_registers_reach_their_own_columns():
         assert all(row_offsets[(name, t)] == row_offsets[(name, 0)] for t in range(threads)), name
     for name, tile in _tiles(TMA_WGRAD).items():
         if tile.persistent_ctas and not tile.pingpong and tile.bm == 128:
-            gemm = k._TmaWgmmaPersistentGemm(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
+            gemm = k.TmaWgmmaPersistentGemm(tile, a_k_major=False, b_k_major=False, epilogue="bf16", c_n_major=True)
 
             @cute.jit
             def persistent_probe():

@@ -1,7 +1,8 @@
 """Host side of `h3::adaln_projection` on CUDA: `table = linear(silu(temb).bf16, W, b)` and its backward.
 
-Kernels (kernels/adaln_gemm.py): `adaln_silu_cast` makes the GEMM operand a = bf16(silu(temb));
-`adaln_proj_fwd` computes out^T = W a^T + b with mma.sync m16n8k16 (W rows are the MMA's M, T its N).
+Kernels (kernels/adaln_gemm*.py, kernels/adaln_elementwise.py): `adaln_silu_cast` makes the GEMM operand
+a = bf16(silu(temb)); `adaln_proj_fwd` computes out^T = W a^T + b with mma.sync m16n8k16 (W rows are the MMA's M,
+T its N).
 The backward: `adaln_proj_dgrad` (grad @ W as `DGRAD_SPLITS` fixed-chunk FP32 partials) +
 `adaln_dtemb_fold` (sum in split order, times silu'(temb), FP32: the BF16 cast passes the gradient
 through unrounded; it also recomputes a, with silu_cast's bits, for the next kernel);
