@@ -225,7 +225,7 @@ ADALN_GEMM_CONFIGS = _configs(
     # Large T, where the MMAs are the cost: 256 dW rows per tile (each warpgroup two 64-row slabs, 128 accumulator
     # registers per thread), 25% fewer operand bytes per MMA than 128 x 128 and half the epilogues per flop; one C
     # buffer (a tile's MMAs take far longer than its store's read of the buffer). Also built with fold side warps
-    # (`adaln_proj_wgrad_fold`); the pingpong tile with fold warps was never ahead of it by more than 2 us.
+    # (`adaln_proj_wgrad_fold`); a pingpong tile with fold warps is not built (it was never measurably ahead).
     AdalnGemmConfig("tma_wgrad_persist_m256", 256, 128, 64, 8, 1, 3, roles=("wgrad", "wgrad_fold"),
                     **_PERSIST),  # 144 + 64 KB
     # The persistent dW tiles whose producer warps also sum db at every T (side warps `DbiasWarps`).
@@ -246,6 +246,18 @@ def candidates(role: str, family: str) -> tuple:
 # d_temb = grad @ W reduces over N_out; it is split into this many fixed, equal K chunks so that the whole GPU streams
 # W even at T = 1. Never depends on T (batch invariance of d_temb). The kernels and the launcher read it here.
 DGRAD_SPLITS = 12
+# db = sum_t grad[t] in one order for every T and every dW config: T's rows in DBIAS_ROW_BLOCK-row blocks aligned
+# to its end (block 0 holds the first T % 64 rows, or 64); in a block, four chains of DBIAS_CHAIN_ROWS rows (chain c:
+# the block's rows 16c .. 16c + 15, cut at row 0), each summed in ascending rows from +0 in FP32, added
+# ((c0 + c1) + c2) + c3; the block sums added in block order from +0. The blocks are the bk = 64 dW tiles' k tiles
+# (shifted back by the K tail, `_k_tiles`), so the persistent dW kernel sums each stage as it lands (`_sum_dbias`);
+# four short chains keep its adds from waiting on each other.
+DBIAS_ROW_BLOCK = 64
+DBIAS_CHAIN_ROWS = 16
+# Up to this T the dW kernels write db (one block: `_store_dbias`), those with db warps (side_warps "dbias") at every T;
+# otherwise the launch runs adaln_bias_grad (the same order, so the same bits).
+FUSED_DBIAS_ROWS = 64
+assert FUSED_DBIAS_ROWS <= DBIAS_ROW_BLOCK  # _store_dbias sums one block
 H200_SMS = SM_COUNT["sm_90a"]  # the pickers' SM count where no device is given (the shipped tables' GPU)
 
 

@@ -21,25 +21,15 @@ import cutlass.cute as cute
 from h3cute.runtime.dsl import make_fake_compact_tensor
 from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION
 
-from ._adaln_configs import DGRAD_SPLITS, GemmTile  # noqa: F401  (DGRAD_SPLITS: d_temb's fixed K chunks)
+# the contract constants the launcher shares: d_temb's fixed K chunks, db's row blocks and chains, where dW writes db
+from ._adaln_configs import (DBIAS_CHAIN_ROWS, DBIAS_ROW_BLOCK, DGRAD_SPLITS, FUSED_DBIAS_ROWS,  # noqa: F401
+                             GemmTile)
 
 OUT_FEATURES = (BLOCK_PROJECTION, FINAL_PROJECTION)  # the block table per call, the final AdaLN's shift | scale
 # d_temb on the wgmma family: within a split, every DGRAD_K_BLOCK-deep block of K is summed from zero by the
 # tensor core (4 chained k16 wgmmas) and added to the FP32 accumulator with IEEE adds in ascending block order.
 # A contract constant (bits depend on it), not a config field: every wgmma config's bk is a multiple of it.
 DGRAD_K_BLOCK = 64
-# db = sum_t grad[t] in one order for every T and every dW config: T's rows in DBIAS_ROW_BLOCK-row blocks aligned
-# to its end (block 0 holds the first T % 64 rows, or 64); in a block, four chains of DBIAS_CHAIN_ROWS rows (chain c:
-# the block's rows 16c .. 16c + 15, cut at row 0), each summed in ascending rows from +0 in FP32, added
-# ((c0 + c1) + c2) + c3; the block sums added in block order from +0. The blocks are the bk = 64 dW tiles' k tiles
-# (shifted back by the K tail, `_k_tiles`), so the persistent dW kernel sums each stage as it lands (`_sum_dbias`);
-# four short chains keep its adds from waiting on each other.
-DBIAS_ROW_BLOCK = 64
-DBIAS_CHAIN_ROWS = 16
-# Up to this T the dW kernels write db (one block: `_store_dbias`), those with db warps (side_warps "dbias") at every T;
-# otherwise the launch runs adaln_bias_grad (the same order, so the same bits).
-FUSED_DBIAS_ROWS = 64
-assert FUSED_DBIAS_ROWS <= DBIAS_ROW_BLOCK  # _store_dbias sums one block
 COPY_BITS = 128  # every cp.async and C vector copy moves 16 bytes
 NO_ATOMICS = ("atom.", "\tred.")  # deterministic: no atomics anywhere
 

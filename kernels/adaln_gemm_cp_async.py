@@ -422,8 +422,8 @@ class CpAsyncWgmmaTmaStoreGemm(CpAsyncWgmmaGemm):
     store (`cp.async.bulk.tensor` shared -> global) and, after db (`dbias_rows`, `_store_dbias`), waits
     `cp.async.bulk.wait_group.read 0` (shared memory must outlive the store's reads) before the CTA exits.
     Why: at small T dW's 520 MB of writes are the cost, and the padded-tile epilogue's scalar st.shared, then
-    ld.shared.v4 and st.global.v4 per thread fill the shared-memory instruction queue (ncu at T = 64: MIO
-    throttle, 52% of DRAM bandwidth); stmatrix.x4 moves 8 values per instruction and the store is one TMA.
+    ld.shared.v4 and st.global.v4 per thread fill the shared-memory instruction queue (the kernel stalls on MIO
+    throttle well short of DRAM bandwidth); stmatrix.x4 moves 8 values per instruction and the store is one TMA.
     Needs whole tiles (the dW shapes: N_out % bm == 0, D % bn == 0; the build asserts it)."""
 
     _ENTRY_STEM = "h3cutekernelsadaln_gemm_WgmmaTmaStoreGemm_object_at_"

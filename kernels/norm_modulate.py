@@ -59,8 +59,8 @@ CLUSTER = 7  # CTAs of a fused-backward cluster: column slices of H / 7 = 768
 # per-step compute (H200, one cluster barrier per step: 0.46 of copy bandwidth).
 FUSED_VEC = 4
 # Rows per exchange step of the fused backward. Two steps' rows are in registers at once (the pipeline), under
-# the 168-register cap of 2 CTAs of 192 threads per SM: 8 rows take ~151 (ptxas, sm_90a); 16 spilled and ran
-# slower on the H200 (500 vs 471 us at S = 32768).
+# the 168-register cap of 2 CTAs of 192 threads per SM: 8 rows take ~151 (ptxas, sm_90a); 16 spill and run
+# slower.
 FUSED_STEPS = (8,)
 FUSED_CAPS = (12, 24)  # table-row capacities the fused backward holds in shared memory; 48 takes rows + params
 FUSED_CTAS_PER_SM = {12: 2, 24: 1}  # by shared memory: 109, 217 KiB per CTA

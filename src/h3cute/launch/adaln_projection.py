@@ -32,14 +32,11 @@ import functools
 import torch
 
 from h3cute import runtime
-from h3cute.kernels._adaln_configs import (ADALN_GEMM_CONFIGS, DGRAD_MODEL_ROWS, DGRAD_ROUNDS,  # noqa: F401
-                                          DGRAD_SPLITS, H200_SMS, PICKS, RoundsPick, candidates, dgrad_round_columns,
-                                          parse_config, pick)
+from h3cute.kernels._adaln_configs import (ADALN_GEMM_CONFIGS, DBIAS_CHAIN_ROWS, DBIAS_ROW_BLOCK,  # noqa: F401
+                                          DGRAD_MODEL_ROWS, DGRAD_ROUNDS, DGRAD_SPLITS, FUSED_DBIAS_ROWS, H200_SMS,
+                                          PICKS, RoundsPick, candidates, dgrad_round_columns, parse_config, pick)
 from h3cute.widths import BLOCK_PROJECTION, TEMB
 
-DBIAS_ROW_BLOCK = 64  # kernels/adaln_gemm.DBIAS_ROW_BLOCK: db sums T in blocks of this many rows,
-DBIAS_CHAIN_ROWS = 16  # each of four chains of this many rows (kernels/adaln_gemm.DBIAS_CHAIN_ROWS)
-FUSED_DBIAS_ROWS = 64  # kernels/adaln_gemm.FUSED_DBIAS_ROWS: up to this T every dW kernel writes db
 # The family sm_90a devices use: the wgmma family passed the GPU suite on an H200 and was as fast or faster at every
 # T measured; sm_100a uses the warp family.
 SM90_FAMILY = "wgmma"
