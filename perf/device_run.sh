@@ -14,6 +14,7 @@
 # h3cute is not installed on the device: src/ goes on PYTHONPATH (h3cute.kernels is src/h3cute/kernels, a link to
 # the top-level kernels/ folder).
 set -uo pipefail
+START=$(date +%s)
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/.device-out}
@@ -94,7 +95,15 @@ fi
 rc_bench=0
 if [ $# -gt 0 ]; then
   export H3CUTE_OUT=$OUT
-  "$@" 2>&1 | tee "$OUT/bench.log"
+  # H3CUTE_DEADLINE_S (the call's time limit, from this script's start): the bench is stopped 30 s before it, so the
+  # reports it finished are still packed below (a call killed at its limit returns nothing of what was left here).
+  limit=()
+  if [ -n "${H3CUTE_DEADLINE_S:-}" ]; then
+    left=$(( H3CUTE_DEADLINE_S - ($(date +%s) - START) - 30 ))
+    [ "$left" -gt 0 ] || left=1
+    limit=(timeout "$left")
+  fi
+  ${limit[@]+"${limit[@]}"} "$@" 2>&1 | tee "$OUT/bench.log"
   rc_bench=${PIPESTATUS[0]}
   # reports the bench wrote under perf/results come back as one archive ($OUT returns at most 8 files)
   find perf/results -type f -newer "$STAMP" -print0 | tar --null -czf "$OUT/results.tgz" -T - 2>/dev/null
