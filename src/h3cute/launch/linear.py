@@ -17,14 +17,15 @@ import torch
 
 from h3cute import runtime
 from h3cute.kernels._linear_configs import gemm_static, splits, wgrad_rows, wgrad_step
-from h3cute.widths import LINEAR_SHAPES
 from h3cute.launch.timestep_mlp import transposed
+from h3cute.widths import LINEAR_SHAPES
 
 _ALIGN = 16  # bytes: the GEMM's cp.async vectors (GemmTF32x3's 16-byte aligned rows)
 
 
-def _gemm(device, gemm: str, weight: torch.Tensor):
-    return runtime.kernel("linear_gemm", device, **gemm_static(gemm, *weight.shape))
+def _gemm(device, gemm: str, shape: tuple):
+    """The `linear_gemm` kernel of GEMM kind `gemm` for a weight of shape (N, K)."""
+    return runtime.kernel("linear_gemm", device, **gemm_static(gemm, *shape))
 
 
 def _fold(device, parts: int, width: int):
@@ -51,7 +52,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     if rows.shape[0]:
         if bias is None:
             bias = torch.full((n,), -0.0, dtype=torch.float32, device=x.device)
-        _gemm(x.device, "fwd", weight)(rows, _aligned(weight), _aligned(bias), y)
+        _gemm(x.device, "fwd", weight.shape)(rows, _aligned(weight), _aligned(bias), y)
     return y.view(*x.shape[:-1], n)
 
 
@@ -71,7 +72,7 @@ def backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, x_grad: 
     if x_grad:
         parts = splits("dgrad", n, k)
         dx = torch.empty((parts, rows, k), **f32)
-        _gemm(dev, "dgrad", weight)(g, transposed(w), dx)  # B = weight.t() (K, N), N-major in place
+        _gemm(dev, "dgrad", weight.shape)(g, transposed(w), dx)  # B = weight.t() (K, N), N-major in place
         if parts > 1:
             folded = torch.empty((rows, k), **f32)
             _fold(dev, parts, k)(dx, folded[0, :1], folded)
@@ -87,13 +88,13 @@ def _dweight(g: torch.Tensor, xr: torch.Tensor, weight: torch.Tensor) -> torch.T
     bulk, tail = wgrad_rows(n, k, g.shape[0])
     if not bulk:  # fewer rows than one chunk per slice: the one-slice k-tail GEMM alone
         dweight = torch.empty((1, n, k), dtype=torch.float32, device=dev)
-        _gemm(dev, "wgrad_tail", weight)(transposed(g), transposed(xr), dweight)
+        _gemm(dev, "wgrad_tail", weight.shape)(transposed(g), transposed(xr), dweight)
         return dweight[0]
     chunks = splits("wgrad", n, k)
     partials = torch.empty((chunks + 1, n, k), dtype=torch.float32, device=dev)
-    _gemm(dev, "wgrad", weight)(transposed(g[:bulk]), transposed(xr[:bulk]), partials[:chunks])
+    _gemm(dev, "wgrad", weight.shape)(transposed(g[:bulk]), transposed(xr[:bulk]), partials[:chunks])
     if tail:  # rows bulk.. (a 16-byte aligned start: N and K are multiples of 4 floats)
-        _gemm(dev, "wgrad_tail", weight)(transposed(g[bulk:]), transposed(xr[bulk:]), partials[chunks:])
+        _gemm(dev, "wgrad_tail", weight.shape)(transposed(g[bulk:]), transposed(xr[bulk:]), partials[chunks:])
     else:
         partials[chunks].zero_()  # +0 leaves every sum's bits alone
     dweight = torch.empty((n, k), dtype=torch.float32, device=dev)
@@ -109,7 +110,7 @@ def kernel_handles(device: int, head: int, rows: int):
     dev = torch.device("cuda", device)
     n, k = LINEAR_SHAPES[head]
     parts, chunks = splits("dgrad", n, k), splits("wgrad", n, k)
-    fns = [runtime.kernel("linear_gemm", dev, **gemm_static(g, n, k)) for g in ("fwd", "dgrad", "wgrad", "wgrad_tail")]
+    fns = [_gemm(dev, g, (n, k)) for g in ("fwd", "dgrad", "wgrad", "wgrad_tail")]
     fns.append(_fold(dev, chunks + 1, k))
     if parts > 1:
         fns.append(_fold(dev, parts, k))

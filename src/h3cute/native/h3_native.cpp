@@ -943,7 +943,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(const at::Te
   const TVMFFIObjectHandle* fn = kt.fns;
   const int64_t parts = kt.params[0], chunks = kt.params[1], step = kt.params[2];
   const int64_t bulk = rows / step * step, tail = rows - bulk;
-  const View g(grad, {rows, n}, {n, 1}), xr(x, {rows, k}, {k, 1});
+  const View g(grad, {rows, n}, {n, 1});
   // the operands read in place through their transposed (MN-major) views, rows [from, from + count)
   auto t_rows = [](const at::Tensor& t, int64_t width, int64_t from, int64_t count) {
     return View(t, {width, count}, {1, width}, from * width);
@@ -952,7 +952,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(const at::Te
   at::Tensor dx = at::empty({0, k}, x.options());
   if (x_grad) {
     at::Tensor p = at::empty({parts, rows, k}, x.options());
-    call_kernel(fn[1], {g, View(weight, {k, n}, {1, k}), p});  // B = weight.t() (K, N), N-major in place
+    call_kernel(fn[1], {g, transposed(weight), p});  // B = weight.t() (K, N), N-major in place
     if (parts > 1) {
       dx = at::empty({rows, k}, x.options());
       call_kernel(fn[5], {p, View(dx, {1}, {1}), dx});  // the "sum" fold's (1,) aux operand is never read
