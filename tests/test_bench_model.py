@@ -37,9 +37,7 @@ def test_quick_run_resume_and_budget(tmp_path):
         for v in ("unpatched", "patched"):
             assert r[v]["ms"] > 0, (r, v)
             if r["mode"] == "eager":
-                # The tiny CPU model is nearly all conditioning, and the backward sites' hook-bounded intervals may
-                # overlap by a hook's own time, so the share may pass 1 by that much (never by a whole site).
-                assert 0 < r[v]["share"] <= 1.02 and r[v]["conditioning_fwd_ms"] > 0
+                assert 0 < r[v]["share"] <= 1 and r[v]["conditioning_fwd_ms"] > 0
                 assert (r[v]["conditioning_bwd_ms"] is not None) == (r["phase"] == "fwd_bwd")
         assert r["speedup"] == pytest.approx(r["unpatched"]["ms"] / r["patched"]["ms"])
     assert "h3::gate_residual_norm_modulate" in rep["patch_report"]
