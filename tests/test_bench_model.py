@@ -54,14 +54,42 @@ def test_quick_run_resume_and_budget(tmp_path):
     assert stopped.returncode == 3 and json.loads(cut.read_text())["complete"] is False
 
 
+def _laid_out(durations: dict) -> dict:
+    """Intervals of the given lengths laid end to end per phase, each block's attn and ff inside it."""
+    iv, at = {}, {"fwd": 0.0, "bwd": 0.0}
+    for (phase, site), ms in durations.items():
+        if site.endswith((".attn", ".ff")):
+            continue
+        iv[(phase, site)] = (at[phase], at[phase] + ms)
+        inner = iv[(phase, site)][0] + 0.5
+        for part in ("attn", "ff"):
+            if (phase, f"{site}.{part}") in durations:
+                span = durations[(phase, f"{site}.{part}")]
+                iv[(phase, f"{site}.{part}")] = (inner, inner + span)
+                inner += span
+        at[phase] += ms
+    return iv
+
+
 def test_conditioning_share_arithmetic():
     d = {("fwd", "time_proj"): 1.0, ("fwd", "time_embedder"): 2.0, ("fwd", "norm_out"): 3.0,
          ("fwd", "block0"): 10.0, ("fwd", "block0.attn"): 4.0, ("fwd", "block0.ff"): 5.0,
          ("bwd", "time_embedder"): 1.5, ("bwd", "norm_out"): 2.5, ("bwd", "block0"): 20.0,
          ("bwd", "block0.attn"): 9.0, ("bwd", "block0.ff"): 8.0}
-    assert model_bench.conditioning_ms(d, "fwd", 1) == 1 + 2 + 3 + (10 - 4 - 5)
-    assert model_bench.conditioning_ms(d, "bwd", 1) == 1.5 + 2.5 + (20 - 9 - 8)
-    assert model_bench.conditioning_ms(d, "fwd", 2) is None  # block1's boundaries missing
+    iv = _laid_out(d)
+    assert model_bench.conditioning_ms(iv, "fwd", 1) == 1 + 2 + 3 + (10 - 4 - 5)
+    assert model_bench.conditioning_ms(iv, "bwd", 1) == 1.5 + 2.5 + (20 - 9 - 8)
+    assert model_bench.conditioning_ms(iv, "fwd", 2) is None  # block1's boundaries missing
+
+
+def test_conditioning_counts_nested_sites_once():
+    # as the autograd engine may order them: time_embedder's backward inside block 0's, after its attn and ff
+    iv = {("bwd", "norm_out"): (0.0, 30.0), ("bwd", "block0"): (30.0, 400.0), ("bwd", "block0.ff"): (31.0, 33.0),
+          ("bwd", "block0.attn"): (37.0, 43.0), ("bwd", "time_embedder"): (370.0, 390.0)}
+    got = model_bench.conditioning_ms(iv, "bwd", 1)
+    assert got == 30 + 370 - 2 - 6  # a sum of the site lengths would count time_embedder's 20 ms twice
+    assert got <= 400.0
+    assert model_bench._union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
 
 
 def test_layout_and_plan():

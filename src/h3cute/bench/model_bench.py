@@ -13,8 +13,10 @@ compiled model has no boundary to time them at) comes from events at its call si
 instrumented call after the timed ones: forward, time_proj + time_embedder + norm_out + per block (block - attn
 - ff), each the interval between the events recorded at the module's entry and exit; backward, the same sites
 between the tensor hooks of the module's output gradient (its backward starts) and its input gradient (its
-backward is done; time_embedder: linear_1.weight's accumulated gradient). The share divides by the same call's
-whole interval.
+backward is done; time_embedder: linear_1.weight's accumulated gradient). Sites' intervals may nest (the
+autograd engine can run time_embedder's backward inside block 0's), so the conditioning time is the length of a
+union: the sites' intervals, less the attn and ff intervals. The share divides it by the same call's whole
+interval.
 
 A run writes its JSON after every configuration; `--resume` skips the configurations its JSON already holds,
 and `--budget-s` stops starting new ones past that many seconds, so a run that must fit a fixed device call
@@ -113,40 +115,60 @@ class SiteTimer:
             self.handles.append(end_param.register_post_accumulate_grad_hook(
                 lambda p: self.mark(("bwd", name, "end"))))
 
-    def durations_ms(self) -> dict:
-        """{(phase, site): ms} of the marks since the last call (first start to last end of each)."""
+    def intervals_ms(self) -> dict:
+        """{(phase, site): (start, end)} in ms from the first mark, of the marks since the last call (first start
+        to last end of each site)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if not self.marks:
+            return {}
+        origin = self.marks[0][1]
+
+        def ms(stamp):
+            return origin.elapsed_time(stamp) if self.device.type == "cuda" else (stamp - origin) * 1e3
+
         first, last = {}, {}
         for (phase, site, edge), stamp in self.marks:
             if edge == "start":
-                first.setdefault((phase, site), stamp)
+                first.setdefault((phase, site), ms(stamp))
             else:
-                last[(phase, site)] = stamp
-        out = {}
-        for key, start in first.items():
-            if key in last:
-                end = last[key]
-                out[key] = start.elapsed_time(end) if self.device.type == "cuda" else (end - start) * 1e3
+                last[(phase, site)] = ms(stamp)
         self.marks = []
-        return out
+        return {key: (start, last[key]) for key, start in first.items() if key in last}
 
     def close(self):
         for h in self.handles:
             h.remove()
 
 
-def conditioning_ms(d: dict, phase: str, blocks: int) -> float | None:
-    """The conditioning path's ms of one call from SiteTimer durations (None when a boundary is missing)."""
+def _union(intervals) -> list[tuple[float, float]]:
+    """Disjoint, sorted intervals covering the same instants as `intervals`."""
+    out = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def conditioning_ms(iv: dict, phase: str, blocks: int) -> float | None:
+    """The conditioning path's ms of one call from SiteTimer intervals: the length of the union of its sites'
+    intervals less the union of the blocks' attn and ff intervals (None when a boundary is missing)."""
+    sites = ["time_embedder", "norm_out"] + (["time_proj"] if phase == "fwd" else [])
+    sites += [f"block{i}" for i in range(blocks)]
+    inner = [f"block{i}.{part}" for i in range(blocks) for part in ("attn", "ff")]
     try:
-        total = sum(d[(phase, s)] for s in ("time_embedder", "norm_out"))
-        if phase == "fwd":
-            total += d[(phase, "time_proj")]
-        for i in range(blocks):
-            total += d[(phase, f"block{i}")] - d[(phase, f"block{i}.attn")] - d[(phase, f"block{i}.ff")]
-        return total
+        keep = _union(iv[(phase, s)] for s in sites)
+        drop = _union(iv[(phase, s)] for s in inner)
     except KeyError:
         return None
+    total = 0.0
+    for start, end in keep:
+        total += end - start
+        for d0, d1 in drop:
+            total -= max(0.0, min(end, d1) - max(start, d0))
+    return total
 
 
 # ---- one configuration ---------------------------------------------------------------------------------
@@ -196,10 +218,10 @@ def measure(model, fn, inputs, phase, plan: Plan, device, compiled: bool) -> dic
             timer.mark(("all", "model", "start"))
             call()
             timer.mark(("all", "model", "end"))
-            sites = timer.durations_ms()
+            sites = timer.intervals_ms()
         finally:
             timer.close()
-        whole = sites[("all", "model")]
+        whole = sites[("all", "model")][1] - sites[("all", "model")][0]
         if "ms" not in entry:  # a one-sample smoke run: the instrumented call is the sample
             entry.update(ms=whole, samples=1, first_ms=whole)
         blocks = len(model.transformer_blocks)
