@@ -364,3 +364,16 @@ def assert_cpp_walks_the_plans(module, monkeypatch):
             assert got == _python_walk(plan, rows, lead, monkeypatch), (str(plan), rows)
             walked += 1
     assert walked > 100
+
+
+def test_native_plan_takes_the_cpp_int_keys(monkeypatch, fake_device):
+    # h3_native.cpp passes (phase name, key ints): the plan is the one the Python launcher builds for the typed key.
+    monkeypatch.setattr(runtime, "kernel", _Recorder({}))
+    encoded = linear.native_plan(0, "backward", (5376, 96, 1), 300)
+    plan, fns = P.plan_for(linear.build, P.Phase.BACKWARD, torch.device("cuda", 0), linear.BackwardKey(5376, 96, True),
+                           300)
+    assert plan.key.x_grad is True and encoded == P.encode(plan, [fn.__chandle__() for fn in fns])
+    lo, hi, inputs, handles = gate_residual.native_plan(0, "forward", (HIDDEN, 0), 5)[:4]
+    assert (lo, hi, inputs, len(handles)) == (1, runtime.MAX_ROWS, 4, 1)
+    with pytest.raises(ValueError):
+        linear.native_plan(0, "sideways", (5376, 96, 1), 300)

@@ -20,6 +20,7 @@ per (op, phase, device, key) and row range, with the compiled kernels resolved o
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 from dataclasses import dataclass
@@ -341,5 +342,7 @@ def native_plan(build: Builder, keys: dict, device: int, phase: str, key: tuple,
     """For h3_native.cpp's plan tables: the encoded plan serving `rows` for (phase, the op's key type of that phase
     in `keys` made from the ints `key`), with its kernels' C handles (the Python runtime keeps the kernels alive)."""
     phase = Phase(phase)
-    plan, fns = plan_for(build, phase, torch.device("cuda", device), keys[phase](*key), rows)
+    kind = keys[phase]  # C++ passes ints: the key's bool fields become bools again
+    key = kind(*(bool(v) if f.type == "bool" else v for f, v in zip(dataclasses.fields(kind), key, strict=True)))
+    plan, fns = plan_for(build, phase, torch.device("cuda", device), key, rows)
     return encode(plan, [fn.__chandle__() for fn in fns])
