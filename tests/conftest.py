@@ -110,3 +110,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.line(f"UNEXPECTED SKIP {nodeid}: {reason}")
     terminalreporter.line(f"{len(_skipped) - len(bad)} allowed skips (tests/conftest.py ALLOWED_SKIPS), "
                           f"{len(bad)} unexpected" + (": the session fails" if bad else ""))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans(monkeypatch):
+    """Launch plans keep the kernels `runtime.kernel` gave when they were built (h3cute.launch.plan): a test that
+    stands in for `runtime.kernel` needs plans built through its stand-in, so each test starts with no plans."""
+    from h3cute.launch import plan
+
+    monkeypatch.setattr(plan, "_cache", {})

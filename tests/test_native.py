@@ -12,12 +12,11 @@ import torch
 
 import h3cute
 from h3cute import native, reference
-from h3cute.kernels._linear_configs import splits, wgrad_step
 from h3cute.launch import checks
 from h3cute.ops import _library, adaln, timestep
 from h3cute.ops import linear as linear_ops
 from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FP32_HEADS, FREQ, HIDDEN,
-                           LINEAR_SHAPES, MLP_HIDDEN, NORM_EPS, TEMB)
+                           MLP_HIDDEN, NORM_EPS, TEMB)
 
 from bitwise import same_bits
 from poison import poison_allocator
@@ -66,7 +65,7 @@ print(list(native.build().OPS))
 
 @pytest.mark.slow
 @pytest.mark.skipif(no_compiler, reason="no C++ compiler or ninja on this machine")
-def test_builds_against_this_torch_and_registers_the_cuda_impl(tmp_path):
+def test_builds_against_this_torch_and_registers_the_cuda_impl(tmp_path, monkeypatch):
     # A fresh process and cache: the build from source, then the C++ kernel is what CUDA dispatches to, once the
     # library has taken its constants (h3cute.native.constants: the widths and launch constants it declares nowhere).
     env = dict(os.environ, H3CUTE_CACHE_DIR=str(tmp_path))
@@ -88,6 +87,12 @@ def test_builds_against_this_torch_and_registers_the_cuda_impl(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == str(list(NATIVE_OPS)) and "building" not in proc.stderr, proc.stderr
+    # The launch plans of the ops on plans: the library decodes each to itself and walks it (on meta tensors,
+    # launching nothing) with the Python walker's kernels, argument views and outputs.
+    from test_launch_plans import assert_cpp_walks_the_plans
+
+    library = next(tmp_path.glob(f"native/*/{native.MODULE_NAME}*.so"))
+    assert_cpp_walks_the_plans(native._import_library(library), monkeypatch)
 
 
 def test_python_impls_the_cpp_layer_hands_off_to_are_the_declared_cuda_impls():
@@ -330,17 +335,25 @@ def test_norm_modulate_backward_cpp_equals_python_impl(table_rows):
 
 @gpu
 @pytest.mark.parametrize("table_rows", [3, 9, 48])
-def test_gate_residual_cpp_equals_python_impl(table_rows):
-    rows = 4097
+@pytest.mark.parametrize("rows", [1, 4097])
+def test_gate_residual_cpp_equals_python_impl(table_rows, rows):
+    # Both walk the op's launch plans (the C++ one decoded from Python's): the same bits into poisoned outputs,
+    # with a compact gate table and a row-strided half of a wider one read in place.
     residual, y = _seeded((rows, HIDDEN), 17, torch.bfloat16), _seeded((rows, HIDDEN), 18, torch.bfloat16)
-    gate = _seeded((table_rows, HIDDEN), 19, torch.bfloat16)
+    wide = _seeded((table_rows, 2 * HIDDEN), 19, torch.bfloat16)
     idx = torch.randint(0, table_rows, (rows,), device="cuda")
     grad = _seeded((rows, HIDDEN), 20, torch.bfloat16)
-    for check in (False, True):
-        assert same_bits(torch.ops.h3.gate_residual(residual, y, gate, idx, check),
-                           adaln._gate_residual_cuda(residual, y, gate, idx, check))
-    assert same_bits(torch.ops.h3.gate_residual_backward(grad, y, gate, idx),
-                       adaln._gate_residual_backward_cuda(grad, y, gate, idx))
+    for gate in (wide[:, :HIDDEN].contiguous(), wide[:, HIDDEN:]):
+        for check in (False, True):
+            slow = adaln._gate_residual_cuda(residual, y, gate, idx, check)
+            poison_allocator()
+            assert _finite([slow]) and same_bits(torch.ops.h3.gate_residual(residual, y, gate, idx, check), slow)
+        slow = adaln._gate_residual_backward_cuda(grad, y, gate, idx)
+        poison_allocator()
+        assert _finite(slow) and same_bits(torch.ops.h3.gate_residual_backward(grad, y, gate, idx), slow)
+        # a second call takes the plan table's cached plan
+        assert same_bits(torch.ops.h3.gate_residual_backward(grad, y, gate, idx), slow)
+    assert _dispatches_to_native("gate_residual") and _dispatches_to_native("gate_residual_backward")
 
 
 @gpu
@@ -629,8 +642,9 @@ class _FakeKernel:
 def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     # Each answer the C++ tables cache: which kernels, in launch order, with which launch constants.
     from h3cute import runtime
-    from h3cute.launch import (adaln_projection, adaln_row_gather, final_adaln_out, gate_residual,
-                               gate_residual_norm_modulate, linear, norm_modulate, timestep_mlp, timestep_sinusoid)
+    # (h3::linear and h3::gate_residual are on launch plans: tests/test_launch_plans.py)
+    from h3cute.launch import (adaln_projection, adaln_row_gather, final_adaln_out, gate_residual_norm_modulate,
+                               norm_modulate, timestep_mlp, timestep_sinusoid)
 
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
@@ -648,8 +662,6 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
         return [name for name, _ in _FakeKernel.asked], answer[3:] and answer[3]
 
     groups = norm_modulate.ROW_GROUPS[arch]
-    assert asked(gate_residual, 0, 5) == (["gate_residual_fwd"], check_constants("gate_residual"))
-    assert asked(gate_residual, 30, 5) == (["gate_residual_bwd", "rowwise_fold"], [groups])
     assert asked(adaln_row_gather, 9, 5) == (["adaln_row_gather_bwd", "rowwise_fold"], [groups])
     fused = norm_modulate.FUSED_ROW_GROUPS[arch][12]
     assert asked(norm_modulate, 9, 5) == (["norm_modulate_bwd_fused", "rowwise_fold"], [fused])
@@ -684,13 +696,6 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     assert constants == [fused]
     with pytest.raises(ValueError):
         final_adaln_out.kernel_handles(0, 1, 30)  # the C++ backward takes T <= 24
-    for head, (n, k) in enumerate(LINEAR_SHAPES):  # one sequence per weight shape at every row count
-        parts = splits("dgrad", n, k)
-        want = ["linear_gemm"] * 4 + ["linear_fold"] * (1 + (parts > 1))
-        assert asked(linear, head, 3) == asked(linear, head, 40000) == (want, [parts, splits("wgrad", n, k),
-                                                                               wgrad_step(n, k)])
-        assert [dict(s)["role"] for name, s in _FakeKernel.asked[:4]] == ["fwd", "dgrad", "wgrad", "wgrad_tail"]
-        assert linear.kernel_handles(0, head, 1)[:2] == (0, 2**62)
     assert asked(adaln_projection, 0, 3) == (["adaln_silu_cast", proj], ())
     bwd = [proj.replace("fwd", "dgrad"), "adaln_dtemb_fold", proj.replace("fwd", "wgrad")]
     assert asked(adaln_projection, 1, 64) == (bwd, [0])  # db fused into the dW GEMM

@@ -5,21 +5,69 @@ backward: one pass over the rows writes dy = bf16(grad * gate[idx]) and FP32 par
 dgate[r] = sum grad * y per fixed row group (h3cute.launch.norm_modulate.reduction_layout: ROW_GROUPS; windows
 beyond 48 table rows); the fold sums the groups in order. d residual is grad itself (the op layer returns it).
 No host sync.
+
+The launches are launch plans (h3cute.launch.plan): `build` writes them, `forward` / `backward` check and prepare
+the inputs and walk them, and the C++ layer walks the same plans (`native_plan`). Row ranges: S = 0 (no launch)
+and S >= 1.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from h3cute import runtime
 from h3cute.launch import checks
+from h3cute.launch import plan as P
+from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, view
 
-from .norm_modulate import (check_rows, fold, index_vector, reduction_kernel, reduction_layout, row_op_kernel_handles,
-                            table_view)
+from .norm_modulate import check_rows, index_vector, reduction_layout, table_view
+
+OP = "gate_residual"
+INPUTS = {"forward": ("residual", "y", "gate", "adaln_indices"), "backward": ("grad", "y", "gate", "adaln_indices")}
 
 
-def kernel_handles(device: int, variant: int, num_rows: int):
-    """For the C++ impls (h3cute.native): `gate_residual_fwd`; `gate_residual_bwd` + `rowwise_fold`."""
-    return row_op_kernel_handles(device, variant, "gate_residual_backward", "gate_residual_fwd", "gate_residual_bwd")
+@dataclass(frozen=True)
+class ForwardKey:
+    width: int
+    check_indices: bool  # False: a bad index writes the discard check slot
+
+
+@dataclass(frozen=True)
+class BackwardKey:
+    width: int
+    table_rows: int
+
+
+KEYS = {Phase.FORWARD: ForwardKey, Phase.BACKWARD: BackwardKey}
+
+
+def build(phase: Phase, device, key, rows: int) -> P.Plan:
+    """The launch plan of h3::gate_residual's `phase` for `rows` rows (the inputs of INPUTS[phase])."""
+    lo, hi = (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+    width = key.width
+    if phase is Phase.FORWARD:
+        steps = ()
+        if rows:
+            slot = checks.slot_addresses(device, OP, "adaln_indices", key.check_indices)
+            steps = (Launch(Kernel.of("gate_residual_fwd", width=width),
+                            (view("residual"), view("y"), view("gate"), view("adaln_indices"), view("out"), *slot)),)
+        return P.Plan(OP, phase, key, lo, hi, INPUTS[phase.value], (Buffer("out", torch.bfloat16, (M, width)),), steps,
+                      (Output(view("out")),))
+    buffers = [Buffer("dy", torch.bfloat16, (M, width)), Buffer("dgate", torch.bfloat16, (key.table_rows, width))]
+    if rows == 0:
+        steps = (Fill(view("dgate"), 0.0),)
+    else:
+        cap, windows, groups = reduction_layout(key.table_rows, device)
+        windowed = dict(windowed=True) if windows > 1 else {}
+        buffers.append(Buffer("partials", torch.float32, (groups, key.table_rows, width)))
+        steps = (Launch(Kernel.of("gate_residual_bwd", width=width, cap=cap, **windowed),
+                        (view("grad"), view("y"), view("gate"), view("adaln_indices"), view("dy"), view("partials"))),
+                 # dgate (contiguous BF16) = the in-order sum over the row groups, rounded once
+                 Launch(Kernel.of("rowwise_fold"), (view("partials", layout=Layout.MATRIX),
+                                                   view("dgate", layout=Layout.FLAT))))
+    return P.Plan(OP, phase, key, lo, hi, INPUTS[phase.value], tuple(buffers), steps,
+                  (Output(view("dy")), Output(view("dgate"))))
 
 
 def check_residual_rows(op: str, residual, y, width: int) -> None:
@@ -33,16 +81,12 @@ def check_residual_rows(op: str, residual, y, width: int) -> None:
 def forward(residual, y, gate, adaln_indices, check_indices=True):
     """(S, H) BF16 `residual + gate[idx] * y`; a bad index writes a NaN row and, with `check_indices`, is recorded
     in the op's check slot (h3cute.launch.checks)."""
-    op = "gate_residual"
     width = y.shape[-1]
-    check_residual_rows(op, residual, y, width)
-    gate = table_view(op, "gate", gate, width)
-    idx = index_vector(op, adaln_indices, y.shape[0])
-    out = torch.empty_like(y)
-    if y.shape[0]:
-        runtime.kernel("gate_residual_fwd", y.device, width=width)(
-            residual, y, gate, idx, out, *checks.slot_addresses(y.device, op, "adaln_indices", check_indices))
-    return out
+    check_residual_rows(OP, residual, y, width)
+    gate = table_view(OP, "gate", gate, width)
+    idx = index_vector(OP, adaln_indices, y.shape[0])
+    key = ForwardKey(width, bool(check_indices))
+    return P.run(build, Phase.FORWARD, key, (residual, y, gate, idx), y.shape[0], y.shape[:-1], y.device)[0]
 
 
 def backward(grad, y, gate, adaln_indices):
@@ -53,13 +97,11 @@ def backward(grad, y, gate, adaln_indices):
     check_rows(op, "y", y, width)
     gate = table_view(op, "gate", gate, width)
     idx = index_vector(op, adaln_indices, y.shape[0])
-    table_rows = gate.shape[0]
-    device = y.device
-    dy = torch.empty_like(y)
-    dgate = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
-    if y.shape[0] == 0:
-        return dy, dgate.zero_()
-    cap, windows, groups = reduction_layout(table_rows, device)
-    partials = torch.empty((groups, table_rows, width), dtype=torch.float32, device=device)
-    reduction_kernel("gate_residual_bwd", device, width, cap, windows)(grad, y, gate, idx, dy, partials)
-    return dy, fold(partials, dgate)
+    key = BackwardKey(width, gate.shape[0])
+    return P.run(build, Phase.BACKWARD, key, (grad, y, gate, idx), y.shape[0], y.shape[:-1], y.device)
+
+
+def native_plan(device: int, phase: str, key: tuple, rows: int) -> tuple:
+    """For the C++ impls (h3cute.native): the encoded plan of (phase, key (width, check_indices or table rows))
+    serving `rows`."""
+    return P.native_plan(build, KEYS, device, phase, key, rows)

@@ -7,7 +7,9 @@
 // Python keeps every decision that is not the fast path: any input the fast predicate does not accept
 // goes to the op's Python CUDA impl, which widens, refuses with the exact message of
 // h3cute.ops.validate, or runs; the compiled kernel is looked up once per (device, variant) through
-// the Python runtime (prebuilt bundle, disk cache or JIT), which keeps the function alive.
+// the Python runtime (prebuilt bundle, disk cache or JIT), which keeps the function alive. Ops on launch plans
+// (h3cute/launch/plan.py: linear, gate_residual) hold only their fast-path predicate here and walk the plan Python
+// wrote (PlanTable, walk).
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -44,7 +46,7 @@ struct Constants {
   int64_t dgrad_splits, fold_warps, dbias_row_block;
   // launch/norm_modulate.py: the largest of FUSED_CAPS, MAX_TABLE_ROWS
   int64_t max_fused_table_rows, max_table_rows;
-  // h3cute.widths.LINEAR_SHAPES: h3::linear's weight shapes (N, K), in order (the index is its kernel table variant)
+  // h3cute.widths.LINEAR_SHAPES: h3::linear's weight shapes (N, K), the ones its fast path serves
   std::vector<std::pair<int64_t, int64_t>> linear_shapes;
 };
 Constants h3;
@@ -122,6 +124,14 @@ class View {
   View(const at::Tensor& base, std::initializer_list<int64_t> dims, std::initializer_list<int64_t> steps,
        int64_t offset = 0)
       : View(base, c10::IntArrayRef(dims), c10::IntArrayRef(steps), offset) {}
+  View(const at::Tensor& base, c10::IntArrayRef dims, c10::IntArrayRef steps, int64_t offset)
+      : tensor_(dl_view(base)) {
+    TORCH_CHECK(dims.size() == steps.size() && dims.size() <= 3, "h3cute native: bad view");
+    std::copy(dims.begin(), dims.end(), shape_);
+    std::copy(steps.begin(), steps.end(), strides_);
+    tensor_.ndim = static_cast<int32_t>(dims.size());
+    tensor_.data = static_cast<char*>(base.data_ptr()) + offset * base.element_size();
+  }
   TVMFFIAny any() const {
     tensor_.shape = shape_, tensor_.strides = strides_;
     TVMFFIAny a;
@@ -132,14 +142,6 @@ class View {
   }
 
  private:
-  View(const at::Tensor& base, c10::IntArrayRef dims, c10::IntArrayRef steps, int64_t offset)
-      : tensor_(dl_view(base)) {
-    TORCH_CHECK(dims.size() == steps.size() && dims.size() <= 3, "h3cute native: bad view");
-    std::copy(dims.begin(), dims.end(), shape_);
-    std::copy(steps.begin(), steps.end(), strides_);
-    tensor_.ndim = static_cast<int32_t>(dims.size());
-    tensor_.data = static_cast<char*>(base.data_ptr()) + offset * base.element_size();
-  }
   mutable DLTensor tensor_;
   mutable int64_t shape_[3], strides_[3];
 };
@@ -176,12 +178,12 @@ class KernelArg {
 };
 
 // Calls one compiled kernel; a kernel-side error (its argument checks) becomes a RuntimeError.
-void call_kernel(TVMFFIObjectHandle fn, std::initializer_list<KernelArg> args) {
-  constexpr size_t kMaxArgs = 12;
-  TORCH_CHECK(args.size() <= kMaxArgs, "h3cute native: too many kernel arguments");
+constexpr size_t kMaxArgs = 12;
+void call_kernel(TVMFFIObjectHandle fn, const KernelArg* args, size_t count) {
+  TORCH_CHECK(count <= kMaxArgs, "h3cute native: too many kernel arguments");
   TVMFFIAny anys[kMaxArgs];
   size_t n = 0;
-  for (const KernelArg& a : args) anys[n++] = a.any();
+  for (; n < count; ++n) anys[n] = args[n].any();
   TVMFFIAny result;
   result.type_index = kTVMFFINone;
   result.zero_padding = 0;
@@ -196,6 +198,9 @@ void call_kernel(TVMFFIObjectHandle fn, std::initializer_list<KernelArg> args) {
     TVMFFIObjectDecRef(err);
   }
   TORCH_CHECK(false, msg);
+}
+void call_kernel(TVMFFIObjectHandle fn, std::initializer_list<KernelArg> args) {
+  call_kernel(fn, args.begin(), args.size());
 }
 
 // The compiled kernels of one op, per (device, variant, row range): `<module>.kernel_handles(device,
@@ -398,6 +403,433 @@ View transposed(const at::Tensor& t) { return View(t, {t.size(1), t.size(0)}, {1
 
 // A dense tensor as one flat vector (the folds' output).
 View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
+
+// ---- launch plans (h3cute/launch/plan.py) --------------------------------------------------------------------
+// An op's launch sequence as data: the buffers to allocate, the steps (a kernel launch with its arguments, or a
+// fill) in order, and how the outputs are made, for one (op, phase, static key, row range). Python writes each
+// plan once (`<module>.native_plan`), this file decodes it once into a `Plan` when a PlanTable fetches it, and
+// `walk` runs it with the semantics of plan.py's `walk`: an op on plans holds only its fast-path predicate here.
+
+enum class Layout : int64_t { as_is = 0, t = 1, flat = 2, matrix = 3, first = 4, item0 = 5 };  // plan.Layout
+constexpr int64_t kLayouts = 6;
+
+// per_row * M + whole * (M / step * step) + konst, for the op's row count M (plan.Dim)
+struct Dim {
+  int64_t konst = 0, per_row = 0, whole = 0, step = 1;
+  int64_t at(int64_t m) const { return per_row * m + whole * (m / step * step) + konst; }
+};
+
+// a step's guard: none, or dim(M) != 0 (nonzero) / == 0 (plan.Cond)
+struct Cond {
+  bool has = false, nonzero = true;
+  Dim dim;
+  bool holds(int64_t m) const { return !has || ((dim.at(m) != 0) == nonzero); }
+};
+
+// a kernel argument: an Int64 scalar, or a view of source `source` (the inputs, then the buffers): rows
+// [start, stop) of dim 0 when `ranged`, then `layout` (plan.View)
+struct Arg {
+  bool is_int = false;
+  int64_t value = 0;
+  int64_t source = 0;
+  bool ranged = false;
+  Dim start, stop;
+  Layout layout = Layout::as_is;
+};
+
+enum class StepKind : int64_t { launch = 0, fill = 1 };
+struct Step {
+  StepKind kind = StepKind::launch;
+  int64_t kernel = -1;  // an index into Plan::fns (launch)
+  double value = 0.0;   // fill
+  Cond when;
+  std::vector<Arg> args;  // launch: the kernel's arguments; fill: its target
+};
+
+struct Buffer {
+  at::ScalarType dtype;
+  std::vector<Dim> shape;
+};
+
+enum class OutputKind : int64_t { view = 0, column_sum = 1 };
+struct Output {
+  OutputKind kind = OutputKind::view;
+  bool lead = false;  // viewed as the row input's leading dims and its own last dim
+  Arg arg;
+};
+
+struct Plan {
+  int64_t lo = 0, hi = 0, inputs = 0;
+  std::vector<TVMFFIObjectHandle> fns;
+  std::vector<Buffer> buffers;
+  std::vector<Step> steps;
+  std::vector<Output> outputs;
+};
+
+// ---- decoding (plan.py `encode`'s wire format) and its mirror, for describe_plan ----
+
+at::ScalarType plan_dtype(int64_t code) {  // plan.DTYPE_CODES
+  switch (code) {
+    case 0: return at::kFloat;
+    case 1: return at::kBFloat16;
+    case 2: return at::kLong;
+    default: TORCH_CHECK(false, "h3cute native: plan dtype code ", code);
+  }
+}
+int64_t plan_dtype_code(at::ScalarType t) {
+  return t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : 2;
+}
+
+Dim decode_dim(const py::handle& h) {
+  auto t = h.cast<py::tuple>();
+  TORCH_CHECK(t.size() == 4, "h3cute native: a plan dim has 4 terms");
+  Dim d{t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>()};
+  TORCH_CHECK(d.step > 0, "h3cute native: a plan dim's row step must be positive");
+  return d;
+}
+py::tuple encode_dim(const Dim& d) { return py::make_tuple(d.konst, d.per_row, d.whole, d.step); }
+
+Cond decode_cond(const py::handle& h) {
+  auto t = h.cast<py::tuple>();
+  TORCH_CHECK(t.size() == 3, "h3cute native: a plan cond has 3 fields");
+  return Cond{t[0].cast<int64_t>() != 0, t[1].cast<int64_t>() != 0, decode_dim(t[2])};
+}
+py::tuple encode_cond(const Cond& c) {
+  return py::make_tuple(static_cast<int64_t>(c.has), static_cast<int64_t>(c.nonzero), encode_dim(c.dim));
+}
+
+Arg decode_arg(const py::handle& h, int64_t sources) {
+  auto t = h.cast<py::tuple>();
+  Arg a;
+  TORCH_CHECK(t.size() >= 2, "h3cute native: bad plan argument");
+  if (t[0].cast<int64_t>() == 0) {
+    TORCH_CHECK(t.size() == 2, "h3cute native: bad plan int argument");
+    a.is_int = true;
+    a.value = t[1].cast<int64_t>();
+    return a;
+  }
+  TORCH_CHECK(t[0].cast<int64_t>() == 1 && t.size() == 6, "h3cute native: bad plan view argument");
+  a.source = t[1].cast<int64_t>();
+  a.ranged = t[2].cast<int64_t>() != 0;
+  a.start = decode_dim(t[3]);
+  a.stop = decode_dim(t[4]);
+  const int64_t layout = t[5].cast<int64_t>();
+  TORCH_CHECK(0 <= a.source && a.source < sources, "h3cute native: plan argument source ", a.source);
+  TORCH_CHECK(0 <= layout && layout < kLayouts, "h3cute native: plan layout code ", layout);
+  a.layout = static_cast<Layout>(layout);
+  return a;
+}
+py::tuple encode_arg(const Arg& a) {
+  if (a.is_int) return py::make_tuple(0, a.value);
+  return py::make_tuple(1, a.source, static_cast<int64_t>(a.ranged), encode_dim(a.start), encode_dim(a.stop),
+                        static_cast<int64_t>(a.layout));
+}
+
+Plan decode_plan(const py::tuple& t) {
+  TORCH_CHECK(t.size() == 7, "h3cute native: an encoded plan has 7 fields, got ", t.size());
+  Plan p;
+  p.lo = t[0].cast<int64_t>();
+  p.hi = t[1].cast<int64_t>();
+  p.inputs = t[2].cast<int64_t>();
+  for (const auto& h : t[3].cast<py::tuple>()) p.fns.push_back(reinterpret_cast<void*>(h.cast<uintptr_t>()));
+  for (const auto& h : t[4].cast<py::tuple>()) {
+    auto b = h.cast<py::tuple>();
+    Buffer buffer{plan_dtype(b[0].cast<int64_t>()), {}};
+    for (const auto& d : b[1].cast<py::tuple>()) buffer.shape.push_back(decode_dim(d));
+    TORCH_CHECK(buffer.shape.size() <= 3, "h3cute native: a plan buffer has at most 3 dims");
+    p.buffers.push_back(std::move(buffer));
+  }
+  const int64_t sources = p.inputs + static_cast<int64_t>(p.buffers.size());
+  for (const auto& h : t[5].cast<py::tuple>()) {
+    auto s = h.cast<py::tuple>();
+    TORCH_CHECK(s.size() == 5, "h3cute native: a plan step has 5 fields");
+    Step step;
+    const int64_t kind = s[0].cast<int64_t>();
+    TORCH_CHECK(kind == 0 || kind == 1, "h3cute native: plan step kind ", kind);
+    step.kind = static_cast<StepKind>(kind);
+    step.kernel = s[1].cast<int64_t>();
+    step.value = s[2].cast<double>();
+    step.when = decode_cond(s[3]);
+    for (const auto& a : s[4].cast<py::tuple>()) step.args.push_back(decode_arg(a, sources));
+    if (step.kind == StepKind::launch) {
+      TORCH_CHECK(0 <= step.kernel && step.kernel < static_cast<int64_t>(p.fns.size()) &&
+                      step.args.size() <= kMaxArgs, "h3cute native: bad plan launch");
+    } else {
+      TORCH_CHECK(step.args.size() == 1 && !step.args[0].is_int, "h3cute native: a plan fill has one view");
+    }
+    p.steps.push_back(std::move(step));
+  }
+  for (const auto& h : t[6].cast<py::tuple>()) {
+    auto o = h.cast<py::tuple>();
+    TORCH_CHECK(o.size() == 3, "h3cute native: a plan output has 3 fields");
+    const int64_t kind = o[0].cast<int64_t>();
+    TORCH_CHECK(kind == 0 || kind == 1, "h3cute native: plan output kind ", kind);
+    Output out{static_cast<OutputKind>(kind), o[1].cast<int64_t>() != 0, decode_arg(o[2], sources)};
+    TORCH_CHECK(!out.arg.is_int, "h3cute native: a plan output is a view");
+    p.outputs.push_back(out);
+  }
+  return p;
+}
+
+py::tuple encode_plan(const Plan& p) {
+  py::list fns, buffers, steps, outputs;
+  for (TVMFFIObjectHandle fn : p.fns) fns.append(reinterpret_cast<uintptr_t>(fn));
+  for (const Buffer& b : p.buffers) {
+    py::list shape;
+    for (const Dim& d : b.shape) shape.append(encode_dim(d));
+    buffers.append(py::make_tuple(plan_dtype_code(b.dtype), py::tuple(shape)));
+  }
+  for (const Step& s : p.steps) {
+    py::list args;
+    for (const Arg& a : s.args) args.append(encode_arg(a));
+    steps.append(py::make_tuple(static_cast<int64_t>(s.kind), s.kernel, s.value, encode_cond(s.when), py::tuple(args)));
+  }
+  for (const Output& o : p.outputs)
+    outputs.append(py::make_tuple(static_cast<int64_t>(o.kind), static_cast<int64_t>(o.lead), encode_arg(o.arg)));
+  return py::make_tuple(p.lo, p.hi, p.inputs, py::tuple(fns), py::tuple(buffers), py::tuple(steps),
+                        py::tuple(outputs));
+}
+
+// ---- the walker ----
+
+// A kernel's view of a source's memory: base, element offset from base's data pointer, sizes and strides.
+struct Operand {
+  at::Tensor base;
+  int64_t source = -1;  // which input or buffer (-1: a tensor the walk made, a column sum)
+  int64_t offset = 0;
+  int64_t ndim = 0;
+  int64_t sizes[3] = {0, 0, 0}, strides[3] = {0, 0, 0};
+
+  Operand(const at::Tensor& t) : base(t), ndim(t.dim()) {  // NOLINT: implicit, an input as it is
+    TORCH_CHECK(ndim <= 3, "h3cute native: a plan operand has at most 3 dims");
+    for (int64_t d = 0; d < ndim; ++d) sizes[d] = t.size(d), strides[d] = t.stride(d);
+  }
+  Operand(const at::Tensor& t, int64_t dims) : base(t), ndim(dims) {}  // geometry set by the caller
+  // a dense (..., width) tensor as its (rows, width) rows
+  static Operand rows(const at::Tensor& t, int64_t width) {
+    Operand o(t, 2);
+    o.sizes[0] = t.numel() / width, o.sizes[1] = width, o.strides[0] = width, o.strides[1] = 1;
+    return o;
+  }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t d = 0; d < ndim; ++d) n *= sizes[d];
+    return n;
+  }
+  bool dense() const {
+    int64_t step = 1;
+    for (int64_t d = ndim - 1; d >= 0; --d) {
+      if (sizes[d] != 1 && strides[d] != step) return false;
+      step *= sizes[d];
+    }
+    return true;
+  }
+  c10::IntArrayRef shape() const { return {sizes, static_cast<size_t>(ndim)}; }
+  c10::IntArrayRef steps() const { return {strides, static_cast<size_t>(ndim)}; }
+  View view() const { return View(base, shape(), steps(), offset); }
+  // the tensor itself where the view is all of it, else an as_strided view
+  at::Tensor tensor() const {
+    if (offset == 0 && base.sizes() == shape() && base.strides() == steps()) return base;
+    return base.as_strided(shape(), steps(), base.storage_offset() + offset);
+  }
+};
+
+Operand resolve(const Arg& a, const std::vector<Operand>& env, int64_t m) {
+  Operand o = env[a.source];
+  if (a.ranged) {
+    const int64_t start = a.start.at(m), stop = a.stop.at(m);
+    TORCH_CHECK(o.ndim >= 1 && 0 <= start && start <= stop && stop <= o.sizes[0], "h3cute native: plan rows [",
+                start, ", ", stop, ") of ", o.ndim >= 1 ? o.sizes[0] : 0);
+    o.offset += start * o.strides[0];
+    o.sizes[0] = stop - start;
+  }
+  switch (a.layout) {
+    case Layout::as_is: break;
+    case Layout::t: {  // plan.py: as_strided((C, R), (1, C)) of an (R, C)
+      TORCH_CHECK(o.ndim == 2, "h3cute native: a transposed plan operand is 2-D");
+      const int64_t r = o.sizes[0], c = o.sizes[1];
+      o.sizes[0] = c, o.sizes[1] = r, o.strides[0] = 1, o.strides[1] = c;
+      break;
+    }
+    case Layout::flat:
+    case Layout::matrix:
+    case Layout::first: {
+      TORCH_CHECK(o.dense(), "h3cute native: a flattened plan operand is dense");
+      const int64_t n = o.numel(), d0 = o.ndim ? o.sizes[0] : 1;
+      if (a.layout == Layout::matrix) {
+        TORCH_CHECK(o.ndim >= 1 && d0 > 0, "h3cute native: an empty plan matrix");
+        o.ndim = 2, o.sizes[0] = d0, o.sizes[1] = n / d0, o.strides[0] = n / d0, o.strides[1] = 1;
+      } else {
+        o.ndim = 1, o.sizes[0] = a.layout == Layout::first ? 1 : n, o.strides[0] = 1;
+      }
+      break;
+    }
+    case Layout::item0:
+      TORCH_CHECK(o.ndim >= 2 && o.sizes[0] >= 1, "h3cute native: a plan item of an empty or 1-D operand");
+      for (int64_t d = 1; d < o.ndim; ++d) o.sizes[d - 1] = o.sizes[d], o.strides[d - 1] = o.strides[d];
+      --o.ndim;
+      break;
+  }
+  return o;
+}
+
+// A resolved launch argument: an Int64 scalar or an Operand.
+struct Resolved {
+  bool is_int;
+  int64_t value;
+  std::optional<Operand> operand;
+};
+
+// Runs `p` on `inputs` for m rows (`lead`: the row input's leading dims): allocates its buffers with `options`'
+// device, then each step whose guard holds in order, `launch(kernel index, arguments)` for a launch; returns its
+// outputs. The caller holds the op's StreamScope.
+template <typename LaunchFn>
+std::vector<at::Tensor> walk(const Plan& p, std::vector<Operand> env, int64_t m, c10::IntArrayRef lead,
+                             const at::TensorOptions& options, LaunchFn&& launch) {
+  TORCH_CHECK(static_cast<int64_t>(env.size()) == p.inputs, "h3cute native: a plan of ", p.inputs,
+              " inputs given ", env.size());
+  for (int64_t i = 0; i < p.inputs; ++i) env[i].source = i;
+  for (const Buffer& b : p.buffers) {
+    int64_t sizes[3];
+    for (size_t d = 0; d < b.shape.size(); ++d) sizes[d] = b.shape[d].at(m);
+    env.emplace_back(at::empty(c10::IntArrayRef(sizes, b.shape.size()), options.dtype(b.dtype)));
+    env.back().source = static_cast<int64_t>(env.size()) - 1;
+  }
+  std::vector<Resolved> args;
+  for (const Step& s : p.steps) {
+    if (!s.when.holds(m)) continue;
+    if (s.kind == StepKind::fill) {
+      resolve(s.args[0], env, m).tensor().fill_(s.value);
+      continue;
+    }
+    args.clear();
+    for (const Arg& a : s.args)
+      args.push_back(a.is_int ? Resolved{true, a.value, std::nullopt} : Resolved{false, 0, resolve(a, env, m)});
+    launch(s.kernel, args);
+  }
+  std::vector<at::Tensor> outputs;
+  for (const Output& o : p.outputs) {
+    at::Tensor t = resolve(o.arg, env, m).tensor();
+    if (o.kind == OutputKind::column_sum) t = at::sum(t, 0);
+    if (o.lead) {
+      std::vector<int64_t> shape(lead.begin(), lead.end());
+      shape.push_back(t.size(-1));
+      t = t.view(shape);
+    }
+    outputs.push_back(t);
+  }
+  return outputs;
+}
+
+// walk with the plan's compiled kernels.
+std::vector<at::Tensor> walk(const Plan& p, std::vector<Operand> inputs, int64_t m, c10::IntArrayRef lead,
+                             const at::TensorOptions& options) {
+  return walk(p, std::move(inputs), m, lead, options, [&p](int64_t kernel, const std::vector<Resolved>& args) {
+    std::vector<KernelArg> kargs;
+    kargs.reserve(args.size());
+    for (const Resolved& a : args) {
+      if (a.is_int)
+        kargs.emplace_back(a.value);
+      else
+        kargs.emplace_back(a.operand->view());
+    }
+    call_kernel(p.fns[kernel], kargs.data(), kargs.size());
+  });
+}
+
+enum class Phase { forward, backward };  // plan.Phase
+const char* phase_name(Phase phase) { return phase == Phase::forward ? "forward" : "backward"; }
+
+// The plans of one op, per (device, phase, key, row range), fetched once from `<module>.native_plan(device, phase,
+// key, rows)` and decoded into a Plan (kept for the process, like the kernels the Python runtime keeps alive).
+// Entries are appended under the GIL and published by the count (readers take no lock).
+class PlanTable {
+ public:
+  static constexpr int kMaxEntries = 64, kMaxKey = 4;
+
+  explicit PlanTable(const char* module) : module_(module) {}
+
+  const Plan& get(int device, Phase phase, std::initializer_list<int64_t> key, int64_t rows) {
+    TORCH_CHECK(device >= 0 && device < kMaxDevices, "h3cute native: CUDA device index ", device);
+    TORCH_CHECK(key.size() <= kMaxKey, "h3cute native: a plan key has at most ", kMaxKey, " fields");
+    if (const Plan* p = find(device, phase, key, rows)) return *p;
+    py::gil_scoped_acquire gil;  // the lookup may load or compile (and release the GIL meanwhile)
+    py::tuple py_key(key.size());
+    size_t i = 0;
+    for (int64_t k : key) py_key[i++] = py::int_(k);
+    auto answer = py::module_::import(module_).attr("native_plan")(device, phase_name(phase), py_key, rows);
+    if (const Plan* p = find(device, phase, key, rows)) return *p;  // a racing thread fetched it first
+    const int n = count_[device].load(std::memory_order_acquire);
+    TORCH_CHECK(n < kMaxEntries, "h3cute native: plan table of ", module_, " is full");
+    auto* plan = new Plan(decode_plan(answer.cast<py::tuple>()));
+    TORCH_CHECK(plan->lo <= rows && rows <= plan->hi, module_, ".native_plan: a plan for [", plan->lo, ", ",
+                plan->hi, "] does not serve ", rows, " rows");
+    Entry& e = entries_[device][n];
+    e.phase = phase;
+    e.nkey = static_cast<int>(key.size());
+    std::copy(key.begin(), key.end(), e.key);
+    e.plan = plan;
+    count_[device].store(n + 1, std::memory_order_release);
+    return *plan;
+  }
+
+ private:
+  struct Entry {
+    Phase phase;
+    int nkey;
+    int64_t key[kMaxKey];
+    const Plan* plan;
+  };
+  const Plan* find(int device, Phase phase, std::initializer_list<int64_t> key, int64_t rows) const {
+    const int n = count_[device].load(std::memory_order_acquire);
+    for (int i = 0; i < n; ++i) {
+      const Entry& e = entries_[device][i];
+      if (e.phase == phase && e.nkey == static_cast<int>(key.size()) && std::equal(key.begin(), key.end(), e.key) &&
+          e.plan->lo <= rows && rows <= e.plan->hi)
+        return e.plan;
+    }
+    return nullptr;
+  }
+
+  const char* module_;
+  Entry entries_[kMaxDevices][kMaxEntries] = {};
+  std::atomic<int> count_[kMaxDevices] = {};
+};
+
+// ---- debug entry points for the CPU tests: what this file decoded, and what it would launch ----
+
+// The plan decoded and encoded again (plan.py `encode`'s format).
+py::tuple describe_plan(const py::tuple& encoded) { return encode_plan(decode_plan(encoded)); }
+
+py::tuple describe_operand(const Operand& o) {
+  return py::make_tuple(o.source, o.offset, py::tuple(py::cast(std::vector<int64_t>(o.shape().begin(), o.shape().end()))),
+                        py::tuple(py::cast(std::vector<int64_t>(o.steps().begin(), o.steps().end()))));
+}
+
+// The walk of the decoded plan for `rows` rows on meta tensors of the given (sizes, strides) inputs, launching
+// nothing: ([(kernel index, [(0, int) | (1, (source, offset, sizes, strides))])], [(sizes, strides) per output]).
+py::tuple describe_walk(const py::tuple& encoded, int64_t rows, const py::list& inputs, std::vector<int64_t> lead) {
+  const Plan p = decode_plan(encoded);
+  const auto meta = at::TensorOptions().device(at::kMeta);
+  std::vector<Operand> env;
+  for (const auto& h : inputs) {
+    auto geometry = h.cast<py::tuple>();
+    env.emplace_back(at::empty_strided(geometry[0].cast<std::vector<int64_t>>(),
+                                       geometry[1].cast<std::vector<int64_t>>(),
+                                       meta.dtype(plan_dtype(geometry[2].cast<int64_t>()))));
+  }
+  py::list launches, outputs;
+  auto record = [&launches](int64_t kernel, const std::vector<Resolved>& args) {
+    py::list described;
+    for (const Resolved& a : args)
+      described.append(a.is_int ? py::tuple(py::make_tuple(0, a.value))
+                                : py::tuple(py::make_tuple(1, describe_operand(*a.operand))));
+    launches.append(py::make_tuple(kernel, py::tuple(described)));
+  };
+  for (const at::Tensor& t : walk(p, std::move(env), rows, lead, meta, record))
+    outputs.append(py::make_tuple(py::tuple(py::cast(t.sizes().vec())), py::tuple(py::cast(t.strides().vec()))));
+  return py::make_tuple(py::tuple(launches), py::tuple(outputs));
+}
 
 at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                              const at::Tensor& b2) {
@@ -754,7 +1186,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
   return {g.dx, g.dweight, dtemb, dpw, dpb};
 }
 
-KernelTable gate_residual_kernels("h3cute.launch.gate_residual");  // 0: [fwd]; R rows: [bwd, fold], [groups]
+// gate_residual (launch plans): key (width, check_indices) forward, (width, table rows) backward
+PlanTable gate_residual_plans("h3cute.launch.gate_residual");
 
 at::Tensor gate_residual_cuda(const at::Tensor& residual, const at::Tensor& y, const at::Tensor& gate,
                               const at::Tensor& idx, bool check_indices) {
@@ -763,12 +1196,9 @@ at::Tensor gate_residual_cuda(const at::Tensor& residual, const at::Tensor& y, c
                     table_fast(gate, d) && dense(idx, at::kLong, d, {y.size(0)}) && !errors_pending(d);
   if (!fast)
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_gate_residual_cuda", residual, y, gate, idx, check_indices);
-  const KernelTable::Entry& k = gate_residual_kernels.get(d, 0, y.size(0));
-  const int64_t* slot = check_slot(k, check_indices);
-  at::Tensor out = at::empty_like(y);
+  const Plan& plan = gate_residual_plans.get(d, Phase::forward, {h3.hidden, check_indices}, y.size(0));
   StreamScope stream(d);
-  call_kernel(k.fns[0], {residual, y, gate, idx, out, slot[0], slot[1]});
-  return out;
+  return walk(plan, {residual, y, gate, idx}, y.size(0), y.sizes().slice(0, 1), y.options())[0];
 }
 
 std::tuple<at::Tensor, at::Tensor> gate_residual_backward_cuda(const at::Tensor& grad, const at::Tensor& y,
@@ -779,16 +1209,10 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_backward_cuda(const at::Tensor&
   if (!fast)
     return python_impl<std::tuple<at::Tensor, at::Tensor>>("h3cute.ops.adaln", "_gate_residual_backward_cuda", grad,
                                                            y, gate, idx);
-  const int64_t table_rows = gate.size(0);
-  const KernelTable::Entry& k = gate_residual_kernels.get(d, table_rows, 0);
-  const int64_t groups = k.params[0];
-  at::Tensor dy = at::empty_like(y), dgate = at::empty({table_rows, h3.hidden}, y.options());
-  at::Tensor partials = at::empty({groups, table_rows * h3.hidden}, y.options().dtype(at::kFloat));
-  View part3(partials, {groups, table_rows, h3.hidden}, {table_rows * h3.hidden, h3.hidden, 1});
+  const Plan& plan = gate_residual_plans.get(d, Phase::backward, {h3.hidden, gate.size(0)}, y.size(0));
   StreamScope stream(d);
-  call_kernel(k.fns[0], {grad, y, gate, idx, dy, part3});
-  fold(k.fns[1], View(partials, {groups, table_rows * h3.hidden}, {table_rows * h3.hidden, 1}), flat(dgate));
-  return {dy, dgate};
+  auto out = walk(plan, {grad, y, gate, idx}, y.size(0), y.sizes().slice(0, 1), y.options());
+  return {out[0], out[1]};
 }
 
 // ---- gate_residual_norm_modulate (h3cute/launch/gate_residual_norm_modulate.py) ------------------------------
@@ -891,18 +1315,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_projection_backward_cuda(co
   return projection_backward(k.fns, k.params[0], grad, temb, weight);
 }
 
-// ---- linear (h3cute/launch/linear.py, the FP32 heads) -----------------------------------------------------
+// ---- linear (h3cute/launch/linear.py, the FP32 heads: launch plans) --------------------------------------
 
-// variant: the weight shape's index in h3.linear_shapes. fns: [fwd, dgrad, wgrad, wgrad_tail, wgrad fold(, dgrad fold
-// where the dgrad has more than one slice)]; params: [dgrad slices, wgrad chunks, wgrad row step].
-KernelTable linear_kernels("h3cute.launch.linear");
+// key: (N, K, bias) forward, (N, K, x_grad) backward
+PlanTable linear_plans("h3cute.launch.linear");
 
-// The head index of a dense, aligned FP32 weight of a served shape on device d, else -1.
-int64_t linear_head(const at::Tensor& weight, int d) {
-  if (!(dense(weight, at::kFloat, d, {-1, -1}) && aligned16(weight))) return -1;
-  for (size_t i = 0; i < h3.linear_shapes.size(); ++i)
-    if (h3.linear_shapes[i] == std::make_pair(weight.size(0), weight.size(1))) return static_cast<int64_t>(i);
-  return -1;
+// A dense, aligned FP32 weight of a served shape (h3.linear_shapes) on device d.
+bool linear_weight(const at::Tensor& weight, int d) {
+  if (!(dense(weight, at::kFloat, d, {-1, -1}) && aligned16(weight))) return false;
+  return std::find(h3.linear_shapes.begin(), h3.linear_shapes.end(), std::make_pair(weight.size(0), weight.size(1))) !=
+         h3.linear_shapes.end();
 }
 
 // x (..., width) as dense, aligned FP32 rows on device d, at least one row.
@@ -913,71 +1335,31 @@ bool linear_rows(const at::Tensor& x, int64_t width, int d) {
 
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const int d = cuda_device(x);
-  const int64_t head = linear_head(weight, d);
   const bool has_bias = bias.has_value() && bias->defined();
-  if (!(head >= 0 && linear_rows(x, weight.size(1), d) &&
+  if (!(linear_weight(weight, d) && linear_rows(x, weight.size(1), d) &&
         (!has_bias || (dense(*bias, at::kFloat, d, {weight.size(0)}) && aligned16(*bias))) && !errors_pending(d)))
     return python_impl<at::Tensor>("h3cute.ops.linear", "_linear_cuda", x, weight, bias);
-  const int64_t n = weight.size(0), rows = x.numel() / weight.size(1);
-  const auto& k = linear_kernels.get(d, head, rows);
-  at::Tensor y = at::empty({rows, n}, x.options());
-  // bias None: -0.0, the IEEE additive identity, so y is the bare K sum bit for bit
-  at::Tensor b = has_bias ? *bias : at::full({n}, -0.0, x.options());
+  const int64_t n = weight.size(0), k = weight.size(1), rows = x.numel() / k;
+  const Plan& plan = linear_plans.get(d, Phase::forward, {n, k, has_bias}, rows);
+  std::vector<Operand> inputs{Operand::rows(x, k), weight};
+  if (has_bias) inputs.emplace_back(*bias);
   StreamScope stream(d);
-  call_kernel(k.fns[0], {View(x, {rows, weight.size(1)}, {weight.size(1), 1}), weight, b, y});
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return y.view(shape);
+  return walk(plan, std::move(inputs), rows, x.sizes().slice(0, x.dim() - 1), x.options())[0];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(const at::Tensor& grad, const at::Tensor& x,
                                                                     const at::Tensor& weight, bool x_grad) {
   const int d = cuda_device(x);
-  const int64_t head = linear_head(weight, d);
-  if (!(head >= 0 && linear_rows(x, weight.size(1), d) && linear_rows(grad, weight.size(0), d) &&
+  if (!(linear_weight(weight, d) && linear_rows(x, weight.size(1), d) && linear_rows(grad, weight.size(0), d) &&
         grad.sizes().slice(0, grad.dim() - 1) == x.sizes().slice(0, x.dim() - 1) && !errors_pending(d)))
     return python_impl<std::tuple<at::Tensor, at::Tensor, at::Tensor>>("h3cute.ops.linear", "_linear_backward_cuda",
                                                                        grad, x, weight, x_grad);
   const int64_t n = weight.size(0), k = weight.size(1), rows = x.numel() / k;
-  const auto& kt = linear_kernels.get(d, head, rows);
-  const TVMFFIObjectHandle* fn = kt.fns;
-  const int64_t parts = kt.params[0], chunks = kt.params[1], step = kt.params[2];
-  const int64_t bulk = rows / step * step, tail = rows - bulk;
-  const View g(grad, {rows, n}, {n, 1});
-  // the operands read in place through their transposed (MN-major) views, rows [from, from + count)
-  auto t_rows = [](const at::Tensor& t, int64_t width, int64_t from, int64_t count) {
-    return View(t, {width, count}, {1, width}, from * width);
-  };
+  const Plan& plan = linear_plans.get(d, Phase::backward, {n, k, x_grad}, rows);
   StreamScope stream(d);
-  at::Tensor dx = at::empty({0, k}, x.options());
-  if (x_grad) {
-    at::Tensor p = at::empty({parts, rows, k}, x.options());
-    call_kernel(fn[1], {g, transposed(weight), p});  // B = weight.t() (K, N), N-major in place
-    if (parts > 1) {
-      dx = at::empty({rows, k}, x.options());
-      call_kernel(fn[5], {p, View(dx, {1}, {1}), dx});  // the "sum" fold's (1,) aux operand is never read
-    } else {
-      dx = p[0];
-    }
-    dx = dx.view(x.sizes());
-  }
-  at::Tensor dweight;
-  if (bulk == 0) {  // fewer rows than one chunk per slice: the one-slice k-tail GEMM alone
-    at::Tensor one = at::empty({1, n, k}, x.options());
-    call_kernel(fn[3], {t_rows(grad, n, 0, rows), t_rows(x, k, 0, rows), one});
-    dweight = one[0];
-  } else {
-    at::Tensor partials = at::empty({chunks + 1, n, k}, x.options());
-    call_kernel(fn[2], {t_rows(grad, n, 0, bulk), t_rows(x, k, 0, bulk), View(partials, {chunks, n, k}, {n * k, k, 1})});
-    if (tail)
-      call_kernel(fn[3], {t_rows(grad, n, bulk, tail), t_rows(x, k, bulk, tail),
-                          View(partials, {1, n, k}, {n * k, k, 1}, chunks * n * k)});
-    else
-      partials[chunks].zero_();  // +0 leaves every sum's bits alone
-    dweight = at::empty({n, k}, x.options());
-    call_kernel(fn[4], {partials, View(dweight, {1}, {1}), dweight});
-  }
-  return {dx, dweight, at::sum(grad.view({rows, n}), 0)};
+  auto out = walk(plan, {Operand::rows(grad, n), Operand::rows(x, k), weight}, rows,
+                  x.sizes().slice(0, x.dim() - 1), x.options());
+  return {out[0], out[1], out[2]};
 }
 
 // ---- autograd (the Python register_autograd kernels of h3cute/ops, in C++) ---------------------------
@@ -1274,6 +1656,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::list ops, autograd_ops;
   h3native::each_cuda_impl([&ops](const char* op, auto) { ops.append(op); });
   h3native::each_autograd_kernel([&autograd_ops](const char* op, auto) { autograd_ops.append(op); });
+  m.def("describe_plan", &h3native::describe_plan, py::arg("encoded"),
+        "debug: an encoded launch plan (h3cute.launch.plan.encode) as this library decodes it, encoded again");
+  m.def("describe_walk", &h3native::describe_walk, py::arg("encoded"), py::arg("rows"), py::arg("inputs"),
+        py::arg("lead"),
+        "debug: the launches (kernel index, argument geometry) and output geometry of the decoded plan's walk for "
+        "`rows` rows on meta inputs of the given (sizes, strides, dtype code), launching nothing");
   m.attr("OPS") = ops;
   m.attr("AUTOGRAD_OPS") = autograd_ops;
 }

@@ -1,0 +1,348 @@
+"""Launch plans: an op's launch sequence as data, written once in Python and walked by the Python launcher and by
+the C++ layer alike.
+
+A `Plan` holds, for one (op, phase, device, static key, row range), everything a launch needs beyond the op's
+inputs: the buffers to allocate (dtype, shape), the steps in order (a kernel launch with its arguments, or a fill)
+and how the op's outputs are made from the buffers and inputs. Every size and offset is a `Dim`, a function of the
+op's row count M of the form
+
+    per_row * M + whole * (M // step * step) + const
+
+which covers what the ops on plans need: row-proportional buffers (`M`), constants, and a split of M into a bulk
+that is a multiple of `step` (`M // step * step`) and its tail (`M - M // step * step`). A kernel argument is a
+`View` of an input or buffer (optionally its dim-0 range [start, stop), then one `Layout`: as it is, transposed,
+flattened, ...) or a plain int (e.g. a check slot's address). A step may be guarded by a `Cond` on a `Dim`.
+
+`walk` runs a plan with torch tensors (the Python launchers); `encode` flattens it into the nested int tuples that
+`h3_native.cpp` decodes once into its typed `Plan` struct and walks with the same semantics (`describe_plan` and
+`describe_walk` there return what it decoded and what it would launch, for the CPU tests). `plan_for` caches plans
+per (op, phase, device, key) and row range, with the compiled kernels resolved once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+
+from h3cute import runtime
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class Dim:
+    """per_row * M + whole * (M // step * step) + const, for the op's row count M."""
+    const: int = 0
+    per_row: int = 0
+    whole: int = 0
+    step: int = 1
+
+    def __call__(self, rows: int) -> int:
+        return self.per_row * rows + self.whole * (rows // self.step * self.step) + self.const
+
+    def __add__(self, other: Dim | int) -> Dim:
+        other = dim(other)
+        if self.whole and other.whole and self.step != other.step:
+            raise ValueError(f"plan: {self} + {other} mixes row steps")
+        return Dim(self.const + other.const, self.per_row + other.per_row, self.whole + other.whole,
+                   self.step if self.whole else other.step)
+
+    def __neg__(self) -> Dim:
+        return Dim(-self.const, -self.per_row, -self.whole, self.step)
+
+    def __sub__(self, other: Dim | int) -> Dim:
+        return self + -dim(other)
+
+    def __str__(self) -> str:
+        terms = []
+        for coef, name in ((self.per_row, "M"), (self.whole, f"M//{self.step}*{self.step}")):
+            if coef:
+                terms.append((coef, name if abs(coef) == 1 else f"{abs(coef)}*{name}"))
+        if self.const or not terms:
+            terms.append((self.const, str(abs(self.const))))
+        text = ("-" if terms[0][0] < 0 else "") + terms[0][1]
+        for coef, name in terms[1:]:
+            text += (" - " if coef < 0 else " + ") + name
+        return text
+
+
+def dim(value: Dim | int) -> Dim:
+    return value if isinstance(value, Dim) else Dim(const=int(value))
+
+
+M = Dim(per_row=1)  # the op's row count
+
+
+def whole_rows(step: int) -> Dim:
+    """M // step * step: the rows in whole steps."""
+    return Dim(whole=1, step=step)
+
+
+class Layout(str, enum.Enum):
+    """How a (possibly row-ranged) tensor is handed to a kernel."""
+    AS_IS = ""
+    T = "t"  # a dense (R, C) as (C, R) with strides (1, C): the MN-major operand layout
+    FLAT = "flat"  # a dense tensor as one (numel,) vector
+    MATRIX = "matrix"  # a dense (D0, ...) as (D0, numel / D0)
+    FIRST = "first"  # its first element as a (1,) vector (an operand the kernel never reads)
+    ITEM0 = "[0]"  # dim 0's first entry (a (1, R, C) batch as its (R, C) matrix)
+
+
+@dataclass(frozen=True)
+class View:
+    """A kernel's view of an input or buffer `of`: rows [start, stop) of dim 0 when `rows` is given, then `layout`."""
+    of: str
+    rows: tuple[Dim, Dim] | None = None
+    layout: Layout = Layout.AS_IS
+
+    def __str__(self) -> str:
+        text = self.of
+        if self.rows is not None:
+            text += f"[{self.rows[0]}:{self.rows[1]}]"
+        if self.layout is Layout.ITEM0:
+            return text + "[0]"
+        return text + (f".{self.layout.value}" if self.layout.value else "")
+
+
+def view(of: str, start: Dim | int | None = None, stop: Dim | int | None = None, layout: Layout = Layout.AS_IS) -> View:
+    return View(of, None if start is None else (dim(start), dim(stop)), layout)
+
+
+@dataclass(frozen=True)
+class Cond:
+    """Holds where `dim(M)` is non-zero (`nonzero`) or zero (not `nonzero`)."""
+    dim: Dim
+    nonzero: bool = True
+
+    def __call__(self, rows: int) -> bool:
+        return (self.dim(rows) != 0) == self.nonzero
+
+    def __str__(self) -> str:
+        return f"if {self.dim} {'!=' if self.nonzero else '=='} 0"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A compiled kernel: its registered name and static arguments (runtime.kernel's)."""
+    name: str
+    static: tuple = ()
+
+    @staticmethod
+    def of(name: str, **static) -> Kernel:
+        return Kernel(name, tuple(static.items()))
+
+    def __str__(self) -> str:
+        return self.name + ("(" + ", ".join(f"{k}={v}" for k, v in self.static) + ")" if self.static else "")
+
+
+Arg = Union[View, int]
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: Kernel
+    args: tuple[Arg, ...]
+    when: Cond | None = None
+
+
+@dataclass(frozen=True)
+class Fill:
+    target: View
+    value: float
+    when: Cond | None = None
+
+
+Step = Union[Launch, Fill]
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[Dim, ...]  # ints are taken as constant Dims
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(dim(d) for d in self.shape))
+
+
+@dataclass(frozen=True)
+class ColumnSum:
+    """torch's sum over dim 0 of `of` (a fixed reduction order for a given shape: bitwise repeatable)."""
+    of: View
+
+
+@dataclass(frozen=True)
+class Output:
+    """An output of the op: a view of a buffer or input, or a column sum; with `lead`, viewed as the op's leading
+    row dims (its row input's shape but the last) followed by its own last dim."""
+    source: View | ColumnSum
+    lead: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    op: str
+    phase: Phase
+    key: object  # the op's static key (a frozen dataclass of the op's launch module)
+    lo: int  # the row range [lo, hi] the plan serves
+    hi: int
+    inputs: tuple[str, ...]  # the tensors `walk` takes, in order
+    buffers: tuple[Buffer, ...]
+    steps: tuple[Step, ...]
+    outputs: tuple[Output, ...]
+
+    def kernels(self) -> tuple[Kernel, ...]:
+        """The plan's kernels, each once, in first-launch order."""
+        return tuple(dict.fromkeys(s.kernel for s in self.steps if isinstance(s, Launch)))
+
+    def __str__(self) -> str:
+        hi = "MAX" if self.hi == runtime.MAX_ROWS else self.hi
+        lines = [f"{self.op} {self.phase.value} {self.key} rows [{self.lo}, {hi}]",
+                 f"  inputs: {', '.join(self.inputs)}"]
+        for b in self.buffers:
+            lines.append(f"  buffer {b.name}: {_DTYPE_NAMES[b.dtype]} ({', '.join(str(d) for d in b.shape)})")
+        for s in self.steps:
+            guard = f"  {s.when}" if s.when else ""
+            if isinstance(s, Launch):
+                args = ", ".join(str(a) if isinstance(a, View) else hex(a) for a in s.args)
+                lines.append(f"  {s.kernel}({args}){guard}")
+            else:
+                lines.append(f"  fill {s.target} = {s.value}{guard}")
+        for o in self.outputs:
+            src = f"sum0({o.source.of})" if isinstance(o.source, ColumnSum) else str(o.source)
+            lines.append(f"  -> {src}{' as rows' if o.lead else ''}")
+        return "\n".join(lines)
+
+
+_DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int64: "i64"}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int64: 2}  # h3_native.cpp plan_dtype
+LAYOUT_CODES = {layout: i for i, layout in enumerate(Layout)}  # h3_native.cpp Layout, in this order
+
+
+# ---- the Python walker ------------------------------------------------------------------------------------
+
+
+def _view(env: dict, v: View, rows: int) -> torch.Tensor:
+    t = env[v.of]
+    if v.rows is not None:
+        t = t[v.rows[0](rows):v.rows[1](rows)]
+    if v.layout is Layout.T:  # as_strided keeps t's storage offset
+        return t.as_strided((t.shape[1], t.shape[0]), (1, t.shape[1]))
+    if v.layout is Layout.FLAT:
+        return t.view(-1)
+    if v.layout is Layout.MATRIX:
+        return t.reshape(t.shape[0], -1)
+    if v.layout is Layout.FIRST:
+        return t.view(-1)[:1]
+    if v.layout is Layout.ITEM0:
+        return t[0]
+    return t
+
+
+def walk(plan: Plan, fns: tuple, inputs, rows: int, lead: tuple, device) -> tuple:
+    """Runs `plan` on `inputs` (the tensors of plan.inputs, in order) for `rows` rows with its compiled kernels
+    `fns` (plan.kernels()'s): allocates the buffers, runs the steps in order, returns the outputs (`lead`: the
+    row input's leading dims, for outputs made as rows)."""
+    env = dict(zip(plan.inputs, inputs, strict=True))
+    for b in plan.buffers:
+        env[b.name] = torch.empty(tuple(d(rows) for d in b.shape), dtype=b.dtype, device=device)
+    index = {k: i for i, k in enumerate(plan.kernels())}
+    for step in plan.steps:
+        if step.when is not None and not step.when(rows):
+            continue
+        if isinstance(step, Launch):
+            fns[index[step.kernel]](*(_view(env, a, rows) if isinstance(a, View) else a for a in step.args))
+        else:
+            _view(env, step.target, rows).fill_(step.value)
+    outputs = []
+    for o in plan.outputs:
+        t = _view(env, o.source.of, rows).sum(0) if isinstance(o.source, ColumnSum) else _view(env, o.source, rows)
+        outputs.append(t.view(*lead, t.shape[-1]) if o.lead else t)
+    return tuple(outputs)
+
+
+# ---- the cache: one plan per (op, phase, device, key, row range) ---------------------------------------------
+
+Builder = Callable[[Phase, object, object, int], Plan]  # (phase, device, key, rows) -> the plan serving rows
+_cache: dict = {}
+_lock = threading.Lock()
+
+
+def plan_for(build: Builder, phase: Phase, device, key, rows: int) -> tuple[Plan, tuple]:
+    """(plan, compiled kernels) serving `rows` for (build's op, phase, device, key), built and resolved once."""
+    slot = (build, phase, str(device), key)
+    for entry in _cache.get(slot, ()):
+        if entry[0].lo <= rows <= entry[0].hi:
+            return entry
+    plan = build(phase, device, key, rows)
+    if not plan.lo <= rows <= plan.hi:
+        raise AssertionError(f"plan of {plan.op} {phase.value} serves [{plan.lo}, {plan.hi}], not {rows} rows")
+    entry = (plan, tuple(runtime.kernel(k.name, device, **dict(k.static)) for k in plan.kernels()))
+    with _lock:
+        _cache[slot] = (*_cache.get(slot, ()), entry)
+    return entry
+
+
+def run(build: Builder, phase: Phase, key, inputs, rows: int, lead: tuple, device) -> tuple:
+    """The plan of (build, phase, device, key) for `rows`, walked on `inputs`."""
+    plan, fns = plan_for(build, phase, device, key, rows)
+    return walk(plan, fns, inputs, rows, lead, device)
+
+
+# ---- the encoding h3_native.cpp decodes ---------------------------------------------------------------------
+
+
+def _dim(d: Dim) -> tuple:
+    return (d.const, d.per_row, d.whole, d.step)
+
+
+def _cond(c: Cond | None) -> tuple:
+    return (0, 0, _dim(Dim())) if c is None else (1, int(c.nonzero), _dim(c.dim))
+
+
+def encode(plan: Plan, handles: list[int]) -> tuple:
+    """The plan as nested tuples of ints (and fills' floats), h3_native.cpp's wire format:
+
+    (lo, hi, inputs, handles, buffers, steps, outputs) with
+      buffer (dtype code, (dim, ...)); dim (const, per_row, whole, step); cond (has, nonzero, dim);
+      step (0 launch | 1 fill, kernel index, fill value, cond, (arg, ...));
+      arg (0, value) an int, or (1, source, has_rows, start dim, stop dim, layout code), source indexing the
+      inputs then the buffers;
+      output (0 view | 1 column sum, lead, arg)."""
+    sources = {name: i for i, name in enumerate((*plan.inputs, *(b.name for b in plan.buffers)))}
+    index = {k: i for i, k in enumerate(plan.kernels())}
+
+    def arg(a):
+        if not isinstance(a, View):
+            return (0, int(a))
+        start, stop = a.rows if a.rows is not None else (Dim(), Dim())
+        return (1, sources[a.of], int(a.rows is not None), _dim(start), _dim(stop), LAYOUT_CODES[a.layout])
+
+    steps = []
+    for s in plan.steps:
+        if isinstance(s, Launch):
+            steps.append((0, index[s.kernel], 0.0, _cond(s.when), tuple(arg(a) for a in s.args)))
+        else:
+            steps.append((1, -1, float(s.value), _cond(s.when), (arg(s.target),)))
+    outputs = tuple((int(isinstance(o.source, ColumnSum)), int(o.lead),
+                     arg(o.source.of if isinstance(o.source, ColumnSum) else o.source)) for o in plan.outputs)
+    return (plan.lo, plan.hi, len(plan.inputs), tuple(int(h) for h in handles),
+            tuple((DTYPE_CODES[b.dtype], tuple(_dim(d) for d in b.shape)) for b in plan.buffers),
+            tuple(steps), outputs)
+
+
+def native_plan(build: Builder, keys: dict, device: int, phase: str, key: tuple, rows: int) -> tuple:
+    """For h3_native.cpp's plan tables: the encoded plan serving `rows` for (phase, the op's key type of that phase
+    in `keys` made from the ints `key`), with its kernels' C handles (the Python runtime keeps the kernels alive)."""
+    phase = Phase(phase)
+    kind = keys[phase]  # C++ passes ints: the key's bool fields become bools again
+    key = kind(*(bool(v) if f.type == "bool" else v for f, v in zip(dataclasses.fields(kind), key, strict=True)))
+    plan, fns = plan_for(build, phase, torch.device("cuda", device), key, rows)
+    return encode(plan, [fn.__chandle__() for fn in fns])

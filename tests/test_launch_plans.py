@@ -1,0 +1,379 @@
+"""Launch plans (h3cute.launch.plan) on CPU: the plan walker issues exactly the launches of the hand-written
+launchers it replaced (kernels, static args, every tensor argument's storage, dtype, shape, stride and offset, in
+order; fills seen through the folds' inputs), and the outputs are the same tensors; plans are data (one per row
+range, printable, encodable for the C++ layer)."""
+import pytest
+import torch
+
+from h3cute import runtime
+from h3cute.kernels._linear_configs import splits, wgrad_rows
+from h3cute.launch import checks, gate_residual, linear
+from h3cute.launch import plan as P
+from h3cute.launch.norm_modulate import fold, reduction_kernel, reduction_layout
+from h3cute.launch.timestep_mlp import transposed
+from h3cute.widths import HIDDEN, LINEAR_SHAPES
+
+from bitwise import same_bits
+
+# ---- the oracles: the launchers as they were written by hand before plans (kept verbatim, their launches only) ---
+
+
+def _old_linear_forward(x, weight, bias):
+    n, k = weight.shape
+    rows = linear._rows(x, k)
+    y = torch.empty((rows.shape[0], n), dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        if bias is None:
+            bias = torch.full((n,), -0.0, dtype=torch.float32, device=x.device)
+        runtime.kernel("linear_gemm", x.device, **linear.gemm_static("fwd", n, k))(
+            rows, linear._aligned(weight), linear._aligned(bias), y)
+    return y.view(*x.shape[:-1], n)
+
+
+def _old_linear_backward(grad, x, weight, x_grad=True):
+    n, k = weight.shape
+    dev = x.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    g = linear._rows(grad, n)
+    rows = g.shape[0]
+    if rows == 0:
+        return (torch.empty(x.shape if x_grad else (0, k), **f32), torch.zeros((n, k), **f32),
+                torch.zeros((n,), **f32))
+
+    def gemm(role):
+        return runtime.kernel("linear_gemm", dev, **linear.gemm_static(role, n, k))
+
+    def fold_(parts):
+        return runtime.kernel("linear_fold", dev, splits=parts, width=k)
+
+    w = linear._aligned(weight)
+    dx = torch.empty((0, k), **f32)
+    if x_grad:
+        parts = splits("dgrad", n, k)
+        dx = torch.empty((parts, rows, k), **f32)
+        gemm("dgrad")(g, transposed(w), dx)
+        if parts > 1:
+            folded = torch.empty((rows, k), **f32)
+            fold_(parts)(dx, folded[0, :1], folded)
+            dx = folded
+        dx = dx.view(x.shape)
+    xr = linear._rows(x, k)
+    bulk, tail = wgrad_rows(n, k, rows)
+    if not bulk:
+        dweight = torch.empty((1, n, k), **f32)
+        gemm("wgrad_tail")(transposed(g), transposed(xr), dweight)
+        dweight = dweight[0]
+    else:
+        chunks = splits("wgrad", n, k)
+        partials = torch.empty((chunks + 1, n, k), **f32)
+        gemm("wgrad")(transposed(g[:bulk]), transposed(xr[:bulk]), partials[:chunks])
+        if tail:
+            gemm("wgrad_tail")(transposed(g[bulk:]), transposed(xr[bulk:]), partials[chunks:])
+        else:
+            partials[chunks].zero_()
+        dweight = torch.empty((n, k), **f32)
+        fold_(chunks + 1)(partials, dweight[0, :1], dweight)
+    return dx, dweight, g.sum(0)
+
+
+def _old_gate_residual_forward(residual, y, gate, idx, check_indices=True):
+    width = y.shape[-1]
+    out = torch.empty_like(y)
+    if y.shape[0]:
+        runtime.kernel("gate_residual_fwd", y.device, width=width)(
+            residual, y, gate, idx, out, *checks.slot_addresses(y.device, "gate_residual", "adaln_indices",
+                                                                check_indices))
+    return out
+
+
+def _old_gate_residual_backward(grad, y, gate, idx):
+    width, table_rows, device = y.shape[-1], gate.shape[0], y.device
+    dy = torch.empty_like(y)
+    dgate = torch.empty((table_rows, width), dtype=torch.bfloat16, device=device)
+    if y.shape[0] == 0:
+        return dy, dgate.zero_()
+    cap, windows, groups = reduction_layout(table_rows, device)
+    partials = torch.empty((groups, table_rows, width), dtype=torch.float32, device=device)
+    reduction_kernel("gate_residual_bwd", device, width, cap, windows)(grad, y, gate, idx, dy, partials)
+    return dy, fold(partials, dgate)
+
+
+# ---- the recorder ---------------------------------------------------------------------------------------------
+
+# The arguments each fake kernel writes (every element of them): the launch's outputs, so the ops' outputs are
+# deterministic; a fold also records a checksum of the partials it reads (a missed fill would show there).
+WRITES = {"linear_gemm": (-1,), "linear_fold": (-1,), "gate_residual_fwd": (4,), "gate_residual_bwd": (4, 5),
+          "rowwise_fold": (-1,)}
+FOLDS = {"linear_fold", "rowwise_fold"}
+
+
+class _Recorder:
+    """Stands in for runtime.kernel: each kernel records its calls as (name, static args, arguments), a tensor
+    argument as (storage, dtype, shape, stride, storage offset) with its storage named after the op input it
+    belongs to or numbered in order of first use; it writes its outputs with its call's ordinal."""
+
+    def __init__(self, inputs: dict):
+        self.inputs = {t.untyped_storage().data_ptr(): name for name, t in inputs.items() if t is not None}
+        self.calls, self.storages = [], {}
+
+    def storage(self, t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.inputs:
+            return self.inputs[ptr]
+        if ptr not in self.storages:  # kept alive: its memory is never another buffer's during the run
+            self.storages[ptr] = (f"buffer{len(self.storages)}", storage)
+        return self.storages[ptr][0]
+
+    def describe(self, a):
+        if isinstance(a, torch.Tensor):
+            return (self.storage(a), a.dtype, tuple(a.shape), a.stride(), a.storage_offset())
+        return a
+
+    def __call__(self, name, device, **static):
+        recorder = self
+
+        class Fake:
+            def __call__(self, *args):
+                record = [name, tuple(sorted(static.items())), [recorder.describe(a) for a in args]]
+                if name in FOLDS:
+                    record.append(float(args[0].double().sum()))
+                recorder.calls.append(tuple(record))
+                for i in WRITES[name]:
+                    args[i].fill_(len(recorder.calls))
+
+            def __chandle__(self):
+                return 1000 + len(recorder.calls)
+
+        return Fake()
+
+    def outputs(self, outs):
+        return [self.describe(t) for t in outs]
+
+
+_EMPTY, _EMPTY_LIKE = torch.empty, torch.empty_like
+
+
+def _run(monkeypatch, fn, inputs: dict, *extra):
+    """(calls, outputs' descriptions, outputs) of fn(*inputs.values(), *extra) with recorded fake kernels and
+    poisoned allocations (an element neither a kernel nor a fill writes shows in a fold's checksum or an output)."""
+    recorder = _Recorder(inputs)
+    monkeypatch.setattr(runtime, "kernel", recorder)
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: _EMPTY(*a, **kw).fill_(7.0))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _EMPTY_LIKE(*a, **kw).fill_(7.0))
+    monkeypatch.setattr(P, "_cache", {})  # plans resolve their kernels through this recorder
+    outs = fn(*inputs.values(), *extra)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return recorder.calls, recorder.outputs(outs), outs
+
+
+def _same_run(monkeypatch, old, new, inputs, *extra):
+    calls, described, outs = _run(monkeypatch, old, inputs, *extra)
+    new_calls, new_described, new_outs = _run(monkeypatch, new, inputs, *extra)
+    assert new_calls == calls
+    assert new_described == described
+    assert all(same_bits(a, b) for a, b in zip(new_outs, outs, strict=True))
+    return calls
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    monkeypatch.setattr(runtime, "arch_of", lambda device: "sm_90a")
+    slots = {}  # check slot addresses as (op, argument, checked) stand-ins: no CUDA memory on a CPU machine
+    monkeypatch.setattr(checks, "slot_addresses", lambda device, op, arg, checked=True:
+                        slots.setdefault((op, arg, checked), (2 * len(slots) + 1, 2 * len(slots) + 2)))
+
+
+HEADS = range(len(LINEAR_SHAPES))
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("rows", [0, 1, 255, 256, 257, 4097])
+def test_linear_plans_launch_what_the_hand_written_launcher_did(monkeypatch, fake_device, head, rows):
+    n, k = LINEAR_SHAPES[head]
+    gen = torch.Generator().manual_seed(rows + 17 * head)
+    x, weight = torch.randn((rows, k), generator=gen), torch.randn((n, k), generator=gen)
+    bias, grad = torch.randn((n,), generator=gen), torch.randn((rows, n), generator=gen)
+    for b in (bias, None):
+        inputs = dict(x=x, weight=weight, bias=b)
+        calls = _same_run(monkeypatch, _old_linear_forward, linear.forward, inputs)
+        assert len(calls) == (rows > 0)
+    for x_grad in (True, False):
+        calls = _same_run(monkeypatch, _old_linear_backward, linear.backward, dict(grad=grad, x=x, weight=weight),
+                          x_grad)
+        if rows:  # dgrad (+ its fold), then the weight gradient's GEMMs (+ its fold)
+            launches = x_grad * (1 + (splits("dgrad", n, k) > 1)) + (1 if rows < 256 else 2 + (rows % 256 > 0))
+            assert len(calls) == launches, [c[:2] for c in calls]
+    # leading dims: (2, rows, K) rows of x, the gradient of the same shape (outputs viewed with x's leading dims)
+    x3, g3 = torch.cat([x, x]).view(2, rows, k), torch.cat([grad, grad]).view(2, rows, n)
+    _same_run(monkeypatch, _old_linear_forward, linear.forward, dict(x=x3, weight=weight, bias=bias))
+    _same_run(monkeypatch, _old_linear_backward, linear.backward, dict(grad=g3, x=x3, weight=weight))
+
+
+def test_linear_plans_read_strided_and_misaligned_inputs_as_the_launcher_did(monkeypatch, fake_device):
+    n, k = LINEAR_SHAPES[0]
+    x = torch.randn((300, 2 * k))[:, :k]  # copied into contiguous rows first, as before
+    weight = torch.randn(n * k + 1)[1:].view(n, k)  # 4-byte aligned only: copied
+    grad = torch.randn((300, n))
+    _same_run(monkeypatch, _old_linear_forward, linear.forward, dict(x=x, weight=weight, bias=torch.randn(n)))
+    _same_run(monkeypatch, _old_linear_backward, linear.backward, dict(grad=grad, x=x, weight=weight))
+
+
+@pytest.mark.parametrize("table_rows", [3, 9, 13, 24, 48, 49, 150])  # every cap, and windows beyond 48
+@pytest.mark.parametrize("rows", [0, 1, 7, 1031])
+def test_gate_residual_plans_launch_what_the_hand_written_launcher_did(monkeypatch, fake_device, table_rows, rows):
+    gen = torch.Generator().manual_seed(rows + table_rows)
+
+    def bf16(*shape):
+        return torch.randn(shape, generator=gen).bfloat16()
+
+    residual, y, grad = bf16(rows, HIDDEN), bf16(rows, HIDDEN), bf16(rows, HIDDEN)
+    idx = torch.randint(0, table_rows, (rows,), generator=gen)
+    wide = bf16(table_rows, 2 * HIDDEN)
+    for gate in (bf16(table_rows, HIDDEN), wide[:, HIDDEN:]):  # compact, and a row-strided half read in place
+        for check in (True, False):
+            calls = _same_run(monkeypatch, _old_gate_residual_forward, gate_residual.forward,
+                              dict(residual=residual, y=y, gate=gate, adaln_indices=idx), check)
+            assert len(calls) == (rows > 0)
+        calls = _same_run(monkeypatch, _old_gate_residual_backward, gate_residual.backward,
+                          dict(grad=grad, y=y, gate=gate, adaln_indices=idx))
+        assert [c[0] for c in calls] == (["gate_residual_bwd", "rowwise_fold"] if rows else [])
+
+
+# ---- plans are data ------------------------------------------------------------------------------------------
+
+
+def _plans(device="cpu"):
+    """Every plan of the two ops over their row ranges (a few row counts per range)."""
+    out = []
+    for n, k in LINEAR_SHAPES:
+        for rows in (0, 1, 255, 256, 257, 4097):
+            for flag in (True, False):
+                out.append(linear.build(P.Phase.FORWARD, device, linear.ForwardKey(n, k, flag), rows))
+                out.append(linear.build(P.Phase.BACKWARD, device, linear.BackwardKey(n, k, flag), rows))
+    for rows in (0, 1, 1031):
+        for check in (True, False):
+            out.append(gate_residual.build(P.Phase.FORWARD, device, gate_residual.ForwardKey(HIDDEN, check), rows))
+        for table_rows in (3, 24, 48, 49, 150):
+            out.append(gate_residual.build(P.Phase.BACKWARD, device,
+                                           gate_residual.BackwardKey(HIDDEN, table_rows), rows))
+    return out
+
+
+def test_each_plan_serves_its_whole_row_range(fake_device):
+    # A plan is cached for [lo, hi]: the builder gives the same plan at both ends of the range and inside it.
+    for plan in _plans():
+        for rows in {plan.lo, min(plan.hi, plan.lo + 1), min(plan.hi, 10**6), plan.hi}:
+            builder = linear.build if plan.op == "linear" else gate_residual.build
+            assert builder(plan.phase, "cpu", plan.key, rows) == plan, (str(plan), rows)
+
+
+def test_linear_backward_plan_reads_as_a_list(fake_device):
+    plan = linear.build(P.Phase.BACKWARD, "cpu", linear.BackwardKey(5376, 96, True), 300)
+    text = str(plan)
+    assert text.splitlines()[0] == ("linear backward BackwardKey(out_features=5376, in_features=96, x_grad=True) "
+                                    "rows [256, MAX]")
+    lines = [line.strip() for line in text.splitlines()]
+    assert "buffer partials: f32 (9, 5376, 96)" in lines
+    assert any(line.endswith("(grad[M//256*256:M].t, x[M//256*256:M].t, partials[8:9])  if M - M//256*256 != 0")
+               for line in lines), text
+    assert "fill partials[8:9] = 0.0  if M - M//256*256 == 0" in lines
+    assert lines[-3:] == ["-> dx as rows", "-> dweight", "-> sum0(grad)"]
+
+
+def test_dims_are_the_row_terms_the_plans_use():
+    bulk = P.whole_rows(256)
+    tail = P.M - bulk
+    assert [bulk(m) for m in (0, 255, 256, 257, 4097)] == [0, 0, 256, 256, 4096]
+    assert [tail(m) for m in (0, 255, 256, 257, 4097)] == [0, 255, 0, 1, 1]
+    assert str(tail) == "M - M//256*256" and str(P.dim(9)) == "9" and str(P.M + 3) == "M + 3"
+    with pytest.raises(ValueError, match="mixes row steps"):
+        bulk + P.whole_rows(128)
+
+
+def test_encoding_is_ints_in_the_documented_order(fake_device):
+    for plan in _plans():
+        handles = list(range(7, 7 + len(plan.kernels())))
+        lo, hi, inputs, hs, buffers, steps, outputs = P.encode(plan, handles)
+        assert (lo, hi, inputs, hs) == (plan.lo, plan.hi, len(plan.inputs), tuple(handles))
+        assert len(buffers) == len(plan.buffers) and len(steps) == len(plan.steps)
+        assert len(outputs) == len(plan.outputs)
+        for (kind, kernel, value, cond, args), step in zip(steps, plan.steps, strict=True):
+            assert kind == isinstance(step, P.Fill) and cond[0] == (step.when is not None)
+            if kind == 0:
+                assert plan.kernels()[kernel] == step.kernel and len(args) == len(step.args)
+
+
+# ---- the C++ layer decodes and walks the same plans (called by tests/test_native.py's build test) ---------------
+
+
+def _plan_inputs(plan, rows):
+    """(sizes, strides, dtype) of fresh inputs of `plan` for `rows` rows (tables row-strided, as read in place)."""
+    f32, bf16, i64 = torch.float32, torch.bfloat16, torch.int64
+    if plan.op == "linear":
+        n, k = plan.key.out_features, plan.key.in_features
+        shapes = dict(x=((rows, k), f32), grad=((rows, n), f32), weight=((n, k), f32), bias=((n,), f32))
+        return [(shape, torch.empty(shape).stride(), dtype) for shape, dtype in (shapes[i] for i in plan.inputs)]
+    table_rows = getattr(plan.key, "table_rows", 9)
+    geometry = {"adaln_indices": ((rows,), (1,), i64), "gate": ((table_rows, HIDDEN), (2 * HIDDEN, 1), bf16)}
+    return [geometry.get(name, ((rows, HIDDEN), (HIDDEN, 1), bf16)) for name in plan.inputs]
+
+
+def _python_walk(plan, rows, lead, monkeypatch):
+    """The Python walker's launches on meta inputs, in describe_walk's format: [(kernel index, [(0, int) |
+    (1, (source, offset, sizes, strides))])], and [(sizes, strides)] of the outputs; sources index the inputs, then
+    the buffers in allocation order."""
+    inputs = [torch.empty_strided(sizes, strides, dtype=dtype, device="meta")
+              for sizes, strides, dtype in _plan_inputs(plan, rows)]
+    sources, empty = list(inputs), torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: sources.append(empty(*a, **kw)) or sources[-1])
+    launches = []
+
+    def geometry(a):
+        if not isinstance(a, torch.Tensor):
+            return (0, a)
+        root = a if a._base is None else a._base
+        source = next(i for i, s in enumerate(sources) if s is root)
+        return (1, (source, a.storage_offset(), tuple(a.shape), a.stride()))
+
+    def kernel(index):
+        return lambda *args: launches.append((index, tuple(geometry(a) for a in args)))
+
+    fns = tuple(kernel(i) for i in range(len(plan.kernels())))
+    outputs = P.walk(plan, fns, inputs, rows, lead, "meta")
+    monkeypatch.setattr(torch, "empty", empty)
+    return tuple(launches), tuple((tuple(t.shape), t.stride()) for t in outputs)
+
+
+def assert_cpp_walks_the_plans(module, monkeypatch):
+    """`module` (the built h3cute_native): each plan of the two ops decodes to itself (describe_plan), and the C++
+    walk of it (describe_walk) launches the same kernels with the same argument geometry (source, offset, sizes,
+    strides) and makes outputs of the same geometry as the Python walker, at several row counts of its range."""
+    monkeypatch.setattr(runtime, "arch_of", lambda device: "sm_90a")
+    monkeypatch.setattr(checks, "slot_addresses",
+                        lambda device, op, arg, checked=True: (11, 12) if checked else (13, 14))
+    codes = {torch.float32: 0, torch.bfloat16: 1, torch.int64: 2}
+    walked = 0
+    for plan in _plans():
+        encoded = P.encode(plan, list(range(100, 100 + len(plan.kernels()))))
+        assert repr(module.describe_plan(encoded)) == repr(encoded), str(plan)
+        for rows in sorted({plan.lo, plan.lo + 1, 512, 4097, 4098} & set(range(plan.lo, min(plan.hi, 5000) + 1))):
+            lead = (2, rows // 2) if plan.op == "linear" and rows % 2 == 0 else (rows,)
+            inputs = [(list(s), list(st), codes[d]) for s, st, d in _plan_inputs(plan, rows)]
+            got = module.describe_walk(encoded, rows, inputs, list(lead))
+            assert got == _python_walk(plan, rows, lead, monkeypatch), (str(plan), rows)
+            walked += 1
+    assert walked > 100
+
+
+def test_native_plan_takes_the_cpp_int_keys(monkeypatch, fake_device):
+    # h3_native.cpp passes (phase name, key ints): the plan is the one the Python launcher builds for the typed key.
+    monkeypatch.setattr(runtime, "kernel", _Recorder({}))
+    encoded = linear.native_plan(0, "backward", (5376, 96, 1), 300)
+    plan, fns = P.plan_for(linear.build, P.Phase.BACKWARD, torch.device("cuda", 0), linear.BackwardKey(5376, 96, True),
+                           300)
+    assert plan.key.x_grad is True and encoded == P.encode(plan, [fn.__chandle__() for fn in fns])
+    lo, hi, inputs, handles = gate_residual.native_plan(0, "forward", (HIDDEN, 0), 5)[:4]
+    assert (lo, hi, inputs, len(handles)) == (1, runtime.MAX_ROWS, 4, 1)
+    with pytest.raises(ValueError):
+        linear.native_plan(0, "sideways", (5376, 96, 1), 300)
