@@ -7,9 +7,10 @@ import torch
 
 from h3cute import runtime
 from h3cute.kernels._linear_configs import splits, wgrad_rows
-from h3cute.launch import checks, gate_residual, linear
+from h3cute.launch import checks, gate_residual, linear, norm_modulate
 from h3cute.launch import plan as P
-from h3cute.launch.norm_modulate import fold, reduction_kernel, reduction_layout
+from h3cute.launch.norm_modulate import (FUSED_CAPS, FUSED_CLUSTER, FUSED_ROW_GROUPS, FUSED_STEP, FUSED_VEC, fold,
+                                         index_vector, reduction_kernel, reduction_layout, table_view)
 from h3cute.launch.timestep_mlp import transposed
 from h3cute.widths import HIDDEN, LINEAR_SHAPES
 
@@ -98,12 +99,74 @@ def _old_gate_residual_backward(grad, y, gate, idx):
     return dy, fold(partials, dgate)
 
 
+def _old_norm_modulate_forward_rows(x, weight, shift, scale, idx, eps, op="norm_modulate", argument="adaln_indices",
+                                    check=True):
+    width = x.shape[-1]
+    shift = table_view(op, "shift", shift, width)
+    scale = table_view(op, "scale", scale, width)
+    idx = index_vector(op, idx, x.shape[0])
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        runtime.kernel("norm_modulate_fwd", x.device, width=width)(
+            x, weight, shift, scale, idx, out, float(eps), *checks.slot_addresses(x.device, op, argument, check))
+    return out
+
+
+def _old_norm_modulate_backward_rows(grad, x, weight, scale, idx, eps, op="norm_modulate_backward", table_grad=False):
+    width = x.shape[-1]
+    scale = table_view(op, "scale", scale, width)
+    idx = index_vector(op, idx, x.shape[0])
+    table_rows = scale.shape[0]
+    num_rows, device = x.shape[0], x.device
+    cap, windows, groups = reduction_layout(table_rows, device)
+    dx = torch.empty_like(x)
+    grads = torch.empty((1 + 2 * table_rows) * width, dtype=torch.bfloat16, device=device)
+    dweight, rows = grads[:width], grads[width:]
+    if table_grad:
+        outputs = (dx, dweight, rows.view(table_rows, 2 * width))
+    else:
+        outputs = (dx, dweight, rows[:table_rows * width].view(table_rows, width),
+                   rows[table_rows * width:].view(table_rows, width))
+    if num_rows == 0:
+        grads.zero_()
+        return outputs
+    fused = windows == 1 and cap in FUSED_CAPS and width % (FUSED_VEC * 32 * FUSED_CLUSTER) == 0
+    if fused:
+        groups = FUSED_ROW_GROUPS[runtime.arch_of(device)][cap]
+    partials = torch.empty((groups, (1 + 2 * table_rows) * width), dtype=torch.float32, device=device)
+    part_w = partials[:, :width]
+    if windows > 1:
+        part_w = torch.empty((windows * groups, width), dtype=torch.float32, device=device)
+    if table_grad:
+        part_rows = partials[:, width:].view(groups, table_rows, 2 * width)
+        part_shift, part_scale = part_rows[:, :, :width], part_rows[:, :, width:]
+    else:
+        part_shift = partials[:, width:(1 + table_rows) * width].view(groups, table_rows, width)
+        part_scale = partials[:, (1 + table_rows) * width:].view(groups, table_rows, width)
+    if fused:
+        runtime.kernel("norm_modulate_bwd_fused", device, width=width, cap=cap, step=FUSED_STEP)(
+            grad, x, weight, scale, idx, dx, part_w, part_shift, part_scale, float(eps))
+    else:
+        rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
+        runtime.kernel("norm_modulate_bwd_rows", device, width=width)(grad, x, weight, scale, idx, dx, rstd,
+                                                                      float(eps))
+        reduction_kernel("norm_modulate_bwd_params", device, width, cap, windows)(
+            grad, x, weight, scale, idx, rstd, part_w, part_shift, part_scale)
+    if windows > 1:
+        fold(part_w, dweight)
+        fold(partials[:, width:], rows)
+    else:
+        fold(partials, grads)
+    return outputs
+
+
 # ---- the recorder ---------------------------------------------------------------------------------------------
 
 # The arguments each fake kernel writes (every element of them): the launch's outputs, so the ops' outputs are
 # deterministic; a fold also records a checksum of the partials it reads (a missed fill would show there).
 WRITES = {"linear_gemm": (-1,), "linear_fold": (-1,), "gate_residual_fwd": (4,), "gate_residual_bwd": (4, 5),
-          "rowwise_fold": (-1,)}
+          "rowwise_fold": (-1,), "norm_modulate_fwd": (5,), "norm_modulate_bwd_fused": (5, 6, 7, 8),
+          "norm_modulate_bwd_rows": (5, 6), "norm_modulate_bwd_params": (6, 7, 8)}
 FOLDS = {"linear_fold", "rowwise_fold"}
 
 
@@ -240,11 +303,44 @@ def test_gate_residual_plans_launch_what_the_hand_written_launcher_did(monkeypat
         assert [c[0] for c in calls] == (["gate_residual_bwd", "rowwise_fold"] if rows else [])
 
 
+@pytest.mark.parametrize("table_rows", [3, 9, 13, 24, 25, 48, 49, 150])  # fused caps, unfused, windows beyond 48
+@pytest.mark.parametrize("rows", [0, 1, 7, 1031])
+def test_norm_modulate_plans_launch_what_the_hand_written_launcher_did(monkeypatch, fake_device, table_rows, rows):
+    gen = torch.Generator().manual_seed(rows + 3 * table_rows)
+
+    def bf16(*shape):
+        return torch.randn(shape, generator=gen).bfloat16()
+
+    x, grad, weight = bf16(rows, HIDDEN), bf16(rows, HIDDEN), bf16(HIDDEN)
+    idx = torch.randint(0, table_rows, (rows,), generator=gen)
+    wide = bf16(table_rows, 2 * HIDDEN)
+    # compact tables, the row-strided halves of a projection read in place, and a misaligned table (copied)
+    odd = bf16(table_rows, HIDDEN + 4)
+    for shift, scale in ((bf16(table_rows, HIDDEN), bf16(table_rows, HIDDEN)), (wide[:, :HIDDEN], wide[:, HIDDEN:]),
+                         (odd[:, 4:], odd[:, :HIDDEN])):
+        inputs = dict(x=x, weight=weight, shift=shift, scale=scale, adaln_indices=idx)
+        for check in (True, False):
+            calls = _same_run(monkeypatch, _old_norm_modulate_forward_rows, norm_modulate.forward_rows, inputs, 1e-6,
+                              "norm_modulate", "adaln_indices", check)
+            assert len(calls) == (rows > 0)
+        # final_adaln_out's rows: its own check slot
+        _same_run(monkeypatch, _old_norm_modulate_forward_rows, norm_modulate.forward_rows, inputs, 1e-5,
+                  "final_adaln_out", "timestep_indices")
+        for table_grad in (False, True):
+            calls = _same_run(monkeypatch, _old_norm_modulate_backward_rows, norm_modulate.backward_rows,
+                              dict(grad=grad, x=x, weight=weight, scale=scale, adaln_indices=idx), 1e-6,
+                              "norm_modulate_backward", table_grad)
+            want = [] if rows == 0 else ["norm_modulate_bwd_fused", "rowwise_fold"] if table_rows <= 24 else \
+                ["norm_modulate_bwd_rows", "norm_modulate_bwd_params", "rowwise_fold"] + ["rowwise_fold"] * \
+                (table_rows > 48)
+            assert [c[0] for c in calls] == want
+
+
 # ---- plans are data ------------------------------------------------------------------------------------------
 
 
 def _plans(device="cpu"):
-    """Every plan of the two ops over their row ranges (a few row counts per range)."""
+    """Every plan of the ops on plans over their row ranges (a few row counts per range)."""
     out = []
     for n, k in LINEAR_SHAPES:
         for rows in (0, 1, 255, 256, 257, 4097):
@@ -254,18 +350,27 @@ def _plans(device="cpu"):
     for rows in (0, 1, 1031):
         for check in (True, False):
             out.append(gate_residual.build(P.Phase.FORWARD, device, gate_residual.ForwardKey(HIDDEN, check), rows))
+            out.append(norm_modulate.build(P.Phase.FORWARD, device, norm_modulate.ForwardKey(HIDDEN, check), rows))
+        out.append(norm_modulate.build(P.Phase.FORWARD, device,
+                                       norm_modulate.ForwardKey(HIDDEN, True, "final_adaln_out", "timestep_indices"),
+                                       rows))
         for table_rows in (3, 24, 48, 49, 150):
             out.append(gate_residual.build(P.Phase.BACKWARD, device,
                                            gate_residual.BackwardKey(HIDDEN, table_rows), rows))
+            for table_grad in (False, True):
+                out.append(norm_modulate.build(P.Phase.BACKWARD, device,
+                                               norm_modulate.BackwardKey(HIDDEN, table_rows, table_grad), rows))
     return out
+
+
+BUILDERS = {"linear": linear.build, "gate_residual": gate_residual.build, "norm_modulate": norm_modulate.build}
 
 
 def test_each_plan_serves_its_whole_row_range(fake_device):
     # A plan is cached for [lo, hi]: the builder gives the same plan at both ends of the range and inside it.
     for plan in _plans():
         for rows in {plan.lo, min(plan.hi, plan.lo + 1), min(plan.hi, 10**6), plan.hi}:
-            builder = linear.build if plan.op == "linear" else gate_residual.build
-            assert builder(plan.phase, "cpu", plan.key, rows) == plan, (str(plan), rows)
+            assert BUILDERS[plan.op](plan.phase, "cpu", plan.key, rows) == plan, (str(plan), rows)
 
 
 def test_linear_backward_plan_reads_as_a_list(fake_device):
@@ -308,14 +413,17 @@ def test_encoding_is_ints_in_the_documented_order(fake_device):
 
 
 def _plan_inputs(plan, rows):
-    """(sizes, strides, dtype) of fresh inputs of `plan` for `rows` rows (tables row-strided, as read in place)."""
+    """(sizes, strides, dtype) of fresh inputs of `plan` for `rows` rows (tables row-strided, as read in place), and
+    a float for each float input."""
     f32, bf16, i64 = torch.float32, torch.bfloat16, torch.int64
     if plan.op == "linear":
         n, k = plan.key.out_features, plan.key.in_features
         shapes = dict(x=((rows, k), f32), grad=((rows, n), f32), weight=((n, k), f32), bias=((n,), f32))
         return [(shape, torch.empty(shape).stride(), dtype) for shape, dtype in (shapes[i] for i in plan.inputs)]
     table_rows = getattr(plan.key, "table_rows", 9)
-    geometry = {"adaln_indices": ((rows,), (1,), i64), "gate": ((table_rows, HIDDEN), (2 * HIDDEN, 1), bf16)}
+    table = ((table_rows, HIDDEN), (2 * HIDDEN, 1), bf16)
+    geometry = {"adaln_indices": ((rows,), (1,), i64), "gate": table, "shift": table, "scale": table,
+                "weight": ((HIDDEN,), (1,), bf16), "eps": 1e-6}
     return [geometry.get(name, ((rows, HIDDEN), (HIDDEN, 1), bf16)) for name in plan.inputs]
 
 
@@ -323,13 +431,15 @@ def _python_walk(plan, rows, lead, monkeypatch):
     """The Python walker's launches on meta inputs, in describe_walk's format: [(kernel index, [(0, int) |
     (1, (source, offset, sizes, strides))])], and [(sizes, strides)] of the outputs; sources index the inputs, then
     the buffers in allocation order."""
-    inputs = [torch.empty_strided(sizes, strides, dtype=dtype, device="meta")
-              for sizes, strides, dtype in _plan_inputs(plan, rows)]
+    inputs = [g if isinstance(g, float) else torch.empty_strided(g[0], g[1], dtype=g[2], device="meta")
+              for g in _plan_inputs(plan, rows)]
     sources, empty = list(inputs), torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: sources.append(empty(*a, **kw)) or sources[-1])
     launches = []
 
     def geometry(a):
+        if isinstance(a, float):
+            return (2, a)
         if not isinstance(a, torch.Tensor):
             return (0, a)
         root = a if a._base is None else a._base
@@ -346,7 +456,7 @@ def _python_walk(plan, rows, lead, monkeypatch):
 
 
 def assert_cpp_walks_the_plans(module, monkeypatch):
-    """`module` (the built h3cute_native): each plan of the two ops decodes to itself (describe_plan), and the C++
+    """`module` (the built h3cute_native): each plan of the ops on plans decodes to itself (describe_plan), and the C++
     walk of it (describe_walk) launches the same kernels with the same argument geometry (source, offset, sizes,
     strides) and makes outputs of the same geometry as the Python walker, at several row counts of its range."""
     monkeypatch.setattr(runtime, "arch_of", lambda device: "sm_90a")
@@ -359,7 +469,8 @@ def assert_cpp_walks_the_plans(module, monkeypatch):
         assert repr(module.describe_plan(encoded)) == repr(encoded), str(plan)
         for rows in sorted({plan.lo, plan.lo + 1, 512, 4097, 4098} & set(range(plan.lo, min(plan.hi, 5000) + 1))):
             lead = (2, rows // 2) if plan.op == "linear" and rows % 2 == 0 else (rows,)
-            inputs = [(list(s), list(st), codes[d]) for s, st, d in _plan_inputs(plan, rows)]
+            inputs = [g if isinstance(g, float) else (list(g[0]), list(g[1]), codes[g[2]])
+                      for g in _plan_inputs(plan, rows)]
             got = module.describe_walk(encoded, rows, inputs, list(lead))
             assert got == _python_walk(plan, rows, lead, monkeypatch), (str(plan), rows)
             walked += 1
@@ -375,5 +486,12 @@ def test_native_plan_takes_the_cpp_int_keys(monkeypatch, fake_device):
     assert plan.key.x_grad is True and encoded == P.encode(plan, [fn.__chandle__() for fn in fns])
     lo, hi, inputs, handles = gate_residual.native_plan(0, "forward", (HIDDEN, 0), 5)[:4]
     assert (lo, hi, inputs, len(handles)) == (1, runtime.MAX_ROWS, 4, 1)
+    # a key's later fields keep their defaults: h3::norm_modulate's own check slot, its gradients' table layout
+    for phase, ints, key in (("forward", (HIDDEN, 1), norm_modulate.ForwardKey(HIDDEN, True)),
+                             ("backward", (HIDDEN, 9, 0), norm_modulate.BackwardKey(HIDDEN, 9, False))):
+        encoded = norm_modulate.native_plan(0, phase, ints, 5)
+        plan, fns = P.plan_for(norm_modulate.build, P.Phase(phase), torch.device("cuda", 0), key, 5)
+        assert encoded == P.encode(plan, [fn.__chandle__() for fn in fns])
+        assert len(plan.outputs) == (1 if phase == "forward" else 4)  # out; dx, dweight, dshift, dscale
     with pytest.raises(ValueError):
         linear.native_plan(0, "sideways", (5376, 96, 1), 300)

@@ -21,7 +21,7 @@ from h3cute.launch import checks
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, view
 
-from .norm_modulate import check_rows, index_vector, reduction_layout, table_view
+from .norm_modulate import check_rows, fold_step, index_vector, reduction, reduction_layout, table_view
 
 OP = "gate_residual"
 INPUTS = {"forward": ("residual", "y", "gate", "adaln_indices"), "backward": ("grad", "y", "gate", "adaln_indices")}
@@ -59,13 +59,11 @@ def build(phase: Phase, device, key, rows: int) -> P.Plan:
         steps = (Fill(view("dgate"), 0.0),)
     else:
         cap, windows, groups = reduction_layout(key.table_rows, device)
-        windowed = dict(windowed=True) if windows > 1 else {}
         buffers.append(Buffer("partials", torch.float32, (groups, key.table_rows, width)))
-        steps = (Launch(Kernel.of("gate_residual_bwd", width=width, cap=cap, **windowed),
+        steps = (Launch(reduction("gate_residual_bwd", width, cap, windows),
                         (view("grad"), view("y"), view("gate"), view("adaln_indices"), view("dy"), view("partials"))),
                  # dgate (contiguous BF16) = the in-order sum over the row groups, rounded once
-                 Launch(Kernel.of("rowwise_fold"), (view("partials", layout=Layout.MATRIX),
-                                                   view("dgate", layout=Layout.FLAT))))
+                 fold_step(view("partials", layout=Layout.MATRIX), view("dgate", layout=Layout.FLAT)))
     return P.Plan(OP, phase, key, lo, hi, INPUTS[phase.value], tuple(buffers), steps,
                   (Output(view("dy")), Output(view("dgate"))))
 

@@ -9,20 +9,33 @@ parameter gradients; larger tables (any number of rows):
 `norm_modulate_bwd_params` (the partials; windowed beyond 48 table rows, see `reduction_layout`) and the
 folds. No host sync anywhere.
 
+The launches are launch plans (h3cute.launch.plan): `build` writes them, `forward_rows` / `backward_rows` check and
+prepare the inputs and walk them, and the C++ layer walks the same plans (`native_plan`). Row ranges: S = 0 (no
+launch; the backward's parameter gradients zero-filled) and S >= 1.
+
 `forward_rows` / `backward_rows` take any row index vector and row-strided tables (read in place when
 their rows are 16-byte aligned, else copied compact first), so `final_adaln_out` reuses them with timestep_indices and
-the two halves of its (T, 2H) projection: `forward_rows(x, w, proj[:, :H], proj[:, H:], ti, eps)`.
+the two halves of its (T, 2H) projection: `forward_rows(x, w, proj[:, :H], proj[:, H:], ti, eps)` (its key names
+its check slot, `ForwardKey.op` / `argument`), and the backward with `table_grad` (`BackwardKey.table_grad`).
 
 Determinism of the table/parameter gradients: ROW_GROUPS is fixed per arch (never read from the device),
 so the same inputs give the same bits on every GPU of one arch, whatever the stream or timing.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from h3cute import runtime
 from h3cute.launch import checks
+from h3cute.launch import plan as P
+from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, Scalar, strided, view
 from h3cute.widths import HIDDEN, NORM_EPS
+
+OP = "norm_modulate"
+INPUTS = {Phase.FORWARD: ("x", "weight", "shift", "scale", "adaln_indices", "eps"),
+          Phase.BACKWARD: ("grad", "x", "weight", "scale", "adaln_indices", "eps")}
 
 COL_TILE = 256  # kernels/rowwise.py COL_TILE: the widths must be multiples of it
 TABLE_ROWS_CAPS = (12, 24, 48)  # kernels/rowwise.py TABLE_ROWS_CAPS
@@ -68,9 +81,19 @@ def reduction_layout(table_rows: int, device: torch.device) -> tuple[int, int, i
 def reduction_kernel(name: str, device: torch.device, width: int, cap: int, windows: int):
     """The compiled column-reduction kernel `name` for a layout of reduction_layout (its windowed variant when
     the table has more than one window)."""
-    if windows > 1:
-        return runtime.kernel(name, device, width=width, cap=cap, windowed=True)
-    return runtime.kernel(name, device, width=width, cap=cap)
+    kernel = reduction(name, width, cap, windows)
+    return runtime.kernel(kernel.name, device, **dict(kernel.static))
+
+
+def reduction(name: str, width: int, cap: int, windows: int) -> Kernel:
+    """The plan kernel of column reduction `name` for a layout of reduction_layout (its windowed variant when the
+    table has more than one window)."""
+    return Kernel.of(name, width=width, cap=cap, **(dict(windowed=True) if windows > 1 else {}))
+
+
+def fold_step(partials: P.View, out: P.View) -> Launch:
+    """`rowwise_fold`: out (N,) BF16 = the in-order sum over the P rows of `partials` (P, N) FP32, rounded once."""
+    return Launch(Kernel.of("rowwise_fold"), (partials, out))
 
 
 def fold(partials: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -108,23 +131,6 @@ def _check_vector(op: str, name: str, t: torch.Tensor, width: int) -> None:
         raise ValueError(f"h3::{op}: {name} must be a contiguous 16-byte aligned ({width},) BF16 tensor")
 
 
-def kernel_handles(device: int, variant: int, num_rows: int):
-    """For the C++ impls (h3cute.native), every row count: variant 0, the forward's `norm_modulate_fwd` with its
-    check_constants;
-    variant R (table rows, fused caps only), the backward's `norm_modulate_bwd_fused` and `rowwise_fold`
-    with its row-group count."""
-    dev = torch.device("cuda", device)
-    if variant == 0:
-        return (0, runtime.MAX_ROWS, [runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN).__chandle__()],
-                check_constants(dev, "norm_modulate"))
-    cap = table_rows_cap(variant)
-    if variant > cap or cap not in FUSED_CAPS:
-        raise ValueError(f"norm_modulate: no fused backward for {variant} table rows")
-    fns = [runtime.kernel("norm_modulate_bwd_fused", dev, width=HIDDEN, cap=cap, step=FUSED_STEP),
-           runtime.kernel("rowwise_fold", dev)]
-    return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [FUSED_ROW_GROUPS[runtime.arch_of(dev)][cap]]
-
-
 def check_constants(device: torch.device, op: str, argument: str = "adaln_indices") -> list[int]:
     """Launch constants of a checking forward for the C++ impls: the check slot addresses of (op, argument) and
     of the discard slot (h3cute.launch.checks), the kernel's last two arguments when checked and unchecked."""
@@ -147,13 +153,90 @@ def row_op_kernel_handles(device: int, variant: int, op: str, forward_kernel: st
     return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [groups]
 
 
+@dataclass(frozen=True)
+class ForwardKey:
+    width: int
+    check_indices: bool  # False: a bad index writes the discard check slot
+    op: str = OP  # the check slot (op, argument) a bad index is recorded in (final_adaln_out's rows: its own)
+    argument: str = "adaln_indices"
+
+
+@dataclass(frozen=True)
+class BackwardKey:
+    width: int
+    table_rows: int
+    table_grad: bool = False  # the table gradient as one (R, 2H) [dshift | dscale] per row (final_adaln_out's)
+
+
+KEYS = {Phase.FORWARD: ForwardKey, Phase.BACKWARD: BackwardKey}
+
+
+def build(phase: Phase, device, key, rows: int) -> P.Plan:
+    """The launch plan of h3::norm_modulate's `phase` for `rows` rows (the inputs of INPUTS[phase])."""
+    lo, hi = (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+    width = key.width
+    if phase is Phase.FORWARD:
+        steps = ()
+        if rows:
+            slot = checks.slot_addresses(device, key.op, key.argument, key.check_indices)
+            steps = (Launch(Kernel.of("norm_modulate_fwd", width=width),
+                            (view("x"), view("weight"), view("shift"), view("scale"), view("adaln_indices"),
+                             view("out"), Scalar("eps"), *slot)),)
+        return P.Plan(OP, phase, key, lo, hi, INPUTS[phase], (Buffer("out", torch.bfloat16, (M, width)),), steps,
+                      (Output(view("out")),))
+    table_rows = key.table_rows
+    stride = (1 + 2 * table_rows) * width  # one BF16 buffer, one fold: [dweight | the table rows' gradients]
+    buffers = [Buffer("dx", torch.bfloat16, (M, width)), Buffer("grads", torch.bfloat16, (stride,))]
+    # the outputs are views of `grads` (per element the same sums as a fold per output): [dweight | dshift rows |
+    # dscale rows], or with table_grad [dweight | (dshift row r | dscale row r) for each r]
+    if key.table_grad:
+        tables = (Output(strided("grads", (table_rows, 2 * width), (2 * width, 1), width)),)
+    else:
+        tables = tuple(Output(strided("grads", (table_rows, width), (width, 1), width + i * table_rows * width))
+                       for i in (0, 1))
+    outputs = (Output(view("dx")), Output(view("grads", 0, width)), *tables)
+    if rows == 0:
+        return P.Plan(OP, phase, key, lo, hi, INPUTS[phase], tuple(buffers), (Fill(view("grads"), 0.0),), outputs)
+    cap, windows, groups = reduction_layout(table_rows, device)
+    fused = windows == 1 and cap in FUSED_CAPS and width % (FUSED_VEC * 32 * FUSED_CLUSTER) == 0
+    if fused:
+        groups = FUSED_ROW_GROUPS[runtime.arch_of(device)][cap]
+    # Partials per group in the layout of `grads`; every element written by the kernel. Windowed, dweight has a
+    # partial per (window, group): its own buffer and fold.
+    buffers.append(Buffer("partials", torch.float32, (groups, stride)))
+    part_w = strided("partials", (groups, width), (stride, 1))
+    if windows > 1:
+        buffers.append(Buffer("part_w", torch.float32, (windows * groups, width)))
+        part_w = view("part_w")
+    row_step, scale_at = (2 * width, 2 * width) if key.table_grad else (width, (1 + table_rows) * width)
+    part_shift = strided("partials", (groups, table_rows, width), (stride, row_step, 1), width)
+    part_scale = strided("partials", (groups, table_rows, width), (stride, row_step, 1), scale_at)
+    operands = (view("grad"), view("x"), view("weight"), view("scale"), view("adaln_indices"))
+    if fused:
+        steps = [Launch(Kernel.of("norm_modulate_bwd_fused", width=width, cap=cap, step=FUSED_STEP),
+                        (*operands, view("dx"), part_w, part_shift, part_scale, Scalar("eps")))]
+    else:
+        buffers.append(Buffer("rstd", torch.float32, (M,)))
+        steps = [Launch(Kernel.of("norm_modulate_bwd_rows", width=width),
+                        (*operands, view("dx"), view("rstd"), Scalar("eps"))),
+                 Launch(reduction("norm_modulate_bwd_params", width, cap, windows),
+                        (*operands, view("rstd"), part_w, part_shift, part_scale))]
+    if windows > 1:
+        steps += [fold_step(view("part_w", layout=Layout.MATRIX), view("grads", 0, width, Layout.FLAT)),
+                  fold_step(strided("partials", (groups, stride - width), (stride, 1), width),
+                            view("grads", width, stride, Layout.FLAT))]
+    else:
+        steps.append(fold_step(view("partials", layout=Layout.MATRIX), view("grads", layout=Layout.FLAT)))
+    return P.Plan(OP, phase, key, lo, hi, INPUTS[phase], tuple(buffers), tuple(steps), outputs)
+
+
 def forward(x, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True):
     """(S, 5376) BF16 `rms_norm(x, weight, eps) * (1 + scale[idx]) + shift[idx]`; a bad index writes a NaN row
     and, with `check_indices`, is recorded in the op's check slot (h3cute.launch.checks)."""
     return forward_rows(x, weight, shift, scale, adaln_indices, eps, check=check_indices)
 
 
-def forward_rows(x, weight, shift, scale, idx, eps, op: str = "norm_modulate", argument: str = "adaln_indices",
+def forward_rows(x, weight, shift, scale, idx, eps, op: str = OP, argument: str = "adaln_indices",
                  check: bool = True):
     width = x.shape[-1]
     check_rows(op, "x", x, width)
@@ -161,11 +244,9 @@ def forward_rows(x, weight, shift, scale, idx, eps, op: str = "norm_modulate", a
     shift = table_view(op, "shift", shift, width)
     scale = table_view(op, "scale", scale, width)
     idx = index_vector(op, idx, x.shape[0])
-    out = torch.empty_like(x)
-    if x.shape[0]:
-        runtime.kernel("norm_modulate_fwd", x.device, width=width)(
-            x, weight, shift, scale, idx, out, float(eps), *checks.slot_addresses(x.device, op, argument, check))
-    return out
+    key = ForwardKey(width, bool(check), op, argument)
+    inputs = (x, weight, shift, scale, idx, float(eps))
+    return P.run(build, Phase.FORWARD, key, inputs, x.shape[0], x.shape[:-1], x.device)[0]
 
 
 def backward(grad, x, weight, scale, adaln_indices, eps, table_rows):
@@ -186,49 +267,12 @@ def backward_rows(grad, x, weight, scale, idx, eps, op: str = "norm_modulate_bac
     _check_vector(op, "weight", weight, width)
     scale = table_view(op, "scale", scale, width)
     idx = index_vector(op, idx, x.shape[0])
-    table_rows = scale.shape[0]
-    num_rows, device = x.shape[0], x.device
-    cap, windows, groups = reduction_layout(table_rows, device)
-    dx = torch.empty_like(x)
-    # One BF16 buffer, one fold: [dweight | dshift rows | dscale rows], or with table_grad [dweight | (dshift row r |
-    # dscale row r) for each r]; the outputs are views of it (per element the same sums as a fold per output).
-    grads = torch.empty((1 + 2 * table_rows) * width, dtype=torch.bfloat16, device=device)
-    dweight, rows = grads[:width], grads[width:]
-    if table_grad:
-        outputs = (dx, dweight, rows.view(table_rows, 2 * width))
-    else:
-        outputs = (dx, dweight, rows[:table_rows * width].view(table_rows, width),
-                   rows[table_rows * width:].view(table_rows, width))
-    if num_rows == 0:
-        grads.zero_()
-        return outputs
-    fused = windows == 1 and cap in FUSED_CAPS and width % (FUSED_VEC * 32 * FUSED_CLUSTER) == 0
-    if fused:
-        groups = FUSED_ROW_GROUPS[runtime.arch_of(device)][cap]
-    # Partials per group in the layout of `grads`; every element written by the kernel. Windowed, dweight has a
-    # partial per (window, group): its own buffer and fold.
-    partials = torch.empty((groups, (1 + 2 * table_rows) * width), dtype=torch.float32, device=device)
-    part_w = partials[:, :width]
-    if windows > 1:
-        part_w = torch.empty((windows * groups, width), dtype=torch.float32, device=device)
-    if table_grad:
-        part_rows = partials[:, width:].view(groups, table_rows, 2 * width)
-        part_shift, part_scale = part_rows[:, :, :width], part_rows[:, :, width:]
-    else:
-        part_shift = partials[:, width:(1 + table_rows) * width].view(groups, table_rows, width)
-        part_scale = partials[:, (1 + table_rows) * width:].view(groups, table_rows, width)
-    if fused:
-        runtime.kernel("norm_modulate_bwd_fused", device, width=width, cap=cap, step=FUSED_STEP)(
-            grad, x, weight, scale, idx, dx, part_w, part_shift, part_scale, float(eps))
-    else:
-        rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
-        runtime.kernel("norm_modulate_bwd_rows", device, width=width)(grad, x, weight, scale, idx, dx, rstd,
-                                                                      float(eps))
-        reduction_kernel("norm_modulate_bwd_params", device, width, cap, windows)(
-            grad, x, weight, scale, idx, rstd, part_w, part_shift, part_scale)
-    if windows > 1:
-        fold(part_w, dweight)
-        fold(partials[:, width:], rows)
-    else:
-        fold(partials, grads)
-    return outputs
+    key = BackwardKey(width, scale.shape[0], bool(table_grad))
+    inputs = (grad, x, weight, scale, idx, float(eps))
+    return P.run(build, Phase.BACKWARD, key, inputs, x.shape[0], x.shape[:-1], x.device)
+
+
+def native_plan(device: int, phase: str, key: tuple, rows: int) -> tuple:
+    """For the C++ impls (h3cute.native): the encoded plan of (phase, key (width, check_indices) or (width, table
+    rows)) serving `rows`."""
+    return P.native_plan(build, KEYS, device, phase, key, rows)

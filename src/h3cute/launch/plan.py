@@ -11,7 +11,9 @@ op's row count M of the form
 which covers what the ops on plans need: row-proportional buffers (`M`), constants, and a split of M into a bulk
 that is a multiple of `step` (`M // step * step`) and its tail (`M - M // step * step`). A kernel argument is a
 `View` of an input or buffer (optionally its dim-0 range [start, stop), then one `Layout`: as it is, transposed,
-flattened, ...) or a plain int (e.g. a check slot's address). A step may be guarded by a `Cond` on a `Dim`.
+flattened, ..., or `Strided`: explicit sizes, strides and offset, e.g. a column block of partials), a `Scalar`
+input passed by value (e.g. eps) or a plain int (e.g. a check slot's address). A step may be guarded by a `Cond`
+on a `Dim`.
 
 `walk` runs a plan with torch tensors (the Python launchers); `encode` flattens it into the nested int tuples that
 `h3_native.cpp` decodes once into its typed `Plan` struct and walks with the same semantics (`describe_plan` and
@@ -93,14 +95,42 @@ class Layout(str, enum.Enum):
     MATRIX = "matrix"  # a dense (D0, ...) as (D0, numel / D0)
     FIRST = "first"  # its first element as a (1,) vector (an operand the kernel never reads)
     ITEM0 = "[0]"  # dim 0's first entry (a (1, R, C) batch as its (R, C) matrix)
+    STRIDED = "strided"  # the View's `strided` geometry over the source's memory (torch's as_strided)
+
+
+@dataclass(frozen=True)
+class Strided:
+    """A view by explicit geometry: `sizes` and `strides` (elements) from element `offset` of the (row-ranged)
+    source's start, as torch's as_strided; for the views a layout does not name (a column block of a buffer, a
+    flat buffer's rows as a matrix)."""
+    sizes: tuple[Dim, ...]
+    strides: tuple[Dim, ...]
+    offset: Dim = Dim()
+
+    def __post_init__(self):
+        if len(self.sizes) != len(self.strides) or len(self.sizes) > 3:
+            raise ValueError(f"plan: a strided view of sizes {self.sizes} and strides {self.strides}")
+        for name in ("sizes", "strides"):
+            object.__setattr__(self, name, tuple(dim(d) for d in getattr(self, name)))
+        object.__setattr__(self, "offset", dim(self.offset))
+
+    def __str__(self) -> str:
+        return (f"<({', '.join(map(str, self.sizes))}) : ({', '.join(map(str, self.strides))})"
+                + (f" @ {self.offset}>" if self.offset != Dim() else ">"))
 
 
 @dataclass(frozen=True)
 class View:
-    """A kernel's view of an input or buffer `of`: rows [start, stop) of dim 0 when `rows` is given, then `layout`."""
+    """A kernel's view of an input or buffer `of`: rows [start, stop) of dim 0 when `rows` is given, then `layout`
+    (with Layout.STRIDED, the geometry `strided`)."""
     of: str
     rows: tuple[Dim, Dim] | None = None
     layout: Layout = Layout.AS_IS
+    strided: Strided | None = None
+
+    def __post_init__(self):
+        if (self.layout is Layout.STRIDED) != (self.strided is not None):
+            raise ValueError(f"plan: view of {self.of}: a Strided geometry goes with Layout.STRIDED, and only there")
 
     def __str__(self) -> str:
         text = self.of
@@ -108,11 +138,27 @@ class View:
             text += f"[{self.rows[0]}:{self.rows[1]}]"
         if self.layout is Layout.ITEM0:
             return text + "[0]"
+        if self.layout is Layout.STRIDED:
+            return text + str(self.strided)
         return text + (f".{self.layout.value}" if self.layout.value else "")
 
 
 def view(of: str, start: Dim | int | None = None, stop: Dim | int | None = None, layout: Layout = Layout.AS_IS) -> View:
     return View(of, None if start is None else (dim(start), dim(stop)), layout)
+
+
+def strided(of: str, sizes: tuple, strides: tuple, offset: Dim | int = 0) -> View:
+    """`of`'s memory as (sizes, strides) from element `offset` (Dims or ints)."""
+    return View(of, None, Layout.STRIDED, Strided(tuple(sizes), tuple(strides), dim(offset)))
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A float input of the op (e.g. eps) passed to a kernel by value (an FP32 scalar argument)."""
+    of: str
+
+    def __str__(self) -> str:
+        return self.of
 
 
 @dataclass(frozen=True)
@@ -142,7 +188,7 @@ class Kernel:
         return self.name + ("(" + ", ".join(f"{k}={v}" for k, v in self.static) + ")" if self.static else "")
 
 
-Arg = Union[View, int]
+Arg = Union[View, Scalar, int]
 
 
 @dataclass(frozen=True)
@@ -211,7 +257,7 @@ class Plan:
         for s in self.steps:
             guard = f"  {s.when}" if s.when else ""
             if isinstance(s, Launch):
-                args = ", ".join(str(a) if isinstance(a, View) else hex(a) for a in s.args)
+                args = ", ".join(hex(a) if isinstance(a, int) else str(a) for a in s.args)
                 lines.append(f"  {s.kernel}({args}){guard}")
             else:
                 lines.append(f"  fill {s.target} = {s.value}{guard}")
@@ -243,22 +289,36 @@ def _view(env: dict, v: View, rows: int) -> torch.Tensor:
         return t.view(-1)[:1]
     if v.layout is Layout.ITEM0:
         return t[0]
+    if v.layout is Layout.STRIDED:
+        g = v.strided
+        return t.as_strided(tuple(d(rows) for d in g.sizes), tuple(d(rows) for d in g.strides),
+                            t.storage_offset() + g.offset(rows))
     return t
 
 
-def walk(plan: Plan, fns: tuple, inputs, rows: int, lead: tuple, device) -> tuple:
-    """Runs `plan` on `inputs` (the tensors of plan.inputs, in order) for `rows` rows with its compiled kernels
-    `fns` (plan.kernels()'s): allocates the buffers, runs the steps in order, returns the outputs (`lead`: the
-    row input's leading dims, for outputs made as rows)."""
+def _arg(env: dict, a: Arg, rows: int):
+    if isinstance(a, View):
+        return _view(env, a, rows)
+    return float(env[a.of]) if isinstance(a, Scalar) else a
+
+
+def walk(plan: Plan, fns: tuple, inputs, rows: int, lead: tuple, device, given: dict | None = None) -> tuple:
+    """Runs `plan` on `inputs` (the tensors, and floats for Scalar arguments, of plan.inputs, in order) for `rows`
+    rows with its compiled kernels `fns` (plan.kernels()'s): allocates the buffers (those named in `given` are the
+    caller's tensors, taken as they are: e.g. a test's guarded output), runs the steps in order, returns the
+    outputs (`lead`: the row input's leading dims, for outputs made as rows)."""
     env = dict(zip(plan.inputs, inputs, strict=True))
     for b in plan.buffers:
+        if given and b.name in given:
+            env[b.name] = given[b.name]
+            continue
         env[b.name] = torch.empty(tuple(d(rows) for d in b.shape), dtype=b.dtype, device=device)
     index = {k: i for i, k in enumerate(plan.kernels())}
     for step in plan.steps:
         if step.when is not None and not step.when(rows):
             continue
         if isinstance(step, Launch):
-            fns[index[step.kernel]](*(_view(env, a, rows) if isinstance(a, View) else a for a in step.args))
+            fns[index[step.kernel]](*(_arg(env, a, rows) for a in step.args))
         else:
             _view(env, step.target, rows).fill_(step.value)
     outputs = []
@@ -290,10 +350,10 @@ def plan_for(build: Builder, phase: Phase, device, key, rows: int) -> tuple[Plan
     return entry
 
 
-def run(build: Builder, phase: Phase, key, inputs, rows: int, lead: tuple, device) -> tuple:
-    """The plan of (build, phase, device, key) for `rows`, walked on `inputs`."""
+def run(build: Builder, phase: Phase, key, inputs, rows: int, lead: tuple, device, given: dict | None = None) -> tuple:
+    """The plan of (build, phase, device, key) for `rows`, walked on `inputs` (`given`: walk's)."""
     plan, fns = plan_for(build, phase, device, key, rows)
-    return walk(plan, fns, inputs, rows, lead, device)
+    return walk(plan, fns, inputs, rows, lead, device, given)
 
 
 # ---- the encoding h3_native.cpp decodes ---------------------------------------------------------------------
@@ -313,17 +373,24 @@ def encode(plan: Plan, handles: list[int]) -> tuple:
     (lo, hi, inputs, handles, buffers, steps, outputs) with
       buffer (dtype code, (dim, ...)); dim (const, per_row, whole, step); cond (has, nonzero, dim);
       step (0 launch | 1 fill, kernel index, fill value, cond, (arg, ...));
-      arg (0, value) an int, or (1, source, has_rows, start dim, stop dim, layout code), source indexing the
-      inputs then the buffers;
+      arg (0, value) an int, or (1, source, has_rows, start dim, stop dim, layout code) a view, source indexing the
+      inputs then the buffers, with Layout.STRIDED one more field ((size dim, ...), (stride dim, ...), offset dim),
+      or (2, input) a Scalar, passed by value;
       output (0 view | 1 column sum, lead, arg)."""
     sources = {name: i for i, name in enumerate((*plan.inputs, *(b.name for b in plan.buffers)))}
     index = {k: i for i, k in enumerate(plan.kernels())}
 
     def arg(a):
+        if isinstance(a, Scalar):
+            return (2, plan.inputs.index(a.of))
         if not isinstance(a, View):
             return (0, int(a))
         start, stop = a.rows if a.rows is not None else (Dim(), Dim())
-        return (1, sources[a.of], int(a.rows is not None), _dim(start), _dim(stop), LAYOUT_CODES[a.layout])
+        encoded = (1, sources[a.of], int(a.rows is not None), _dim(start), _dim(stop), LAYOUT_CODES[a.layout])
+        if a.strided is None:
+            return encoded
+        g = a.strided
+        return (*encoded, (tuple(_dim(d) for d in g.sizes), tuple(_dim(d) for d in g.strides), _dim(g.offset)))
 
     steps = []
     for s in plan.steps:
@@ -340,9 +407,11 @@ def encode(plan: Plan, handles: list[int]) -> tuple:
 
 def native_plan(build: Builder, keys: dict, device: int, phase: str, key: tuple, rows: int) -> tuple:
     """For h3_native.cpp's plan tables: the encoded plan serving `rows` for (phase, the op's key type of that phase
-    in `keys` made from the ints `key`), with its kernels' C handles (the Python runtime keeps the kernels alive)."""
+    in `keys` made from the ints `key`), with its kernels' C handles (the Python runtime keeps the kernels alive).
+    The ints are the key's leading fields; fields after them (Python-only choices) keep their defaults."""
     phase = Phase(phase)
     kind = keys[phase]  # C++ passes ints: the key's bool fields become bools again
-    key = kind(*(bool(v) if f.type == "bool" else v for f, v in zip(dataclasses.fields(kind), key, strict=True)))
+    fields = dataclasses.fields(kind)[:len(key)]
+    key = kind(*(bool(v) if f.type == "bool" else v for f, v in zip(fields, key, strict=True)))
     plan, fns = plan_for(build, phase, torch.device("cuda", device), key, rows)
     return encode(plan, [fn.__chandle__() for fn in fns])

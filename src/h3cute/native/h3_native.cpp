@@ -8,8 +8,8 @@
 // goes to the op's Python CUDA impl, which widens, refuses with the exact message of
 // h3cute.ops.validate, or runs; the compiled kernel is looked up once per (device, variant) through
 // the Python runtime (prebuilt bundle, disk cache or JIT), which keeps the function alive. Ops on launch plans
-// (h3cute/launch/plan.py: linear, gate_residual) hold only their fast-path predicate here and walk the plan Python
-// wrote (PlanTable, walk).
+// (h3cute/launch/plan.py: linear, gate_residual, norm_modulate) hold only their fast-path predicate here and walk
+// the plan Python wrote (PlanTable, walk).
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -410,8 +410,9 @@ View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
 // plan once (`<module>.native_plan`), this file decodes it once into a `Plan` when a PlanTable fetches it, and
 // `walk` runs it with the semantics of plan.py's `walk`: an op on plans holds only its fast-path predicate here.
 
-enum class Layout : int64_t { as_is = 0, t = 1, flat = 2, matrix = 3, first = 4, item0 = 5 };  // plan.Layout
-constexpr int64_t kLayouts = 6;
+// plan.Layout
+enum class Layout : int64_t { as_is = 0, t = 1, flat = 2, matrix = 3, first = 4, item0 = 5, strided = 6 };
+constexpr int64_t kLayouts = 7;
 
 // per_row * M + whole * (M / step * step) + konst, for the op's row count M (plan.Dim)
 struct Dim {
@@ -426,15 +427,18 @@ struct Cond {
   bool holds(int64_t m) const { return !has || ((dim.at(m) != 0) == nonzero); }
 };
 
-// a kernel argument: an Int64 scalar, or a view of source `source` (the inputs, then the buffers): rows
-// [start, stop) of dim 0 when `ranged`, then `layout` (plan.View)
+// a kernel argument: an Int64 scalar, a float input `source` passed by value (`is_scalar`, plan.Scalar), or a view
+// of source `source` (the inputs, then the buffers): rows [start, stop) of dim 0 when `ranged`, then `layout`, with
+// Layout::strided the geometry (sizes, strides, offset) (plan.View, plan.Strided)
 struct Arg {
-  bool is_int = false;
+  bool is_int = false, is_scalar = false;
   int64_t value = 0;
   int64_t source = 0;
   bool ranged = false;
   Dim start, stop;
   Layout layout = Layout::as_is;
+  std::vector<Dim> sizes, strides;
+  Dim offset;
 };
 
 enum class StepKind : int64_t { launch = 0, fill = 1 };
@@ -498,7 +502,7 @@ py::tuple encode_cond(const Cond& c) {
   return py::make_tuple(static_cast<int64_t>(c.has), static_cast<int64_t>(c.nonzero), encode_dim(c.dim));
 }
 
-Arg decode_arg(const py::handle& h, int64_t sources) {
+Arg decode_arg(const py::handle& h, int64_t sources, int64_t inputs) {
   auto t = h.cast<py::tuple>();
   Arg a;
   TORCH_CHECK(t.size() >= 2, "h3cute native: bad plan argument");
@@ -508,7 +512,14 @@ Arg decode_arg(const py::handle& h, int64_t sources) {
     a.value = t[1].cast<int64_t>();
     return a;
   }
-  TORCH_CHECK(t[0].cast<int64_t>() == 1 && t.size() == 6, "h3cute native: bad plan view argument");
+  if (t[0].cast<int64_t>() == 2) {
+    TORCH_CHECK(t.size() == 2, "h3cute native: bad plan scalar argument");
+    a.is_scalar = true;
+    a.source = t[1].cast<int64_t>();
+    TORCH_CHECK(0 <= a.source && a.source < inputs, "h3cute native: plan scalar input ", a.source);
+    return a;
+  }
+  TORCH_CHECK(t[0].cast<int64_t>() == 1 && (t.size() == 6 || t.size() == 7), "h3cute native: bad plan view argument");
   a.source = t[1].cast<int64_t>();
   a.ranged = t[2].cast<int64_t>() != 0;
   a.start = decode_dim(t[3]);
@@ -517,12 +528,29 @@ Arg decode_arg(const py::handle& h, int64_t sources) {
   TORCH_CHECK(0 <= a.source && a.source < sources, "h3cute native: plan argument source ", a.source);
   TORCH_CHECK(0 <= layout && layout < kLayouts, "h3cute native: plan layout code ", layout);
   a.layout = static_cast<Layout>(layout);
+  TORCH_CHECK((a.layout == Layout::strided) == (t.size() == 7), "h3cute native: a strided plan view has a geometry");
+  if (a.layout == Layout::strided) {
+    auto g = t[6].cast<py::tuple>();
+    TORCH_CHECK(g.size() == 3, "h3cute native: a plan view geometry has 3 fields");
+    for (const auto& d : g[0].cast<py::tuple>()) a.sizes.push_back(decode_dim(d));
+    for (const auto& d : g[1].cast<py::tuple>()) a.strides.push_back(decode_dim(d));
+    a.offset = decode_dim(g[2]);
+    TORCH_CHECK(a.sizes.size() == a.strides.size() && a.sizes.size() <= 3, "h3cute native: bad plan view geometry");
+  }
   return a;
 }
 py::tuple encode_arg(const Arg& a) {
   if (a.is_int) return py::make_tuple(0, a.value);
+  if (a.is_scalar) return py::make_tuple(2, a.source);
+  auto view = py::make_tuple(1, a.source, static_cast<int64_t>(a.ranged), encode_dim(a.start), encode_dim(a.stop),
+                             static_cast<int64_t>(a.layout));
+  if (a.layout != Layout::strided) return view;
+  py::list sizes, strides;
+  for (const Dim& d : a.sizes) sizes.append(encode_dim(d));
+  for (const Dim& d : a.strides) strides.append(encode_dim(d));
   return py::make_tuple(1, a.source, static_cast<int64_t>(a.ranged), encode_dim(a.start), encode_dim(a.stop),
-                        static_cast<int64_t>(a.layout));
+                        static_cast<int64_t>(a.layout),
+                        py::make_tuple(py::tuple(sizes), py::tuple(strides), encode_dim(a.offset)));
 }
 
 Plan decode_plan(const py::tuple& t) {
@@ -550,12 +578,13 @@ Plan decode_plan(const py::tuple& t) {
     step.kernel = s[1].cast<int64_t>();
     step.value = s[2].cast<double>();
     step.when = decode_cond(s[3]);
-    for (const auto& a : s[4].cast<py::tuple>()) step.args.push_back(decode_arg(a, sources));
+    for (const auto& a : s[4].cast<py::tuple>()) step.args.push_back(decode_arg(a, sources, p.inputs));
     if (step.kind == StepKind::launch) {
       TORCH_CHECK(0 <= step.kernel && step.kernel < static_cast<int64_t>(p.fns.size()) &&
                       step.args.size() <= kMaxArgs, "h3cute native: bad plan launch");
     } else {
-      TORCH_CHECK(step.args.size() == 1 && !step.args[0].is_int, "h3cute native: a plan fill has one view");
+      TORCH_CHECK(step.args.size() == 1 && !step.args[0].is_int && !step.args[0].is_scalar,
+                  "h3cute native: a plan fill has one view");
     }
     p.steps.push_back(std::move(step));
   }
@@ -564,8 +593,8 @@ Plan decode_plan(const py::tuple& t) {
     TORCH_CHECK(o.size() == 3, "h3cute native: a plan output has 3 fields");
     const int64_t kind = o[0].cast<int64_t>();
     TORCH_CHECK(kind == 0 || kind == 1, "h3cute native: plan output kind ", kind);
-    Output out{static_cast<OutputKind>(kind), o[1].cast<int64_t>() != 0, decode_arg(o[2], sources)};
-    TORCH_CHECK(!out.arg.is_int, "h3cute native: a plan output is a view");
+    Output out{static_cast<OutputKind>(kind), o[1].cast<int64_t>() != 0, decode_arg(o[2], sources, p.inputs)};
+    TORCH_CHECK(!out.arg.is_int && !out.arg.is_scalar, "h3cute native: a plan output is a view");
     p.outputs.push_back(out);
   }
   return p;
@@ -599,6 +628,9 @@ struct Operand {
   int64_t offset = 0;
   int64_t ndim = 0;
   int64_t sizes[3] = {0, 0, 0}, strides[3] = {0, 0, 0};
+  std::optional<double> scalar;  // a float input (plan.Scalar's), no tensor
+
+  Operand(double v) : scalar(v) {}  // NOLINT: implicit, a float input such as eps
 
   Operand(const at::Tensor& t) : base(t), ndim(t.dim()) {  // NOLINT: implicit, an input as it is
     TORCH_CHECK(ndim <= 3, "h3cute native: a plan operand has at most 3 dims");
@@ -636,6 +668,7 @@ struct Operand {
 
 Operand resolve(const Arg& a, const std::vector<Operand>& env, int64_t m) {
   Operand o = env[a.source];
+  TORCH_CHECK(!o.scalar, "h3cute native: a plan view of a float input");
   if (a.ranged) {
     const int64_t start = a.start.at(m), stop = a.stop.at(m);
     TORCH_CHECK(o.ndim >= 1 && 0 <= start && start <= stop && stop <= o.sizes[0], "h3cute native: plan rows [",
@@ -669,11 +702,25 @@ Operand resolve(const Arg& a, const std::vector<Operand>& env, int64_t m) {
       for (int64_t d = 1; d < o.ndim; ++d) o.sizes[d - 1] = o.sizes[d], o.strides[d - 1] = o.strides[d];
       --o.ndim;
       break;
+    case Layout::strided: {  // plan.py: as_strided(sizes, strides, offset + offset) over the source's memory
+      int64_t last = o.offset + a.offset.at(m), numel = 1;  // the last element's index, from base's data pointer
+      o.offset = last;
+      o.ndim = static_cast<int64_t>(a.sizes.size());
+      for (int64_t d = 0; d < o.ndim; ++d) {
+        o.sizes[d] = a.sizes[d].at(m), o.strides[d] = a.strides[d].at(m);
+        numel *= o.sizes[d];
+        last += (o.sizes[d] - 1) * o.strides[d];
+      }
+      const int64_t room = static_cast<int64_t>(o.base.storage().nbytes()) / o.base.element_size() -
+                           o.base.storage_offset();  // elements of base's storage from its data pointer
+      TORCH_CHECK(numel == 0 || (o.offset >= 0 && last < room), "h3cute native: a strided plan view past its source");
+      break;
+    }
   }
   return o;
 }
 
-// A resolved launch argument: an Int64 scalar or an Operand.
+// A resolved launch argument: an Int64 scalar, or an Operand (a view, or a float input's `scalar`).
 struct Resolved {
   bool is_int;
   int64_t value;
@@ -703,8 +750,14 @@ std::vector<at::Tensor> walk(const Plan& p, std::vector<Operand> env, int64_t m,
       continue;
     }
     args.clear();
-    for (const Arg& a : s.args)
-      args.push_back(a.is_int ? Resolved{true, a.value, std::nullopt} : Resolved{false, 0, resolve(a, env, m)});
+    for (const Arg& a : s.args) {
+      if (a.is_int)
+        args.push_back(Resolved{true, a.value, std::nullopt});
+      else if (a.is_scalar)
+        args.push_back(Resolved{false, 0, env[a.source]});
+      else
+        args.push_back(Resolved{false, 0, resolve(a, env, m)});
+    }
     launch(s.kernel, args);
   }
   std::vector<at::Tensor> outputs;
@@ -730,6 +783,8 @@ std::vector<at::Tensor> walk(const Plan& p, std::vector<Operand> inputs, int64_t
     for (const Resolved& a : args) {
       if (a.is_int)
         kargs.emplace_back(a.value);
+      else if (a.operand->scalar)
+        kargs.emplace_back(*a.operand->scalar);
       else
         kargs.emplace_back(a.operand->view());
     }
@@ -806,13 +861,18 @@ py::tuple describe_operand(const Operand& o) {
                         py::tuple(py::cast(std::vector<int64_t>(o.steps().begin(), o.steps().end()))));
 }
 
-// The walk of the decoded plan for `rows` rows on meta tensors of the given (sizes, strides) inputs, launching
-// nothing: ([(kernel index, [(0, int) | (1, (source, offset, sizes, strides))])], [(sizes, strides) per output]).
+// The walk of the decoded plan for `rows` rows on meta tensors of the given (sizes, strides, dtype code) inputs (a
+// float: a float input), launching nothing: ([(kernel index, [(0, int) | (1, (source, offset, sizes, strides)) |
+// (2, float)])], [(sizes, strides) per output]).
 py::tuple describe_walk(const py::tuple& encoded, int64_t rows, const py::list& inputs, std::vector<int64_t> lead) {
   const Plan p = decode_plan(encoded);
   const auto meta = at::TensorOptions().device(at::kMeta);
   std::vector<Operand> env;
   for (const auto& h : inputs) {
+    if (py::isinstance<py::float_>(h)) {
+      env.emplace_back(h.cast<double>());
+      continue;
+    }
     auto geometry = h.cast<py::tuple>();
     env.emplace_back(at::empty_strided(geometry[0].cast<std::vector<int64_t>>(),
                                        geometry[1].cast<std::vector<int64_t>>(),
@@ -822,8 +882,9 @@ py::tuple describe_walk(const py::tuple& encoded, int64_t rows, const py::list& 
   auto record = [&launches](int64_t kernel, const std::vector<Resolved>& args) {
     py::list described;
     for (const Resolved& a : args)
-      described.append(a.is_int ? py::tuple(py::make_tuple(0, a.value))
-                                : py::tuple(py::make_tuple(1, describe_operand(*a.operand))));
+      described.append(a.is_int             ? py::tuple(py::make_tuple(0, a.value))
+                       : a.operand->scalar ? py::tuple(py::make_tuple(2, *a.operand->scalar))
+                                            : py::tuple(py::make_tuple(1, describe_operand(*a.operand))));
     launches.append(py::make_tuple(kernel, py::tuple(described)));
   };
   for (const at::Tensor& t : walk(p, std::move(env), rows, lead, meta, record))
@@ -973,7 +1034,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
 
 // ---- norm_modulate / final_adaln_out forward (h3cute/launch/norm_modulate.py forward_rows) -------------
 
-KernelTable norm_modulate_kernels("h3cute.launch.norm_modulate");  // variant 0: [norm_modulate_fwd]
+// norm_modulate (launch plans): key (width, check_indices) forward, (width, table rows, table_grad 0) backward
+PlanTable norm_modulate_plans("h3cute.launch.norm_modulate");
 // variant 0: [silu_cast, proj_fwd, norm_modulate_fwd]; 1 (T <= 24): the backward's, see final_adaln_out_backward_cuda
 KernelTable final_kernels("h3cute.launch.final_adaln_out");
 
@@ -1046,12 +1108,9 @@ at::Tensor norm_modulate_cuda(const at::Tensor& x, const at::Tensor& weight, con
   if (!fast)
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_norm_modulate_cuda", x, weight, shift, scale, idx, eps,
                                    check_indices);
-  const KernelTable::Entry& k = norm_modulate_kernels.get(d, 0, x.size(0));
-  const int64_t* slot = check_slot(k, check_indices);
-  at::Tensor out = at::empty_like(x);
+  const Plan& plan = norm_modulate_plans.get(d, Phase::forward, {h3.hidden, check_indices}, x.size(0));
   StreamScope stream(d);
-  call_kernel(k.fns[0], {x, weight, shift, scale, idx, out, eps, slot[0], slot[1]});
-  return out;
+  return walk(plan, {x, weight, shift, scale, idx, eps}, x.size(0), x.sizes().slice(0, 1), x.options())[0];
 }
 
 // (out, table): the output and the (T, 2H) projection shift | scale, which the C++ autograd keeps for the backward.
@@ -1091,43 +1150,34 @@ at::Tensor final_adaln_out_cuda(const at::Tensor& x, const at::Tensor& norm_weig
   return std::get<0>(final_adaln_out_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, ti, eps, check_indices));
 }
 
-// ---- norm_modulate backward (fused path) and gate_residual (h3cute/launch/norm_modulate.py, gate_residual.py) ---
+// ---- norm_modulate backward and gate_residual (launch plans: h3cute/launch/norm_modulate.py, gate_residual.py) --
 
 // kernels/rowwise.py rowwise_fold: out (N,) = in-order sum over the P rows of partials (P, N), rounded once.
 void fold(TVMFFIObjectHandle fn, View partials, View out) { call_kernel(fn, {partials, out}); }
 
-// The fused norm backward (one pass over grad and x: dx and FP32 partials of dweight, dshift, dscale per row
-// group) and the folds; `scale` is the (R, H) table, possibly a row-strided half of a projection. Partials per
-// group: [dweight | dshift rows | dscale rows] (views dweight, dshift, dscale; dtable undefined), or with
-// `table_grad` [dweight | (dshift row r | dscale row r) per r] (views dweight and dtable (R, 2H) = [dshift |
-// dscale]: final_adaln_out's projection gradient; dshift, dscale undefined). One fold into one BF16 buffer.
+// final_adaln_out's fused norm backward (norm_modulate.py backward_rows with table_grad: one pass over grad and x,
+// dx and FP32 partials of dweight, dshift, dscale per row group, then one fold into one BF16 buffer); `scale` is
+// the projection's row-strided scale half. Partials per group: [dweight | (dshift row r | dscale row r) per r];
+// views dweight and dtable (R, 2H) = [dshift | dscale], the projection's gradient.
 struct NormGrads {
-  at::Tensor dx, dweight, dshift, dscale, dtable;
+  at::Tensor dx, dweight, dtable;
 };
 NormGrads norm_backward_fused(const KernelTable::Entry& k, int fused, int fold_fn, const at::Tensor& grad,
                               const at::Tensor& x, const at::Tensor& weight, View scale, const at::Tensor& idx,
-                              double eps, int64_t table_rows, bool table_grad) {
+                              double eps, int64_t table_rows) {
   const int64_t groups = k.params[0], stride = (1 + 2 * table_rows) * h3.hidden;
   NormGrads g;
   g.dx = at::empty_like(x);
   at::Tensor partials = at::empty({groups, stride}, x.options().dtype(at::kFloat));  // every element written
   View part_w(partials, {groups, h3.hidden}, {stride, 1});
-  const int64_t row_step = table_grad ? 2 * h3.hidden : h3.hidden;
-  const int64_t scale_at = table_grad ? 2 * h3.hidden : (1 + table_rows) * h3.hidden;
-  View part_shift(partials, {groups, table_rows, h3.hidden}, {stride, row_step, 1}, h3.hidden);
-  View part_scale(partials, {groups, table_rows, h3.hidden}, {stride, row_step, 1}, scale_at);
+  View part_shift(partials, {groups, table_rows, h3.hidden}, {stride, 2 * h3.hidden, 1}, h3.hidden);
+  View part_scale(partials, {groups, table_rows, h3.hidden}, {stride, 2 * h3.hidden, 1}, 2 * h3.hidden);
   call_kernel(k.fns[fused], {grad, x, weight, scale, idx, g.dx, part_w, part_shift, part_scale, eps});
   // One fold over whole partial rows: per element the same in-order sum as a fold per output.
   at::Tensor grads = at::empty({stride}, x.options());
   fold(k.fns[fold_fn], View(partials, {groups, stride}, {stride, 1}), flat(grads));
   g.dweight = grads.narrow(0, 0, h3.hidden);
-  at::Tensor rows = grads.narrow(0, h3.hidden, 2 * table_rows * h3.hidden);
-  if (table_grad) {
-    g.dtable = rows.view({table_rows, 2 * h3.hidden});
-  } else {
-    g.dshift = rows.narrow(0, 0, table_rows * h3.hidden).view({table_rows, h3.hidden});
-    g.dscale = rows.narrow(0, table_rows * h3.hidden, table_rows * h3.hidden).view({table_rows, h3.hidden});
-  }
+  g.dtable = grads.narrow(0, h3.hidden, 2 * table_rows * h3.hidden).view({table_rows, 2 * h3.hidden});
   return g;
 }
 
@@ -1144,12 +1194,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backwar
     return python_impl<R>("h3cute.ops.adaln", "_norm_modulate_backward_cuda", grad, x, weight, scale, idx, eps,
                           table_rows);
   }
-  // variant = table rows: [norm_modulate_bwd_fused of its cap, rowwise_fold], params [row groups]
-  const KernelTable::Entry& k = norm_modulate_kernels.get(d, table_rows, 0);
+  const Plan& plan = norm_modulate_plans.get(d, Phase::backward, {h3.hidden, table_rows, 0}, x.size(0));
   StreamScope stream(d);
-  View scale_rows(scale, {table_rows, h3.hidden}, {scale.stride(0), 1});
-  NormGrads g = norm_backward_fused(k, 0, 1, grad, x, weight, scale_rows, idx, eps, table_rows, false);
-  return {g.dx, g.dweight, g.dshift, g.dscale};
+  auto out = walk(plan, {grad, x, weight, scale, idx, eps}, x.size(0), x.sizes().slice(0, 1), x.options());
+  return {out[0], out[1], out[2], out[3]};
 }
 
 // final_adaln_out's backward for T <= 24 timesteps (the fused norm backward's table sizes; h3cute/launch/
@@ -1181,7 +1229,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
   at::Tensor proj = table ? *table : at::empty({timesteps, h3.final_projection}, x.options());
   if (!table) projection_forward(k.fns, temb, pw, pb, proj);
   View scale(proj, {timesteps, h3.hidden}, {h3.final_projection, 1}, h3.hidden);  // the projection's scale half
-  NormGrads g = norm_backward_fused(k, 2, 3, grad, x, nw, scale, ti, eps, timesteps, true);
+  NormGrads g = norm_backward_fused(k, 2, 3, grad, x, nw, scale, ti, eps, timesteps);
   auto [dtemb, dpw, dpb] = projection_backward(k.fns + 4, 0, g.dtable, temb, pw);  // T <= 24: db fused into dW
   return {g.dx, g.dweight, dtemb, dpw, dpb};
 }
