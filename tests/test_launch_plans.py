@@ -7,7 +7,7 @@ import torch
 
 from h3cute import runtime
 from h3cute.kernels._linear_configs import splits, wgrad_rows
-from h3cute.launch import checks, gate_residual, linear, norm_modulate
+from h3cute.launch import checks, gate_residual, gate_residual_norm_modulate, linear, norm_modulate
 from h3cute.launch import plan as P
 from h3cute.launch.norm_modulate import (FUSED_CAPS, FUSED_CLUSTER, FUSED_ROW_GROUPS, FUSED_STEP, FUSED_VEC, fold,
                                          index_vector, reduction_kernel, reduction_layout, table_view)
@@ -160,13 +160,28 @@ def _old_norm_modulate_backward_rows(grad, x, weight, scale, idx, eps, op="norm_
     return outputs
 
 
+def _old_gate_residual_norm_modulate_forward(residual, y, gate, weight, shift, scale, idx, eps, check_indices=True,
+                                              vec=gate_residual_norm_modulate.FORWARD_VEC):
+    op, width = "gate_residual_norm_modulate", y.shape[-1]
+    gate, shift, scale = (table_view(op, name, t, width) for name, t in (("gate", gate), ("shift", shift),
+                                                                         ("scale", scale)))
+    idx = index_vector(op, idx, y.shape[0])
+    h, out = torch.empty_like(y), torch.empty_like(y)
+    if y.shape[0]:
+        runtime.kernel(f"{op}_fwd", y.device, width=width, vec=vec)(
+            residual, y, gate, weight, shift, scale, idx, h, out, float(eps),
+            *checks.slot_addresses(y.device, op, "adaln_indices", check_indices))
+    return h, out
+
+
 # ---- the recorder ---------------------------------------------------------------------------------------------
 
 # The arguments each fake kernel writes (every element of them): the launch's outputs, so the ops' outputs are
 # deterministic; a fold also records a checksum of the partials it reads (a missed fill would show there).
 WRITES = {"linear_gemm": (-1,), "linear_fold": (-1,), "gate_residual_fwd": (4,), "gate_residual_bwd": (4, 5),
           "rowwise_fold": (-1,), "norm_modulate_fwd": (5,), "norm_modulate_bwd_fused": (5, 6, 7, 8),
-          "norm_modulate_bwd_rows": (5, 6), "norm_modulate_bwd_params": (6, 7, 8)}
+          "norm_modulate_bwd_rows": (5, 6), "norm_modulate_bwd_params": (6, 7, 8),
+          "gate_residual_norm_modulate_fwd": (7, 8)}
 FOLDS = {"linear_fold", "rowwise_fold"}
 
 
@@ -336,6 +351,28 @@ def test_norm_modulate_plans_launch_what_the_hand_written_launcher_did(monkeypat
             assert [c[0] for c in calls] == want
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 1031])
+def test_gate_residual_norm_modulate_plans_launch_what_the_hand_written_launcher_did(monkeypatch, fake_device, rows):
+    gen = torch.Generator().manual_seed(rows)
+
+    def bf16(*shape):
+        return torch.randn(shape, generator=gen).bfloat16()
+
+    table_rows = 9
+    residual, y, weight = bf16(rows, HIDDEN), bf16(rows, HIDDEN), bf16(HIDDEN)
+    idx = torch.randint(0, table_rows, (rows,), generator=gen)
+    block = bf16(table_rows, 3 * HIDDEN)  # row-strided chunks of one table, read in place, and compact copies
+    for tables in ((block[:, :HIDDEN], block[:, HIDDEN:2 * HIDDEN], block[:, 2 * HIDDEN:]),
+                   tuple(bf16(table_rows, HIDDEN) for _ in range(3))):
+        inputs = dict(residual=residual, y=y, gate=tables[0], weight=weight, shift=tables[1], scale=tables[2],
+                      adaln_indices=idx)
+        for check in (True, False):
+            for vec in (4, 8):  # the shipped row layout and the one perf/row_kernels.py also times
+                calls = _same_run(monkeypatch, _old_gate_residual_norm_modulate_forward,
+                                  gate_residual_norm_modulate.forward, inputs, 1e-6, check, vec)
+                assert len(calls) == (rows > 0)
+
+
 # ---- plans are data ------------------------------------------------------------------------------------------
 
 
@@ -354,6 +391,9 @@ def _plans(device="cpu"):
         out.append(norm_modulate.build(P.Phase.FORWARD, device,
                                        norm_modulate.ForwardKey(HIDDEN, True, "final_adaln_out", "timestep_indices"),
                                        rows))
+        for check in (True, False):
+            out.append(gate_residual_norm_modulate.build(P.Phase.FORWARD, device,
+                                                         gate_residual_norm_modulate.ForwardKey(HIDDEN, check), rows))
         for table_rows in (3, 24, 48, 49, 150):
             out.append(gate_residual.build(P.Phase.BACKWARD, device,
                                            gate_residual.BackwardKey(HIDDEN, table_rows), rows))
@@ -363,7 +403,8 @@ def _plans(device="cpu"):
     return out
 
 
-BUILDERS = {"linear": linear.build, "gate_residual": gate_residual.build, "norm_modulate": norm_modulate.build}
+BUILDERS = {"linear": linear.build, "gate_residual": gate_residual.build, "norm_modulate": norm_modulate.build,
+            "gate_residual_norm_modulate": gate_residual_norm_modulate.build}
 
 
 def test_each_plan_serves_its_whole_row_range(fake_device):
@@ -493,5 +534,10 @@ def test_native_plan_takes_the_cpp_int_keys(monkeypatch, fake_device):
         plan, fns = P.plan_for(norm_modulate.build, P.Phase(phase), torch.device("cuda", 0), key, 5)
         assert encoded == P.encode(plan, [fn.__chandle__() for fn in fns])
         assert len(plan.outputs) == (1 if phase == "forward" else 4)  # out; dx, dweight, dshift, dscale
+    encoded = gate_residual_norm_modulate.native_plan(0, "forward", (HIDDEN, 1), 5)
+    slot = checks.slot_addresses(0, "gate_residual_norm_modulate", "adaln_indices")
+    assert len(encoded[3]) == 1 and encoded[5][0][4][-2:] == tuple((0, a) for a in slot)  # its check slot, vec 4
+    assert P.plan_for(gate_residual_norm_modulate.build, P.Phase.FORWARD, torch.device("cuda", 0),
+                      gate_residual_norm_modulate.ForwardKey(HIDDEN, True), 5)[0].kernels()[0].static[-1] == ("vec", 4)
     with pytest.raises(ValueError):
         linear.native_plan(0, "sideways", (5376, 96, 1), 300)

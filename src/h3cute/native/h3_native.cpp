@@ -8,8 +8,8 @@
 // goes to the op's Python CUDA impl, which widens, refuses with the exact message of
 // h3cute.ops.validate, or runs; the compiled kernel is looked up once per (device, variant) through
 // the Python runtime (prebuilt bundle, disk cache or JIT), which keeps the function alive. Ops on launch plans
-// (h3cute/launch/plan.py: linear, gate_residual, norm_modulate) hold only their fast-path predicate here and walk
-// the plan Python wrote (PlanTable, walk).
+// (h3cute/launch/plan.py: linear, gate_residual, norm_modulate, gate_residual_norm_modulate) hold only their
+// fast-path predicate here and walk the plan Python wrote (PlanTable, walk).
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -1265,7 +1265,8 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_backward_cuda(const at::Tensor&
 
 // ---- gate_residual_norm_modulate (h3cute/launch/gate_residual_norm_modulate.py) ------------------------------
 
-KernelTable gated_norm_kernels("h3cute.launch.gate_residual_norm_modulate");  // 0: [fwd] and its check constants
+// the forward on launch plans: key (width, check_indices); the backward runs norm_modulate's and gate_residual's
+PlanTable gated_norm_plans("h3cute.launch.gate_residual_norm_modulate");
 
 std::tuple<at::Tensor, at::Tensor> gate_residual_norm_modulate_cuda(const at::Tensor& residual, const at::Tensor& y,
                                                                     const at::Tensor& gate, const at::Tensor& weight,
@@ -1282,12 +1283,11 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_norm_modulate_cuda(const at::Te
     return python_impl<R>("h3cute.ops.adaln", "_fused_cuda", residual, y, gate, weight, shift, scale, idx, eps,
                           check_indices);
   }
-  const KernelTable::Entry& k = gated_norm_kernels.get(d, 0, y.size(0));
-  const int64_t* slot = check_slot(k, check_indices);
-  at::Tensor h = at::empty_like(y), out = at::empty_like(y);
+  const Plan& plan = gated_norm_plans.get(d, Phase::forward, {h3.hidden, check_indices}, y.size(0));
   StreamScope stream(d);
-  call_kernel(k.fns[0], {residual, y, gate, weight, shift, scale, idx, h, out, eps, slot[0], slot[1]});
-  return {h, out};
+  auto out = walk(plan, {residual, y, gate, weight, shift, scale, idx, eps}, y.size(0), y.sizes().slice(0, 1),
+                  y.options());
+  return {out[0], out[1]};
 }
 
 // ---- adaln_row_gather (h3cute/launch/adaln_row_gather.py) ---------------------------------------------
