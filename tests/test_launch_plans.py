@@ -7,12 +7,12 @@ import torch
 
 from h3cute import runtime
 from h3cute.kernels._linear_configs import splits, wgrad_rows
-from h3cute.launch import checks, gate_residual, gate_residual_norm_modulate, linear, norm_modulate
+from h3cute.launch import adaln_row_gather, checks, gate_residual, gate_residual_norm_modulate, linear, norm_modulate
 from h3cute.launch import plan as P
 from h3cute.launch.norm_modulate import (FUSED_CAPS, FUSED_CLUSTER, FUSED_ROW_GROUPS, FUSED_STEP, FUSED_VEC, fold,
                                          index_vector, reduction_kernel, reduction_layout, table_view)
 from h3cute.launch.timestep_mlp import transposed
-from h3cute.widths import HIDDEN, LINEAR_SHAPES
+from h3cute.widths import BLOCK_CHUNKS, BLOCK_TABLE, HIDDEN, LINEAR_SHAPES
 
 from bitwise import same_bits
 
@@ -174,6 +174,34 @@ def _old_gate_residual_norm_modulate_forward(residual, y, gate, weight, shift, s
     return h, out
 
 
+def _old_adaln_row_gather_forward(table, adaln_indices, check_indices=True):
+    op = "adaln_row_gather"
+    width = table.shape[-1] // BLOCK_CHUNKS
+    table = table_view(op, "table", table, BLOCK_CHUNKS * width)
+    idx = index_vector(op, adaln_indices, adaln_indices.shape[0])
+    outs = [torch.empty((idx.shape[0], width), dtype=table.dtype, device=table.device) for _ in range(BLOCK_CHUNKS)]
+    if idx.shape[0]:
+        runtime.kernel("adaln_row_gather_fwd", table.device, width=width)(
+            table, idx, *outs, *checks.slot_addresses(table.device, op, "adaln_indices", check_indices))
+    return tuple(outs)
+
+
+def _old_adaln_row_gather_backward(*args):
+    *grads, adaln_indices, table_rows = args
+    op = "adaln_row_gather_backward"
+    width = grads[0].shape[-1]
+    num_rows = grads[0].shape[0]
+    idx = index_vector(op, adaln_indices, num_rows)
+    device = grads[0].device
+    d_table = torch.empty((table_rows, BLOCK_CHUNKS * width), dtype=torch.bfloat16, device=device)
+    if num_rows == 0 or table_rows == 0:
+        return d_table.zero_()
+    cap, windows, groups = reduction_layout(table_rows, device)
+    partials = torch.empty((groups, table_rows, BLOCK_CHUNKS * width), dtype=torch.float32, device=device)
+    reduction_kernel("adaln_row_gather_bwd", device, width, cap, windows)(*grads, idx, partials)
+    return fold(partials, d_table)
+
+
 # ---- the recorder ---------------------------------------------------------------------------------------------
 
 # The arguments each fake kernel writes (every element of them): the launch's outputs, so the ops' outputs are
@@ -181,7 +209,8 @@ def _old_gate_residual_norm_modulate_forward(residual, y, gate, weight, shift, s
 WRITES = {"linear_gemm": (-1,), "linear_fold": (-1,), "gate_residual_fwd": (4,), "gate_residual_bwd": (4, 5),
           "rowwise_fold": (-1,), "norm_modulate_fwd": (5,), "norm_modulate_bwd_fused": (5, 6, 7, 8),
           "norm_modulate_bwd_rows": (5, 6), "norm_modulate_bwd_params": (6, 7, 8),
-          "gate_residual_norm_modulate_fwd": (7, 8)}
+          "gate_residual_norm_modulate_fwd": (7, 8), "adaln_row_gather_fwd": tuple(range(2, 2 + BLOCK_CHUNKS)),
+          "adaln_row_gather_bwd": (-1,)}
 FOLDS = {"linear_fold", "rowwise_fold"}
 
 
@@ -241,7 +270,7 @@ def _run(monkeypatch, fn, inputs: dict, *extra):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _EMPTY_LIKE(*a, **kw).fill_(7.0))
     monkeypatch.setattr(P, "_cache", {})  # plans resolve their kernels through this recorder
     outs = fn(*inputs.values(), *extra)
-    outs = outs if isinstance(outs, tuple) else (outs,)
+    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
     return recorder.calls, recorder.outputs(outs), outs
 
 
@@ -373,6 +402,28 @@ def test_gate_residual_norm_modulate_plans_launch_what_the_hand_written_launcher
                 assert len(calls) == (rows > 0)
 
 
+@pytest.mark.parametrize("table_rows", [0, 3, 9, 13, 24, 48, 49, 150])  # no rows, every cap, windows beyond 48
+@pytest.mark.parametrize("rows", [0, 1, 7, 1031])
+def test_adaln_row_gather_plans_launch_what_the_hand_written_launcher_did(monkeypatch, fake_device, table_rows, rows):
+    gen = torch.Generator().manual_seed(rows + 5 * table_rows)
+
+    def bf16(*shape):
+        return torch.randn(shape, generator=gen).bfloat16()
+
+    idx = torch.randint(0, max(table_rows, 1), (rows,), generator=gen)
+    if table_rows:
+        wide = bf16(table_rows, BLOCK_TABLE + 8)
+        for table in (bf16(table_rows, BLOCK_TABLE), wide[:, 8:], wide[:, 4:BLOCK_TABLE + 4]):  # in place, or copied
+            for check in (True, False):
+                calls = _same_run(monkeypatch, _old_adaln_row_gather_forward, adaln_row_gather.forward,
+                                  dict(table=table, adaln_indices=idx), check)
+                assert len(calls) == (rows > 0)
+    grads = {f"grad{c}": bf16(rows, HIDDEN) for c in range(BLOCK_CHUNKS)}
+    calls = _same_run(monkeypatch, _old_adaln_row_gather_backward,
+                      lambda *a: adaln_row_gather.backward(a[:-2], *a[-2:]), dict(grads, adaln_indices=idx), table_rows)
+    assert [c[0] for c in calls] == (["adaln_row_gather_bwd", "rowwise_fold"] if rows and table_rows else [])
+
+
 # ---- plans are data ------------------------------------------------------------------------------------------
 
 
@@ -394,6 +445,11 @@ def _plans(device="cpu"):
         for check in (True, False):
             out.append(gate_residual_norm_modulate.build(P.Phase.FORWARD, device,
                                                          gate_residual_norm_modulate.ForwardKey(HIDDEN, check), rows))
+            out.append(adaln_row_gather.build(P.Phase.FORWARD, device, adaln_row_gather.ForwardKey(HIDDEN, check),
+                                              rows))
+        for table_rows in (0, 3, 48, 49, 150):
+            out.append(adaln_row_gather.build(P.Phase.BACKWARD, device,
+                                              adaln_row_gather.BackwardKey(HIDDEN, table_rows), rows))
         for table_rows in (3, 24, 48, 49, 150):
             out.append(gate_residual.build(P.Phase.BACKWARD, device,
                                            gate_residual.BackwardKey(HIDDEN, table_rows), rows))
@@ -404,7 +460,8 @@ def _plans(device="cpu"):
 
 
 BUILDERS = {"linear": linear.build, "gate_residual": gate_residual.build, "norm_modulate": norm_modulate.build,
-            "gate_residual_norm_modulate": gate_residual_norm_modulate.build}
+            "gate_residual_norm_modulate": gate_residual_norm_modulate.build,
+            "adaln_row_gather": adaln_row_gather.build}
 
 
 def test_each_plan_serves_its_whole_row_range(fake_device):
@@ -464,7 +521,8 @@ def _plan_inputs(plan, rows):
     table_rows = getattr(plan.key, "table_rows", 9)
     table = ((table_rows, HIDDEN), (2 * HIDDEN, 1), bf16)
     geometry = {"adaln_indices": ((rows,), (1,), i64), "gate": table, "shift": table, "scale": table,
-                "weight": ((HIDDEN,), (1,), bf16), "eps": 1e-6}
+                "weight": ((HIDDEN,), (1,), bf16), "eps": 1e-6,
+                "table": ((table_rows, BLOCK_TABLE), (BLOCK_TABLE + 8, 1), bf16)}
     return [geometry.get(name, ((rows, HIDDEN), (HIDDEN, 1), bf16)) for name in plan.inputs]
 
 

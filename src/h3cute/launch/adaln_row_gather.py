@@ -5,37 +5,79 @@ forward: one launch (grid S x 6) copies the six (S, 5376) chunks table[idx, c*H:
 tensors: bitwise `index_select`. backward: d_table[r] = sum over rows with idx = r of the six grads,
 FP32 partials per fixed row group (h3cute.launch.norm_modulate.reduction_layout) written into columns
 [c*H, (c+1)*H) of one (P, R, 6H) buffer by one launch, then folded in group order, rounded once.
+
+The launches are launch plans (h3cute.launch.plan): `build` writes them, `forward` / `backward` check and prepare
+the inputs and walk them, and the C++ layer walks the same plans (`native_plan`). Row ranges: S = 0 (no launch;
+the backward's d_table zero-filled, as it is for a table of no rows) and S >= 1.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from h3cute import runtime
 from h3cute.launch import checks
+from h3cute.launch import plan as P
+from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, view
 from h3cute.widths import BLOCK_CHUNKS
 
-from .norm_modulate import (check_rows, fold, index_vector, reduction_kernel, reduction_layout, row_op_kernel_handles,
-                            table_view)
+from .norm_modulate import check_rows, fold_step, index_vector, reduction, reduction_layout, table_view
+
+OP = "adaln_row_gather"
+OUTS = tuple(f"out{c}" for c in range(BLOCK_CHUNKS))
+GRADS = tuple(f"grad{c}" for c in range(BLOCK_CHUNKS))
+INPUTS = {Phase.FORWARD: ("table", "adaln_indices"), Phase.BACKWARD: (*GRADS, "adaln_indices")}
 
 
-def kernel_handles(device: int, variant: int, num_rows: int):
-    """For the C++ impls (h3cute.native): `adaln_row_gather_fwd`; `adaln_row_gather_bwd` + `rowwise_fold`."""
-    return row_op_kernel_handles(device, variant, "adaln_row_gather_backward", "adaln_row_gather_fwd",
-                                 "adaln_row_gather_bwd")
+@dataclass(frozen=True)
+class ForwardKey:
+    width: int  # H: the table has BLOCK_CHUNKS * H columns
+    check_indices: bool  # False: a bad index writes the discard check slot
+
+
+@dataclass(frozen=True)
+class BackwardKey:
+    width: int
+    table_rows: int
+
+
+KEYS = {Phase.FORWARD: ForwardKey, Phase.BACKWARD: BackwardKey}
+
+
+def build(phase: Phase, device, key, rows: int) -> P.Plan:
+    """The launch plan of h3::adaln_row_gather's `phase` for `rows` rows (indices; the inputs of INPUTS[phase])."""
+    lo, hi = (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+    width = key.width
+    if phase is Phase.FORWARD:
+        steps = ()
+        if rows:
+            slot = checks.slot_addresses(device, OP, "adaln_indices", key.check_indices)
+            steps = (Launch(Kernel.of("adaln_row_gather_fwd", width=width),
+                            (view("table"), view("adaln_indices"), *(view(o) for o in OUTS), *slot)),)
+        return P.Plan(OP, phase, key, lo, hi, INPUTS[phase], tuple(Buffer(o, torch.bfloat16, (M, width)) for o in OUTS),
+                      steps, tuple(Output(view(o)) for o in OUTS))
+    table_rows = key.table_rows
+    buffers = [Buffer("d_table", torch.bfloat16, (table_rows, BLOCK_CHUNKS * width))]
+    if rows == 0 or table_rows == 0:
+        steps = (Fill(view("d_table"), 0.0),)
+    else:
+        cap, windows, groups = reduction_layout(table_rows, device)
+        buffers.append(Buffer("partials", torch.float32, (groups, table_rows, BLOCK_CHUNKS * width)))
+        steps = (Launch(reduction("adaln_row_gather_bwd", width, cap, windows),
+                        (*(view(g) for g in GRADS), view("adaln_indices"), view("partials"))),
+                 fold_step(view("partials", layout=Layout.MATRIX), view("d_table", layout=Layout.FLAT)))
+    return P.Plan(OP, phase, key, lo, hi, INPUTS[phase], tuple(buffers), steps, (Output(view("d_table")),))
 
 
 def forward(table, adaln_indices, check_indices=True):
     """Six (S, H) BF16 tensors out_c = table[idx, c*H:(c+1)*H]; a bad index writes NaN rows and, with
     `check_indices`, is recorded in the op's check slot (h3cute.launch.checks)."""
-    op = "adaln_row_gather"
     width = table.shape[-1] // BLOCK_CHUNKS
-    table = table_view(op, "table", table, BLOCK_CHUNKS * width)
-    idx = index_vector(op, adaln_indices, adaln_indices.shape[0])
-    outs = [torch.empty((idx.shape[0], width), dtype=table.dtype, device=table.device) for _ in range(BLOCK_CHUNKS)]
-    if idx.shape[0]:
-        runtime.kernel("adaln_row_gather_fwd", table.device, width=width)(
-            table, idx, *outs, *checks.slot_addresses(table.device, op, "adaln_indices", check_indices))
-    return outs
+    table = table_view(OP, "table", table, BLOCK_CHUNKS * width)
+    idx = index_vector(OP, adaln_indices, adaln_indices.shape[0])
+    key = ForwardKey(width, bool(check_indices))
+    return list(P.run(build, Phase.FORWARD, key, (table, idx), idx.shape[0], idx.shape, table.device))
 
 
 def backward(grads, adaln_indices, table_rows):
@@ -48,11 +90,11 @@ def backward(grads, adaln_indices, table_rows):
         check_rows(op, f"grads[{c}]", g, width)
     num_rows = grads[0].shape[0]
     idx = index_vector(op, adaln_indices, num_rows)
-    device = grads[0].device
-    d_table = torch.empty((table_rows, BLOCK_CHUNKS * width), dtype=torch.bfloat16, device=device)
-    if num_rows == 0 or table_rows == 0:
-        return d_table.zero_()
-    cap, windows, groups = reduction_layout(table_rows, device)
-    partials = torch.empty((groups, table_rows, BLOCK_CHUNKS * width), dtype=torch.float32, device=device)
-    reduction_kernel("adaln_row_gather_bwd", device, width, cap, windows)(*grads, idx, partials)
-    return fold(partials, d_table)
+    key = BackwardKey(width, table_rows)
+    return P.run(build, Phase.BACKWARD, key, (*grads, idx), num_rows, idx.shape, grads[0].device)[0]
+
+
+def native_plan(device: int, phase: str, key: tuple, rows: int) -> tuple:
+    """For the C++ impls (h3cute.native): the encoded plan of (phase, key (width, check_indices or table rows))
+    serving `rows`."""
+    return P.native_plan(build, KEYS, device, phase, key, rows)

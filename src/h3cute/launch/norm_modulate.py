@@ -31,7 +31,7 @@ from h3cute import runtime
 from h3cute.launch import checks
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, Scalar, strided, view
-from h3cute.widths import HIDDEN, NORM_EPS
+from h3cute.widths import NORM_EPS
 
 OP = "norm_modulate"
 INPUTS = {Phase.FORWARD: ("x", "weight", "shift", "scale", "adaln_indices", "eps"),
@@ -135,22 +135,6 @@ def check_constants(device: torch.device, op: str, argument: str = "adaln_indice
     """Launch constants of a checking forward for the C++ impls: the check slot addresses of (op, argument) and
     of the discard slot (h3cute.launch.checks), the kernel's last two arguments when checked and unchecked."""
     return [*checks.slot_addresses(device, op, argument), *checks.slot_addresses(device, op, argument, False)]
-
-
-def row_op_kernel_handles(device: int, variant: int, op: str, forward_kernel: str, backward_kernel: str):
-    """kernel_handles of a row op with a one-kernel forward and a backward of `backward_kernel` (by table cap)
-    plus `rowwise_fold` over ROW_GROUPS: variant 0, [forward] and its check_constants; variant R (table rows, at
-    most MAX_TABLE_ROWS: the C++ impls hand larger tables to Python), [backward, fold] and [row groups]. Every row
-    count shares the answer."""
-    dev = torch.device("cuda", device)
-    if variant == 0:
-        return (0, runtime.MAX_ROWS, [runtime.kernel(forward_kernel, dev, width=HIDDEN).__chandle__()],
-                check_constants(dev, op.removesuffix("_backward")))
-    cap, windows, groups = reduction_layout(variant, dev)
-    if windows > 1:
-        raise ValueError(f"h3::{op}: the C++ backward takes at most {MAX_TABLE_ROWS} table rows, got {variant}")
-    fns = [runtime.kernel(backward_kernel, dev, width=HIDDEN, cap=cap), runtime.kernel("rowwise_fold", dev)]
-    return 0, runtime.MAX_ROWS, [fn.__chandle__() for fn in fns], [groups]
 
 
 @dataclass(frozen=True)

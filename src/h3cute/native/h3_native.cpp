@@ -8,8 +8,8 @@
 // goes to the op's Python CUDA impl, which widens, refuses with the exact message of
 // h3cute.ops.validate, or runs; the compiled kernel is looked up once per (device, variant) through
 // the Python runtime (prebuilt bundle, disk cache or JIT), which keeps the function alive. Ops on launch plans
-// (h3cute/launch/plan.py: linear, gate_residual, norm_modulate, gate_residual_norm_modulate) hold only their
-// fast-path predicate here and walk the plan Python wrote (PlanTable, walk).
+// (h3cute/launch/plan.py: linear, gate_residual, norm_modulate, gate_residual_norm_modulate, adaln_row_gather) hold
+// only their fast-path predicate here and walk the plan Python wrote (PlanTable, walk).
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -51,8 +51,7 @@ struct Constants {
 };
 Constants h3;
 
-// Reads `constants` (name -> int) into h3: every field present, nothing else. The kernel calls of adaln_row_gather
-// pass one output per chunk, written out here, so the chunk count is checked against them.
+// Reads `constants` (name -> int) into h3: every field present, nothing else.
 void configure(const py::dict& constants) {
   const std::pair<const char*, int64_t*> fields[] = {
       {"hidden", &h3.hidden}, {"freq", &h3.freq}, {"mlp_hidden", &h3.mlp_hidden}, {"temb", &h3.temb},
@@ -73,8 +72,6 @@ void configure(const py::dict& constants) {
     auto nk = shape.cast<py::tuple>();
     h3.linear_shapes.emplace_back(nk[0].cast<int64_t>(), nk[1].cast<int64_t>());
   }
-  TORCH_CHECK(h3.block_chunks == 6, "h3cute native: adaln_row_gather's kernel calls pass 6 chunks, not ",
-              h3.block_chunks);
 }
 
 DLDataType dl_dtype(const at::Tensor& t) {
@@ -1292,7 +1289,8 @@ std::tuple<at::Tensor, at::Tensor> gate_residual_norm_modulate_cuda(const at::Te
 
 // ---- adaln_row_gather (h3cute/launch/adaln_row_gather.py) ---------------------------------------------
 
-KernelTable row_gather_kernels("h3cute.launch.adaln_row_gather");  // 0: [fwd]; R rows: [bwd, fold], [groups]
+// launch plans: key (width, check_indices) forward, (width, table rows) backward
+PlanTable row_gather_plans("h3cute.launch.adaln_row_gather");
 
 std::vector<at::Tensor> adaln_row_gather_cuda(const at::Tensor& table, const at::Tensor& idx, bool check_indices) {
   const int d = cuda_device(table);
@@ -1301,13 +1299,9 @@ std::vector<at::Tensor> adaln_row_gather_cuda(const at::Tensor& table, const at:
   if (!fast)
     return python_impl<std::vector<at::Tensor>>("h3cute.ops.adaln", "_gather_cuda", table, idx, check_indices);
   const int64_t rows = idx.size(0);
-  const KernelTable::Entry& k = row_gather_kernels.get(d, 0, rows);
-  const int64_t* slot = check_slot(k, check_indices);
-  std::vector<at::Tensor> outs;
-  for (int c = 0; c < h3.block_chunks; ++c) outs.push_back(at::empty({rows, h3.hidden}, table.options()));
+  const Plan& plan = row_gather_plans.get(d, Phase::forward, {h3.hidden, check_indices}, rows);
   StreamScope stream(d);
-  call_kernel(k.fns[0], {table, idx, outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], slot[0], slot[1]});
-  return outs;
+  return walk(plan, {table, idx}, rows, idx.sizes(), table.options());
 }
 
 at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor& idx, int64_t table_rows) {
@@ -1318,14 +1312,11 @@ at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor
   if (!fast)
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_gather_backward_cuda",
                                    std::vector<at::Tensor>(grads.begin(), grads.end()), idx, table_rows);
-  const KernelTable::Entry& k = row_gather_kernels.get(d, table_rows, 0);
-  const int64_t groups = k.params[0];
-  at::Tensor dtable = at::empty({table_rows, h3.block_table}, grads[0].options());
-  at::Tensor partials = at::empty({groups, table_rows, h3.block_table}, grads[0].options().dtype(at::kFloat));
+  const Plan& plan = row_gather_plans.get(d, Phase::backward, {h3.hidden, table_rows}, idx.size(0));
+  std::vector<Operand> inputs(grads.begin(), grads.end());
+  inputs.emplace_back(idx);
   StreamScope stream(d);
-  call_kernel(k.fns[0], {grads[0], grads[1], grads[2], grads[3], grads[4], grads[5], idx, partials});
-  fold(k.fns[1], View(partials, {groups, table_rows * h3.block_table}, {table_rows * h3.block_table, 1}), flat(dtable));
-  return dtable;
+  return walk(plan, std::move(inputs), idx.size(0), idx.sizes(), grads[0].options())[0];
 }
 
 // ---- adaln_projection (h3cute/launch/adaln_projection.py, N = 96768) ------------------------------------
