@@ -7,12 +7,13 @@ import torch
 
 from h3cute import runtime
 from h3cute.kernels._linear_configs import splits, wgrad_rows
-from h3cute.launch import adaln_row_gather, checks, gate_residual, gate_residual_norm_modulate, linear, norm_modulate
+from h3cute.launch import (adaln_row_gather, checks, gate_residual, gate_residual_norm_modulate, linear, norm_modulate,
+                           timestep_sinusoid)
 from h3cute.launch import plan as P
 from h3cute.launch.norm_modulate import (FUSED_CAPS, FUSED_CLUSTER, FUSED_ROW_GROUPS, FUSED_STEP, FUSED_VEC, fold,
                                          index_vector, reduction_kernel, reduction_layout, table_view)
 from h3cute.launch.timestep_mlp import transposed
-from h3cute.widths import BLOCK_CHUNKS, BLOCK_TABLE, HIDDEN, LINEAR_SHAPES
+from h3cute.widths import BLOCK_CHUNKS, BLOCK_TABLE, FREQ, HIDDEN, LINEAR_SHAPES
 
 from bitwise import same_bits
 
@@ -202,6 +203,20 @@ def _old_adaln_row_gather_backward(*args):
     return fold(partials, d_table)
 
 
+def _old_timestep_sinusoid_forward(t, check_range=True):
+    num_rows = t.shape[0]
+    out = torch.empty((num_rows, FREQ), dtype=torch.float32, device=t.device)
+    if num_rows:  # a zero-sized grid is not a valid launch
+        _old_timestep_sinusoid_launch(t, out, check_range)
+    return out
+
+
+def _old_timestep_sinusoid_launch(t, out, check_range=False):
+    device = t.device  # (the launcher's kernel cache keyed this by the CUDA device index)
+    runtime.kernel("timestep_sinusoid", device, width=FREQ, check_range=bool(check_range))(
+        t, out, *checks.slot_addresses(device, "timestep_sinusoid", "t", check_range))
+
+
 # ---- the recorder ---------------------------------------------------------------------------------------------
 
 # The arguments each fake kernel writes (every element of them): the launch's outputs, so the ops' outputs are
@@ -210,7 +225,7 @@ WRITES = {"linear_gemm": (-1,), "linear_fold": (-1,), "gate_residual_fwd": (4,),
           "rowwise_fold": (-1,), "norm_modulate_fwd": (5,), "norm_modulate_bwd_fused": (5, 6, 7, 8),
           "norm_modulate_bwd_rows": (5, 6), "norm_modulate_bwd_params": (6, 7, 8),
           "gate_residual_norm_modulate_fwd": (7, 8), "adaln_row_gather_fwd": tuple(range(2, 2 + BLOCK_CHUNKS)),
-          "adaln_row_gather_bwd": (-1,)}
+          "adaln_row_gather_bwd": (-1,), "timestep_sinusoid": (1,)}
 FOLDS = {"linear_fold", "rowwise_fold"}
 
 
@@ -424,6 +439,24 @@ def test_adaln_row_gather_plans_launch_what_the_hand_written_launcher_did(monkey
     assert [c[0] for c in calls] == (["adaln_row_gather_bwd", "rowwise_fold"] if rows and table_rows else [])
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 1031])
+def test_timestep_sinusoid_plans_launch_what_the_hand_written_launcher_did(monkeypatch, fake_device, rows):
+    t = torch.rand(rows, generator=torch.Generator().manual_seed(rows))
+    for check in (True, False):
+        calls = _same_run(monkeypatch, _old_timestep_sinusoid_forward, timestep_sinusoid.forward, dict(t=t), check)
+        assert len(calls) == (rows > 0)
+        if rows:  # into a caller's output (the GPU tests' guarded buffers), and a strided t read in place
+            def old(t, out, check):
+                return _old_timestep_sinusoid_launch(t, out, check) or out
+
+            def new(t, out, check):
+                return timestep_sinusoid.launch(t, out, check) or out
+
+            guarded = torch.full((rows + 16, FREQ), float("nan"))
+            _same_run(monkeypatch, old, new, dict(t=t, out=guarded[:rows]), check)
+            _same_run(monkeypatch, old, new, dict(t=torch.rand(2 * rows)[::2], out=guarded[:rows]), check)
+
+
 # ---- plans are data ------------------------------------------------------------------------------------------
 
 
@@ -447,6 +480,7 @@ def _plans(device="cpu"):
                                                          gate_residual_norm_modulate.ForwardKey(HIDDEN, check), rows))
             out.append(adaln_row_gather.build(P.Phase.FORWARD, device, adaln_row_gather.ForwardKey(HIDDEN, check),
                                               rows))
+            out.append(timestep_sinusoid.build(P.Phase.FORWARD, device, timestep_sinusoid.ForwardKey(check), rows))
         for table_rows in (0, 3, 48, 49, 150):
             out.append(adaln_row_gather.build(P.Phase.BACKWARD, device,
                                               adaln_row_gather.BackwardKey(HIDDEN, table_rows), rows))
@@ -461,7 +495,7 @@ def _plans(device="cpu"):
 
 BUILDERS = {"linear": linear.build, "gate_residual": gate_residual.build, "norm_modulate": norm_modulate.build,
             "gate_residual_norm_modulate": gate_residual_norm_modulate.build,
-            "adaln_row_gather": adaln_row_gather.build}
+            "adaln_row_gather": adaln_row_gather.build, "timestep_sinusoid": timestep_sinusoid.build}
 
 
 def test_each_plan_serves_its_whole_row_range(fake_device):
@@ -522,7 +556,7 @@ def _plan_inputs(plan, rows):
     table = ((table_rows, HIDDEN), (2 * HIDDEN, 1), bf16)
     geometry = {"adaln_indices": ((rows,), (1,), i64), "gate": table, "shift": table, "scale": table,
                 "weight": ((HIDDEN,), (1,), bf16), "eps": 1e-6,
-                "table": ((table_rows, BLOCK_TABLE), (BLOCK_TABLE + 8, 1), bf16)}
+                "table": ((table_rows, BLOCK_TABLE), (BLOCK_TABLE + 8, 1), bf16), "t": ((rows,), (1,), f32)}
     return [geometry.get(name, ((rows, HIDDEN), (HIDDEN, 1), bf16)) for name in plan.inputs]
 
 

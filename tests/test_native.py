@@ -653,9 +653,8 @@ class _FakeKernel:
 def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     # Each answer the C++ tables cache: which kernels, in launch order, with which launch constants.
     from h3cute import runtime
-    # (h3::linear, gate_residual, norm_modulate, gate_residual_norm_modulate and adaln_row_gather are on launch
-    # plans: tests/test_launch_plans.py)
-    from h3cute.launch import adaln_projection, final_adaln_out, norm_modulate, timestep_mlp, timestep_sinusoid
+    # (h3::linear and the row ops are on launch plans: tests/test_launch_plans.py)
+    from h3cute.launch import adaln_projection, final_adaln_out, norm_modulate, timestep_mlp
 
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
@@ -673,9 +672,6 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
         return [name for name, _ in _FakeKernel.asked], answer[3:] and answer[3]
 
     fused = norm_modulate.FUSED_ROW_GROUPS[arch][12]
-    sinusoid_slot = list(checks.slot_addresses(0, "timestep_sinusoid", "t"))
-    assert asked(timestep_sinusoid, 1, 5) == (["timestep_sinusoid"], sinusoid_slot)
-    assert asked(timestep_sinusoid, 0, 5)[1] == list(checks.slot_addresses(0, "timestep_sinusoid", "t", False))
     if arch != "sm_90a":
         assert asked(timestep_mlp, 0, 3) == (["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"], [0])
     assert asked(timestep_mlp, 0, 100) == (["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"], [0])

@@ -1,22 +1,47 @@
 """Host side of `h3::timestep_sinusoid` on CUDA: allocate the (T, 256) FP32 output, launch one kernel.
 
 The op layer (h3cute.ops.timestep) validates t's dtype and shape and widens it to FP32 before calling
-`forward`. Here: one `torch.empty`, one dict hit for the compiled kernel of (device, check_range), one
-launch on torch's current stream. No host sync, no per-call table: the frequencies are computed inside
-the kernel, and so is the range check (a t outside [0, 1] or NaN writes a NaN row and is recorded in the
-op's check slot, h3cute.launch.checks).
+`forward`. Here: one launch on torch's current stream, of the kernel variant of `check_range`. No host sync, no
+per-call table: the frequencies are computed inside the kernel, and so is the range check (a t outside [0, 1] or
+NaN writes a NaN row and is recorded in the op's check slot, h3cute.launch.checks).
+
+The launch is a launch plan (h3cute.launch.plan): `build` writes it, `forward` walks it, and the C++ layer walks
+the same plan (`native_plan`). Row ranges: T = 0 (no launch: a zero-sized grid is not a valid launch) and T >= 1.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from h3cute import runtime
 from h3cute.launch import checks
+from h3cute.launch import plan as P
+from h3cute.launch.plan import M, Buffer, Kernel, Launch, Output, Phase, view
 from h3cute.widths import FREQ
 
 KERNEL = "timestep_sinusoid"
 
-_kernels: dict[tuple[int, bool], object] = {}  # (CUDA device index, check_range) -> kernel (t, out) -> None
+
+@dataclass(frozen=True)
+class ForwardKey:
+    check_range: bool  # False: a t outside [0, 1] writes the discard check slot
+
+
+KEYS = {Phase.FORWARD: ForwardKey}
+
+
+def build(phase: Phase, device, key, rows: int) -> P.Plan:
+    """The launch plan of h3::timestep_sinusoid for `rows` timesteps: input t (T,) FP32, output (T, 256) FP32."""
+    if phase is not Phase.FORWARD:
+        raise ValueError(f"h3::{KERNEL} has no backward")
+    lo, hi = (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+    steps = ()
+    if rows:
+        slot = checks.slot_addresses(device, KERNEL, "t", key.check_range)
+        steps = (Launch(Kernel.of(KERNEL, width=FREQ, check_range=key.check_range), (view("t"), view("out"), *slot)),)
+    return P.Plan(KERNEL, phase, key, lo, hi, ("t",), (Buffer("out", torch.float32, (M, FREQ)),), steps,
+                  (Output(view("out")),))
 
 
 def forward(t: torch.Tensor, check_range: bool = True) -> torch.Tensor:
@@ -25,29 +50,15 @@ def forward(t: torch.Tensor, check_range: bool = True) -> torch.Tensor:
     `check_range=True` selects the kernel variant that checks t in [0, 1] (NaN is bad) on the device; this
     function never reads t's values on the host.
     """
-    num_rows = t.shape[0]
-    out = torch.empty((num_rows, FREQ), dtype=torch.float32, device=t.device)
-    if num_rows:  # a zero-sized grid is not a valid launch
-        launch(t, out, check_range)
-    return out
+    return P.run(build, Phase.FORWARD, ForwardKey(bool(check_range)), (t,), t.shape[0], t.shape, t.device)[0]
 
 
 def launch(t: torch.Tensor, out: torch.Tensor, check_range: bool = False) -> None:
-    """Writes the embedding of t into a preallocated contiguous (T, 256) FP32 `out` (16-byte aligned)."""
-    device = t.get_device()
-    _kernel(device, check_range)(t, out, *checks.slot_addresses(device, KERNEL, "t", check_range))
+    """Writes the embedding of t into a preallocated contiguous (T, 256) FP32 `out` (16-byte aligned): the plan
+    walked with `out` as its output buffer (the kernel checks that out has t's rows)."""
+    P.run(build, Phase.FORWARD, ForwardKey(bool(check_range)), (t,), t.shape[0], t.shape, t.device, {"out": out})
 
 
-def _kernel(device: int, check_range: bool):
-    key = (device, bool(check_range))
-    fn = _kernels.get(key)
-    if fn is None:
-        fn = _kernels[key] = runtime.kernel(KERNEL, torch.device("cuda", device), width=FREQ, check_range=key[1])
-    return fn
-
-
-def kernel_handles(device: int, check_range: int, num_rows: int) -> tuple[int, int, list[int], list[int]]:
-    """For the C++ impl (h3cute.native): every row count, the kernel's C handle (`_kernels` keeps it alive) and
-    its check slot's addresses (the discard slot's without check_range)."""
-    return (0, runtime.MAX_ROWS, [_kernel(device, bool(check_range)).__chandle__()],
-            list(checks.slot_addresses(device, KERNEL, "t", bool(check_range))))
+def native_plan(device: int, phase: str, key: tuple, rows: int) -> tuple:
+    """For the C++ impl (h3cute.native): the encoded plan of key (check_range,) serving `rows`."""
+    return P.native_plan(build, KEYS, device, phase, key, rows)

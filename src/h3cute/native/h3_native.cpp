@@ -8,8 +8,8 @@
 // goes to the op's Python CUDA impl, which widens, refuses with the exact message of
 // h3cute.ops.validate, or runs; the compiled kernel is looked up once per (device, variant) through
 // the Python runtime (prebuilt bundle, disk cache or JIT), which keeps the function alive. Ops on launch plans
-// (h3cute/launch/plan.py: linear, gate_residual, norm_modulate, gate_residual_norm_modulate, adaln_row_gather) hold
-// only their fast-path predicate here and walk the plan Python wrote (PlanTable, walk).
+// (h3cute/launch/plan.py: linear, gate_residual, norm_modulate, gate_residual_norm_modulate, adaln_row_gather,
+// timestep_sinusoid) hold only their fast-path predicate here and walk the plan Python wrote (PlanTable, walk).
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -312,27 +312,6 @@ bool dense(const at::Tensor& t, at::ScalarType dtype, int device, std::initializ
 }
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
-// ---- timestep_sinusoid ------------------------------------------------------------------------------
-
-KernelTable sinusoid_kernels("h3cute.launch.timestep_sinusoid");  // variant = check_range
-
-at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
-  // Fast path: 1-D contiguous FP32, no gradient asked for. Anything else (widening, errors with their
-  // messages, the no-gradient refusal) is the Python impl's.
-  const bool fast = t.defined() && t.dim() == 1 && t.scalar_type() == at::kFloat && (t.size(0) <= 1 || t.stride(0) == 1) &&
-                    !(t.requires_grad() && at::GradMode::is_enabled()) && t.is_cuda() && !errors_pending(t.get_device());
-  if (!fast) return python_impl<at::Tensor>("h3cute.ops.timestep", "_sinusoid_cuda", t, check_range);
-  const int64_t rows = t.size(0);
-  at::Tensor out = at::empty({rows, h3.freq}, t.options());
-  if (rows == 0) return out;  // a zero-sized grid is not a valid launch
-  const int device = t.get_device();
-  // [kernel], [its check slot's device word and host words] (the discard slot's without check_range)
-  const KernelTable::Entry& k = sinusoid_kernels.get(device, check_range ? 1 : 0, rows);
-  StreamScope stream(device);
-  call_kernel(k.fns[0], {t, out, k.params[0], k.params[1]});
-  return out;
-}
 
 // ---- timestep_mlp (h3cute/launch/timestep_mlp.py: the same launches in the same order, PDL) -------------
 
@@ -888,6 +867,24 @@ py::tuple describe_walk(const py::tuple& encoded, int64_t rows, const py::list& 
     outputs.append(py::make_tuple(py::tuple(py::cast(t.sizes().vec())), py::tuple(py::cast(t.strides().vec()))));
   return py::make_tuple(py::tuple(launches), py::tuple(outputs));
 }
+
+// ---- timestep_sinusoid (launch plans: h3cute/launch/timestep_sinusoid.py) -----------------------------------
+
+PlanTable sinusoid_plans("h3cute.launch.timestep_sinusoid");  // key (check_range)
+
+at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
+  // Fast path: 1-D contiguous FP32, no gradient asked for. Anything else (widening, errors with their
+  // messages, the no-gradient refusal) is the Python impl's.
+  const bool fast = t.defined() && t.dim() == 1 && t.scalar_type() == at::kFloat && (t.size(0) <= 1 || t.stride(0) == 1) &&
+                    !(t.requires_grad() && at::GradMode::is_enabled()) && t.is_cuda() && !errors_pending(t.get_device());
+  if (!fast) return python_impl<at::Tensor>("h3cute.ops.timestep", "_sinusoid_cuda", t, check_range);
+  const int device = t.get_device();
+  const Plan& plan = sinusoid_plans.get(device, Phase::forward, {check_range}, t.size(0));
+  StreamScope stream(device);
+  return walk(plan, {t}, t.size(0), t.sizes(), t.options())[0];
+}
+
+// ---- timestep_mlp (continued) --------------------------------------------------------------------------------
 
 at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                              const at::Tensor& b2) {
