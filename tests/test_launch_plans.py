@@ -11,13 +11,21 @@ from h3cute.launch import (adaln_row_gather, checks, gate_residual, gate_residua
                            timestep_sinusoid)
 from h3cute.launch import plan as P
 from h3cute.launch.norm_modulate import (FUSED_CAPS, FUSED_CLUSTER, FUSED_ROW_GROUPS, FUSED_STEP, FUSED_VEC, fold,
-                                         index_vector, reduction_kernel, reduction_layout, table_view)
+                                         index_vector, reduction_layout, table_view)
 from h3cute.launch.timestep_mlp import transposed
 from h3cute.widths import BLOCK_CHUNKS, BLOCK_TABLE, FREQ, HIDDEN, LINEAR_SHAPES
 
 from bitwise import same_bits
 
 # ---- the oracles: the launchers as they were written by hand before plans (kept verbatim, their launches only) ---
+
+
+def reduction_kernel(name, device, width, cap, windows):
+    """launch/norm_modulate.py's helper the hand-written launchers called: the compiled column reduction `name`
+    (its windowed variant when the table has more than one window)."""
+    if windows > 1:
+        return runtime.kernel(name, device, width=width, cap=cap, windowed=True)
+    return runtime.kernel(name, device, width=width, cap=cap)
 
 
 def _old_linear_forward(x, weight, bias):

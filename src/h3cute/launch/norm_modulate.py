@@ -78,13 +78,6 @@ def reduction_layout(table_rows: int, device: torch.device) -> tuple[int, int, i
     return MAX_TABLE_ROWS, -(-table_rows // MAX_TABLE_ROWS), max(1, groups * MAX_TABLE_ROWS // table_rows)
 
 
-def reduction_kernel(name: str, device: torch.device, width: int, cap: int, windows: int):
-    """The compiled column-reduction kernel `name` for a layout of reduction_layout (its windowed variant when
-    the table has more than one window)."""
-    kernel = reduction(name, width, cap, windows)
-    return runtime.kernel(kernel.name, device, **dict(kernel.static))
-
-
 def reduction(name: str, width: int, cap: int, windows: int) -> Kernel:
     """The plan kernel of column reduction `name` for a layout of reduction_layout (its windowed variant when the
     table has more than one window)."""
