@@ -678,7 +678,7 @@ Operand resolve(const Arg& a, const std::vector<Operand>& env, int64_t m) {
       for (int64_t d = 1; d < o.ndim; ++d) o.sizes[d - 1] = o.sizes[d], o.strides[d - 1] = o.strides[d];
       --o.ndim;
       break;
-    case Layout::strided: {  // plan.py: as_strided(sizes, strides, offset + offset) over the source's memory
+    case Layout::strided: {  // plan.py: as_strided(sizes, strides, the source's offset + the view's offset)
       int64_t last = o.offset + a.offset.at(m), numel = 1;  // the last element's index, from base's data pointer
       o.offset = last;
       o.ndim = static_cast<int64_t>(a.sizes.size());
@@ -884,7 +884,7 @@ at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
   return walk(plan, {t}, t.size(0), t.sizes(), t.options())[0];
 }
 
-// ---- timestep_mlp (continued) --------------------------------------------------------------------------------
+// ---- timestep_mlp (its kernel table and Carver above) -------------------------------------------------------
 
 at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                              const at::Tensor& b2) {
