@@ -642,9 +642,9 @@ class _FakeKernel:
 def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     # Each answer the C++ tables cache: which kernels, in launch order, with which launch constants.
     from h3cute import runtime
-    # (h3::linear and h3::gate_residual are on launch plans: tests/test_launch_plans.py)
+    # (h3::linear, h3::gate_residual and h3::timestep_mlp are on launch plans: tests/test_launch_plans.py)
     from h3cute.launch import (adaln_projection, adaln_row_gather, final_adaln_out, gate_residual_norm_modulate,
-                               norm_modulate, timestep_mlp, timestep_sinusoid)
+                               norm_modulate, timestep_sinusoid)
 
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
@@ -672,21 +672,6 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     assert asked(gate_residual_norm_modulate, 0, 5) == (["gate_residual_norm_modulate_fwd"],
                                                         check_constants("gate_residual_norm_modulate"))
     assert asked(adaln_row_gather, 0, 5) == (["adaln_row_gather_fwd"], check_constants("adaln_row_gather"))
-    if arch != "sm_90a":
-        assert asked(timestep_mlp, 0, 3) == (["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"], [0])
-    assert asked(timestep_mlp, 0, 100) == (["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"], [0])
-    assert asked(timestep_mlp, 1, 3)[0] == ["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_colsum",
-                                            "timestep_mlp_gemm", "timestep_mlp_fold", "timestep_mlp_gemm",
-                                            "timestep_mlp_gemm", "timestep_mlp_colsum"]
-    if arch == "sm_90a":  # from WGMMA_MIN_ROWS: the splits and the TF32 wgmma GEMMs
-        assert asked(timestep_mlp, 0, 300) == (["tf32_split", "tf32x3_wgmma_weight_gemm", "tf32x3_wgmma_weight_gemm",
-                                                "timestep_mlp_fold"], [2])
-        assert asked(timestep_mlp, 0, 3) == (["timestep_mlp_gemm", "tf32x3_wgmma_weight_gemm",
-                                              "timestep_mlp_fold"], [1])  # fc1_split, the small-T weight tile
-        assert asked(timestep_mlp, 1, 300) == (["tf32_split", "tf32x3_wgmma_weight_gemm", "tf32x3_wgmma_weight_gemm",
-                                                "timestep_mlp_colsum", "timestep_mlp_gemm", "timestep_mlp_fold",
-                                                "tf32_split", "tf32x3_wgmma_gemm", "timestep_mlp_gemm",
-                                                "timestep_mlp_colsum"], [1])
     proj = "adaln_proj_fwd_wgmma" if arch == "sm_90a" and adaln_projection.SM90_FAMILY == "wgmma" else "adaln_proj_fwd"
     assert asked(final_adaln_out, 0, 3) == (["adaln_silu_cast", proj, "norm_modulate_fwd"],
                                             check_constants("final_adaln_out", "timestep_indices"))

@@ -8,8 +8,8 @@
 // goes to the op's Python CUDA impl, which widens, refuses with the exact message of
 // h3cute.ops.validate, or runs; the compiled kernel is looked up once per (device, variant) through
 // the Python runtime (prebuilt bundle, disk cache or JIT), which keeps the function alive. Ops on launch plans
-// (h3cute/launch/plan.py: linear, gate_residual) hold only their fast-path predicate here and walk the plan Python
-// wrote (PlanTable, walk).
+// (h3cute/launch/plan.py: linear, gate_residual, timestep_mlp) hold only their fast-path predicate here and walk the
+// plan Python wrote (PlanTable, walk).
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -40,8 +40,6 @@ constexpr int kMaxDevices = 64;
 struct Constants {
   // h3cute.widths
   int64_t hidden, freq, mlp_hidden, temb, block_chunks, block_table, block_projection, final_projection;
-  // launch/timestep_mlp.py SPLITS (the split GEMMs' K slices), WGMMA_K_PAD
-  int64_t fc2_splits, fc2_dgrad_splits, fc1_dgrad_splits, wgmma_k_pad;
   // launch/adaln_projection.py DGRAD_SPLITS, FOLD_WARPS_LAUNCH, DBIAS_ROW_BLOCK
   int64_t dgrad_splits, fold_warps, dbias_row_block;
   // launch/norm_modulate.py: the largest of FUSED_CAPS, MAX_TABLE_ROWS
@@ -58,8 +56,6 @@ void configure(const py::dict& constants) {
       {"hidden", &h3.hidden}, {"freq", &h3.freq}, {"mlp_hidden", &h3.mlp_hidden}, {"temb", &h3.temb},
       {"block_chunks", &h3.block_chunks}, {"block_table", &h3.block_table},
       {"block_projection", &h3.block_projection}, {"final_projection", &h3.final_projection},
-      {"fc2_splits", &h3.fc2_splits}, {"fc2_dgrad_splits", &h3.fc2_dgrad_splits},
-      {"fc1_dgrad_splits", &h3.fc1_dgrad_splits}, {"wgmma_k_pad", &h3.wgmma_k_pad},
       {"dgrad_splits", &h3.dgrad_splits}, {"fold_warps", &h3.fold_warps}, {"dbias_row_block", &h3.dbias_row_block},
       {"max_fused_table_rows", &h3.max_fused_table_rows}, {"max_table_rows", &h3.max_table_rows}};
   TORCH_CHECK(constants.size() == std::size(fields) + 1, "h3cute native: install() takes ", std::size(fields) + 1,
@@ -152,8 +148,6 @@ class KernelArg {
  public:
   KernelArg(const at::Tensor& t) : view_(t) {}  // NOLINT: implicit, as the call sites list them
   KernelArg(View v) : view_(std::move(v)) {}    // NOLINT
-  template <typename B, typename = decltype(std::declval<const B&>().view())>
-  KernelArg(const B& block) : view_(block.view()) {}  // NOLINT: a carved scratch block (Carver::Block)
   KernelArg(double v) : scalar_(v) {}           // NOLINT
   KernelArg(int64_t v) : int_(v), is_int_(true) {}  // NOLINT: an Int64 scalar such as a check slot's address
   TVMFFIAny any() const {
@@ -337,70 +331,6 @@ at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
   return out;
 }
 
-// ---- timestep_mlp (h3cute/launch/timestep_mlp.py: the same launches in the same order, PDL) -------------
-
-KernelTable mlp_kernels("h3cute.launch.timestep_mlp");  // variant 0: forward kernels, 1: backward kernels
-
-bool mlp_fast(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, int d) {
-  return dense(x, at::kFloat, d, {-1, h3.freq}) && x.size(0) > 0 &&
-         dense(w1, at::kFloat, d, {h3.mlp_hidden, h3.freq}) && dense(b1, at::kFloat, d, {h3.mlp_hidden}) &&
-         dense(w2, at::kFloat, d, {h3.temb, h3.mlp_hidden});
-}
-
-// Regions of one allocation: each declared once with its shape (`block`, `block3`), then `allocate` makes the
-// one buffer. A region is only the kernels' view of it (`view`, `t`: no ATen call at all, since at small T each
-// ATen call is host time the kernels never needed), or, for what the op returns, a tensor (`tensor`, `vector`:
-// one as_strided call). Every region's size is a multiple of 4 elements, so each stays 16-byte aligned for the
-// kernels' vector accesses.
-class Carver {
- public:
-  // A dense row-major region: (rows, cols), or (depth, rows, cols) when declared with a depth.
-  class Block {
-   public:
-    Block(const at::Tensor& base, int64_t offset, int64_t rows, int64_t cols, int64_t depth)
-        : base_(base), offset_(offset), rows_(rows), cols_(cols), depth_(depth) {}
-    View view() const {
-      if (depth_ > 0) return View(base(), {depth_, rows_, cols_}, {rows_ * cols_, cols_, 1}, offset_);
-      return View(base(), {rows_, cols_}, {cols_, 1}, offset_);
-    }
-    // (cols, rows) with strides (1, cols): the MN-major operand layout of a 2-D region
-    View t() const { return View(base(), {cols_, rows_}, {1, cols_}, offset_); }
-    at::Tensor tensor() const { return base().as_strided({rows_, cols_}, {cols_, 1}, offset_); }
-    at::Tensor vector() const { return base().as_strided({rows_ * cols_}, {1}, offset_); }
-
-   private:
-    const at::Tensor& base() const {
-      TORCH_INTERNAL_ASSERT(base_.defined(), "h3cute: a carved region used before Carver::allocate");
-      return base_;
-    }
-    const at::Tensor& base_;  // the Carver's buffer, defined once it is allocated
-    int64_t offset_, rows_, cols_, depth_;
-  };
-
-  Carver() = default;
-  Carver(const Carver&) = delete;  // Blocks refer to buffer_
-  Carver& operator=(const Carver&) = delete;
-
-  Block block(int64_t rows, int64_t cols) { return block3(0, rows, cols); }
-  Block block3(int64_t depth, int64_t rows, int64_t cols) {
-    TORCH_INTERNAL_ASSERT(!buffer_.defined(), "h3cute: region declared after Carver::allocate");
-    const int64_t numel = (depth > 0 ? depth : 1) * rows * cols;
-    TORCH_CHECK(numel % 4 == 0, "h3cute: carved region of ", numel, " elements breaks 16-byte alignment");
-    const int64_t offset = total_;
-    total_ += numel;
-    return Block(buffer_, offset, rows, cols, depth);
-  }
-  void allocate(const at::TensorOptions& options) { buffer_ = at::empty({total_}, options); }
-
- private:
-  at::Tensor buffer_;
-  int64_t total_ = 0;
-};
-using Block = Carver::Block;
-
-// The (cols, rows) view with strides (1, cols) of a dense (rows, cols) tensor: the MN-major operand layout.
-View transposed(const at::Tensor& t) { return View(t, {t.size(1), t.size(0)}, {1, t.size(1)}); }
-
 // A dense tensor as one flat vector (the folds' output).
 View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
 
@@ -413,10 +343,15 @@ View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
 enum class Layout : int64_t { as_is = 0, t = 1, flat = 2, matrix = 3, first = 4, item0 = 5 };  // plan.Layout
 constexpr int64_t kLayouts = 6;
 
-// per_row * M + whole * (M / step * step) + konst, for the op's row count M (plan.Dim)
+// per_row * M + whole * (M / step * step) + konst, for the op's row count M; with `up`, M's steps rounded up
+// ((M + step - 1) / step); with `count`, the whole term counts the steps: whole * (M / step) (plan.Dim)
 struct Dim {
   int64_t konst = 0, per_row = 0, whole = 0, step = 1;
-  int64_t at(int64_t m) const { return per_row * m + whole * (m / step * step) + konst; }
+  bool up = false, count = false;
+  int64_t at(int64_t m) const {
+    const int64_t steps = (up ? m + step - 1 : m) / step;
+    return per_row * m + whole * (count ? steps : steps * step) + konst;
+  }
 };
 
 // a step's guard: none, or dim(M) != 0 (nonzero) / == 0 (plan.Cond)
@@ -449,6 +384,7 @@ struct Step {
 struct Buffer {
   at::ScalarType dtype;
   std::vector<Dim> shape;
+  int64_t arena = -1;  // carved from arena `arena`'s one allocation (plan.Buffer.arena), -1: its own
 };
 
 enum class OutputKind : int64_t { view = 0, column_sum = 1 };
@@ -459,7 +395,7 @@ struct Output {
 };
 
 struct Plan {
-  int64_t lo = 0, hi = 0, inputs = 0;
+  int64_t lo = 0, hi = 0, inputs = 0, arenas = 0;
   std::vector<TVMFFIObjectHandle> fns;
   std::vector<Buffer> buffers;
   std::vector<Step> steps;
@@ -482,12 +418,16 @@ int64_t plan_dtype_code(at::ScalarType t) {
 
 Dim decode_dim(const py::handle& h) {
   auto t = h.cast<py::tuple>();
-  TORCH_CHECK(t.size() == 4, "h3cute native: a plan dim has 4 terms");
-  Dim d{t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>()};
+  TORCH_CHECK(t.size() == 4 || t.size() == 6, "h3cute native: a plan dim has 4 terms (and 2 flags)");
+  Dim d{t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
+        t.size() == 6 && t[4].cast<int64_t>() != 0, t.size() == 6 && t[5].cast<int64_t>() != 0};
   TORCH_CHECK(d.step > 0, "h3cute native: a plan dim's row step must be positive");
   return d;
 }
-py::tuple encode_dim(const Dim& d) { return py::make_tuple(d.konst, d.per_row, d.whole, d.step); }
+py::tuple encode_dim(const Dim& d) {
+  return py::make_tuple(d.konst, d.per_row, d.whole, d.step, static_cast<int64_t>(d.up),
+                        static_cast<int64_t>(d.count));
+}
 
 Cond decode_cond(const py::handle& h) {
   auto t = h.cast<py::tuple>();
@@ -532,11 +472,21 @@ Plan decode_plan(const py::tuple& t) {
   p.hi = t[1].cast<int64_t>();
   p.inputs = t[2].cast<int64_t>();
   for (const auto& h : t[3].cast<py::tuple>()) p.fns.push_back(reinterpret_cast<void*>(h.cast<uintptr_t>()));
+  std::vector<at::ScalarType> arena_dtypes;
   for (const auto& h : t[4].cast<py::tuple>()) {
     auto b = h.cast<py::tuple>();
-    Buffer buffer{plan_dtype(b[0].cast<int64_t>()), {}};
+    TORCH_CHECK(b.size() == 2 || b.size() == 3, "h3cute native: a plan buffer has 2 or 3 fields");
+    Buffer buffer{plan_dtype(b[0].cast<int64_t>()), {}, b.size() == 3 ? b[2].cast<int64_t>() : -1};
     for (const auto& d : b[1].cast<py::tuple>()) buffer.shape.push_back(decode_dim(d));
     TORCH_CHECK(buffer.shape.size() <= 3, "h3cute native: a plan buffer has at most 3 dims");
+    // arenas are numbered in order of first use, each of one dtype
+    TORCH_CHECK(-1 <= buffer.arena && buffer.arena <= p.arenas, "h3cute native: plan buffer arena ", buffer.arena);
+    if (buffer.arena == p.arenas) {
+      ++p.arenas;
+      arena_dtypes.push_back(buffer.dtype);
+    }
+    TORCH_CHECK(buffer.arena < 0 || arena_dtypes[buffer.arena] == buffer.dtype,
+                "h3cute native: a plan arena mixes dtypes");
     p.buffers.push_back(std::move(buffer));
   }
   const int64_t sources = p.inputs + static_cast<int64_t>(p.buffers.size());
@@ -577,7 +527,7 @@ py::tuple encode_plan(const Plan& p) {
   for (const Buffer& b : p.buffers) {
     py::list shape;
     for (const Dim& d : b.shape) shape.append(encode_dim(d));
-    buffers.append(py::make_tuple(plan_dtype_code(b.dtype), py::tuple(shape)));
+    buffers.append(py::make_tuple(plan_dtype_code(b.dtype), py::tuple(shape), b.arena));
   }
   for (const Step& s : p.steps) {
     py::list args;
@@ -681,18 +631,42 @@ struct Resolved {
 };
 
 // Runs `p` on `inputs` for m rows (`lead`: the row input's leading dims): allocates its buffers with `options`'
-// device, then each step whose guard holds in order, `launch(kernel index, arguments)` for a launch; returns its
-// outputs. The caller holds the op's StreamScope.
+// device (each on its own, or carved from its arena's one allocation as plan.py's `carve` lays it out: declaration
+// order, each region's start rounded up to 16 bytes), then each step whose guard holds in order,
+// `launch(kernel index, arguments)` for a launch; returns its outputs. The caller holds the op's StreamScope.
 template <typename LaunchFn>
 std::vector<at::Tensor> walk(const Plan& p, std::vector<Operand> env, int64_t m, c10::IntArrayRef lead,
                              const at::TensorOptions& options, LaunchFn&& launch) {
   TORCH_CHECK(static_cast<int64_t>(env.size()) == p.inputs, "h3cute native: a plan of ", p.inputs,
               " inputs given ", env.size());
   for (int64_t i = 0; i < p.inputs; ++i) env[i].source = i;
-  for (const Buffer& b : p.buffers) {
+  std::vector<int64_t> totals(p.arenas, 0), starts(p.buffers.size(), 0);
+  for (size_t i = 0; i < p.buffers.size(); ++i) {
+    const Buffer& b = p.buffers[i];
+    if (b.arena < 0) continue;
+    const int64_t align = 16 / static_cast<int64_t>(c10::elementSize(b.dtype));
+    int64_t numel = 1;
+    for (const Dim& d : b.shape) numel *= d.at(m);
+    starts[i] = (totals[b.arena] + align - 1) / align * align;
+    totals[b.arena] = starts[i] + numel;
+  }
+  std::vector<at::Tensor> arenas(p.arenas);
+  for (size_t i = 0; i < p.buffers.size(); ++i) {
+    const Buffer& b = p.buffers[i];
+    const int64_t ndim = static_cast<int64_t>(b.shape.size());
     int64_t sizes[3];
-    for (size_t d = 0; d < b.shape.size(); ++d) sizes[d] = b.shape[d].at(m);
-    env.emplace_back(at::empty(c10::IntArrayRef(sizes, b.shape.size()), options.dtype(b.dtype)));
+    for (int64_t d = 0; d < ndim; ++d) sizes[d] = b.shape[d].at(m);
+    if (b.arena < 0) {
+      env.emplace_back(at::empty(c10::IntArrayRef(sizes, ndim), options.dtype(b.dtype)));
+    } else {
+      at::Tensor& arena = arenas[b.arena];
+      if (!arena.defined()) arena = at::empty({totals[b.arena]}, options.dtype(b.dtype));
+      Operand region(arena, ndim);  // dense row-major at its start
+      region.offset = starts[i];
+      for (int64_t d = ndim - 1, step = 1; d >= 0; step *= std::max<int64_t>(sizes[d], 1), --d)
+        region.sizes[d] = sizes[d], region.strides[d] = step;
+      env.push_back(region);
+    }
     env.back().source = static_cast<int64_t>(env.size()) - 1;
   }
   std::vector<Resolved> args;
@@ -831,112 +805,25 @@ py::tuple describe_walk(const py::tuple& encoded, int64_t rows, const py::list& 
   return py::make_tuple(py::tuple(launches), py::tuple(outputs));
 }
 
+// ---- timestep_mlp (h3cute/launch/timestep_mlp.py: its launch plans, the default picks) -------------------
+
+PlanTable mlp_plans("h3cute.launch.timestep_mlp");
+
+bool mlp_fast(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, int d) {
+  return dense(x, at::kFloat, d, {-1, h3.freq}) && x.size(0) > 0 &&
+         dense(w1, at::kFloat, d, {h3.mlp_hidden, h3.freq}) && dense(b1, at::kFloat, d, {h3.mlp_hidden}) &&
+         dense(w2, at::kFloat, d, {h3.temb, h3.mlp_hidden});
+}
+
 at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                              const at::Tensor& b2) {
   const int d = cuda_device(x);
   if (!(mlp_fast(x, w1, b1, w2, d) && dense(b2, at::kFloat, d, {h3.temb}) && !errors_pending(d)))
     return python_impl<at::Tensor>("h3cute.ops.timestep", "_mlp_cuda", x, w1, b1, w2, b2);
   const int64_t rows = x.size(0);
-  const auto& kernels = mlp_kernels.get(d, 0, rows);
-  const TVMFFIObjectHandle* fn = kernels.fns;
-  at::Tensor out = at::empty({rows, h3.temb}, x.options());
-  if (kernels.params[0] == 1) {  // sm_90a, small T: fc1_split writes h's TF32 operand pair, fc2 on wgmma
-    Carver scratch;
-    Block h_big = scratch.block(rows, h3.mlp_hidden), h_small = scratch.block(rows, h3.mlp_hidden);
-    Block partials = scratch.block3(h3.fc2_splits, rows, h3.temb);
-    scratch.allocate(x.options());
-    StreamScope stream(d);
-    call_kernel(fn[0], {x, w1, b1, h_big, h_small});
-    call_kernel(fn[1], {w2, h_big, h_small, partials});
-    call_kernel(fn[2], {partials, b2, out});
-    return out;
-  }
-  if (kernels.params[0] == 2) {  // sm_90a, T >= WGMMA_MIN_ROWS: split x, fc1_split and fc2 on wgmma, fold
-    Carver scratch;
-    Block x_big = scratch.block(rows, h3.freq), x_small = scratch.block(rows, h3.freq);
-    Block h_big = scratch.block(rows, h3.mlp_hidden), h_small = scratch.block(rows, h3.mlp_hidden);
-    Block partials = scratch.block3(h3.fc2_splits, rows, h3.temb);
-    scratch.allocate(x.options());
-    StreamScope stream(d);
-    call_kernel(fn[0], {x, x_big, x_small});
-    call_kernel(fn[1], {w1, x_big, x_small, b1, h_big, h_small});
-    call_kernel(fn[2], {w2, h_big, h_small, partials});
-    call_kernel(fn[3], {partials, b2, out});
-    return out;
-  }
-  // fc1, fc2, fold_fc2
-  Carver scratch;  // one allocation for h, partials
-  Block h = scratch.block(rows, h3.mlp_hidden), partials = scratch.block3(h3.fc2_splits, rows, h3.temb);
-  scratch.allocate(x.options());
+  const Plan& plan = mlp_plans.get(d, Phase::forward, {}, rows);
   StreamScope stream(d);
-  call_kernel(fn[0], {x, w1, b1, h});
-  call_kernel(fn[1], {h, w2, partials});
-  call_kernel(fn[2], {partials, b2, out});
-  return out;
-}
-
-// The backward's five gradients as views of one allocation (host time at small T), in the op's return order,
-// and the views its kernels write them through.
-struct MlpGrads {
-  MlpGrads(int64_t rows, const at::TensorOptions& options) {
-    // the regions of dx, dw1, db1, dw2, db2, in the op's return order
-    Block gx = carver.block(rows, h3.freq), gw1 = carver.block(h3.mlp_hidden, h3.freq),
-          gb1 = carver.block(1, h3.mlp_hidden), gw2 = carver.block(h3.temb, h3.mlp_hidden),
-          gb2 = carver.block(1, h3.temb);
-    carver.allocate(options);
-    dx = gx.tensor();
-    dw1 = gw1.tensor();
-    db1 = gb1.vector();
-    dw2 = gw2.tensor();
-    db2 = gb2.vector();
-  }
-  // the weight-gradient GEMMs write a (1, N, K) batch
-  View dw2_batch() const { return View(dw2, {1, h3.temb, h3.mlp_hidden}, {h3.temb * h3.mlp_hidden, h3.mlp_hidden, 1}); }
-  View dw1_batch() const { return View(dw1, {1, h3.mlp_hidden, h3.freq}, {h3.mlp_hidden * h3.freq, h3.freq, 1}); }
-  // the "sum" fold takes a (1,) aux operand it never reads
-  View unused_aux() const { return View(dx, {1}, {1}); }
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple() const {
-    return {dx, dw1, db1, dw2, db2};
-  }
-
-  Carver carver;
-  at::Tensor dx, dw1, db1, dw2, db2;
-};
-
-// The sm_90a backward from WGMMA_MIN_ROWS rows (h3cute/launch/timestep_mlp.py backward, wgmma=True): split x,
-// fc1_zh with w1 split in registers, split grad, fc2_dgrad with w2 split in registers, colsum_dz,
-// fc1_dgrad, fold_dx, transposing split of grad and of h (K = T zero-padded to a multiple of h3.wgmma_k_pad), the
-// wgmma fc2_wgrad, fc1_wgrad, colsum_db2.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_wgmma(
-    const TVMFFIObjectHandle* fn, const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1,
-    const at::Tensor& b1, const at::Tensor& w2) {
-  const int64_t rows = x.size(0);
-  const int64_t depth = (rows + h3.wgmma_k_pad - 1) / h3.wgmma_k_pad * h3.wgmma_k_pad;
-  Carver scratch;
-  Block x_big = scratch.block(rows, h3.freq), x_small = scratch.block(rows, h3.freq);
-  Block z = scratch.block(rows, h3.mlp_hidden), h = scratch.block(rows, h3.mlp_hidden);
-  Block g_big = scratch.block(rows, h3.temb), g_small = scratch.block(rows, h3.temb);
-  Block dh_partials = scratch.block3(h3.fc2_dgrad_splits, rows, h3.mlp_hidden), dz = scratch.block(rows, h3.mlp_hidden);
-  Block dx_partials = scratch.block3(h3.fc1_dgrad_splits, rows, h3.freq);
-  Block gt_big = scratch.block(h3.temb, depth), gt_small = scratch.block(h3.temb, depth);
-  Block ht_big = scratch.block(h3.mlp_hidden, depth), ht_small = scratch.block(h3.mlp_hidden, depth);
-  scratch.allocate(x.options());
-  MlpGrads g(rows, x.options());
-
-  StreamScope stream(x.get_device());
-  call_kernel(fn[0], {x, x_big, x_small});
-  call_kernel(fn[1], {w1, x_big, x_small, b1, z, h});
-  call_kernel(fn[0], {grad, g_big, g_small});
-  call_kernel(fn[2], {transposed(w2), g_big, g_small, dh_partials});
-  call_kernel(fn[3], {dh_partials, z, dz, g.db1});
-  call_kernel(fn[4], {dz, transposed(w1), dx_partials});
-  call_kernel(fn[5], {dx_partials, g.unused_aux(), g.dx});
-  call_kernel(fn[6], {grad, gt_big, gt_small});
-  call_kernel(fn[6], {h, ht_big, ht_small});
-  call_kernel(fn[7], {gt_big, gt_small, ht_big, ht_small, g.dw2_batch()});
-  call_kernel(fn[8], {dz.t(), transposed(x), g.dw1_batch()});
-  call_kernel(fn[9], {grad, grad, grad, g.db2});
-  return g.tuple();
+  return walk(plan, {x, w1, b1, w2, b2}, rows, x.sizes().slice(0, 1), x.options())[0];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_cuda(
@@ -947,28 +834,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
     return python_impl<R>("h3cute.ops.timestep", "_mlp_backward_cuda", grad, x, w1, b1, w2);
   }
   const int64_t rows = x.size(0);
-  const auto& kernels = mlp_kernels.get(d, 1, rows);
-  if (kernels.params[0]) return timestep_mlp_backward_wgmma(kernels.fns, grad, x, w1, b1, w2);
-  // fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2
-  const TVMFFIObjectHandle* fn = kernels.fns;
-  // Two allocations (host time at small T): the intermediates, and the five gradients (MlpGrads).
-  Carver scratch;
-  Block z = scratch.block(rows, h3.mlp_hidden), h = scratch.block(rows, h3.mlp_hidden);
-  Block dh_partials = scratch.block3(h3.fc2_dgrad_splits, rows, h3.mlp_hidden), dz = scratch.block(rows, h3.mlp_hidden);
-  Block dx_partials = scratch.block3(h3.fc1_dgrad_splits, rows, h3.freq);
-  scratch.allocate(x.options());
-  MlpGrads g(rows, x.options());
-
+  const Plan& plan = mlp_plans.get(d, Phase::backward, {}, rows);
   StreamScope stream(d);
-  call_kernel(fn[0], {x, w1, b1, z, h});
-  call_kernel(fn[1], {grad, transposed(w2), dh_partials});
-  call_kernel(fn[2], {dh_partials, z, dz, g.db1});
-  call_kernel(fn[3], {dz, transposed(w1), dx_partials});
-  call_kernel(fn[4], {dx_partials, g.unused_aux(), g.dx});
-  call_kernel(fn[5], {transposed(grad), h.t(), g.dw2_batch()});
-  call_kernel(fn[6], {dz.t(), transposed(x), g.dw1_batch()});
-  call_kernel(fn[7], {grad, grad, grad, g.db2});
-  return g.tuple();
+  auto out = walk(plan, {grad, x, w1, b1, w2}, rows, x.sizes().slice(0, 1), x.options());
+  return {out[0], out[1], out[2], out[3], out[4]};
 }
 
 // ---- norm_modulate / final_adaln_out forward (h3cute/launch/norm_modulate.py forward_rows) -------------
