@@ -42,11 +42,14 @@ class _Recorder:
         return 0
 
 
+NATIVE_KEYS = {adaln_projection: (BLOCK_PROJECTION,), timestep_mlp: ()}  # the C++ layer's plan keys
+
+
 def _row_range(launcher, backward: int, rows: int) -> tuple[int, int]:
-    """The T range of what the C++ layer fetches for `rows`: a launch plan (its default key) or a kernel_handles
+    """The T range of what the C++ layer fetches for `rows`: a launch plan (NATIVE_KEYS) or a kernel_handles
     answer."""
-    if hasattr(launcher, "native_plan"):
-        return launcher.native_plan(0, "backward" if backward else "forward", (), rows)[:2]
+    if launcher in NATIVE_KEYS:
+        return launcher.native_plan(0, "backward" if backward else "forward", NATIVE_KEYS[launcher], rows)[:2]
     return launcher.kernel_handles(0, backward, rows)[:2]
 
 

@@ -7,12 +7,12 @@ import torch
 
 from h3cute import runtime
 from h3cute.kernels._linear_configs import splits, wgrad_rows
-from h3cute.launch import checks, gate_residual, linear, timestep_mlp
+from h3cute.launch import adaln_projection, checks, gate_residual, linear, timestep_mlp
 from h3cute.launch import plan as P
 from h3cute.launch.norm_modulate import fold, reduction_kernel, reduction_layout
 from h3cute.launch.timestep_mlp import (SPLITS, WEIGHT_FC1_TILE, WEIGHT_TILE, WGMMA_K_PAD, WGMMA_ROLES, WGMMA_TILE,
                                         forward_weight_tile, pick_config, transposed, uses_wgmma)
-from h3cute.widths import FREQ, HIDDEN, LINEAR_SHAPES, MLP_HIDDEN, TEMB
+from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, FREQ, HIDDEN, LINEAR_SHAPES, MLP_HIDDEN, TEMB
 
 from bitwise import same_bits
 
@@ -209,6 +209,68 @@ def _old_mlp_backward(grad, x, w1, b1, w2, config=None, wgmma=None):
     return dx, dw1[0], db1, dw2[0], db2
 
 
+def _old_silu_bf16(temb):
+    temb = adaln_projection.dense16(temb)
+    act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
+    runtime.kernel("adaln_silu_cast", temb.device, width=TEMB)(temb, act)
+    return act
+
+
+def _old_projection_forward(temb, weight, bias, config=None):
+    L, dense16 = adaln_projection, adaln_projection.dense16
+    L._check_config("forward", "fwd", config)
+    rows, out_features = temb.shape[0], weight.shape[0]
+    out = torch.empty((rows, out_features), dtype=torch.bfloat16, device=temb.device)
+    if rows == 0:  # a zero-sized grid is not a valid launch
+        return out
+    act = _old_silu_bf16(temb)
+    wgmma = L._uses_wgmma(temb.device, config)
+    fn = runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", temb.device,
+                        out_features=out_features,
+                        config=config or L.config_for_rows(rows, wgmma, runtime.sm_count(temb.device)))
+    fn(act, dense16(weight), dense16(bias), out)
+    return out
+
+
+def _old_projection_backward(grad, temb, weight, config=None, fold_warps=None):
+    L, dense16 = adaln_projection, adaln_projection.dense16
+    L._check_config("backward", "dgrad", config)
+    rows, out_features = temb.shape[0], weight.shape[0]
+    device = temb.device
+    if rows == 0:
+        return temb.new_empty((0, TEMB)), torch.zeros_like(weight), weight.new_zeros((out_features,))
+    grad, temb, weight = dense16(grad), dense16(temb), dense16(weight)
+    wgmma = L._uses_wgmma(device, config)
+    sms = runtime.sm_count(device)
+    wgrad_config = L.wgrad_config_for_rows(rows, wgmma, sms)
+    folds = L.wgrad_folds(wgrad_config, wgmma) if fold_warps is None else fold_warps
+    if folds and not L.wgrad_folds(wgrad_config, wgmma):
+        raise ValueError(f"adaln_projection backward: the dW tile {wgrad_config!r} at T = {rows} has no fold warps")
+    act = _old_silu_bf16(temb) if folds else torch.empty((rows, TEMB), dtype=torch.bfloat16, device=device)
+    partial = torch.empty((L.DGRAD_SPLITS, rows, TEMB), dtype=torch.float32, device=device)
+    runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", device, out_features=out_features,
+                   config=config or L.dgrad_config_for_rows(rows, wgmma, sms))(grad, weight, partial)
+    dtemb = torch.empty((rows, TEMB), dtype=torch.float32, device=device)
+    dweight = torch.empty_like(weight)
+    dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
+    if folds:
+        blocks = torch.empty((-(-rows // L.DBIAS_ROW_BLOCK), out_features), dtype=torch.float32, device=device)
+        runtime.kernel("adaln_proj_wgrad_fold", device, out_features=out_features, config=wgrad_config)(
+            grad, act, dweight, dbias, partial, temb, dtemb, blocks)
+        return dtemb, dweight, dbias
+    runtime.kernel("adaln_dtemb_fold", device, width=TEMB)(partial, temb, dtemb, act)  # act = bf16(silu(temb))
+    if wgmma:
+        wgrad = runtime.kernel("adaln_proj_wgrad_wgmma", device, out_features=out_features, wgmma=True,
+                               config=wgrad_config)
+    else:
+        wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features, config=wgrad_config)
+    wgrad(grad, act, dweight, dbias)
+    if not L.wgrad_writes_dbias(wgrad_config, rows):
+        bias_partial = torch.empty((-(-rows // L.DBIAS_ROW_BLOCK), out_features), dtype=torch.float32, device=device)
+        runtime.kernel("adaln_bias_grad", device, out_features=out_features)(grad, bias_partial, dbias)
+    return dtemb, dweight, dbias
+
+
 # ---- the recorder ---------------------------------------------------------------------------------------------
 
 # The arguments each fake kernel writes (every element of them), by its static args: the launch's outputs, so the
@@ -220,8 +282,11 @@ WRITES = {"linear_gemm": (-1,), "linear_fold": (-1,), "gate_residual_fwd": (4,),
           "timestep_mlp_gemm": lambda static: {"fc1": (3,), "fc1_split": (3, 4), "fc1_zh": (3, 4)}.get(
               static["role"], (-1,)),
           "tf32x3_wgmma_weight_gemm": lambda static: (-2, -1) if static["role"].startswith("fc1") else (-1,),
-          "timestep_mlp_colsum": lambda static: (2, 3) if static["fold_dz"] else (3,)}
-FOLDS = {"linear_fold", "rowwise_fold", "timestep_mlp_fold", "timestep_mlp_colsum"}
+          "timestep_mlp_colsum": lambda static: (2, 3) if static["fold_dz"] else (3,),
+          "adaln_silu_cast": (1,), "adaln_proj_fwd": (-1,), "adaln_proj_fwd_wgmma": (-1,), "adaln_proj_dgrad": (-1,),
+          "adaln_proj_dgrad_wgmma": (-1,), "adaln_dtemb_fold": (2, 3), "adaln_proj_wgrad": (2, 3),
+          "adaln_proj_wgrad_wgmma": (2, 3), "adaln_bias_grad": (1, 2), "adaln_proj_wgrad_fold": (2, 3, 6, 7)}
+FOLDS = {"linear_fold", "rowwise_fold", "timestep_mlp_fold", "timestep_mlp_colsum", "adaln_dtemb_fold"}
 
 
 class _Recorder:
@@ -318,6 +383,7 @@ def _same_run(monkeypatch, old, new, inputs, *extra):
 @pytest.fixture
 def fake_device(monkeypatch):
     monkeypatch.setattr(runtime, "arch_of", lambda device: "sm_90a")
+    monkeypatch.setattr(runtime, "sm_count", lambda device: 132)
     slots = {}  # check slot addresses as (op, argument, checked) stand-ins: no CUDA memory on a CPU machine
     monkeypatch.setattr(checks, "slot_addresses", lambda device, op, arg, checked=True:
                         slots.setdefault((op, arg, checked), (2 * len(slots) + 1, 2 * len(slots) + 2)))
@@ -448,6 +514,51 @@ def test_carved_regions_start_16_byte_aligned():
                                                       P.Buffer("b", torch.int64, (4,), "x")), (), ())
 
 
+@pytest.fixture(scope="module")
+def projection_weights():
+    # final_adaln_out's N (the block projection's 520 MB weight is walked on meta tensors in the C++ test)
+    gen = torch.Generator().manual_seed(7)
+    return (torch.randn((FINAL_PROJECTION, TEMB), generator=gen).bfloat16(),
+            torch.randn((FINAL_PROJECTION,), generator=gen).bfloat16())
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])  # the wgmma family on sm_90a, the warp family on sm_100a
+# T = 24 / 64 / 65: dW writes db to 64 (warp family: adaln_bias_grad beyond); 384 / 385: the wgmma dW folds beyond
+@pytest.mark.parametrize("rows", [0, 1, 64, 65, 384, 385, 700])
+def test_adaln_projection_plans_launch_what_the_hand_written_launcher_did(monkeypatch, fake_device, projection_weights,
+                                                                          arch, rows):
+    monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
+    monkeypatch.setattr(runtime, "sm_count", lambda device: adaln_projection.H200_SMS)
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = projection_weights
+    temb = torch.randn((rows, TEMB), generator=gen)
+    grad = torch.randn((rows, FINAL_PROJECTION), generator=gen).bfloat16()
+    wgmma = arch == "sm_90a" and adaln_projection.SM90_FAMILY == "wgmma"
+    family = "wgmma" if wgmma else "warp"
+    for config in (None, adaln_projection.candidates("fwd", family)[-1]):  # the picks, and an explicit config
+        calls = _same_run(monkeypatch, _old_projection_forward, adaln_projection.forward,
+                          dict(temb=temb, weight=weight, bias=bias), config)
+        assert [c[0] for c in calls] == (["adaln_silu_cast", "adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd"]
+                                         if rows else [])
+    wgrad = adaln_projection.wgrad_config_for_rows(max(rows, 1), wgmma, adaln_projection.H200_SMS)
+    folds = adaln_projection.wgrad_folds(wgrad, wgmma)
+    dgrad = adaln_projection.candidates("dgrad", family)[0]
+    for config, fold_warps in ((None, None), (dgrad, None), (None, False)) + ((None, True),) * folds:
+        calls = _same_run(monkeypatch, _old_projection_backward, adaln_projection.backward,
+                          dict(grad=grad, temb=temb, weight=weight), config, fold_warps)
+        names = [c[0] for c in calls]
+        if rows == 0:
+            assert names == []
+        elif folds and fold_warps is not False:
+            assert names[::2] == ["adaln_silu_cast", "adaln_proj_wgrad_fold"]
+        else:
+            assert names[1] == "adaln_dtemb_fold"
+            assert ("adaln_bias_grad" in names) == (not adaln_projection.wgrad_writes_dbias(wgrad, rows))
+    if rows and not folds:  # fold warps asked of a dW tile without them: the same refusal
+        with pytest.raises(ValueError, match="has no fold warps"):
+            adaln_projection.backward(grad, temb, weight, fold_warps=True)
+
+
 # ---- plans are data ------------------------------------------------------------------------------------------
 
 
@@ -463,6 +574,12 @@ def _plans(device="cpu"):
         for key in (timestep_mlp.Key(), timestep_mlp.Key(wgmma=True), timestep_mlp.Key(wgmma=False)):
             for phase in P.Phase:
                 out.append(timestep_mlp.build(phase, device, key, rows))
+    for n in (BLOCK_PROJECTION, FINAL_PROJECTION):
+        for rows in (0, 1, 24, 64, 65, 384, 385, 700, 4097):
+            out.append(adaln_projection.build(P.Phase.FORWARD, device, adaln_projection.ForwardKey(n), rows))
+            out.append(adaln_projection.build(P.Phase.BACKWARD, device, adaln_projection.BackwardKey(n), rows))
+        out.append(adaln_projection.build(P.Phase.BACKWARD, device, adaln_projection.BackwardKey(n, fold_warps=False),
+                                          700))
     for rows in (0, 1, 1031):
         for check in (True, False):
             out.append(gate_residual.build(P.Phase.FORWARD, device, gate_residual.ForwardKey(HIDDEN, check), rows))
@@ -472,7 +589,8 @@ def _plans(device="cpu"):
     return out
 
 
-BUILDERS = {"linear": linear.build, "gate_residual": gate_residual.build, "timestep_mlp": timestep_mlp.build}
+BUILDERS = {"linear": linear.build, "gate_residual": gate_residual.build, "timestep_mlp": timestep_mlp.build,
+            "adaln_projection": adaln_projection.build}
 
 
 def test_each_plan_serves_its_whole_row_range(fake_device):
@@ -538,6 +656,11 @@ def _plan_inputs(plan, rows):
                       w1=((MLP_HIDDEN, FREQ), f32), b1=((MLP_HIDDEN,), f32), w2=((TEMB, MLP_HIDDEN), f32),
                       b2=((TEMB,), f32))
         return [(shape, torch.empty(shape).stride(), dtype) for shape, dtype in (shapes[i] for i in plan.inputs)]
+    if plan.op == "adaln_projection":
+        n = plan.key.out_features
+        shapes = dict(temb=((rows, TEMB), f32), grad=((rows, n), bf16), weight=((n, TEMB), bf16), bias=((n,), bf16))
+        return [(shape, torch.empty(shape, device="meta").stride(), dtype)
+                for shape, dtype in (shapes[i] for i in plan.inputs)]
     table_rows = getattr(plan.key, "table_rows", 9)
     geometry = {"adaln_indices": ((rows,), (1,), i64), "gate": ((table_rows, HIDDEN), (2 * HIDDEN, 1), bf16)}
     return [geometry.get(name, ((rows, HIDDEN), (HIDDEN, 1), bf16)) for name in plan.inputs]
@@ -584,6 +707,7 @@ def assert_cpp_walks_the_plans(module, monkeypatch):
     walk of it (describe_walk) launches the same kernels with the same argument geometry (source, offset, sizes,
     strides) and makes outputs of the same geometry as the Python walker, at several row counts of its range."""
     monkeypatch.setattr(runtime, "arch_of", lambda device: "sm_90a")
+    monkeypatch.setattr(runtime, "sm_count", lambda device: 132)
     monkeypatch.setattr(checks, "slot_addresses",
                         lambda device, op, arg, checked=True: (11, 12) if checked else (13, 14))
     codes = {torch.float32: 0, torch.bfloat16: 1, torch.int64: 2}

@@ -108,8 +108,7 @@ def constants() -> dict:
         hidden=widths.HIDDEN, freq=widths.FREQ, mlp_hidden=widths.MLP_HIDDEN, temb=widths.TEMB,
         block_chunks=widths.BLOCK_CHUNKS, block_table=widths.BLOCK_TABLE, block_projection=widths.BLOCK_PROJECTION,
         final_projection=widths.FINAL_PROJECTION,
-        dgrad_splits=adaln_projection.DGRAD_SPLITS, fold_warps=adaln_projection.FOLD_WARPS_LAUNCH,
-        dbias_row_block=adaln_projection.DBIAS_ROW_BLOCK,
+        dgrad_splits=adaln_projection.DGRAD_SPLITS,
         max_fused_table_rows=max(norm_modulate.FUSED_CAPS), max_table_rows=norm_modulate.MAX_TABLE_ROWS,
         linear_shapes=[list(shape) for shape in widths.LINEAR_SHAPES],
     )

@@ -8,8 +8,8 @@
 // goes to the op's Python CUDA impl, which widens, refuses with the exact message of
 // h3cute.ops.validate, or runs; the compiled kernel is looked up once per (device, variant) through
 // the Python runtime (prebuilt bundle, disk cache or JIT), which keeps the function alive. Ops on launch plans
-// (h3cute/launch/plan.py: linear, gate_residual, timestep_mlp) hold only their fast-path predicate here and walk the
-// plan Python wrote (PlanTable, walk).
+// (h3cute/launch/plan.py: linear, gate_residual, timestep_mlp, adaln_projection) hold only their fast-path predicate
+// here and walk the plan Python wrote (PlanTable, walk).
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -40,8 +40,8 @@ constexpr int kMaxDevices = 64;
 struct Constants {
   // h3cute.widths
   int64_t hidden, freq, mlp_hidden, temb, block_chunks, block_table, block_projection, final_projection;
-  // launch/adaln_projection.py DGRAD_SPLITS, FOLD_WARPS_LAUNCH, DBIAS_ROW_BLOCK
-  int64_t dgrad_splits, fold_warps, dbias_row_block;
+  // launch/adaln_projection.py DGRAD_SPLITS
+  int64_t dgrad_splits;
   // launch/norm_modulate.py: the largest of FUSED_CAPS, MAX_TABLE_ROWS
   int64_t max_fused_table_rows, max_table_rows;
   // h3cute.widths.LINEAR_SHAPES: h3::linear's weight shapes (N, K), the ones its fast path serves
@@ -56,7 +56,7 @@ void configure(const py::dict& constants) {
       {"hidden", &h3.hidden}, {"freq", &h3.freq}, {"mlp_hidden", &h3.mlp_hidden}, {"temb", &h3.temb},
       {"block_chunks", &h3.block_chunks}, {"block_table", &h3.block_table},
       {"block_projection", &h3.block_projection}, {"final_projection", &h3.final_projection},
-      {"dgrad_splits", &h3.dgrad_splits}, {"fold_warps", &h3.fold_warps}, {"dbias_row_block", &h3.dbias_row_block},
+      {"dgrad_splits", &h3.dgrad_splits},
       {"max_fused_table_rows", &h3.max_fused_table_rows}, {"max_table_rows", &h3.max_table_rows}};
   TORCH_CHECK(constants.size() == std::size(fields) + 1, "h3cute native: install() takes ", std::size(fields) + 1,
               " constants, got ", constants.size());
@@ -846,8 +846,8 @@ KernelTable norm_modulate_kernels("h3cute.launch.norm_modulate");  // variant 0:
 // variant 0: [silu_cast, proj_fwd, norm_modulate_fwd]; 1 (T <= 24): the backward's, see final_adaln_out_backward_cuda
 KernelTable final_kernels("h3cute.launch.final_adaln_out");
 
-// The projection GEMM's launch sequences (h3cute/launch/adaln_projection.py forward, backward), shared by
-// adaln_projection (N = 96768) and final_adaln_out (N = 10752); called inside the op's StreamScope.
+// final_adaln_out's projection (N = 10752; h3cute/launch/adaln_projection.py forward, backward), called inside the
+// op's StreamScope.
 
 // out (T, N) BF16 = bf16(silu(temb)) W^T + b. fn: [adaln_silu_cast, the projection GEMM].
 void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, const at::Tensor& weight,
@@ -858,34 +858,17 @@ void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, co
 }
 
 // d_temb through h3.dgrad_splits FP32 partials and their in-order fold (which also recomputes bf16(silu(temb))),
-// then dW = grad^T act; the dW GEMM writes db (bias_block = 0) or adaln_bias_grad does, from one FP32 partial per
-// bias_block rows of T (Python decides: kernel_handles' launch constant). bias_block = h3.fold_warps: the dW GEMM's
-// side warps fold d_temb and sum db's 64-row blocks into dbias_blocks while it runs, a second launch of the same
-// function folding the blocks into db (adaln_proj_wgrad_fold), its operand made first.
-// fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM, adaln_bias_grad (read only when bias_block > 0)], or with
-// h3.fold_warps [adaln_silu_cast, the d_temb GEMM, adaln_proj_wgrad_fold].
-std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, int64_t bias_block,
-                                                                   const at::Tensor& grad, const at::Tensor& temb,
-                                                                   const at::Tensor& weight) {
+// then dW = grad^T act, the dW GEMM writing db (T <= 24 here). fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, const at::Tensor& grad,
+                                                                   const at::Tensor& temb, const at::Tensor& weight) {
   const int64_t timesteps = temb.size(0), n = weight.size(0);
   const auto f32 = temb.options(), bf16 = weight.options();
   at::Tensor partial = at::empty({h3.dgrad_splits, timesteps, h3.temb}, f32);
   at::Tensor dtemb = at::empty({timesteps, h3.temb}, f32), act = at::empty({timesteps, h3.temb}, bf16);
   at::Tensor dweight = at::empty_like(weight), dbias = at::empty({n}, bf16);
-  if (bias_block == h3.fold_warps) {
-    call_kernel(fn[0], {temb, act});
-    call_kernel(fn[1], {grad, weight, partial});
-    at::Tensor dbias_blocks = at::empty({(timesteps + h3.dbias_row_block - 1) / h3.dbias_row_block, n}, f32);
-    call_kernel(fn[2], {grad, act, dweight, dbias, partial, temb, dtemb, dbias_blocks});
-    return {dtemb, dweight, dbias};
-  }
   call_kernel(fn[0], {grad, weight, partial});
   call_kernel(fn[1], {partial, temb, dtemb, act});
   call_kernel(fn[2], {grad, act, dweight, dbias});
-  if (bias_block > 0) {
-    at::Tensor bias_partial = at::empty({(timesteps + bias_block - 1) / bias_block, n}, f32);
-    call_kernel(fn[3], {grad, bias_partial, dbias});
-  }
   return {dtemb, dweight, dbias};
 }
 
@@ -1051,7 +1034,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
   if (!table) projection_forward(k.fns, temb, pw, pb, proj);
   View scale(proj, {timesteps, h3.hidden}, {h3.final_projection, 1}, h3.hidden);  // the projection's scale half
   NormGrads g = norm_backward_fused(k, 2, 3, grad, x, nw, scale, ti, eps, timesteps, true);
-  auto [dtemb, dpw, dpb] = projection_backward(k.fns + 4, 0, g.dtable, temb, pw);  // T <= 24: db fused into dW
+  auto [dtemb, dpw, dpb] = projection_backward(k.fns + 4, g.dtable, temb, pw);  // T <= 24: db fused into dW
   return {g.dx, g.dweight, dtemb, dpw, dpb};
 }
 
@@ -1152,7 +1135,8 @@ at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor
 // ---- adaln_projection (h3cute/launch/adaln_projection.py, N = 96768) ------------------------------------
 
 // variant 0: [silu_cast, proj_fwd]; 1: [proj_dgrad, dtemb_fold, proj_wgrad(, bias_grad)], [db row block, 0: fused]
-KernelTable projection_kernels("h3cute.launch.adaln_projection");
+// adaln_projection (launch plans): key (N,), the default picks
+PlanTable projection_plans("h3cute.launch.adaln_projection");
 
 bool projection_fast(const at::Tensor& temb, const at::Tensor& weight, int d) {
   return dense(temb, at::kFloat, d, {-1, h3.temb}) && aligned16(temb) && temb.size(0) > 0 &&
@@ -1164,11 +1148,9 @@ at::Tensor adaln_projection_cuda(const at::Tensor& temb, const at::Tensor& weigh
   if (!(projection_fast(temb, weight, d) && dense(bias, at::kBFloat16, d, {h3.block_projection}) && aligned16(bias)))
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_projection_cuda", temb, weight, bias);
   const int64_t timesteps = temb.size(0);
-  const TVMFFIObjectHandle* fn = projection_kernels.get(d, 0, timesteps).fns;
-  at::Tensor out = at::empty({timesteps, h3.block_projection}, weight.options());
+  const Plan& plan = projection_plans.get(d, Phase::forward, {h3.block_projection}, timesteps);
   StreamScope stream(d);
-  projection_forward(fn, temb, weight, bias, out);
-  return out;
+  return walk(plan, {temb, weight, bias}, timesteps, temb.sizes().slice(0, 1), temb.options())[0];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_projection_backward_cuda(const at::Tensor& grad,
@@ -1179,9 +1161,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_projection_backward_cuda(co
         aligned16(grad)))
     return python_impl<std::tuple<at::Tensor, at::Tensor, at::Tensor>>("h3cute.ops.adaln", "_projection_backward_cuda",
                                                                        grad, temb, weight);
-  const KernelTable::Entry& k = projection_kernels.get(d, 1, temb.size(0));
+  const int64_t timesteps = temb.size(0);
+  const Plan& plan = projection_plans.get(d, Phase::backward, {h3.block_projection}, timesteps);
   StreamScope stream(d);
-  return projection_backward(k.fns, k.params[0], grad, temb, weight);
+  auto out = walk(plan, {grad, temb, weight}, timesteps, temb.sizes().slice(0, 1), temb.options());
+  return {out[0], out[1], out[2]};
 }
 
 // ---- linear (h3cute/launch/linear.py, the FP32 heads: launch plans) --------------------------------------
