@@ -559,6 +559,30 @@ def test_adaln_projection_plans_launch_what_the_hand_written_launcher_did(monkey
             adaln_projection.backward(grad, temb, weight, fold_warps=True)
 
 
+def test_bind_gives_the_steps_the_walk_runs(fake_device):
+    # plan.bind (the perf scripts' step list): the steps whose guard holds, in order, with the arguments the walk
+    # passes (fills as their targets), on the inputs and buffers it returns by name.
+    def geometry(args):
+        return [(tuple(a.shape), a.stride(), a.storage_offset()) if isinstance(a, torch.Tensor) else a for a in args]
+
+    cases = [(timestep_mlp.build(P.Phase.BACKWARD, "cpu", timestep_mlp.Key(wgmma=True), 40), 40)]
+    cases += [(linear.build(P.Phase.BACKWARD, "cpu", linear.BackwardKey(5376, 96, True), rows), rows)
+              for rows in (300, 512)]  # the tail GEMM, and the fill in its place
+    for plan, rows in cases:
+        inputs = [torch.empty_strided(sizes, strides, dtype=dtype, device="meta")
+                  for sizes, strides, dtype in _plan_inputs(plan, rows)]
+        walked = []
+        fns = tuple((lambda i: lambda *args: walked.append((plan.kernels()[i], geometry(args))))(i)
+                    for i in range(len(plan.kernels())))
+        P.walk(plan, fns, inputs, rows, (rows,), "meta")
+        env, bound = P.bind(plan, inputs, rows, "meta")
+        assert set(env) == {*plan.inputs, *(b.name for b in plan.buffers)}
+        launches = [(step.kernel, geometry(args)) for step, args in bound if isinstance(step, P.Launch)]
+        assert launches == walked and len(walked) > 2
+        fills = [step for step, _ in bound if isinstance(step, P.Fill)]
+        assert len(fills) == (rows == 512), (rows, fills)
+
+
 # ---- plans are data ------------------------------------------------------------------------------------------
 
 

@@ -321,6 +321,18 @@ def allocate(plan: Plan, rows: int, device) -> dict:
     return env
 
 
+def _bound(plan: Plan, env: dict, rows: int):
+    """(step, its arguments on `env`'s tensors: a launch's kernel arguments, a fill's target) for each step of `plan`
+    that runs at `rows` rows, in order (each resolved when the previous one has run)."""
+    for step in plan.steps:
+        if step.when is not None and not step.when(rows):
+            continue
+        if isinstance(step, Launch):
+            yield step, tuple(_view(env, a, rows) if isinstance(a, View) else a for a in step.args)
+        else:
+            yield step, (_view(env, step.target, rows),)
+
+
 def walk(plan: Plan, fns: tuple, inputs, rows: int, lead: tuple, device) -> tuple:
     """Runs `plan` on `inputs` (the tensors of plan.inputs, in order) for `rows` rows with its compiled kernels
     `fns` (plan.kernels()'s): allocates the buffers, runs the steps in order, returns the outputs (`lead`: the
@@ -328,18 +340,24 @@ def walk(plan: Plan, fns: tuple, inputs, rows: int, lead: tuple, device) -> tupl
     env = dict(zip(plan.inputs, inputs, strict=True))
     env.update(allocate(plan, rows, device))
     index = {k: i for i, k in enumerate(plan.kernels())}
-    for step in plan.steps:
-        if step.when is not None and not step.when(rows):
-            continue
+    for step, args in _bound(plan, env, rows):
         if isinstance(step, Launch):
-            fns[index[step.kernel]](*(_view(env, a, rows) if isinstance(a, View) else a for a in step.args))
+            fns[index[step.kernel]](*args)
         else:
-            _view(env, step.target, rows).fill_(step.value)
+            args[0].fill_(step.value)
     outputs = []
     for o in plan.outputs:
         t = _view(env, o.source.of, rows).sum(0) if isinstance(o.source, ColumnSum) else _view(env, o.source, rows)
         outputs.append(t.view(*lead, t.shape[-1]) if o.lead else t)
     return tuple(outputs)
+
+
+def bind(plan: Plan, inputs, rows: int, device) -> tuple[dict, list[tuple[Step, tuple]]]:
+    """({name: tensor} of `plan`'s inputs and of its buffers, allocated once; [(step, its arguments)] for the steps
+    that run at `rows` rows, in order): for the perf scripts, which time a plan's launches one at a time."""
+    env = dict(zip(plan.inputs, inputs, strict=True))
+    env.update(allocate(plan, rows, device))
+    return env, list(_bound(plan, env, rows))
 
 
 # ---- the cache: one plan per (op, phase, device, key, row range) ---------------------------------------------
