@@ -12,7 +12,8 @@ retuned from this. The whole forward / backward are timed too (`op`). A kernel m
 is recorded as missing. `--rounds R` times the whole step list R times over, round-robin, and reports each
 launch's median of the R round medians with their range: one kernel's time on the lent H200 moved by up to ~10%
 between runs, so a pick should rest on a margin wider than the range. Prints a table; writes
-`$H3CUTE_OUT/adaln_kernels.json`. The step list mirrors the launcher: keep the two in step when the launcher changes.
+`$H3CUTE_OUT/adaln_kernels.json`. The steps are the launcher's launch plans' (`adaln_projection.build`), each bound to
+buffers allocated once (`plan.bind`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from h3cute import runtime
 from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
 from h3cute.launch import adaln_projection as L
+from h3cute.launch import plan as P
+from h3cute.launch.plan import Phase
 from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, TEMB
 
 SIZES = (1, 4, 64, 256, 2048)
@@ -45,55 +48,72 @@ def _kernel(name, dev, **static):
         return exc
 
 
-def _steps(rows: int, family: str, buf: dict, dev):
-    """(phase, step, config or "", kind, bytes, flops, launch) for one T and one family."""
-    wgmma = family == "wgmma"
-    sfx = "_wgmma" if wgmma else ""
-    # The wgmma family's configs include its TMA mainloop's (same kernels, same bits).
-    configs, dgrad_configs, wgrad_configs = (L.candidates(role, family) for role in ("fwd", "dgrad", "wgrad"))
-    sms = runtime.sm_count(dev)  # the picks that model rounds of CTAs read the device's SMs, as the op does
-    chosen = L.config_for_rows(rows, wgmma, sms)
-    w, b, temb, act, out = buf["w"], buf["b"], buf["temb"], buf["act"], buf["out"]
-    grad, partial, dtemb, dw = buf["grad"], buf["partial"], buf["dtemb"], buf["dw"]
-    bias_partial, db = buf["bias_partial"], buf["db"]
-    gemm_flops = 2 * rows * N * D
-    w_bytes = N * D * BF16
-    steps = [("fwd", "silu_cast", "", "step", rows * D * (F32 + BF16), 0,
-              _kernel("adaln_silu_cast", dev, width=D), (temb, act))]
-    for c in (chosen, *[c for c in configs if c != chosen]):
-        kind = "step" if c == chosen else "alt"
-        steps.append(("fwd", "proj_fwd", c, kind, w_bytes + rows * D * BF16 + N * BF16 + rows * N * BF16, gemm_flops,
-                      _kernel("adaln_proj_fwd" + sfx, dev, out_features=N, config=c), (act, w, b, out)))
-    chosen_dgrad = L.dgrad_config_for_rows(rows, wgmma, sms)
-    for c in (chosen_dgrad, *[c for c in dgrad_configs if c != chosen_dgrad]):
-        kind = "step" if c == chosen_dgrad else "alt"
-        steps.append(("bwd", "proj_dgrad", c, kind, w_bytes + rows * N * BF16 + L.DGRAD_SPLITS * rows * D * F32,
-                      gemm_flops, _kernel("adaln_proj_dgrad" + sfx, dev, out_features=N, config=c), (grad, w, partial)))
-    chosen_wgrad = L.wgrad_config_for_rows(rows, wgmma, sms)
-    folds = L.wgrad_folds(chosen_wgrad, wgmma)  # the dW kernel's fold warps write d_temb and db
+def _cost(step: str, rows: int) -> tuple[int, int]:
+    """(bytes the launch must move at least, FLOPs) of a step at T rows."""
+    w_bytes, gemm_flops = N * D * BF16, 2 * rows * N * D
     fold_bytes = (L.DGRAD_SPLITS + 2) * rows * D * F32
-    if folds:  # the backward makes the dW operand first
-        steps.append(("bwd", "silu_cast", "", "step", rows * D * (F32 + BF16), 0,
-                      _kernel("adaln_silu_cast", dev, width=D), (temb, act)))
-    # Otherwise the fold also writes the dW GEMM's act (no silu_cast launch).
-    steps.append(("bwd", "dtemb_fold", "", "alt" if folds else "step", fold_bytes + rows * D * BF16, 0,
-                  _kernel("adaln_dtemb_fold", dev, width=D), (partial, temb, dtemb, act)))
-    wgrad_static = dict(wgmma=True) if wgmma else {}
     wgrad_bytes = rows * (N + D) * BF16 + w_bytes
-    for c in (chosen_wgrad, *[c for c in wgrad_configs if c != chosen_wgrad]):
-        steps.append(("bwd", "proj_wgrad", c, "step" if c == chosen_wgrad and not folds else "alt", wgrad_bytes,
-                      gemm_flops, _kernel("adaln_proj_wgrad" + sfx, dev, out_features=N, config=c, **wgrad_static),
-                      (grad, act, dw, db)))
-    if wgmma:  # dW with the d_temb fold and db in its producer warps: d_temb's and db's bytes too
+    return {"silu_cast": (rows * D * (F32 + BF16), 0),
+            "proj_fwd": (w_bytes + rows * D * BF16 + N * BF16 + rows * N * BF16, gemm_flops),
+            "proj_dgrad": (w_bytes + rows * N * BF16 + L.DGRAD_SPLITS * rows * D * F32, gemm_flops),
+            "dtemb_fold": (fold_bytes + rows * D * BF16, 0),
+            "proj_wgrad": (wgrad_bytes, gemm_flops),
+            "proj_wgrad_fold": (wgrad_bytes + fold_bytes, gemm_flops),
+            "bias_grad": (rows * N * BF16 + 2 * L.dbias_blocks(rows) * N * F32 + N * BF16, 0)}[step]
+
+
+def _steps(rows: int, family: str, buf: dict, dev):
+    """(phase, step, config or "", kind, bytes, flops, launch, args) for one T and one family: the launches of the
+    projection's launch plans (`adaln_projection.build` with the family's picks) bound to buffers allocated once
+    (kind "step"), each GEMM's other configs of the family on the same arguments, and the kernels the plans leave
+    out at this T (kind "alt")."""
+    wgmma = family == "wgmma"
+    sms = runtime.sm_count(dev)  # the picks that model rounds of CTAs read the device's SMs, as the op does
+    # The family's picks, given as configs: the device's own family runs these plans as the op does.
+    keys = {Phase.FORWARD: L.ForwardKey(N, L.config_for_rows(rows, wgmma, sms)),
+            Phase.BACKWARD: L.BackwardKey(N, L.dgrad_config_for_rows(rows, wgmma, sms))}
+    inputs = {Phase.FORWARD: (buf["temb"], buf["w"], buf["b"]), Phase.BACKWARD: (buf["grad"], buf["temb"], buf["w"])}
+    roles = {"proj_fwd": "fwd", "proj_dgrad": "dgrad", "proj_wgrad": "wgrad", "proj_wgrad_fold": "wgrad_fold"}
+    steps, env = [], {}
+    for phase, key in keys.items():
+        plan = L.build(phase, dev, key, rows)
+        bound_env, bound = P.bind(plan, inputs[phase], rows, dev)
+        env.update(bound_env)
+        tag = "fwd" if phase is Phase.FORWARD else "bwd"
+        for step, args in bound:
+            static = dict(step.kernel.static)
+            name = step.kernel.name.removeprefix("adaln_").removesuffix("_wgmma")
+            chosen, kernel = static.get("config", ""), _kernel(step.kernel.name, dev, **static)
+            steps.append((tag, name, chosen, "step", *_cost(name, rows), kernel, args))
+            for c in L.candidates(roles[name], family) if name in roles else ():
+                if c != chosen:
+                    steps.append((tag, name, c, "alt", *_cost(name, rows),
+                                  _kernel(step.kernel.name, dev, **{**static, "config": c}), args))
+    # The kernels the backward's plan leaves out at this T, timed for comparison on its buffers: d_temb's fold and
+    # the plain dW where the dW kernel's fold warps do the fold, the fold-warp dW where it does not, adaln_bias_grad
+    # where dW writes db.
+    ran = {s[1] for s in steps if s[3] == "step"}
+    temb, grad, partial, dtemb, act, dw, db = (env[k] for k in ("temb", "grad", "partial", "dtemb", "act", "dweight",
+                                                                "dbias"))
+    blocks = env.get("dbias_blocks", env.get("dbias_partial"))
+    if blocks is None:
+        blocks = torch.empty(L.dbias_blocks(rows), N, device=dev)
+    left_out = []
+    if "dtemb_fold" not in ran:
+        left_out.append(("dtemb_fold", "", "adaln_dtemb_fold", dict(width=D), (partial, temb, dtemb, act)))
+    if "proj_wgrad" not in ran:
+        for c in L.candidates("wgrad", family):
+            static = dict(out_features=N, wgmma=True, config=c) if wgmma else dict(out_features=N, config=c)
+            left_out.append(("proj_wgrad", c, "adaln_proj_wgrad" + ("_wgmma" if wgmma else ""), static,
+                             (grad, act, dw, db)))
+    if wgmma and "proj_wgrad_fold" not in ran:
         for c in L.candidates("wgrad_fold", "wgmma"):
-            steps.append(("bwd", "proj_wgrad_fold", c, "step" if folds and c == chosen_wgrad else "alt",
-                          wgrad_bytes + fold_bytes, gemm_flops,
-                          _kernel("adaln_proj_wgrad_fold", dev, out_features=N, config=c),
-                          (grad, act, dw, db, partial, temb, dtemb, bias_partial)))
-    # Where the chosen dW kernel writes db the standalone kernel is only for comparison.
-    bias_kind = "alt" if folds or L.wgrad_writes_dbias(chosen_wgrad, rows) else "step"
-    steps.append(("bwd", "bias_grad", "", bias_kind, rows * N * BF16 + 2 * L.dbias_blocks(rows) * N * F32 + N * BF16, 0,
-                  _kernel("adaln_bias_grad", dev, out_features=N), (grad, bias_partial, db)))
+            left_out.append(("proj_wgrad_fold", c, "adaln_proj_wgrad_fold", dict(out_features=N, config=c),
+                             (grad, act, dw, db, partial, temb, dtemb, blocks)))
+    if "bias_grad" not in ran:
+        left_out.append(("bias_grad", "", "adaln_bias_grad", dict(out_features=N), (grad, blocks, db)))
+    for name, config, kernel, static, args in left_out:
+        steps.append(("bwd", name, config, "alt", *_cost(name, rows), _kernel(kernel, dev, **static), args))
     return steps
 
 
@@ -135,19 +155,13 @@ def _args(argv):
 
 
 def _buffers(rows: int, dev):
+    """The ops' inputs at T rows (the plans' buffers are allocated by `_steps`)."""
     g = torch.Generator(device=dev).manual_seed(rows)
     return {
         "w": (torch.randn(N, D, generator=g, device=dev) * D ** -0.5).bfloat16(),
         "b": (torch.randn(N, generator=g, device=dev) * 0.02).bfloat16(),
         "temb": torch.randn(rows, D, generator=g, device=dev),
-        "act": torch.empty(rows, D, dtype=torch.bfloat16, device=dev),
-        "out": torch.empty(rows, N, dtype=torch.bfloat16, device=dev),
         "grad": torch.randn(rows, N, generator=g, device=dev).bfloat16(),
-        "partial": torch.empty(L.DGRAD_SPLITS, rows, D, device=dev),
-        "dtemb": torch.empty(rows, D, device=dev),
-        "dw": torch.empty(N, D, dtype=torch.bfloat16, device=dev),
-        "bias_partial": torch.empty(L.dbias_blocks(rows), N, device=dev),
-        "db": torch.empty(N, dtype=torch.bfloat16, device=dev),
     }
 
 

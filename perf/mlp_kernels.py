@@ -2,9 +2,9 @@
 
 Runs against the prebuilt bundle (never compiles):
     bash perf/device_run.sh python3 perf/mlp_kernels.py
-For T in (1, 4, 64, 256, 2048), each step of `h3cute.launch.timestep_mlp.forward` / `backward` (the
-GEMMs, folds and bias column sums) is replayed on preallocated buffers and
-timed alone with CUDA events: median of 50 samples after 10 warm-ups. The whole forward and backward
+For each T of SIZES, each step of the launcher's launch plans (`h3cute.launch.timestep_mlp.build`: the GEMMs, splits,
+folds and bias column sums) is bound to buffers allocated once (`plan.bind`) and timed alone with CUDA events: median
+of 50 samples after 10 warm-ups. The whole forward and backward
 are also timed as one CUDA-graph replay (`graph`), which shows what launch overlap (PDL) buys over
 the sum of the isolated steps (`sum`), and so is every config of `CONFIGS` (the tile ranking per T).
 Phases: fwd / bwd, the mma.sync path (forced with wgmma=False); fwd_default, the launcher's own forward
@@ -13,10 +13,10 @@ rows bwd_wgmma, the TF32-wgmma backward step by step and as a graph, and prespli
 fc2_dgrad (transposing split of w2, both operands from shared memory) for comparison; and on sm_90a, at every
 T, the fc2 GEMMs per tile, pre-split (with the splits of h and w2) and with w2 split in registers.
 Prints a table; writes `$H3CUTE_OUT/mlp_kernels.json`.
-The step list mirrors the launcher: keep the two in step when the launcher changes.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -26,7 +26,9 @@ from h3cute import runtime
 from h3cute.bench import timing
 from h3cute.bench.report import write_device_json
 from h3cute.bench.sweep import config_name
+from h3cute.launch import plan as P
 from h3cute.launch import timestep_mlp as L
+from h3cute.launch.plan import Phase
 from h3cute.widths import FREQ as F1, MLP_HIDDEN as HIDDEN, TEMB as D
 
 SIZES = (1, 4, 64, 128, 256, 512, 2048)
@@ -54,8 +56,33 @@ def _graph_us(fn) -> float:
     return us
 
 
+def _label(step) -> str:
+    """A plan step's short name: its kernel and the static args that tell the launches apart."""
+    if isinstance(step, P.Fill):
+        return f"fill {step.target}"
+    static = dict(step.kernel.static)
+    if step.kernel.name == "tf32_split":  # which operand it splits
+        return ("split^T " if static["transpose"] else "split ") + step.args[0].of
+    name = step.kernel.name.removeprefix("timestep_mlp_").removeprefix("tf32x3_")
+    shown = [str(static["role"])] if "role" in static else []
+    shown += [f"{k}={v}" for k, v in static.items() if k in ("mode", "cols")]
+    if name.startswith("wgmma_weight") and static.get("tile") != L.WEIGHT_FC1_TILE:
+        shown.append(str(static["tile"]))
+    return " ".join([name, *shown])
+
+
+def _plan_steps(phase: str, plan_phase, key, inputs, num_rows: int, dev) -> list:
+    """(phase, step name, zero-argument launch) for each step of the launcher's plan, on buffers allocated once."""
+    plan, fns = P.plan_for(L.build, plan_phase, dev, key, num_rows)
+    fn = dict(zip(plan.kernels(), fns))
+    _, bound = P.bind(plan, inputs, num_rows, dev)
+    return [(phase, _label(step), functools.partial(fn[step.kernel], *args) if isinstance(step, P.Launch)
+             else functools.partial(args[0].fill_, step.value)) for step, args in bound]
+
+
 def _steps(num_rows: int, dev):
-    """(phase, step name, zero-argument launch) in launcher order, on preallocated buffers."""
+    """(phase, step name, zero-argument launch) in launcher order (the launcher's plans, each step bound to buffers
+    allocated once), the whole forward / backward per phase, and the config sweep's calls."""
     g = torch.Generator(device=dev).manual_seed(num_rows)
     x = torch.randn(num_rows, F1, generator=g, device=dev)
     grad = torch.randn(num_rows, D, generator=g, device=dev)
@@ -63,97 +90,37 @@ def _steps(num_rows: int, dev):
     b1 = torch.randn(HIDDEN, generator=g, device=dev) * 0.02
     w2 = torch.randn(D, HIDDEN, generator=g, device=dev) * HIDDEN ** -0.5
     b2 = torch.randn(D, generator=g, device=dev) * 0.02
-    cfg = L.pick_config(num_rows)
     f32 = dict(dtype=torch.float32, device=dev)
-    z, h = torch.empty(num_rows, HIDDEN, **f32), torch.empty(num_rows, HIDDEN, **f32)
-    out = torch.empty(num_rows, D, **f32)
-    p_fc2 = torch.empty(L.SPLITS["fc2"], num_rows, D, **f32)
-    p_dh = torch.empty(L.SPLITS["fc2_dgrad"], num_rows, HIDDEN, **f32)
-    dz = torch.empty(num_rows, HIDDEN, **f32)
-    p_dx = torch.empty(L.SPLITS["fc1_dgrad"], num_rows, F1, **f32)
-    dx = torch.empty(num_rows, F1, **f32)
-    dw2, dw1 = torch.empty(1, D, HIDDEN, **f32), torch.empty(1, HIDDEN, F1, **f32)
-    db2, db1 = torch.empty(D, **f32), torch.empty(HIDDEN, **f32)
-    gemm = lambda role, tile: runtime.kernel("timestep_mlp_gemm", dev, role=role, tile=tile.astuple())  # noqa: E731
-    fold = lambda role, mode: runtime.kernel("timestep_mlp_fold", dev, role=role, mode=mode)  # noqa: E731
-    fc1, fc2, fc1_zh = gemm("fc1", cfg.fc1), gemm("fc2", cfg.fc2), gemm("fc1_zh", cfg.fc1)
-    fold_fc2, fold_dx = fold("fc2", "bias"), fold("fc1_dgrad", "sum")
-    dgrad2, dgrad1 = gemm("fc2_dgrad", cfg.fc2_dgrad), gemm("fc1_dgrad", cfg.fc1_dgrad)
-    wgrad2, wgrad1 = gemm("fc2_wgrad", cfg.fc2_wgrad), gemm("fc1_wgrad", cfg.fc1_wgrad)
-    colsum2 = runtime.kernel("timestep_mlp_colsum", dev, cols=D, fold_dz=False)
-    dz_db1 = runtime.kernel("timestep_mlp_colsum", dev, cols=HIDDEN, fold_dz=True)
-    T = L.transposed
-    one = dx.new_empty((1,))
-
-    steps = [
-        ("fwd", "fc1 (h)", lambda: fc1(x, w1, b1, h)),
-        ("fwd", "fc2 partials", lambda: fc2(h, w2, p_fc2)),
-        ("fwd", "fold + b2", lambda: fold_fc2(p_fc2, b2, out)),
-        ("bwd", "fc1 (z, h)", lambda: fc1_zh(x, w1, b1, z, h)),
-        ("bwd", "fc2_dgrad partials", lambda: dgrad2(grad, T(w2), p_dh)),
-        ("bwd", "dz fold + db1", lambda: dz_db1(p_dh, z, dz, db1)),
-        ("bwd", "fc1_dgrad partials", lambda: dgrad1(dz, T(w1), p_dx)),
-        ("bwd", "fold dx", lambda: fold_dx(p_dx, one, dx)),
-        ("bwd", "fc2_wgrad dW2", lambda: wgrad2(T(grad), T(h), dw2)),
-        ("bwd", "fc1_wgrad dW1", lambda: wgrad1(T(dz), T(x), dw1)),
-        ("bwd", "colsum db2", lambda: colsum2(grad, grad, grad, db2)),
-    ]
+    fwd_in, bwd_in = (x, w1, b1, w2, b2), (grad, x, w1, b1, w2)
+    mma_sync = L.Key(wgmma=False)
+    steps = (_plan_steps("fwd", Phase.FORWARD, mma_sync, fwd_in, num_rows, dev)
+             + _plan_steps("bwd", Phase.BACKWARD, mma_sync, bwd_in, num_rows, dev))
     whole = {
         "fwd": lambda: L.forward(x, w1, b1, w2, b2, wgmma=False),
         "bwd": lambda: L.backward(grad, x, w1, b1, w2, wgmma=False),
         "fwd_default": lambda: L.forward(x, w1, b1, w2, b2),  # the launcher's own choice at this T
     }
-    tile = L.forward_weight_tile(dev, num_rows)
-    x_pair = (torch.empty_like(x), torch.empty_like(x))
-    if tile is not None:  # the forward with fc2 on the weight GEMM (fc1 writes h's TF32 operand pair)
-        weight_fc2 = runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role="fc2", tile=tile)
-        h_pair = (torch.empty_like(h), torch.empty_like(h))
-        if tile == L.WEIGHT_TILE:  # large T: fc1 on the weight GEMM too, x split first
-            split_x = runtime.kernel("tf32_split", dev, transpose=False)
-            weight_fc1 = runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role="fc1_split", tile=L.WEIGHT_FC1_TILE)
-            steps += [("fwd_default", "split x", lambda: split_x(x, *x_pair)),
-                      ("fwd_default", "weight fc1 (h big, small)", lambda: weight_fc1(w1, *x_pair, b1, *h_pair))]
-        else:
-            fc1_split = gemm("fc1_split", cfg.fc1)
-            steps += [("fwd_default", "fc1 (h big, small)", lambda: fc1_split(x, w1, b1, *h_pair))]
-        steps += [
-            ("fwd_default", f"weight fc2 {tile}", lambda: weight_fc2(w2, *h_pair, p_fc2)),
-            ("fwd_default", "fold + b2", lambda: fold_fc2(p_fc2, b2, out)),
-        ]
+    if L.forward_weight_tile(dev, num_rows) is not None:  # the default forward differs: fc2 on the weight GEMM
+        steps += _plan_steps("fwd_default", Phase.FORWARD, L.Key(), fwd_in, num_rows, dev)
     configurable = {
         "fwd": lambda c: L.forward(x, w1, b1, w2, b2, config=c, wgmma=False),
         "bwd": lambda c: L.backward(grad, x, w1, b1, w2, config=c, wgmma=False),
     }
     if L.uses_wgmma(dev, num_rows) or (num_rows >= WGMMA_TIMED_FROM and L.uses_wgmma(dev, L.WGMMA_MIN_ROWS)):
+        steps += _plan_steps("bwd_wgmma", Phase.BACKWARD, L.Key(wgmma=True), bwd_in, num_rows, dev)
+        # the pre-split form of fc2_dgrad (transposing split of w2, then both operands from shared memory), timed
+        # beside the launcher's steps for comparison (phase "presplit": not in the graphs; fc2's pre-split form is
+        # timed per tile by _wgmma_fc2)
         split, split_t = (runtime.kernel("tf32_split", dev, transpose=t) for t in (False, True))
-        wgmma = {role: runtime.kernel("tf32x3_wgmma_gemm", dev, k=k, splits=s, tile=L.WGMMA_TILE)
-                 for role, (k, s) in L.WGMMA_ROLES.items() if role != "fc2"}
-        weight = {role: runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role=role, tile=L.WEIGHT_TILE)
-                  for role in ("fc2", "fc2_dgrad")}
-        weight_fc1_zh = runtime.kernel("tf32x3_wgmma_weight_gemm", dev, role="fc1_zh", tile=L.WEIGHT_FC1_TILE)
-        depth = -(-num_rows // L.WGMMA_K_PAD) * L.WGMMA_K_PAD
+        k, splits = L.WGMMA_ROLES["fc2_dgrad"]
+        presplit = runtime.kernel("tf32x3_wgmma_gemm", dev, k=k, splits=splits, tile=L.WGMMA_TILE)
         g2 = (torch.empty_like(grad), torch.empty_like(grad))
+        split(grad, *g2)
         w2t_2 = tuple(torch.empty(HIDDEN, D, **f32) for _ in range(2))
-        gt_2, ht_2 = (tuple(torch.empty(n, depth, **f32) for _ in range(2)) for n in (D, HIDDEN))
-        by_name = {name: fn for _, name, fn in steps}
+        p_dh = torch.empty(L.SPLITS["fc2_dgrad"], num_rows, HIDDEN, **f32)
         steps += [
-            ("bwd_wgmma", "split x", lambda: split(x, *x_pair)),
-            ("bwd_wgmma", "weight fc1 (z, h)", lambda: weight_fc1_zh(w1, *x_pair, b1, z, h)),
-            ("bwd_wgmma", "split grad", lambda: split(grad, *g2)),
-            ("bwd_wgmma", "wgmma fc2_dgrad partials (w2 in registers)",
-             lambda: weight["fc2_dgrad"](T(w2), *g2, p_dh)),
-        ] + [("bwd_wgmma", name, by_name[name]) for name in ("dz fold + db1", "fc1_dgrad partials", "fold dx")] + [
-            # the pre-split form of fc2_dgrad (transposing split of w2, then both operands from shared memory),
-            # timed beside the launcher's steps for comparison (phase "presplit": not in the graphs; fc2's
-            # pre-split form is timed per tile by _wgmma_fc2)
             ("presplit", "split w2^T", lambda: split_t(w2, *w2t_2)),
-            ("presplit", "wgmma fc2_dgrad partials (pre-split)", lambda: wgmma["fc2_dgrad"](*g2, *w2t_2, p_dh)),
-        ] + [
-            ("bwd_wgmma", "split grad^T", lambda: split_t(grad, *gt_2)),
-            ("bwd_wgmma", "split h^T", lambda: split_t(h, *ht_2)),
-            ("bwd_wgmma", "wgmma fc2_wgrad dW2", lambda: wgmma["fc2_wgrad"](*gt_2, *ht_2, dw2)),
-            ("bwd_wgmma", "fc1_wgrad dW1", by_name["fc1_wgrad dW1"]),
-            ("bwd_wgmma", "colsum db2", by_name["colsum db2"]),
+            ("presplit", "wgmma fc2_dgrad partials (pre-split)", lambda: presplit(*g2, *w2t_2, p_dh)),
         ]
         whole["bwd_wgmma"] = lambda: L.backward(grad, x, w1, b1, w2, wgmma=True)
     return steps, whole, configurable
@@ -235,14 +202,14 @@ def main() -> int:
                                           "config_sweep_graph_us": sweep}
         print(f"\nT = {num_rows}  {_config_name(cfg)}")
         for r in rows:
-            print(f"  {r['phase']:<9}  {r['step']:<24} {_fmt(r['us'])}")
+            print(f"  {r['phase']:<11}  {r['step']:<36} {_fmt(r['us'])}")
         if torch.cuda.get_device_capability(dev)[0] == 9:
             wgmma = _safe(lambda fn: fn(), lambda: _wgmma_fc2(num_rows, dev))
             report["sizes"][str(num_rows)]["wgmma_fc2_us"] = wgmma
             for name, us in (wgmma.items() if isinstance(wgmma, dict) else [("all", wgmma)]):
                 print(f"  fwd  wgmma fc2 {name:<20} {_fmt(us)}")
         for phase, t in totals.items():
-            print(f"  {phase:<9}  {'sum / graph':<22} {_fmt(t['sum_us'])} / {_fmt(t['graph_us'])}")
+            print(f"  {phase:<11}  {'sum / graph':<36} {_fmt(t['sum_us'])} / {_fmt(t['graph_us'])}")
         for name, t in sweep.items():
             print(f"  config {name:<18} graph fwd {_fmt(t['fwd'])}  bwd {_fmt(t['bwd'])}")
         path = "_wgmma" if L.uses_wgmma(dev, num_rows) else ""  # the launcher's default backward at this T

@@ -14,6 +14,7 @@ pytest.importorskip("cutlass", reason="the kernel specs import the CuTe DSL (the
 from h3cute import runtime
 from h3cute.kernels._adaln_configs import ADALN_GEMM_CONFIGS, candidates, picks
 from h3cute.launch import adaln_projection, final_adaln_out, timestep_mlp
+from h3cute.launch import plan as P
 from h3cute.runtime.sources import kernels_package
 from h3cute.runtime.spec import canonical_static
 from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION
@@ -41,12 +42,24 @@ class _Recorder:
         return 0
 
 
+NATIVE_KEYS = {adaln_projection: (BLOCK_PROJECTION,), timestep_mlp: ()}  # the C++ layer's plan keys
+
+
+def _row_range(launcher, backward: int, rows: int) -> tuple[int, int]:
+    """The T range of what the C++ layer fetches for `rows`: a launch plan (NATIVE_KEYS) or a kernel_handles
+    answer."""
+    if launcher in NATIVE_KEYS:
+        return launcher.native_plan(0, "backward" if backward else "forward", NATIVE_KEYS[launcher], rows)[:2]
+    return launcher.kernel_handles(0, backward, rows)[:2]
+
+
 def _requests(monkeypatch, arch: str, sms: int) -> set:
-    """Every (kernel, canonical static) the launchers' `kernel_handles` request on an `arch` GPU of `sms` SMs, walking
-    each launcher's T ranges (the answer's lo..hi) from T = 1 to the last, forward and backward, at both ends
-    (final_adaln_out's C++ backward: to T = 24, where it stops)."""
+    """Every (kernel, canonical static) the launchers request for the C++ layer (their plans' kernels or
+    `kernel_handles`) on an `arch` GPU of `sms` SMs, walking each launcher's T ranges (lo..hi) from T = 1 to the
+    last, forward and backward, at both ends (final_adaln_out's C++ backward: to T = 24, where it stops)."""
     rec = _Recorder()
     monkeypatch.setattr(runtime, "kernel", rec)
+    monkeypatch.setattr(P, "_cache", {})  # plans resolve their kernels through the recorder
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
     monkeypatch.setattr(runtime, "sm_count", lambda device: sms)
     monkeypatch.setattr(final_adaln_out.norm_modulate, "check_constants", lambda *args: [])  # device memory
@@ -55,10 +68,10 @@ def _requests(monkeypatch, arch: str, sms: int) -> set:
             last = 24 if (launcher, backward) == (final_adaln_out, 1) else runtime.MAX_ROWS
             rows = 1
             while rows <= last:
-                lo, hi = launcher.kernel_handles(0, backward, rows)[:2]
+                lo, hi = _row_range(launcher, backward, rows)
                 assert lo <= rows <= hi, (launcher.__name__, rows, lo, hi)
                 if hi < last:
-                    launcher.kernel_handles(0, backward, hi)
+                    _row_range(launcher, backward, hi)
                 rows = hi + 1
     return rec.calls
 

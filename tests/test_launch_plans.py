@@ -7,13 +7,15 @@ import torch
 
 from h3cute import runtime
 from h3cute.kernels._linear_configs import splits, wgrad_rows
-from h3cute.launch import (adaln_row_gather, checks, gate_residual, gate_residual_norm_modulate, linear, norm_modulate,
-                           timestep_sinusoid)
+from h3cute.launch import (adaln_projection, adaln_row_gather, checks, gate_residual, gate_residual_norm_modulate,
+                           linear, norm_modulate, timestep_mlp, timestep_sinusoid)
 from h3cute.launch import plan as P
 from h3cute.launch.norm_modulate import (FUSED_CAPS, FUSED_CLUSTER, FUSED_ROW_GROUPS, FUSED_STEP, FUSED_VEC, fold,
                                          index_vector, reduction_layout, table_view)
-from h3cute.launch.timestep_mlp import transposed
-from h3cute.widths import BLOCK_CHUNKS, BLOCK_TABLE, FREQ, HIDDEN, LINEAR_SHAPES
+from h3cute.launch.timestep_mlp import (SPLITS, WEIGHT_FC1_TILE, WEIGHT_TILE, WGMMA_K_PAD, WGMMA_ROLES, WGMMA_TILE,
+                                        forward_weight_tile, pick_config, transposed, uses_wgmma)
+from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN, LINEAR_SHAPES,
+                           MLP_HIDDEN, TEMB)
 
 from bitwise import same_bits
 
@@ -225,16 +227,198 @@ def _old_timestep_sinusoid_launch(t, out, check_range=False):
         t, out, *checks.slot_addresses(device, "timestep_sinusoid", "t", check_range))
 
 
+def _old_mlp_gemm(device, role, tile):
+    return runtime.kernel("timestep_mlp_gemm", device, role=role, tile=tile.astuple())
+
+
+def _old_mlp_fold(device, role, mode):
+    return runtime.kernel("timestep_mlp_fold", device, role=role, mode=mode)
+
+
+def _old_mlp_wgmma_gemm(device, role):
+    k, splits = WGMMA_ROLES[role]
+    return runtime.kernel("tf32x3_wgmma_gemm", device, k=k, splits=splits, tile=WGMMA_TILE)
+
+
+def _old_mlp_weight_gemm(device, role, tile=WEIGHT_TILE):
+    return runtime.kernel("tf32x3_wgmma_weight_gemm", device, role=role, tile=tile)
+
+
+def _old_mlp_split(x):
+    big, small = torch.empty_like(x), torch.empty_like(x)
+    runtime.kernel("tf32_split", x.device, transpose=False)(x, big, small)
+    return big, small
+
+
+def _old_mlp_split_transposed(xt, depth_out):
+    shape = (xt.shape[1], depth_out)
+    big, small = xt.new_empty(shape), xt.new_empty(shape)
+    runtime.kernel("tf32_split", xt.device, transpose=True)(xt, big, small)
+    return big, small
+
+
+def _old_mlp_fc1(x, w1, b1, tile, wgmma=False):
+    num_rows = x.shape[0]
+    z = torch.empty((num_rows, MLP_HIDDEN), dtype=torch.float32, device=x.device)
+    h = torch.empty_like(z)
+    if wgmma:
+        _old_mlp_weight_gemm(x.device, "fc1_zh", WEIGHT_FC1_TILE)(w1, *_old_mlp_split(x), b1, z, h)
+    else:
+        _old_mlp_gemm(x.device, "fc1_zh", tile)(x, w1, b1, z, h)
+    return z, h
+
+
+def _old_mlp_forward(x, w1, b1, w2, b2, config=None, wgmma=None):
+    num_rows = x.shape[0]
+    dev = x.device
+    out = torch.empty((num_rows, TEMB), dtype=torch.float32, device=dev)
+    if num_rows == 0:
+        return out
+    cfg = config or pick_config(num_rows)
+    partials = torch.empty((SPLITS["fc2"], num_rows, TEMB), dtype=torch.float32, device=dev)
+    if wgmma is None:
+        tile = forward_weight_tile(dev, num_rows)
+    else:
+        tile = (forward_weight_tile(dev, num_rows) or WEIGHT_TILE) if wgmma else None
+    if tile is not None:
+        h_big, h_small = (torch.empty((num_rows, MLP_HIDDEN), dtype=torch.float32, device=dev) for _ in range(2))
+        if tile == WEIGHT_TILE:
+            _old_mlp_weight_gemm(dev, "fc1_split", WEIGHT_FC1_TILE)(w1, *_old_mlp_split(x), b1, h_big, h_small)
+        else:
+            _old_mlp_gemm(dev, "fc1_split", cfg.fc1)(x, w1, b1, h_big, h_small)
+        _old_mlp_weight_gemm(dev, "fc2", tile)(w2, h_big, h_small, partials)
+    else:
+        h = torch.empty((num_rows, MLP_HIDDEN), dtype=torch.float32, device=dev)
+        _old_mlp_gemm(dev, "fc1", cfg.fc1)(x, w1, b1, h)
+        _old_mlp_gemm(dev, "fc2", cfg.fc2)(h, w2, partials)
+    _old_mlp_fold(dev, "fc2", "bias")(partials, b2, out)
+    return out
+
+
+def _old_mlp_backward(grad, x, w1, b1, w2, config=None, wgmma=None):
+    num_rows = x.shape[0]
+    dev = x.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    if num_rows == 0:
+        return (torch.empty((0, FREQ), **f32), torch.zeros_like(w1), torch.zeros_like(b1),
+                torch.zeros_like(w2), torch.zeros((TEMB,), **f32))
+    cfg = config or pick_config(num_rows)
+    use_wgmma = uses_wgmma(dev, num_rows) if wgmma is None else wgmma
+    z, h = _old_mlp_fc1(x, w1, b1, cfg.fc1, use_wgmma)
+
+    dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, MLP_HIDDEN), **f32)
+    if use_wgmma:
+        _old_mlp_weight_gemm(dev, "fc2_dgrad")(transposed(w2), *_old_mlp_split(grad), dh_partials)
+    else:
+        _old_mlp_gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)
+    dz = torch.empty((num_rows, MLP_HIDDEN), **f32)
+    db1 = torch.empty((MLP_HIDDEN,), **f32)
+    runtime.kernel("timestep_mlp_colsum", dev, cols=MLP_HIDDEN, fold_dz=True)(dh_partials, z, dz, db1)
+
+    dx_partials = torch.empty((SPLITS["fc1_dgrad"], num_rows, FREQ), **f32)
+    _old_mlp_gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, transposed(w1), dx_partials)
+    dx = torch.empty((num_rows, FREQ), **f32)
+    # the one edit: the never-read (1,) aux operand is dx's first element, as the C++ launcher passed it (the
+    # Python launcher allocated it: dx.new_empty((1,)))
+    _old_mlp_fold(dev, "fc1_dgrad", "sum")(dx_partials, dx.view(-1)[:1], dx)
+
+    dw2 = torch.empty((1, TEMB, MLP_HIDDEN), **f32)
+    if use_wgmma:
+        depth = -(-num_rows // WGMMA_K_PAD) * WGMMA_K_PAD
+        _old_mlp_wgmma_gemm(dev, "fc2_wgrad")(*_old_mlp_split_transposed(grad, depth),
+                                              *_old_mlp_split_transposed(h, depth), dw2)
+    else:
+        _old_mlp_gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)(transposed(grad), transposed(h), dw2)
+    dw1 = torch.empty((1, MLP_HIDDEN, FREQ), **f32)
+    _old_mlp_gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)(transposed(dz), transposed(x), dw1)
+
+    db2 = torch.empty((TEMB,), **f32)
+    runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB, fold_dz=False)(grad, grad, grad, db2)
+    return dx, dw1[0], db1, dw2[0], db2
+
+
+def _old_silu_bf16(temb):
+    temb = adaln_projection.dense16(temb)
+    act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
+    runtime.kernel("adaln_silu_cast", temb.device, width=TEMB)(temb, act)
+    return act
+
+
+def _old_projection_forward(temb, weight, bias, config=None):
+    L, dense16 = adaln_projection, adaln_projection.dense16
+    L._check_config("forward", "fwd", config)
+    rows, out_features = temb.shape[0], weight.shape[0]
+    out = torch.empty((rows, out_features), dtype=torch.bfloat16, device=temb.device)
+    if rows == 0:  # a zero-sized grid is not a valid launch
+        return out
+    act = _old_silu_bf16(temb)
+    wgmma = L._uses_wgmma(temb.device, config)
+    fn = runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", temb.device,
+                        out_features=out_features,
+                        config=config or L.config_for_rows(rows, wgmma, runtime.sm_count(temb.device)))
+    fn(act, dense16(weight), dense16(bias), out)
+    return out
+
+
+def _old_projection_backward(grad, temb, weight, config=None, fold_warps=None):
+    L, dense16 = adaln_projection, adaln_projection.dense16
+    L._check_config("backward", "dgrad", config)
+    rows, out_features = temb.shape[0], weight.shape[0]
+    device = temb.device
+    if rows == 0:
+        return temb.new_empty((0, TEMB)), torch.zeros_like(weight), weight.new_zeros((out_features,))
+    grad, temb, weight = dense16(grad), dense16(temb), dense16(weight)
+    wgmma = L._uses_wgmma(device, config)
+    sms = runtime.sm_count(device)
+    wgrad_config = L.wgrad_config_for_rows(rows, wgmma, sms)
+    folds = L.wgrad_folds(wgrad_config, wgmma) if fold_warps is None else fold_warps
+    if folds and not L.wgrad_folds(wgrad_config, wgmma):
+        raise ValueError(f"adaln_projection backward: the dW tile {wgrad_config!r} at T = {rows} has no fold warps")
+    act = _old_silu_bf16(temb) if folds else torch.empty((rows, TEMB), dtype=torch.bfloat16, device=device)
+    partial = torch.empty((L.DGRAD_SPLITS, rows, TEMB), dtype=torch.float32, device=device)
+    runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", device, out_features=out_features,
+                   config=config or L.dgrad_config_for_rows(rows, wgmma, sms))(grad, weight, partial)
+    dtemb = torch.empty((rows, TEMB), dtype=torch.float32, device=device)
+    dweight = torch.empty_like(weight)
+    dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
+    if folds:
+        blocks = torch.empty((-(-rows // L.DBIAS_ROW_BLOCK), out_features), dtype=torch.float32, device=device)
+        runtime.kernel("adaln_proj_wgrad_fold", device, out_features=out_features, config=wgrad_config)(
+            grad, act, dweight, dbias, partial, temb, dtemb, blocks)
+        return dtemb, dweight, dbias
+    runtime.kernel("adaln_dtemb_fold", device, width=TEMB)(partial, temb, dtemb, act)  # act = bf16(silu(temb))
+    if wgmma:
+        wgrad = runtime.kernel("adaln_proj_wgrad_wgmma", device, out_features=out_features, wgmma=True,
+                               config=wgrad_config)
+    else:
+        wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features, config=wgrad_config)
+    wgrad(grad, act, dweight, dbias)
+    if not L.wgrad_writes_dbias(wgrad_config, rows):
+        bias_partial = torch.empty((-(-rows // L.DBIAS_ROW_BLOCK), out_features), dtype=torch.float32, device=device)
+        runtime.kernel("adaln_bias_grad", device, out_features=out_features)(grad, bias_partial, dbias)
+    return dtemb, dweight, dbias
+
+
 # ---- the recorder ---------------------------------------------------------------------------------------------
 
-# The arguments each fake kernel writes (every element of them): the launch's outputs, so the ops' outputs are
-# deterministic; a fold also records a checksum of the partials it reads (a missed fill would show there).
+# The arguments each fake kernel writes (every element of them), by its static args: the launch's outputs, so the
+# ops' outputs are deterministic; a fold also records a checksum of the partials it reads (a missed fill would show
+# there).
 WRITES = {"linear_gemm": (-1,), "linear_fold": (-1,), "gate_residual_fwd": (4,), "gate_residual_bwd": (4, 5),
           "rowwise_fold": (-1,), "norm_modulate_fwd": (5,), "norm_modulate_bwd_fused": (5, 6, 7, 8),
           "norm_modulate_bwd_rows": (5, 6), "norm_modulate_bwd_params": (6, 7, 8),
           "gate_residual_norm_modulate_fwd": (7, 8), "adaln_row_gather_fwd": tuple(range(2, 2 + BLOCK_CHUNKS)),
-          "adaln_row_gather_bwd": (-1,), "timestep_sinusoid": (1,)}
-FOLDS = {"linear_fold", "rowwise_fold"}
+          "adaln_row_gather_bwd": (-1,), "timestep_sinusoid": (1,),
+          "timestep_mlp_fold": (-1,), "tf32x3_wgmma_gemm": (-1,), "tf32_split": (1, 2),
+          # fc1 writes h; fc1_split h's operand pair; fc1_zh z and h; the others their last argument
+          "timestep_mlp_gemm": lambda static: {"fc1": (3,), "fc1_split": (3, 4), "fc1_zh": (3, 4)}.get(
+              static["role"], (-1,)),
+          "tf32x3_wgmma_weight_gemm": lambda static: (-2, -1) if static["role"].startswith("fc1") else (-1,),
+          "timestep_mlp_colsum": lambda static: (2, 3) if static["fold_dz"] else (3,),
+          "adaln_silu_cast": (1,), "adaln_proj_fwd": (-1,), "adaln_proj_fwd_wgmma": (-1,), "adaln_proj_dgrad": (-1,),
+          "adaln_proj_dgrad_wgmma": (-1,), "adaln_dtemb_fold": (2, 3), "adaln_proj_wgrad": (2, 3),
+          "adaln_proj_wgrad_wgmma": (2, 3), "adaln_bias_grad": (1, 2), "adaln_proj_wgrad_fold": (2, 3, 6, 7)}
+FOLDS = {"linear_fold", "rowwise_fold", "timestep_mlp_fold", "timestep_mlp_colsum", "adaln_dtemb_fold"}
 
 
 class _Recorder:
@@ -243,21 +427,36 @@ class _Recorder:
     belongs to or numbered in order of first use; it writes its outputs with its call's ordinal."""
 
     def __init__(self, inputs: dict):
-        self.inputs = {t.untyped_storage().data_ptr(): name for name, t in inputs.items() if t is not None}
+        # (an empty input holds no memory: its null pointer is not the input's to name)
+        self.inputs = {t.untyped_storage().data_ptr(): name for name, t in inputs.items()
+                       if t is not None and t.untyped_storage().nbytes()}
         self.calls, self.storages = [], {}
+        self.regions = {}  # storage pointer -> [(start, numel)] of the plan buffers carved from it
+
+    def allocated(self, buffers: dict) -> dict:
+        """Registers a plan walk's buffers (plan.allocate's): a buffer carved from an arena is named as if it were
+        its own allocation, its offsets counted from its start."""
+        for t in buffers.values():
+            self.regions.setdefault(t.untyped_storage().data_ptr(), []).append((t.storage_offset(), t.numel()))
+        return buffers
 
     def storage(self, t):
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self.inputs:
-            return self.inputs[ptr]
-        if ptr not in self.storages:  # kept alive: its memory is never another buffer's during the run
-            self.storages[ptr] = (f"buffer{len(self.storages)}", storage)
-        return self.storages[ptr][0]
+            return self.inputs[ptr], 0
+        offset, reach = t.storage_offset(), _span(t)
+        numel, start = min(((numel, start) for start, numel in self.regions.get(ptr, [])
+                            if start <= offset and offset + reach <= start + numel), default=(0, 0))
+        key = (ptr, start, numel)
+        if key not in self.storages:  # kept alive: its memory is never another buffer's during the run
+            self.storages[key] = (f"buffer{len(self.storages)}", storage)
+        return self.storages[key][0], start
 
     def describe(self, a):
         if isinstance(a, torch.Tensor):
-            return (self.storage(a), a.dtype, tuple(a.shape), a.stride(), a.storage_offset())
+            name, start = self.storage(a)
+            return (name, a.dtype, tuple(a.shape), a.stride(), a.storage_offset() - start)
         return a
 
     def __call__(self, name, device, **static):
@@ -269,7 +468,8 @@ class _Recorder:
                 if name in FOLDS:
                     record.append(float(args[0].double().sum()))
                 recorder.calls.append(tuple(record))
-                for i in WRITES[name]:
+                writes = WRITES[name]
+                for i in writes(static) if callable(writes) else writes:
                     args[i].fill_(len(recorder.calls))
 
             def __chandle__(self):
@@ -281,7 +481,12 @@ class _Recorder:
         return [self.describe(t) for t in outs]
 
 
-_EMPTY, _EMPTY_LIKE = torch.empty, torch.empty_like
+def _span(t) -> int:
+    """The elements from t's first to one past its last (0 when empty)."""
+    return 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+
+
+_EMPTY, _EMPTY_LIKE, _ALLOCATE = torch.empty, torch.empty_like, P.allocate
 
 
 def _run(monkeypatch, fn, inputs: dict, *extra):
@@ -292,6 +497,7 @@ def _run(monkeypatch, fn, inputs: dict, *extra):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: _EMPTY(*a, **kw).fill_(7.0))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _EMPTY_LIKE(*a, **kw).fill_(7.0))
     monkeypatch.setattr(P, "_cache", {})  # plans resolve their kernels through this recorder
+    monkeypatch.setattr(P, "allocate", lambda *a: recorder.allocated(_ALLOCATE(*a)))
     outs = fn(*inputs.values(), *extra)
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
     return recorder.calls, recorder.outputs(outs), outs
@@ -309,6 +515,7 @@ def _same_run(monkeypatch, old, new, inputs, *extra):
 @pytest.fixture
 def fake_device(monkeypatch):
     monkeypatch.setattr(runtime, "arch_of", lambda device: "sm_90a")
+    monkeypatch.setattr(runtime, "sm_count", lambda device: 132)
     slots = {}  # check slot addresses as (op, argument, checked) stand-ins: no CUDA memory on a CPU machine
     monkeypatch.setattr(checks, "slot_addresses", lambda device, op, arg, checked=True:
                         slots.setdefault((op, arg, checked), (2 * len(slots) + 1, 2 * len(slots) + 2)))
@@ -465,6 +672,144 @@ def test_timestep_sinusoid_plans_launch_what_the_hand_written_launcher_did(monke
             _same_run(monkeypatch, old, new, dict(t=torch.rand(2 * rows)[::2], out=guarded[:rows]), check)
 
 
+@pytest.fixture(scope="module")
+def mlp_weights():
+    gen = torch.Generator().manual_seed(5)
+    return dict(w1=torch.randn((MLP_HIDDEN, FREQ), generator=gen), b1=torch.randn((MLP_HIDDEN,), generator=gen),
+                w2=torch.randn((TEMB, MLP_HIDDEN), generator=gen), b2=torch.randn((TEMB,), generator=gen))
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+# each T range of the picks and, on sm_90a, of the forward's fc2 tiles and the wgmma path (K = T padded to 32)
+@pytest.mark.parametrize("rows", [0, 1, 8, 9, 16, 17, 65, 255, 256, 300])
+def test_timestep_mlp_plans_launch_what_the_hand_written_launcher_did(monkeypatch, fake_device, mlp_weights, arch,
+                                                                      rows):
+    monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
+    gen = torch.Generator().manual_seed(rows)
+    x, grad = torch.randn((rows, FREQ), generator=gen), torch.randn((rows, TEMB), generator=gen)
+    w1, b1, w2, b2 = mlp_weights.values()
+    sm90 = arch == "sm_90a"
+    # the launcher's overrides (speed only): its defaults, the wgmma paths forced either way, another config
+    for config, wgmma in ((None, None), (None, True), (None, False), (timestep_mlp.WIDE_T, None)):
+        calls = _same_run(monkeypatch, _old_mlp_forward, timestep_mlp.forward,
+                          dict(x=x, w1=w1, b1=b1, w2=w2, b2=b2), config, wgmma)
+        weight_tile = forward_weight_tile("cpu", rows) if wgmma is None else \
+            (forward_weight_tile("cpu", rows) or WEIGHT_TILE) if wgmma else None
+        assert len(calls) == (0 if rows == 0 else 4 if weight_tile == WEIGHT_TILE else 3), [c[:2] for c in calls]
+        if rows and (config, wgmma) == (None, None):
+            assert (calls[-2][0] == "tf32x3_wgmma_weight_gemm") == (sm90 and (rows <= 16 or rows >= 256))
+        calls = _same_run(monkeypatch, _old_mlp_backward, timestep_mlp.backward,
+                          dict(grad=grad, x=x, w1=w1, b1=b1, w2=w2), config, wgmma)
+        on_wgmma = uses_wgmma("cpu", rows) if wgmma is None else wgmma
+        assert len(calls) == (0 if rows == 0 else 12 if on_wgmma else 8), [c[:2] for c in calls]
+
+
+def test_timestep_mlp_plans_allocate_as_the_cpp_launcher_did(monkeypatch, fake_device):
+    # One allocation for the output and one for the intermediates forward; one for the intermediates and one for
+    # the five gradients backward; the regions packed in order, as the C++ launcher's Carver laid them out.
+    for rows in (1, 9, 65, 300):
+        for phase in P.Phase:
+            plan = timestep_mlp.build(phase, "cpu", timestep_mlp.Key(), rows)
+            regions, totals = P.carve(plan, rows)
+            assert len(totals) == 2 - (phase is P.Phase.FORWARD)
+            sizes = [0] * len(totals)
+            for b in plan.buffers:
+                if b.arena:
+                    assert regions[b.name] == (plan.arenas().index(b.arena), sizes[regions[b.name][0]])
+                    sizes[regions[b.name][0]] += P._numel(d(rows) for d in b.shape)
+            assert sizes == totals
+            allocations = []
+            monkeypatch.setattr(torch, "empty", lambda *a, **kw: allocations.append(a) or _EMPTY(*a, **kw))
+            P.allocate(plan, rows, "cpu")
+            monkeypatch.setattr(torch, "empty", _EMPTY)
+            assert len(allocations) == 2, (phase, rows, allocations)
+
+
+def test_carved_regions_start_16_byte_aligned():
+    shapes = [(3,), (P.M, 5), (2,)]
+    buffers = tuple(P.Buffer(f"b{i}", torch.bfloat16, s, "a") for i, s in enumerate(shapes))
+    buffers += (P.Buffer("c", torch.int64, (3,), "i"), P.Buffer("d", torch.int64, (P.M,), "i"))
+    plan = P.Plan("op", P.Phase.FORWARD, None, 1, 9, (), buffers, (), ())
+    regions, totals = P.carve(plan, 3)
+    assert [regions[n] for n in ("b0", "b1", "b2", "c", "d")] == [(0, 0), (0, 8), (0, 24), (1, 0), (1, 4)]
+    assert totals == [26, 7]
+    buffers = P.allocate(plan, 3, "cpu")
+    assert buffers["b1"].shape == (3, 5) and buffers["b1"].storage_offset() == 8
+    assert buffers["b1"].untyped_storage().data_ptr() == buffers["b0"].untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="mixes dtypes"):
+        P.Plan("op", P.Phase.FORWARD, None, 1, 9, (), (P.Buffer("a", torch.float32, (4,), "x"),
+                                                      P.Buffer("b", torch.int64, (4,), "x")), (), ())
+
+
+@pytest.fixture(scope="module")
+def projection_weights():
+    # final_adaln_out's N (the block projection's 520 MB weight is walked on meta tensors in the C++ test)
+    gen = torch.Generator().manual_seed(7)
+    return (torch.randn((FINAL_PROJECTION, TEMB), generator=gen).bfloat16(),
+            torch.randn((FINAL_PROJECTION,), generator=gen).bfloat16())
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])  # the wgmma family on sm_90a, the warp family on sm_100a
+# T = 24 / 64 / 65: dW writes db to 64 (warp family: adaln_bias_grad beyond); 384 / 385: the wgmma dW folds beyond
+@pytest.mark.parametrize("rows", [0, 1, 64, 65, 384, 385, 700])
+def test_adaln_projection_plans_launch_what_the_hand_written_launcher_did(monkeypatch, fake_device, projection_weights,
+                                                                          arch, rows):
+    monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
+    monkeypatch.setattr(runtime, "sm_count", lambda device: adaln_projection.H200_SMS)
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = projection_weights
+    temb = torch.randn((rows, TEMB), generator=gen)
+    grad = torch.randn((rows, FINAL_PROJECTION), generator=gen).bfloat16()
+    wgmma = arch == "sm_90a" and adaln_projection.SM90_FAMILY == "wgmma"
+    family = "wgmma" if wgmma else "warp"
+    for config in (None, adaln_projection.candidates("fwd", family)[-1]):  # the picks, and an explicit config
+        calls = _same_run(monkeypatch, _old_projection_forward, adaln_projection.forward,
+                          dict(temb=temb, weight=weight, bias=bias), config)
+        assert [c[0] for c in calls] == (["adaln_silu_cast", "adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd"]
+                                         if rows else [])
+    wgrad = adaln_projection.wgrad_config_for_rows(max(rows, 1), wgmma, adaln_projection.H200_SMS)
+    folds = adaln_projection.wgrad_folds(wgrad, wgmma)
+    dgrad = adaln_projection.candidates("dgrad", family)[0]
+    for config, fold_warps in ((None, None), (dgrad, None), (None, False)) + ((None, True),) * folds:
+        calls = _same_run(monkeypatch, _old_projection_backward, adaln_projection.backward,
+                          dict(grad=grad, temb=temb, weight=weight), config, fold_warps)
+        names = [c[0] for c in calls]
+        if rows == 0:
+            assert names == []
+        elif folds and fold_warps is not False:
+            assert names[::2] == ["adaln_silu_cast", "adaln_proj_wgrad_fold"]
+        else:
+            assert names[1] == "adaln_dtemb_fold"
+            assert ("adaln_bias_grad" in names) == (not adaln_projection.wgrad_writes_dbias(wgrad, rows))
+    if rows and not folds:  # fold warps asked of a dW tile without them: the same refusal
+        with pytest.raises(ValueError, match="has no fold warps"):
+            adaln_projection.backward(grad, temb, weight, fold_warps=True)
+
+
+def test_bind_gives_the_steps_the_walk_runs(fake_device):
+    # plan.bind (the perf scripts' step list): the steps whose guard holds, in order, with the arguments the walk
+    # passes (fills as their targets), on the inputs and buffers it returns by name.
+    def geometry(args):
+        return [(tuple(a.shape), a.stride(), a.storage_offset()) if isinstance(a, torch.Tensor) else a for a in args]
+
+    cases = [(timestep_mlp.build(P.Phase.BACKWARD, "cpu", timestep_mlp.Key(wgmma=True), 40), 40)]
+    cases += [(linear.build(P.Phase.BACKWARD, "cpu", linear.BackwardKey(5376, 96, True), rows), rows)
+              for rows in (300, 512)]  # the tail GEMM, and the fill in its place
+    for plan, rows in cases:
+        inputs = [torch.empty_strided(sizes, strides, dtype=dtype, device="meta")
+                  for sizes, strides, dtype in _plan_inputs(plan, rows)]
+        walked = []
+        fns = tuple((lambda i: lambda *args: walked.append((plan.kernels()[i], geometry(args))))(i)
+                    for i in range(len(plan.kernels())))
+        P.walk(plan, fns, inputs, rows, (rows,), "meta")
+        env, bound = P.bind(plan, inputs, rows, "meta")
+        assert set(env) == {*plan.inputs, *(b.name for b in plan.buffers)}
+        launches = [(step.kernel, geometry(args)) for step, args in bound if isinstance(step, P.Launch)]
+        assert launches == walked and len(walked) > 2
+        fills = [step for step, _ in bound if isinstance(step, P.Fill)]
+        assert len(fills) == (rows == 512), (rows, fills)
+
+
 # ---- plans are data ------------------------------------------------------------------------------------------
 
 
@@ -476,6 +821,16 @@ def _plans(device="cpu"):
             for flag in (True, False):
                 out.append(linear.build(P.Phase.FORWARD, device, linear.ForwardKey(n, k, flag), rows))
                 out.append(linear.build(P.Phase.BACKWARD, device, linear.BackwardKey(n, k, flag), rows))
+    for rows in (0, 1, 8, 9, 16, 17, 64, 65, 255, 256, 300, 4097):
+        for key in (timestep_mlp.Key(), timestep_mlp.Key(wgmma=True), timestep_mlp.Key(wgmma=False)):
+            for phase in P.Phase:
+                out.append(timestep_mlp.build(phase, device, key, rows))
+    for n in (BLOCK_PROJECTION, FINAL_PROJECTION):
+        for rows in (0, 1, 24, 64, 65, 384, 385, 700, 4097):
+            out.append(adaln_projection.build(P.Phase.FORWARD, device, adaln_projection.ForwardKey(n), rows))
+            out.append(adaln_projection.build(P.Phase.BACKWARD, device, adaln_projection.BackwardKey(n), rows))
+        out.append(adaln_projection.build(P.Phase.BACKWARD, device, adaln_projection.BackwardKey(n, fold_warps=False),
+                                          700))
     for rows in (0, 1, 1031):
         for check in (True, False):
             out.append(gate_residual.build(P.Phase.FORWARD, device, gate_residual.ForwardKey(HIDDEN, check), rows))
@@ -503,7 +858,8 @@ def _plans(device="cpu"):
 
 BUILDERS = {"linear": linear.build, "gate_residual": gate_residual.build, "norm_modulate": norm_modulate.build,
             "gate_residual_norm_modulate": gate_residual_norm_modulate.build,
-            "adaln_row_gather": adaln_row_gather.build, "timestep_sinusoid": timestep_sinusoid.build}
+            "adaln_row_gather": adaln_row_gather.build, "timestep_sinusoid": timestep_sinusoid.build,
+            "timestep_mlp": timestep_mlp.build, "adaln_projection": adaln_projection.build}
 
 
 def test_each_plan_serves_its_whole_row_range(fake_device):
@@ -534,6 +890,14 @@ def test_dims_are_the_row_terms_the_plans_use():
     assert str(tail) == "M - M//256*256" and str(P.dim(9)) == "9" and str(P.M + 3) == "M + 3"
     with pytest.raises(ValueError, match="mixes row steps"):
         bulk + P.whole_rows(128)
+    padded = P.rows_up(32)
+    assert [padded(m) for m in (0, 1, 31, 32, 33, 300)] == [0, 32, 32, 32, 64, 320]
+    assert str(padded) == "ceil(M/32)*32" and str(padded - P.M) == "-M + ceil(M/32)*32"
+    blocks = P.row_blocks(64)
+    assert [blocks(m) for m in (0, 1, 64, 65, 385)] == [0, 1, 1, 2, 7] and str(blocks) == "ceil(M/64)"
+    for other in (P.whole_rows(32), blocks):
+        with pytest.raises(ValueError, match="mixes row steps"):
+            padded + other
 
 
 def test_encoding_is_ints_in_the_documented_order(fake_device):
@@ -556,10 +920,17 @@ def _plan_inputs(plan, rows):
     """(sizes, strides, dtype) of fresh inputs of `plan` for `rows` rows (tables row-strided, as read in place), and
     a float for each float input."""
     f32, bf16, i64 = torch.float32, torch.bfloat16, torch.int64
-    if plan.op == "linear":
-        n, k = plan.key.out_features, plan.key.in_features
-        shapes = dict(x=((rows, k), f32), grad=((rows, n), f32), weight=((n, k), f32), bias=((n,), f32))
+    if plan.op in ("linear", "timestep_mlp"):
+        n, k = (plan.key.out_features, plan.key.in_features) if plan.op == "linear" else (TEMB, FREQ)
+        shapes = dict(x=((rows, k), f32), grad=((rows, n), f32), weight=((n, k), f32), bias=((n,), f32),
+                      w1=((MLP_HIDDEN, FREQ), f32), b1=((MLP_HIDDEN,), f32), w2=((TEMB, MLP_HIDDEN), f32),
+                      b2=((TEMB,), f32))
         return [(shape, torch.empty(shape).stride(), dtype) for shape, dtype in (shapes[i] for i in plan.inputs)]
+    if plan.op == "adaln_projection":
+        n = plan.key.out_features
+        shapes = dict(temb=((rows, TEMB), f32), grad=((rows, n), bf16), weight=((n, TEMB), bf16), bias=((n,), bf16))
+        return [(shape, torch.empty(shape, device="meta").stride(), dtype)
+                for shape, dtype in (shapes[i] for i in plan.inputs)]
     table_rows = getattr(plan.key, "table_rows", 9)
     table = ((table_rows, HIDDEN), (2 * HIDDEN, 1), bf16)
     geometry = {"adaln_indices": ((rows,), (1,), i64), "gate": table, "shift": table, "scale": table,
@@ -571,11 +942,20 @@ def _plan_inputs(plan, rows):
 def _python_walk(plan, rows, lead, monkeypatch):
     """The Python walker's launches on meta inputs, in describe_walk's format: [(kernel index, [(0, int) |
     (1, (source, offset, sizes, strides))])], and [(sizes, strides)] of the outputs; sources index the inputs, then
-    the buffers in allocation order."""
+    the buffers, and offsets count from the source's allocation (its arena's for a carved buffer)."""
     inputs = [g if isinstance(g, float) else torch.empty_strided(g[0], g[1], dtype=g[2], device="meta")
               for g in _plan_inputs(plan, rows)]
-    sources, empty = list(inputs), torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: sources.append(empty(*a, **kw)) or sources[-1])
+    # (allocation, source, start, elements) of the tensor inputs and the buffers
+    sources = [(t, i, 0, _span(t)) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
+
+    def allocate(*args):
+        buffers = _ALLOCATE(*args)
+        for i, b in enumerate(plan.buffers):
+            t = buffers[b.name]
+            sources.append((t if t._base is None else t._base, len(inputs) + i, t.storage_offset(), t.numel()))
+        return buffers
+
+    monkeypatch.setattr(P, "allocate", allocate)
     launches = []
 
     def geometry(a):
@@ -583,16 +963,18 @@ def _python_walk(plan, rows, lead, monkeypatch):
             return (2, a)
         if not isinstance(a, torch.Tensor):
             return (0, a)
-        root = a if a._base is None else a._base
-        source = next(i for i, s in enumerate(sources) if s is root)
-        return (1, (source, a.storage_offset(), tuple(a.shape), a.stride()))
+        root, offset = a if a._base is None else a._base, a.storage_offset()
+        # the smallest region of a's allocation that holds it (a carved buffer, not its arena's others)
+        source = min((numel, i) for t, i, start, numel in sources
+                     if t is root and start <= offset and offset + _span(a) <= start + numel)[1]
+        return (1, (source, offset, tuple(a.shape), a.stride()))
 
     def kernel(index):
         return lambda *args: launches.append((index, tuple(geometry(a) for a in args)))
 
     fns = tuple(kernel(i) for i in range(len(plan.kernels())))
     outputs = P.walk(plan, fns, inputs, rows, lead, "meta")
-    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(P, "allocate", _ALLOCATE)
     return tuple(launches), tuple((tuple(t.shape), t.stride()) for t in outputs)
 
 
@@ -601,6 +983,7 @@ def assert_cpp_walks_the_plans(module, monkeypatch):
     walk of it (describe_walk) launches the same kernels with the same argument geometry (source, offset, sizes,
     strides) and makes outputs of the same geometry as the Python walker, at several row counts of its range."""
     monkeypatch.setattr(runtime, "arch_of", lambda device: "sm_90a")
+    monkeypatch.setattr(runtime, "sm_count", lambda device: 132)
     monkeypatch.setattr(checks, "slot_addresses",
                         lambda device, op, arg, checked=True: (11, 12) if checked else (13, 14))
     codes = {torch.float32: 0, torch.bfloat16: 1, torch.int64: 2}

@@ -653,8 +653,8 @@ class _FakeKernel:
 def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     # Each answer the C++ tables cache: which kernels, in launch order, with which launch constants.
     from h3cute import runtime
-    # (h3::linear and the row ops are on launch plans: tests/test_launch_plans.py)
-    from h3cute.launch import adaln_projection, final_adaln_out, norm_modulate, timestep_mlp
+    # (every op but final_adaln_out is on launch plans: tests/test_launch_plans.py)
+    from h3cute.launch import adaln_projection, final_adaln_out, norm_modulate
 
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
@@ -672,21 +672,6 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
         return [name for name, _ in _FakeKernel.asked], answer[3:] and answer[3]
 
     fused = norm_modulate.FUSED_ROW_GROUPS[arch][12]
-    if arch != "sm_90a":
-        assert asked(timestep_mlp, 0, 3) == (["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"], [0])
-    assert asked(timestep_mlp, 0, 100) == (["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_fold"], [0])
-    assert asked(timestep_mlp, 1, 3)[0] == ["timestep_mlp_gemm", "timestep_mlp_gemm", "timestep_mlp_colsum",
-                                            "timestep_mlp_gemm", "timestep_mlp_fold", "timestep_mlp_gemm",
-                                            "timestep_mlp_gemm", "timestep_mlp_colsum"]
-    if arch == "sm_90a":  # from WGMMA_MIN_ROWS: the splits and the TF32 wgmma GEMMs
-        assert asked(timestep_mlp, 0, 300) == (["tf32_split", "tf32x3_wgmma_weight_gemm", "tf32x3_wgmma_weight_gemm",
-                                                "timestep_mlp_fold"], [2])
-        assert asked(timestep_mlp, 0, 3) == (["timestep_mlp_gemm", "tf32x3_wgmma_weight_gemm",
-                                              "timestep_mlp_fold"], [1])  # fc1_split, the small-T weight tile
-        assert asked(timestep_mlp, 1, 300) == (["tf32_split", "tf32x3_wgmma_weight_gemm", "tf32x3_wgmma_weight_gemm",
-                                                "timestep_mlp_colsum", "timestep_mlp_gemm", "timestep_mlp_fold",
-                                                "tf32_split", "tf32x3_wgmma_gemm", "timestep_mlp_gemm",
-                                                "timestep_mlp_colsum"], [1])
     proj = "adaln_proj_fwd_wgmma" if arch == "sm_90a" and adaln_projection.SM90_FAMILY == "wgmma" else "adaln_proj_fwd"
     assert asked(final_adaln_out, 0, 3) == (["adaln_silu_cast", proj, "norm_modulate_fwd"],
                                             check_constants("final_adaln_out", "timestep_indices"))
@@ -696,76 +681,32 @@ def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
     assert constants == [fused]
     with pytest.raises(ValueError):
         final_adaln_out.kernel_handles(0, 1, 30)  # the C++ backward takes T <= 24
-    assert asked(adaln_projection, 0, 3) == (["adaln_silu_cast", proj], ())
-    bwd = [proj.replace("fwd", "dgrad"), "adaln_dtemb_fold", proj.replace("fwd", "wgrad")]
-    assert asked(adaln_projection, 1, 64) == (bwd, [0])  # db fused into the dW GEMM
-    # Beyond 64 the wgmma family's dW (with db warps) still writes db, to T = 384; the warp family's leaves it to
-    # adaln_bias_grad.
-    unfused = ([], [0]) if "wgmma" in proj else (["adaln_bias_grad"], [adaln_projection.DBIAS_ROW_BLOCK])
-    assert asked(adaln_projection, 1, 65) == (bwd + unfused[0], unfused[1])
-    if "wgmma" in proj:  # beyond 384 the dW kernel's fold warps write d_temb and db; silu_cast makes its operand
-        fold = (["adaln_silu_cast", bwd[0], "adaln_proj_wgrad_fold"], [adaln_projection.FOLD_WARPS_LAUNCH])
-        assert asked(adaln_projection, 1, 385) == fold and asked(adaln_projection, 1, 4096) == fold
-    else:
-        assert asked(adaln_projection, 1, 385) == (bwd + ["adaln_bias_grad"], [adaln_projection.DBIAS_ROW_BLOCK])
-
-
-class _LaunchRecorder:
-    """Stands in for `runtime.kernel`: records (name, static args) per request; the kernels do nothing and
-    their C handles are their request's position (from 1)."""
-
-    def __init__(self):
-        self.asked = []
-
-    def __call__(self, name, device, **static):
-        self.asked.append((name, tuple(sorted(static.items()))))
-        handle = len(self.asked)
-        return type("Kernel", (), {"__call__": lambda self, *args: None, "__chandle__": lambda self: handle})()
-
-    def take(self):
-        asked, self.asked = self.asked, []
-        return asked
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_adaln_projection_row_ranges_ask_for_the_launchers_kernels(monkeypatch, arch):
-    # For every T, the kernels (with their static args, in launch order) that the C++ tables cache for T's
-    # range are the ones the Python launcher asks for at T and at both ends of that range; meta tensors
-    # stand in for the 520 MB weight.
+def test_adaln_projection_plans_hold_one_launch_sequence_per_row_range(monkeypatch, arch):
+    # For every T, the plan the C++ table caches for T's range (built at T) is the one the launcher builds at both
+    # ends of that range; the backward's tail: adaln_bias_grad where dW does not write db, the fold-warp dW where
+    # wgrad_folds.
     from h3cute import runtime
     from h3cute.launch import adaln_projection as L
+    from h3cute.launch.plan import Phase
 
-    recorder = _LaunchRecorder()
-    monkeypatch.setattr(runtime, "kernel", recorder)
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
-    meta = dict(device="meta")
-    weight, bias = torch.empty((BLOCK_PROJECTION, TEMB), dtype=torch.bfloat16, **meta), \
-        torch.empty((BLOCK_PROJECTION,), dtype=torch.bfloat16, **meta)
-
-    def launched(rows, backward):
-        temb = torch.empty((rows, TEMB), **meta)
-        if backward:
-            L.backward(torch.empty((rows, BLOCK_PROJECTION), dtype=torch.bfloat16, **meta), temb, weight)
-        else:
-            L.forward(temb, weight, bias)
-        return recorder.take()
-
+    monkeypatch.setattr(runtime, "sm_count", lambda device: L.H200_SMS)
     top = 5000
     assert L.T_BOUNDS[-1] == runtime.MAX_ROWS and list(L.T_BOUNDS) == sorted(L.T_BOUNDS)
-    for backward in (0, 1):
+    keys = {Phase.FORWARD: L.ForwardKey(BLOCK_PROJECTION), Phase.BACKWARD: L.BackwardKey(BLOCK_PROJECTION)}
+    for phase, key in keys.items():
         for rows in [*range(1, 520), 768, 769, 1000, 2048, 4096]:
-            answer = L.kernel_handles(0, backward, rows)
-            cached = recorder.take()
-            lo, hi = answer[:2]
-            assert lo <= rows <= hi and answer[2] == list(range(1, len(cached) + 1))
-            for t in (rows, max(lo, 1), min(hi, top)):
-                assert launched(t, backward) == cached, (backward, rows, t)
-            if backward:  # db's row block where adaln_bias_grad runs, 0 where dW writes db, -1 with fold warps
+            plan = L.build(phase, 0, key, rows)
+            assert plan.lo <= rows <= plan.hi
+            for t in (max(plan.lo, 1), min(plan.hi, top)):
+                assert L.build(phase, 0, key, t) == plan, (phase, rows, t)
+            if phase is Phase.BACKWARD:
                 wgmma = arch == "sm_90a" and L.SM90_FAMILY == "wgmma"
-                folds = cached[-1][0] == "adaln_proj_wgrad_fold"
-                assert folds == L.wgrad_folds(L.wgrad_config_for_rows(rows, wgmma), wgmma)
-                unfused = cached[-1][0] == "adaln_bias_grad"
-                assert answer[3] == [L.FOLD_WARPS_LAUNCH if folds else L.DBIAS_ROW_BLOCK if unfused else 0]
-                assert unfused == (not folds and not L.wgrad_writes_dbias(L.wgrad_config_for_rows(rows, wgmma), rows))
-            else:
-                assert len(answer) == 3
+                wgrad = L.wgrad_config_for_rows(rows, wgmma)
+                last = plan.steps[-1].kernel.name
+                assert (last == "adaln_proj_wgrad_fold") == L.wgrad_folds(wgrad, wgmma)
+                assert (last == "adaln_bias_grad") == (not L.wgrad_folds(wgrad, wgmma) and
+                                                       not L.wgrad_writes_dbias(wgrad, rows))

@@ -86,31 +86,35 @@ def test_wgmma_roles_are_built_variants():
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_kernel_handles_mark_the_wgmma_sequence(monkeypatch, arch):
-    """The C++ layer caches one answer per [lo, hi]: on sm_90a the backward from WGMMA_MIN_ROWS gets the wgmma
-    sequence's 10 kernels (flag 1) and no mma.sync range reaches past it; the forward's flag marks the weight
-    GEMM fc2 (T <= WEIGHT_SMALL_ROWS and from WGMMA_MIN_ROWS), one tile per range; every range holds one config."""
+def test_plans_mark_the_wgmma_sequence(monkeypatch, arch):
+    """The C++ layer caches one plan per [lo, hi]: on sm_90a the backward from WGMMA_MIN_ROWS runs the wgmma
+    sequence's 12 launches and no mma.sync range reaches past it; the forward's fc2 is the weight GEMM at
+    T <= WEIGHT_SMALL_ROWS and from WGMMA_MIN_ROWS (fc1 too from there), one tile per range; every range holds one
+    config."""
     from h3cute import runtime
+    from h3cute.launch.plan import Phase
 
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
-    monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: type("K", (), {"__chandle__": lambda s: 1})())
-    for backward in (0, 1):
+    for phase in Phase:
         for rows in (1, 16, 17, 64, 65, 255, 256, 257, 300, 511, 512, 513, 2048, 100000):
-            lo, hi, handles, (wgmma_flag,) = L.kernel_handles(0, backward, rows)
+            plan = L.build(phase, 0, L.Key(), rows)
+            lo, hi = plan.lo, plan.hi
             assert lo <= rows <= hi
+            assert all(L.build(phase, 0, L.Key(), r) == plan for r in (lo, min(hi, 4096)))
             wgmma = arch == "sm_90a" and rows >= L.WGMMA_MIN_ROWS
-            assert L.uses_wgmma(0, rows) == wgmma, (rows, backward)
-            assert len(handles) == (10 if wgmma else 8) if backward else len(handles) == (4 if wgmma else 3)
-            if not backward:  # the forward's flag: fc2 on the weight GEMM (1), fc1 too (2)
+            assert L.uses_wgmma(0, rows) == wgmma, (rows, phase)
+            names = [step.kernel.name for step in plan.steps]
+            if phase is Phase.FORWARD:  # fc2 on the weight GEMM; fc1 too (after the split of x) from WGMMA_MIN_ROWS
                 small = arch == "sm_90a" and rows <= L.WEIGHT_SMALL_ROWS
-                assert wgmma_flag == (2 if wgmma else 1 if small else 0)
-                assert (L.forward_weight_tile(0, rows) is not None) == bool(wgmma_flag)
+                assert len(names) == (4 if wgmma else 3)
+                assert (names[-2] == "tf32x3_wgmma_weight_gemm") == (wgmma or small)
+                assert (L.forward_weight_tile(0, rows) is not None) == (wgmma or small)
                 assert {L.forward_weight_tile(0, r) for r in (lo, rows, min(hi, 4096))} == \
                     {L.forward_weight_tile(0, rows)}
                 continue
+            assert len(names) == (12 if wgmma else 8) and ("tf32x3_wgmma_gemm" in names) == wgmma
             if arch == "sm_90a":  # the whole range takes the same path
                 assert (lo >= L.WGMMA_MIN_ROWS) == wgmma and (hi < L.WGMMA_MIN_ROWS) != wgmma, (rows, lo, hi)
-            assert wgmma_flag == int(wgmma)
             assert L.pick_config(max(lo, 1)) == L.pick_config(rows) == L.pick_config(min(hi, 4096))
 
 

@@ -28,6 +28,7 @@ others compile on demand.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +36,12 @@ from h3cute import runtime
 from h3cute.kernels._adaln_configs import (ADALN_GEMM_CONFIGS, DBIAS_CHAIN_ROWS, DBIAS_ROW_BLOCK,  # noqa: F401
                                           DGRAD_MODEL_ROWS, DGRAD_ROUNDS, DGRAD_SPLITS, FUSED_DBIAS_ROWS, H200_SMS,
                                           PICKS, RoundsPick, candidates, dgrad_round_columns, parse_config, pick)
-from h3cute.widths import BLOCK_PROJECTION, TEMB
+from h3cute.launch import plan as P
+from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Output, Phase, view
+from h3cute.widths import TEMB
+
+OP = "adaln_projection"
+F32, BF16 = torch.float32, torch.bfloat16
 
 # The family sm_90a devices use: the wgmma family passed the GPU suite on an H200 and was as fast or faster at every
 # T measured; sm_100a uses the warp family.
@@ -72,10 +78,14 @@ def wgrad_writes_dbias(config: str, rows: int) -> bool:
     return ADALN_GEMM_CONFIGS[config].side_warps == "dbias" or rows <= FUSED_DBIAS_ROWS
 
 
+# adaln_bias_grad's (and the fold-warp dW's) partial rows for T rows: one per DBIAS_ROW_BLOCK block (the kernel reads
+# the count off its partial tensor)
+DBIAS_BLOCKS = P.row_blocks(DBIAS_ROW_BLOCK)
+
+
 def dbias_blocks(rows: int) -> int:
-    """`adaln_bias_grad`'s partial rows for T rows: one per DBIAS_ROW_BLOCK block (the kernel reads the count off
-    its partial tensor; the C++ layer computes it the same way)."""
-    return -(-rows // DBIAS_ROW_BLOCK)
+    """db's FP32 partial rows at T rows (DBIAS_BLOCKS)."""
+    return DBIAS_BLOCKS(rows)
 
 
 def _uses_wgmma(device, config: str | None) -> bool:
@@ -86,9 +96,8 @@ def _uses_wgmma(device, config: str | None) -> bool:
 
 @functools.cache
 def t_bounds(sms: int = H200_SMS) -> tuple:
-    """Where a launch choice of the C++ impls (h3cute.native) changes with T on a GPU of `sms` SMs: every pick
-    table's bounds (the configs, whether dW writes db or folds), the ends of the `RoundsPick` ranges, and
-    FUSED_DBIAS_ROWS."""
+    """Where a launch choice changes with T on a GPU of `sms` SMs (the plans' row ranges): every pick table's bounds
+    (the configs, whether dW writes db or folds), the ends of the `RoundsPick` ranges, and FUSED_DBIAS_ROWS."""
     bounds = {FUSED_DBIAS_ROWS, runtime.MAX_ROWS}
     for table in PICKS.values():
         for entries in table.values():
@@ -103,49 +112,86 @@ def t_bounds(sms: int = H200_SMS) -> tuple:
 T_BOUNDS = t_bounds()  # the H200's
 
 
-def _choices(device, rows: int, backward: bool) -> tuple:
-    wgmma = _uses_wgmma(device, None)
-    sms = runtime.sm_count(device)
-    if not backward:
-        return wgmma, config_for_rows(rows, wgmma, sms)
-    wgrad = wgrad_config_for_rows(rows, wgmma, sms)
-    return wgmma, dgrad_config_for_rows(rows, wgmma, sms), wgrad, not wgrad_writes_dbias(wgrad, rows)
+@dataclass(frozen=True)
+class ForwardKey:
+    out_features: int
+    config: str | None = None  # None: PICKS["fwd"]'s for T
 
 
-FOLD_WARPS_LAUNCH = -1  # kernel_handles' launch constant for the fold-warp backward (h3cute.native.constants)
+@dataclass(frozen=True)
+class BackwardKey:
+    out_features: int
+    config: str | None = None  # the d_temb GEMM's; None: PICKS["dgrad"]'s for T
+    fold_warps: bool | None = None  # None: wgrad_folds
 
 
-def kernel_handles(device: int, backward: int, num_rows: int):
-    """For the C++ impls (h3cute.native), N = 96768: the T range sharing every launch choice and the C handles
-    of `forward`'s kernels (`adaln_silu_cast`, the projection GEMM) or `backward`'s (the d_temb GEMM,
-    `adaln_dtemb_fold`, the dW GEMM, then `adaln_bias_grad` where the dW GEMM does not write db; where the dW GEMM's
-    fold warps fold d_temb and sum db (`wgrad_folds`): `adaln_silu_cast`, the d_temb GEMM, `adaln_proj_wgrad_fold`)
-    with one launch constant: db's row block (DBIAS_ROW_BLOCK) where adaln_bias_grad runs, 0 where the dW GEMM writes
-    db, FOLD_WARPS_LAUNCH where its fold warps do both."""
-    dev = torch.device("cuda", device)
-    lo, hi = runtime.row_range(t_bounds(runtime.sm_count(dev)), num_rows)
-    choices = _choices(dev, num_rows, bool(backward))
-    assert _choices(dev, max(lo, 1), bool(backward)) == choices == _choices(dev, hi, bool(backward)), "stale T_BOUNDS"
-    n = BLOCK_PROJECTION
-    if not backward:
-        wgmma, config = choices
-        proj = "adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd"
-        fns = [runtime.kernel("adaln_silu_cast", dev, width=TEMB),
-               runtime.kernel(proj, dev, out_features=n, config=config)]
-        return lo, hi, [fn.__chandle__() for fn in fns]
-    wgmma, dgrad, wgrad, unfused_dbias = choices
-    if wgrad_folds(wgrad, wgmma):
-        fns = [runtime.kernel("adaln_silu_cast", dev, width=TEMB),
-               runtime.kernel("adaln_proj_dgrad_wgmma", dev, out_features=n, config=dgrad),
-               runtime.kernel("adaln_proj_wgrad_fold", dev, out_features=n, config=wgrad)]
-        return lo, hi, [fn.__chandle__() for fn in fns], [FOLD_WARPS_LAUNCH]
-    fns = [runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=n, config=dgrad),
-           runtime.kernel("adaln_dtemb_fold", dev, width=TEMB),
-           runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=n, wgmma=True, config=wgrad) if wgmma
-           else runtime.kernel("adaln_proj_wgrad", dev, out_features=n, config=wgrad)]
-    if unfused_dbias:
-        fns.append(runtime.kernel("adaln_bias_grad", dev, out_features=n))
-    return lo, hi, [fn.__chandle__() for fn in fns], [DBIAS_ROW_BLOCK if unfused_dbias else 0]
+KEYS = {Phase.FORWARD: ForwardKey, Phase.BACKWARD: BackwardKey}
+
+
+def _row_range(device, rows: int) -> tuple[int, int]:
+    if rows == 0:
+        return 0, 0
+    lo, hi = runtime.row_range(t_bounds(runtime.sm_count(device)), rows)
+    return max(lo, 1), hi
+
+
+def _silu_cast() -> Kernel:
+    return Kernel.of("adaln_silu_cast", width=TEMB)
+
+
+def build(phase: Phase, device, key, rows: int) -> P.Plan:
+    """The launch plan of h3::adaln_projection's `phase` for T = `rows` and N = key.out_features (96768, or
+    final_adaln_out's 10752): inputs temb, weight, bias forward; grad, temb, weight backward (dense, 16-byte
+    aligned)."""
+    n = key.out_features
+    lo, hi = _row_range(device, rows)
+    wgmma, sms = _uses_wgmma(device, key.config), runtime.sm_count(device)
+    if phase is Phase.FORWARD:
+        inputs, buffers, steps = ("temb", "weight", "bias"), [Buffer("out", BF16, (M, n))], []
+        if rows:  # a zero-sized grid is not a valid launch
+            config = key.config or config_for_rows(rows, wgmma, sms)
+            proj = Kernel.of("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", out_features=n, config=config)
+            buffers.append(Buffer("act", BF16, (M, TEMB)))  # bf16(silu(temb)), the GEMM's operand
+            steps = [Launch(_silu_cast(), (view("temb"), view("act"))),
+                     Launch(proj, (view("act"), view("weight"), view("bias"), view("out")))]
+        return P.Plan(OP, phase, key, lo, hi, inputs, tuple(buffers), tuple(steps), (Output(view("out")),))
+    inputs = ("grad", "temb", "weight")
+    outputs = (Output(view("dtemb")), Output(view("dweight")), Output(view("dbias")))
+    grads = [Buffer("dtemb", F32, (M, TEMB)), Buffer("dweight", BF16, (n, TEMB)), Buffer("dbias", BF16, (n,))]
+    if rows == 0:
+        return P.Plan(OP, phase, key, lo, hi, inputs, tuple(grads), (Fill(view("dweight"), 0.0),
+                                                                     Fill(view("dbias"), 0.0)), outputs)
+    wgrad_config = wgrad_config_for_rows(rows, wgmma, sms)
+    folds = wgrad_folds(wgrad_config, wgmma) if key.fold_warps is None else key.fold_warps
+    if folds and not wgrad_folds(wgrad_config, wgmma):
+        raise ValueError(f"adaln_projection backward: the dW tile {wgrad_config!r} at T = {rows} has no fold warps")
+    dgrad = Kernel.of("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", out_features=n,
+                      config=key.config or dgrad_config_for_rows(rows, wgmma, sms))
+    buffers = [Buffer("partial", F32, (DGRAD_SPLITS, M, TEMB)), grads[0], Buffer("act", BF16, (M, TEMB)),
+               *grads[1:]]
+    blocks = (DBIAS_BLOCKS, n)  # db's FP32 partials
+    if folds:  # the dW kernel's fold warps fold d_temb and sum db's blocks; silu_cast makes its operand first
+        buffers.append(Buffer("dbias_blocks", F32, blocks))
+        steps = [Launch(_silu_cast(), (view("temb"), view("act"))),
+                 Launch(dgrad, (view("grad"), view("weight"), view("partial"))),
+                 Launch(Kernel.of("adaln_proj_wgrad_fold", out_features=n, config=wgrad_config),
+                        (view("grad"), view("act"), view("dweight"), view("dbias"), view("partial"), view("temb"),
+                         view("dtemb"), view("dbias_blocks")))]
+        return P.Plan(OP, phase, key, lo, hi, inputs, tuple(buffers), tuple(steps), outputs)
+    if wgmma:
+        wgrad = Kernel.of("adaln_proj_wgrad_wgmma", out_features=n, wgmma=True, config=wgrad_config)
+    else:
+        wgrad = Kernel.of("adaln_proj_wgrad", out_features=n, config=wgrad_config)
+    steps = [Launch(dgrad, (view("grad"), view("weight"), view("partial"))),
+             # d_temb = the partials' in-order fold times silu'(temb); act = bf16(silu(temb)) for dW
+             Launch(Kernel.of("adaln_dtemb_fold", width=TEMB), (view("partial"), view("temb"), view("dtemb"),
+                                                               view("act"))),
+             Launch(wgrad, (view("grad"), view("act"), view("dweight"), view("dbias")))]
+    if not wgrad_writes_dbias(wgrad_config, rows):
+        buffers.append(Buffer("dbias_partial", F32, blocks))
+        steps.append(Launch(Kernel.of("adaln_bias_grad", out_features=n),
+                            (view("grad"), view("dbias_partial"), view("dbias"))))
+    return P.Plan(OP, phase, key, lo, hi, inputs, tuple(buffers), tuple(steps), outputs)
 
 
 def dense16(t: torch.Tensor) -> torch.Tensor:
@@ -153,14 +199,6 @@ def dense16(t: torch.Tensor) -> torch.Tensor:
     if it is not."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-def silu_bf16(temb: torch.Tensor) -> torch.Tensor:
-    """(T, 2688) FP32 -> bf16(silu(temb)), SiLU in FP32 (the GEMM's activation operand)."""
-    temb = dense16(temb)
-    act = torch.empty(temb.shape, dtype=torch.bfloat16, device=temb.device)
-    runtime.kernel("adaln_silu_cast", temb.device, width=TEMB)(temb, act)
-    return act
 
 
 def _sweep_family(device) -> str:
@@ -209,17 +247,9 @@ def _check_config(fn: str, role: str, config: str | None) -> None:
 def forward(temb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config: str | None = None) -> torch.Tensor:
     """(T, 2688) FP32 temb, (N, 2688) BF16 weight, (N,) BF16 bias -> (T, N) BF16, N in {96768, 10752}."""
     _check_config("forward", "fwd", config)
-    rows, out_features = temb.shape[0], weight.shape[0]
-    out = torch.empty((rows, out_features), dtype=torch.bfloat16, device=temb.device)
-    if rows == 0:  # a zero-sized grid is not a valid launch
-        return out
-    act = silu_bf16(temb)
-    wgmma = _uses_wgmma(temb.device, config)
-    fn = runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", temb.device,
-                        out_features=out_features,
-                        config=config or config_for_rows(rows, wgmma, runtime.sm_count(temb.device)))
-    fn(act, dense16(weight), dense16(bias), out)
-    return out
+    key = ForwardKey(weight.shape[0], config)
+    inputs = (dense16(temb), dense16(weight), dense16(bias))
+    return P.run(build, Phase.FORWARD, key, inputs, temb.shape[0], temb.shape[:-1], temb.device)[0]
 
 
 def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, config: str | None = None,
@@ -228,37 +258,11 @@ def backward(grad: torch.Tensor, temb: torch.Tensor, weight: torch.Tensor, confi
     given, is the d_temb GEMM's (dW's tile is picked from T). `fold_warps` (default `wgrad_folds`) runs the dW
     tile as `adaln_proj_wgrad_fold` or not (the same bits either way; tests and timing)."""
     _check_config("backward", "dgrad", config)
-    rows, out_features = temb.shape[0], weight.shape[0]
-    device = temb.device
-    if rows == 0:
-        return temb.new_empty((0, TEMB)), torch.zeros_like(weight), weight.new_zeros((out_features,))
-    grad, temb, weight = dense16(grad), dense16(temb), dense16(weight)
-    wgmma = _uses_wgmma(device, config)
-    sms = runtime.sm_count(device)
-    wgrad_config = wgrad_config_for_rows(rows, wgmma, sms)
-    folds = wgrad_folds(wgrad_config, wgmma) if fold_warps is None else fold_warps
-    if folds and not wgrad_folds(wgrad_config, wgmma):
-        raise ValueError(f"adaln_projection backward: the dW tile {wgrad_config!r} at T = {rows} has no fold warps")
-    act = silu_bf16(temb) if folds else torch.empty((rows, TEMB), dtype=torch.bfloat16, device=device)
-    partial = torch.empty((DGRAD_SPLITS, rows, TEMB), dtype=torch.float32, device=device)
-    runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", device, out_features=out_features,
-                   config=config or dgrad_config_for_rows(rows, wgmma, sms))(grad, weight, partial)
-    dtemb = torch.empty((rows, TEMB), dtype=torch.float32, device=device)
-    dweight = torch.empty_like(weight)
-    dbias = torch.empty((out_features,), dtype=torch.bfloat16, device=device)
-    if folds:
-        blocks = torch.empty((dbias_blocks(rows), out_features), dtype=torch.float32, device=device)
-        runtime.kernel("adaln_proj_wgrad_fold", device, out_features=out_features, config=wgrad_config)(
-            grad, act, dweight, dbias, partial, temb, dtemb, blocks)
-        return dtemb, dweight, dbias
-    runtime.kernel("adaln_dtemb_fold", device, width=TEMB)(partial, temb, dtemb, act)  # act = bf16(silu(temb))
-    if wgmma:
-        wgrad = runtime.kernel("adaln_proj_wgrad_wgmma", device, out_features=out_features, wgmma=True,
-                               config=wgrad_config)
-    else:
-        wgrad = runtime.kernel("adaln_proj_wgrad", device, out_features=out_features, config=wgrad_config)
-    wgrad(grad, act, dweight, dbias)
-    if not wgrad_writes_dbias(wgrad_config, rows):
-        bias_partial = torch.empty((dbias_blocks(rows), out_features), dtype=torch.float32, device=device)
-        runtime.kernel("adaln_bias_grad", device, out_features=out_features)(grad, bias_partial, dbias)
-    return dtemb, dweight, dbias
+    key = BackwardKey(weight.shape[0], config, fold_warps)
+    inputs = (dense16(grad), dense16(temb), dense16(weight))
+    return P.run(build, Phase.BACKWARD, key, inputs, temb.shape[0], temb.shape[:-1], temb.device)
+
+
+def native_plan(device: int, phase: str, key: tuple, rows: int) -> tuple:
+    """For the C++ impls (h3cute.native): the encoded plan of (phase, key (N,): the default picks) serving `rows`."""
+    return P.native_plan(build, KEYS, device, phase, key, rows)

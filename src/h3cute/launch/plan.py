@@ -2,14 +2,16 @@
 the C++ layer alike.
 
 A `Plan` holds, for one (op, phase, device, static key, row range), everything a launch needs beyond the op's
-inputs: the buffers to allocate (dtype, shape), the steps in order (a kernel launch with its arguments, or a fill)
-and how the op's outputs are made from the buffers and inputs. Every size and offset is a `Dim`, a function of the
-op's row count M of the form
+inputs: the buffers to allocate (dtype, shape; the buffers of one `arena` are carved from one allocation), the
+steps in order (a kernel launch with its arguments, or a fill) and how the op's outputs are made from the buffers
+and inputs. Every size and offset is a `Dim`, a function of the op's row count M of the form
 
     per_row * M + whole * (M // step * step) + const
 
-which covers what the ops on plans need: row-proportional buffers (`M`), constants, and a split of M into a bulk
-that is a multiple of `step` (`M // step * step`) and its tail (`M - M // step * step`). A kernel argument is a
+(with `up`, M // step rounded up; with `count`, the whole steps counted, not times `step`), which covers what the
+ops on plans need: row-proportional buffers (`M`), constants, a split of M into a bulk that is a multiple of `step`
+(`M // step * step`) and its tail (`M - M // step * step`), M rounded up to a multiple of `step` (a K = M
+zero-padded to whole k tiles) and the number of `step`-row blocks (one partial per block). A kernel argument is a
 `View` of an input or buffer (optionally its dim-0 range [start, stop), then one `Layout`: as it is, transposed,
 flattened, ..., or `Strided`: explicit sizes, strides and offset, e.g. a column block of partials), a `Scalar`
 input passed by value (e.g. eps) or a plain int (e.g. a check slot's address). A step may be guarded by a `Cond`
@@ -40,31 +42,41 @@ class Phase(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Dim:
-    """per_row * M + whole * (M // step * step) + const, for the op's row count M."""
+    """per_row * M + whole * (M // step * step) + const, for the op's row count M; with `up`, M's steps rounded up
+    ((M + step - 1) // step); with `count`, the whole term counts the steps (whole * (M // step))."""
     const: int = 0
     per_row: int = 0
     whole: int = 0
     step: int = 1
+    up: bool = False
+    count: bool = False
 
     def __call__(self, rows: int) -> int:
-        return self.per_row * rows + self.whole * (rows // self.step * self.step) + self.const
+        steps = (rows + self.step - 1 if self.up else rows) // self.step
+        return self.per_row * rows + self.whole * (steps if self.count else steps * self.step) + self.const
 
     def __add__(self, other: Dim | int) -> Dim:
         other = dim(other)
-        if self.whole and other.whole and self.step != other.step:
+        if self.whole and other.whole and self._steps() != other._steps():
             raise ValueError(f"plan: {self} + {other} mixes row steps")
+        outer = self if self.whole else other
         return Dim(self.const + other.const, self.per_row + other.per_row, self.whole + other.whole,
-                   self.step if self.whole else other.step)
+                   outer.step, outer.up, outer.count)
 
     def __neg__(self) -> Dim:
-        return Dim(-self.const, -self.per_row, -self.whole, self.step)
+        return Dim(-self.const, -self.per_row, -self.whole, self.step, self.up, self.count)
+
+    def _steps(self) -> tuple:
+        return self.step, self.up, self.count
 
     def __sub__(self, other: Dim | int) -> Dim:
         return self + -dim(other)
 
     def __str__(self) -> str:
         terms = []
-        for coef, name in ((self.per_row, "M"), (self.whole, f"M//{self.step}*{self.step}")):
+        steps = f"ceil(M/{self.step})" if self.up else f"M//{self.step}"
+        steps += "" if self.count else f"*{self.step}"
+        for coef, name in ((self.per_row, "M"), (self.whole, steps)):
             if coef:
                 terms.append((coef, name if abs(coef) == 1 else f"{abs(coef)}*{name}"))
         if self.const or not terms:
@@ -85,6 +97,16 @@ M = Dim(per_row=1)  # the op's row count
 def whole_rows(step: int) -> Dim:
     """M // step * step: the rows in whole steps."""
     return Dim(whole=1, step=step)
+
+
+def rows_up(step: int) -> Dim:
+    """(M + step - 1) // step * step: M rounded up to whole steps."""
+    return Dim(whole=1, step=step, up=True)
+
+
+def row_blocks(step: int) -> Dim:
+    """(M + step - 1) // step: the step-row blocks of M rows, the last one partial."""
+    return Dim(whole=1, step=step, up=True, count=True)
 
 
 class Layout(str, enum.Enum):
@@ -210,9 +232,13 @@ Step = Union[Launch, Fill]
 
 @dataclass(frozen=True)
 class Buffer:
+    """A buffer the walk allocates: on its own, or with `arena`, carved with the other buffers of that arena (one
+    dtype) from one allocation, in declaration order, each region starting 16-byte aligned (the kernels' vector
+    accesses): one allocation per arena is host time saved at small M."""
     name: str
     dtype: torch.dtype
     shape: tuple[Dim, ...]  # ints are taken as constant Dims
+    arena: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(dim(d) for d in self.shape))
@@ -244,6 +270,16 @@ class Plan:
     steps: tuple[Step, ...]
     outputs: tuple[Output, ...]
 
+    def __post_init__(self):
+        dtypes = {}
+        for b in self.buffers:
+            if b.arena and dtypes.setdefault(b.arena, b.dtype) != b.dtype:
+                raise ValueError(f"plan of {self.op}: arena {b.arena!r} mixes dtypes")
+
+    def arenas(self) -> tuple[str, ...]:
+        """The arenas of the buffers, in order of first use."""
+        return tuple(dict.fromkeys(b.arena for b in self.buffers if b.arena))
+
     def kernels(self) -> tuple[Kernel, ...]:
         """The plan's kernels, each once, in first-launch order."""
         return tuple(dict.fromkeys(s.kernel for s in self.steps if isinstance(s, Launch)))
@@ -253,7 +289,8 @@ class Plan:
         lines = [f"{self.op} {self.phase.value} {self.key} rows [{self.lo}, {hi}]",
                  f"  inputs: {', '.join(self.inputs)}"]
         for b in self.buffers:
-            lines.append(f"  buffer {b.name}: {_DTYPE_NAMES[b.dtype]} ({', '.join(str(d) for d in b.shape)})")
+            arena = f" in {b.arena}" if b.arena else ""
+            lines.append(f"  buffer {b.name}: {_DTYPE_NAMES[b.dtype]} ({', '.join(str(d) for d in b.shape)}){arena}")
         for s in self.steps:
             guard = f"  {s.when}" if s.when else ""
             if isinstance(s, Launch):
@@ -296,36 +333,91 @@ def _view(env: dict, v: View, rows: int) -> torch.Tensor:
     return t
 
 
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def carve(plan: Plan, rows: int) -> tuple[dict, list]:
+    """Where each carved buffer lies for `rows` rows: ({buffer name: (arena index, element offset)}, [elements per
+    arena]); regions in declaration order, each start rounded up to 16 bytes (h3_native.cpp's walk: the same)."""
+    arenas = {name: i for i, name in enumerate(plan.arenas())}
+    totals, regions = [0] * len(arenas), {}
+    for b in plan.buffers:
+        if b.arena:
+            i, align = arenas[b.arena], 16 // b.dtype.itemsize
+            start = -(-totals[i] // align) * align
+            regions[b.name] = (i, start)
+            totals[i] = start + _numel(d(rows) for d in b.shape)
+    return regions, totals
+
+
+def allocate(plan: Plan, rows: int, device, given: dict | None = None) -> dict:
+    """{buffer name: tensor} of `plan`'s buffers for `rows` rows: each on its own, or a region of its arena's one
+    allocation (made at the arena's first buffer); those named in `given` are the caller's tensors, taken as they
+    are (e.g. a test's guarded output)."""
+    regions, totals = carve(plan, rows)
+    arenas, env = [None] * len(totals), {}
+    for b in plan.buffers:
+        shape = tuple(d(rows) for d in b.shape)
+        if given and b.name in given:
+            env[b.name] = given[b.name]
+            continue
+        if not b.arena:
+            env[b.name] = torch.empty(shape, dtype=b.dtype, device=device)
+            continue
+        i, start = regions[b.name]
+        if arenas[i] is None:
+            arenas[i] = torch.empty((totals[i],), dtype=b.dtype, device=device)
+        env[b.name] = arenas[i][start:start + _numel(shape)].view(shape)
+    return env
+
+
 def _arg(env: dict, a: Arg, rows: int):
     if isinstance(a, View):
         return _view(env, a, rows)
     return float(env[a.of]) if isinstance(a, Scalar) else a
 
 
-def walk(plan: Plan, fns: tuple, inputs, rows: int, lead: tuple, device, given: dict | None = None) -> tuple:
-    """Runs `plan` on `inputs` (the tensors, and floats for Scalar arguments, of plan.inputs, in order) for `rows`
-    rows with its compiled kernels `fns` (plan.kernels()'s): allocates the buffers (those named in `given` are the
-    caller's tensors, taken as they are: e.g. a test's guarded output), runs the steps in order, returns the
-    outputs (`lead`: the row input's leading dims, for outputs made as rows)."""
-    env = dict(zip(plan.inputs, inputs, strict=True))
-    for b in plan.buffers:
-        if given and b.name in given:
-            env[b.name] = given[b.name]
-            continue
-        env[b.name] = torch.empty(tuple(d(rows) for d in b.shape), dtype=b.dtype, device=device)
-    index = {k: i for i, k in enumerate(plan.kernels())}
+def _bound(plan: Plan, env: dict, rows: int):
+    """(step, its arguments on `env`'s tensors: a launch's kernel arguments, a fill's target) for each step of `plan`
+    that runs at `rows` rows, in order (each resolved when the previous one has run)."""
     for step in plan.steps:
         if step.when is not None and not step.when(rows):
             continue
         if isinstance(step, Launch):
-            fns[index[step.kernel]](*(_arg(env, a, rows) for a in step.args))
+            yield step, tuple(_arg(env, a, rows) for a in step.args)
         else:
-            _view(env, step.target, rows).fill_(step.value)
+            yield step, (_view(env, step.target, rows),)
+
+
+def walk(plan: Plan, fns: tuple, inputs, rows: int, lead: tuple, device, given: dict | None = None) -> tuple:
+    """Runs `plan` on `inputs` (the tensors, and floats for Scalar arguments, of plan.inputs, in order) for `rows`
+    rows with its compiled kernels `fns` (plan.kernels()'s): allocates the buffers (`given`: see `allocate`), runs
+    the steps in order, returns the outputs (`lead`: the row input's leading dims, for outputs made as rows)."""
+    env = dict(zip(plan.inputs, inputs, strict=True))
+    env.update(allocate(plan, rows, device, given))
+    index = {k: i for i, k in enumerate(plan.kernels())}
+    for step, args in _bound(plan, env, rows):
+        if isinstance(step, Launch):
+            fns[index[step.kernel]](*args)
+        else:
+            args[0].fill_(step.value)
     outputs = []
     for o in plan.outputs:
         t = _view(env, o.source.of, rows).sum(0) if isinstance(o.source, ColumnSum) else _view(env, o.source, rows)
         outputs.append(t.view(*lead, t.shape[-1]) if o.lead else t)
     return tuple(outputs)
+
+
+def bind(plan: Plan, inputs, rows: int, device) -> tuple[dict, list[tuple[Step, tuple]]]:
+    """({name: tensor} of `plan`'s inputs and of its buffers, allocated once; [(step, its arguments)] for the steps
+    that run at `rows` rows, in order): for the perf scripts, which time a plan's launches one at a time."""
+    env = dict(zip(plan.inputs, inputs, strict=True))
+    env.update(allocate(plan, rows, device))
+    return env, list(_bound(plan, env, rows))
 
 
 # ---- the cache: one plan per (op, phase, device, key, row range) ---------------------------------------------
@@ -360,7 +452,7 @@ def run(build: Builder, phase: Phase, key, inputs, rows: int, lead: tuple, devic
 
 
 def _dim(d: Dim) -> tuple:
-    return (d.const, d.per_row, d.whole, d.step)
+    return (d.const, d.per_row, d.whole, d.step, int(d.up), int(d.count))
 
 
 def _cond(c: Cond | None) -> tuple:
@@ -371,7 +463,8 @@ def encode(plan: Plan, handles: list[int]) -> tuple:
     """The plan as nested tuples of ints (and fills' floats), h3_native.cpp's wire format:
 
     (lo, hi, inputs, handles, buffers, steps, outputs) with
-      buffer (dtype code, (dim, ...)); dim (const, per_row, whole, step); cond (has, nonzero, dim);
+      buffer (dtype code, (dim, ...), arena index in order of first use or -1: its own allocation);
+      dim (const, per_row, whole, step, up, count); cond (has, nonzero, dim);
       step (0 launch | 1 fill, kernel index, fill value, cond, (arg, ...));
       arg (0, value) an int, or (1, source, has_rows, start dim, stop dim, layout code) a view, source indexing the
       inputs then the buffers, with Layout.STRIDED one more field ((size dim, ...), (stride dim, ...), offset dim),
@@ -400,18 +493,22 @@ def encode(plan: Plan, handles: list[int]) -> tuple:
             steps.append((1, -1, float(s.value), _cond(s.when), (arg(s.target),)))
     outputs = tuple((int(isinstance(o.source, ColumnSum)), int(o.lead),
                      arg(o.source.of if isinstance(o.source, ColumnSum) else o.source)) for o in plan.outputs)
+    arenas = {name: i for i, name in enumerate(plan.arenas())}
     return (plan.lo, plan.hi, len(plan.inputs), tuple(int(h) for h in handles),
-            tuple((DTYPE_CODES[b.dtype], tuple(_dim(d) for d in b.shape)) for b in plan.buffers),
+            tuple((DTYPE_CODES[b.dtype], tuple(_dim(d) for d in b.shape), arenas.get(b.arena, -1))
+                  for b in plan.buffers),
             tuple(steps), outputs)
 
 
 def native_plan(build: Builder, keys: dict, device: int, phase: str, key: tuple, rows: int) -> tuple:
     """For h3_native.cpp's plan tables: the encoded plan serving `rows` for (phase, the op's key type of that phase
-    in `keys` made from the ints `key`), with its kernels' C handles (the Python runtime keeps the kernels alive).
-    The ints are the key's leading fields; fields after them (Python-only choices) keep their defaults."""
+    in `keys` made from the ints `key`: its leading fields, the others keep their defaults), with its kernels' C
+    handles (the Python runtime keeps the kernels alive)."""
     phase = Phase(phase)
     kind = keys[phase]  # C++ passes ints: the key's bool fields become bools again
-    fields = dataclasses.fields(kind)[:len(key)]
-    key = kind(*(bool(v) if f.type == "bool" else v for f, v in zip(fields, key, strict=True)))
+    fields = dataclasses.fields(kind)
+    if len(key) > len(fields):
+        raise ValueError(f"plan: {kind.__name__} has {len(fields)} fields, given {len(key)}")
+    key = kind(*(bool(v) if f.type == "bool" else v for f, v in zip(fields, key)))
     plan, fns = plan_for(build, phase, torch.device("cuda", device), key, rows)
     return encode(plan, [fn.__chandle__() for fn in fns])

@@ -21,19 +21,32 @@ chunk contract (same K slices, same k8 chunks, same IEEE adds), into the same fo
 every T (GPU tests compare the whole op). fc1 and fc1_zh take the weight GEMM too (w1 in registers, x split
 first, the bias + SiLU epilogues); fc1_dgrad and fc1_wgrad stay on mma.sync.
 
+The launches are launch plans (h3cute.launch.plan): `build` writes them, `forward` / `backward` walk them, and
+the C++ layer walks the same plans (`native_plan`). The intermediates are carved from one allocation and the
+backward's five gradients from another (host time at small T). Row ranges: T = 0 (no launch), then the config
+picks' T ranges (T_BOUNDS), cut on sm_90a at the forward's fc2 tiles (WEIGHT_SMALL_TILES) and WGMMA_MIN_ROWS.
+
 Config choice may look at T (it changes only speed): every config in CONFIGS (kernels/_tiles.py, with the pick table
 T_BOUNDS; the bundle builds the tiles of the picked configs, the others compile on demand) gives the same bits,
 because the summation order is fixed by K and the slice count (kernels/timestep_mlp.py). The op
-layer validates shapes/dtypes/devices; here inputs are contiguous FP32 on one CUDA device, T >= 1.
+layer validates shapes/dtypes/devices; here inputs are contiguous FP32 on one CUDA device, T >= 0.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from h3cute import runtime
 from h3cute.kernels._tiles import (CONFIGS, LARGE_T, LARGE_T_S5, MID_T, SMALL_T, SMALL_T_K64,  # noqa: F401
                                    T_BOUNDS, WIDE_T, GemmConfig, MlpConfig)
+from h3cute.launch import plan as P
+from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, view
 from h3cute.widths import FREQ, MLP_HIDDEN, TEMB
+
+OP = "timestep_mlp"
+INPUTS = {Phase.FORWARD: ("x", "w1", "b1", "w2", "b2"), Phase.BACKWARD: ("grad", "x", "w1", "b1", "w2")}
+F32 = torch.float32
 
 # K-slice counts of the split GEMMs: K // 896 (kernels/timestep_mlp.py: k_splits; a CPU test pins it).
 SPLITS = {"fc2": MLP_HIDDEN // 896, "fc2_dgrad": TEMB // 896, "fc1_dgrad": MLP_HIDDEN // 896}
@@ -41,7 +54,7 @@ SPLITS = {"fc2": MLP_HIDDEN // 896, "fc2_dgrad": TEMB // 896, "fc1_dgrad": MLP_H
 
 # sm_90a from this many rows: the fc2-sized GEMMs and fc1 on TF32 wgmma (speed only: same bits). From T = 256 the
 # wgmma path is faster forward and backward on the H200; at T = 128 its backward only ties the mma.sync path's
-# (per-launch times: perf/mlp_kernels.py). The C++ layer runs the same sequences (no Python on the way).
+# (per-launch times: perf/mlp_kernels.py).
 WGMMA_MIN_ROWS = 256
 WGMMA_TILE = (128, 32, 3)  # wgmma_tf32.LAUNCH_TILE (bn, bk, stages): every role's variant is built in it
 WGMMA_K_PAD = 32  # wgmma_tf32.TRANSPOSE_TILE: the T-deep K is zero-padded to a multiple of it
@@ -60,6 +73,16 @@ WEIGHT_FC1_TILE = (64, 32, 4)  # wgmma_tf32.WEIGHT_FC1_TILE
 WEIGHT_SMALL_TILES = ((8, (8, 32, 12)), (16, (16, 32, 10)))  # (up to T, tile)
 WEIGHT_SMALL_ROWS = WEIGHT_SMALL_TILES[-1][0]
 
+
+
+@dataclass(frozen=True)
+class Key:
+    """The launcher's overrides (speed only: the same bits); the C++ layer runs the defaults."""
+    config: MlpConfig | None = None  # None: pick_config's for T
+    wgmma: bool | None = None  # None: the device's path (forward_weight_tile / uses_wgmma)
+
+
+KEYS = {Phase.FORWARD: Key, Phase.BACKWARD: Key}
 
 
 def pick_config(num_rows: int) -> MlpConfig:
@@ -87,116 +110,143 @@ def forward_weight_tile(device, num_rows: int) -> tuple | None:
     return next((tile for rows, tile in WEIGHT_SMALL_TILES if num_rows <= rows), None)
 
 
-def kernel_handles(device: int, backward: int, num_rows: int) -> tuple[int, int, list[int], list[int]]:
-    """For the C++ impls (h3cute.native): the T range sharing every launch choice for `num_rows`, the C
-    handles of its kernels in launch order (runtime keeps them alive), and [flag]. Forward: flag 0 (fc1, fc2,
-    fold); flag 1 (`forward_weight_tile` below WGMMA_MIN_ROWS): fc1_split on mma.sync, the weight fc2, fold;
-    flag 2 (`uses_wgmma`): split (of x), the weight fc1_split, the weight fc2, fold. Backward: flag 0, the
-    mma.sync sequence (fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2);
-    flag 1 (`uses_wgmma`), the wgmma one (split, of x and of grad; weight fc1_zh, weight fc2_dgrad,
-    colsum_dz, fc1_dgrad, fold_dx, transposing split, wgmma fc2_wgrad, fc1_wgrad, colsum_db2)."""
-    lo, hi, cfg = _bucket(num_rows)
-    dev = torch.device("cuda", device)
-    wgmma = uses_wgmma(dev, num_rows)
-    if runtime.arch_of(dev) == "sm_90a":  # the forward's fc2 tile and the wgmma path change at these bounds too
-        bounds = [rows for rows, _ in WEIGHT_SMALL_TILES] + [WGMMA_MIN_ROWS - 1, runtime.MAX_ROWS]
-        sm90_lo, sm90_hi = runtime.row_range(bounds, num_rows)
+def _row_range(device, rows: int, config: MlpConfig | None) -> tuple[int, int]:
+    """The rows sharing every launch choice with `rows`: the config's T range (all rows given a config) and, on
+    sm_90a, the forward's fc2 tile range and the wgmma path's."""
+    if rows == 0:
+        return 0, 0
+    lo, hi = (1, runtime.MAX_ROWS) if config else _bucket(rows)[:2]
+    if runtime.arch_of(device) == "sm_90a":
+        bounds = [bound for bound, _ in WEIGHT_SMALL_TILES] + [WGMMA_MIN_ROWS - 1, runtime.MAX_ROWS]
+        sm90_lo, sm90_hi = runtime.row_range(bounds, rows)
         lo, hi = max(lo, sm90_lo), min(hi, sm90_hi)
-    split = runtime.kernel("tf32_split", dev, transpose=False) if wgmma else None
-    if not backward:
-        tile = forward_weight_tile(dev, num_rows)
-        if tile is None:
-            fns = [_gemm(dev, "fc1", cfg.fc1), _gemm(dev, "fc2", cfg.fc2)]
-        elif wgmma:
-            fns = [split, _weight_gemm(dev, "fc1_split", WEIGHT_FC1_TILE), _weight_gemm(dev, "fc2", tile)]
-        else:
-            fns = [_gemm(dev, "fc1_split", cfg.fc1), _weight_gemm(dev, "fc2", tile)]
-        flag = 0 if tile is None else 2 if wgmma else 1
-        return lo, hi, [fn.__chandle__() for fn in fns + [_fold(dev, "fc2", "bias")]], [flag]
-    if wgmma:
-        fns = [split, _weight_gemm(dev, "fc1_zh", WEIGHT_FC1_TILE), _weight_gemm(dev, "fc2_dgrad")]
-    else:
-        fns = [_gemm(dev, "fc1_zh", cfg.fc1), _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)]
-    fns += [runtime.kernel("timestep_mlp_colsum", dev, cols=MLP_HIDDEN, fold_dz=True),
-            _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad), _fold(dev, "fc1_dgrad", "sum")]
-    fns += [runtime.kernel("tf32_split", dev, transpose=True), _wgmma_gemm(dev, "fc2_wgrad")] if wgmma else \
-        [_gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)]
-    fns += [_gemm(dev, "fc1_wgrad", cfg.fc1_wgrad), runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB,
-                                                                  fold_dz=False)]
-    return lo, hi, [fn.__chandle__() for fn in fns], [int(wgmma)]
+    return max(lo, 1), hi
 
 
-def _gemm(device, role: str, tile: GemmConfig):
-    return runtime.kernel("timestep_mlp_gemm", device, role=role, tile=tile.astuple())
+def _gemm(role: str, tile: GemmConfig) -> Kernel:
+    return Kernel.of("timestep_mlp_gemm", role=role, tile=tile.astuple())
 
 
-def _fold(device, role: str, mode: str):
-    return runtime.kernel("timestep_mlp_fold", device, role=role, mode=mode)
+def _fold(role: str, mode: str) -> Kernel:
+    return Kernel.of("timestep_mlp_fold", role=role, mode=mode)
 
 
-def _wgmma_gemm(device, role: str):
+def _colsum(cols: int, fold_dz: bool) -> Kernel:
+    return Kernel.of("timestep_mlp_colsum", cols=cols, fold_dz=fold_dz)
+
+
+def _split(transpose: bool = False) -> Kernel:
+    return Kernel.of("tf32_split", transpose=transpose)
+
+
+def _wgmma_gemm(role: str) -> Kernel:
     k, splits = WGMMA_ROLES[role]
-    return runtime.kernel("tf32x3_wgmma_gemm", device, k=k, splits=splits, tile=WGMMA_TILE)
+    return Kernel.of("tf32x3_wgmma_gemm", k=k, splits=splits, tile=WGMMA_TILE)
 
 
-def _weight_gemm(device, role: str, tile: tuple = WEIGHT_TILE):
-    return runtime.kernel("tf32x3_wgmma_weight_gemm", device, role=role, tile=tile)
+def _weight_gemm(role: str, tile: tuple = WEIGHT_TILE) -> Kernel:
+    return Kernel.of("tf32x3_wgmma_weight_gemm", role=role, tile=tile)
 
 
-def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The big / small TF32 operand arrays of a contiguous K-major (R, K) operand."""
-    big, small = torch.empty_like(x), torch.empty_like(x)
-    runtime.kernel("tf32_split", x.device, transpose=False)(x, big, small)
-    return big, small
+def _scratch(name: str, *shape) -> Buffer:
+    return Buffer(name, F32, shape, arena="scratch")
 
 
-def _split_transposed(xt: torch.Tensor, depth_out: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Big / small (R, depth_out) arrays of X = xt^T for a contiguous (K, R) xt, zero past K."""
-    shape = (xt.shape[1], depth_out)
-    big, small = xt.new_empty(shape), xt.new_empty(shape)
-    runtime.kernel("tf32_split", xt.device, transpose=True)(xt, big, small)
-    return big, small
+def build(phase: Phase, device, key: Key, rows: int) -> P.Plan:
+    """The launch plan of h3::timestep_mlp's `phase` for `rows` rows (T): inputs x, w1, b1, w2, b2 forward; grad, x,
+    w1, b1, w2 backward. The intermediates are carved from one allocation ("scratch"), the backward's five
+    gradients from another ("grads": they outlive the intermediates)."""
+    lo, hi = _row_range(device, rows, key.config)
+    cfg = key.config or pick_config(max(rows, 1))
+    if phase is Phase.FORWARD:
+        buffers, steps = [Buffer("out", F32, (M, TEMB))], []
+        if key.wgmma is None:
+            tile = forward_weight_tile(device, rows)
+        else:
+            tile = (forward_weight_tile(device, rows) or WEIGHT_TILE) if key.wgmma else None
+        partials = _scratch("partials", SPLITS["fc2"], M, TEMB)
+        if rows == 0:
+            pass
+        elif tile is None:  # h only: the forward never reads z
+            buffers += [_scratch("h", M, MLP_HIDDEN), partials]
+            steps += [Launch(_gemm("fc1", cfg.fc1), (view("x"), view("w1"), view("b1"), view("h"))),
+                      Launch(_gemm("fc2", cfg.fc2), (view("h"), view("w2"), view("partials")))]
+        else:  # fc1 writes h's big / small TF32 operand arrays, fc2 splits w2 in registers
+            h_pair = (view("h_big"), view("h_small"))
+            if tile == WEIGHT_TILE:  # large T: fc1 on wgmma too (w1 in registers, x split first)
+                buffers += [_scratch("x_big", M, FREQ), _scratch("x_small", M, FREQ)]
+                steps += [Launch(_split(), (view("x"), view("x_big"), view("x_small"))),
+                          Launch(_weight_gemm("fc1_split", WEIGHT_FC1_TILE),
+                                 (view("w1"), view("x_big"), view("x_small"), view("b1"), *h_pair))]
+            else:
+                steps.append(Launch(_gemm("fc1_split", cfg.fc1), (view("x"), view("w1"), view("b1"), *h_pair)))
+            buffers += [_scratch("h_big", M, MLP_HIDDEN), _scratch("h_small", M, MLP_HIDDEN), partials]
+            steps.append(Launch(_weight_gemm("fc2", tile), (view("w2"), *h_pair, view("partials"))))
+        if rows:
+            steps.append(Launch(_fold("fc2", "bias"), (view("partials"), view("b2"), view("out"))))
+        return P.Plan(OP, phase, key, lo, hi, INPUTS[phase], tuple(buffers), tuple(steps), (Output(view("out")),))
 
-
-def _fc1(x, w1, b1, tile: GemmConfig, wgmma: bool = False):
-    """Backward's recompute: z (for silu') and h (for dW2); wgmma: on the weight GEMM (x split first)."""
-    num_rows = x.shape[0]
-    z = torch.empty((num_rows, MLP_HIDDEN), dtype=torch.float32, device=x.device)
-    h = torch.empty_like(z)
-    if wgmma:
-        _weight_gemm(x.device, "fc1_zh", WEIGHT_FC1_TILE)(w1, *_split(x), b1, z, h)
+    # the five gradients, in the op's return order; the weight-gradient GEMMs write a (1, N, K) batch
+    grads = [Buffer("dx", F32, (M, FREQ), "grads"), Buffer("dw1", F32, (1, MLP_HIDDEN, FREQ), "grads"),
+             Buffer("db1", F32, (MLP_HIDDEN,), "grads"), Buffer("dw2", F32, (1, TEMB, MLP_HIDDEN), "grads"),
+             Buffer("db2", F32, (TEMB,), "grads")]
+    outputs = (Output(view("dx")), Output(view("dw1", layout=Layout.ITEM0)), Output(view("db1")),
+               Output(view("dw2", layout=Layout.ITEM0)), Output(view("db2")))
+    if rows == 0:
+        steps = tuple(Fill(view(name), 0.0) for name in ("dw1", "db1", "dw2", "db2"))
+        return P.Plan(OP, phase, key, lo, hi, INPUTS[phase], tuple(grads), steps, outputs)
+    wgmma = uses_wgmma(device, rows) if key.wgmma is None else key.wgmma
+    zh = (view("z"), view("h"))
+    buffers, steps = [], []
+    if wgmma:  # fc1_zh with w1 split in registers (x split first); fc2_dgrad with W = w2^T read as w2 in place
+        buffers += [_scratch("x_big", M, FREQ), _scratch("x_small", M, FREQ)]
+        steps += [Launch(_split(), (view("x"), view("x_big"), view("x_small"))),
+                  Launch(_weight_gemm("fc1_zh", WEIGHT_FC1_TILE),
+                         (view("w1"), view("x_big"), view("x_small"), view("b1"), *zh))]
     else:
-        _gemm(x.device, "fc1_zh", tile)(x, w1, b1, z, h)
-    return z, h
+        steps.append(Launch(_gemm("fc1_zh", cfg.fc1), (view("x"), view("w1"), view("b1"), *zh)))
+    buffers += [_scratch("z", M, MLP_HIDDEN), _scratch("h", M, MLP_HIDDEN)]
+    if wgmma:
+        buffers += [_scratch("g_big", M, TEMB), _scratch("g_small", M, TEMB)]
+        steps += [Launch(_split(), (view("grad"), view("g_big"), view("g_small"))),
+                  Launch(_weight_gemm("fc2_dgrad"), (view("w2", layout=Layout.T), view("g_big"), view("g_small"),
+                                                     view("dh_partials")))]
+    else:  # w2 read N-major in place
+        steps.append(Launch(_gemm("fc2_dgrad", cfg.fc2_dgrad),
+                            (view("grad"), view("w2", layout=Layout.T), view("dh_partials"))))
+    buffers += [_scratch("dh_partials", SPLITS["fc2_dgrad"], M, MLP_HIDDEN), _scratch("dz", M, MLP_HIDDEN),
+                _scratch("dx_partials", SPLITS["fc1_dgrad"], M, FREQ)]
+    steps += [
+        # dz = fold(dh partials) * silu'(z), and db1 = column sums of dz, in one pass
+        Launch(_colsum(MLP_HIDDEN, True), (view("dh_partials"), view("z"), view("dz"), view("db1"))),
+        Launch(_gemm("fc1_dgrad", cfg.fc1_dgrad), (view("dz"), view("w1", layout=Layout.T), view("dx_partials"))),
+        # the "sum" fold's (1,) aux operand is never read
+        Launch(_fold("fc1_dgrad", "sum"), (view("dx_partials"), view("dx", layout=Layout.FIRST), view("dx")))]
+    if wgmma:
+        # A = grad^T (2688, T), B = h^T (5376, T), K = T zero-padded: a chunk of zeros adds +-0, and acc is
+        # never -0 (it starts at +0; an RN sum is -0 only when both terms are), so it leaves every bit alone,
+        # however many such chunks the padding (here to 32, in the mma.sync kernel to its tile_k) adds.
+        depth = P.rows_up(WGMMA_K_PAD)
+        buffers += [_scratch("gt_big", TEMB, depth), _scratch("gt_small", TEMB, depth),
+                    _scratch("ht_big", MLP_HIDDEN, depth), _scratch("ht_small", MLP_HIDDEN, depth)]
+        steps += [Launch(_split(True), (view("grad"), view("gt_big"), view("gt_small"))),
+                  Launch(_split(True), (view("h"), view("ht_big"), view("ht_small"))),
+                  Launch(_wgmma_gemm("fc2_wgrad"), (view("gt_big"), view("gt_small"), view("ht_big"),
+                                                    view("ht_small"), view("dw2")))]
+    else:
+        steps.append(Launch(_gemm("fc2_wgrad", cfg.fc2_wgrad),
+                            (view("grad", layout=Layout.T), view("h", layout=Layout.T), view("dw2"))))
+    steps += [Launch(_gemm("fc1_wgrad", cfg.fc1_wgrad),
+                     (view("dz", layout=Layout.T), view("x", layout=Layout.T), view("dw1"))),
+              Launch(_colsum(TEMB, False), (view("grad"), view("grad"), view("grad"), view("db2")))]
+    return P.Plan(OP, phase, key, lo, hi, INPUTS[phase], (*buffers, *grads), tuple(steps), outputs)
 
 
 def forward(x, w1, b1, w2, b2, config: MlpConfig | None = None, wgmma: bool | None = None) -> torch.Tensor:
     """temb = silu(x w1^T + b1) w2^T + b2: x (T, 256), w1 (5376, 256), w2 (2688, 5376) -> (T, 2688).
     wgmma: fc2 on the TF32 wgmma weight GEMM (sm_90a only) or not; None: `forward_weight_tile`. Same bits."""
-    num_rows = x.shape[0]
-    dev = x.device
-    out = torch.empty((num_rows, TEMB), dtype=torch.float32, device=dev)
-    if num_rows == 0:
-        return out
-    cfg = config or pick_config(num_rows)
-    partials = torch.empty((SPLITS["fc2"], num_rows, TEMB), dtype=torch.float32, device=dev)
-    if wgmma is None:
-        tile = forward_weight_tile(dev, num_rows)
-    else:
-        tile = (forward_weight_tile(dev, num_rows) or WEIGHT_TILE) if wgmma else None
-    if tile is not None:  # fc1 writes h's big / small TF32 operand arrays, fc2 splits w2 in registers
-        h_big, h_small = (torch.empty((num_rows, MLP_HIDDEN), dtype=torch.float32, device=dev) for _ in range(2))
-        if tile == WEIGHT_TILE:  # large T: fc1 on wgmma too (w1 in registers, x split first)
-            _weight_gemm(dev, "fc1_split", WEIGHT_FC1_TILE)(w1, *_split(x), b1, h_big, h_small)
-        else:
-            _gemm(dev, "fc1_split", cfg.fc1)(x, w1, b1, h_big, h_small)
-        _weight_gemm(dev, "fc2", tile)(w2, h_big, h_small, partials)
-    else:
-        h = torch.empty((num_rows, MLP_HIDDEN), dtype=torch.float32, device=dev)
-        _gemm(dev, "fc1", cfg.fc1)(x, w1, b1, h)  # h only: the forward never reads z
-        _gemm(dev, "fc2", cfg.fc2)(h, w2, partials)
-    _fold(dev, "fc2", "bias")(partials, b2, out)
-    return out
+    key = Key(config, None if wgmma is None else bool(wgmma))
+    return P.run(build, Phase.FORWARD, key, (x, w1, b1, w2, b2), x.shape[0], x.shape[:-1], x.device)[0]
 
 
 def transposed(a: torch.Tensor) -> torch.Tensor:
@@ -208,43 +258,10 @@ def transposed(a: torch.Tensor) -> torch.Tensor:
 def backward(grad, x, w1, b1, w2, config: MlpConfig | None = None, wgmma: bool | None = None):
     """(dx, dw1, db1, dw2, db2) of temb = timestep_mlp(x, w1, b1, w2, b2) for upstream `grad` (T, 2688).
     wgmma: fc2_dgrad and fc2_wgrad on TF32 wgmma (sm_90a only); None: `uses_wgmma`. Same bits either way."""
-    num_rows = x.shape[0]
-    dev = x.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    if num_rows == 0:
-        return (torch.empty((0, FREQ), **f32), torch.zeros_like(w1), torch.zeros_like(b1),
-                torch.zeros_like(w2), torch.zeros((TEMB,), **f32))
-    cfg = config or pick_config(num_rows)
-    use_wgmma = uses_wgmma(dev, num_rows) if wgmma is None else wgmma
-    z, h = _fc1(x, w1, b1, cfg.fc1, use_wgmma)
+    key = Key(config, None if wgmma is None else bool(wgmma))
+    return P.run(build, Phase.BACKWARD, key, (grad, x, w1, b1, w2), x.shape[0], x.shape[:-1], x.device)
 
-    dh_partials = torch.empty((SPLITS["fc2_dgrad"], num_rows, MLP_HIDDEN), **f32)
-    if use_wgmma:  # W = w2^T (5376, 2688), read as w2 in place (M-major weight tiles)
-        _weight_gemm(dev, "fc2_dgrad")(transposed(w2), *_split(grad), dh_partials)
-    else:
-        _gemm(dev, "fc2_dgrad", cfg.fc2_dgrad)(grad, transposed(w2), dh_partials)  # w2 read N-major in place
-    dz = torch.empty((num_rows, MLP_HIDDEN), **f32)
-    db1 = torch.empty((MLP_HIDDEN,), **f32)
-    # dz = fold(dh partials) * silu'(z), and db1 = column sums of dz, in one pass
-    runtime.kernel("timestep_mlp_colsum", dev, cols=MLP_HIDDEN, fold_dz=True)(dh_partials, z, dz, db1)
 
-    dx_partials = torch.empty((SPLITS["fc1_dgrad"], num_rows, FREQ), **f32)
-    _gemm(dev, "fc1_dgrad", cfg.fc1_dgrad)(dz, transposed(w1), dx_partials)
-    dx = torch.empty((num_rows, FREQ), **f32)
-    _fold(dev, "fc1_dgrad", "sum")(dx_partials, dx.new_empty((1,)), dx)
-
-    dw2 = torch.empty((1, TEMB, MLP_HIDDEN), **f32)
-    if use_wgmma:
-        # A = grad^T (2688, T), B = h^T (5376, T), K = T zero-padded: a chunk of zeros adds +-0, and acc is
-        # never -0 (it starts at +0; an RN sum is -0 only when both terms are), so it leaves every bit alone,
-        # however many such chunks the padding (here to 32, in the mma.sync kernel to its tile_k) adds.
-        depth = -(-num_rows // WGMMA_K_PAD) * WGMMA_K_PAD
-        _wgmma_gemm(dev, "fc2_wgrad")(*_split_transposed(grad, depth), *_split_transposed(h, depth), dw2)
-    else:
-        _gemm(dev, "fc2_wgrad", cfg.fc2_wgrad)(transposed(grad), transposed(h), dw2)
-    dw1 = torch.empty((1, MLP_HIDDEN, FREQ), **f32)
-    _gemm(dev, "fc1_wgrad", cfg.fc1_wgrad)(transposed(dz), transposed(x), dw1)
-
-    db2 = torch.empty((TEMB,), **f32)
-    runtime.kernel("timestep_mlp_colsum", dev, cols=TEMB, fold_dz=False)(grad, grad, grad, db2)
-    return dx, dw1[0], db1, dw2[0], db2
+def native_plan(device: int, phase: str, key: tuple, rows: int) -> tuple:
+    """For the C++ impls (h3cute.native): the encoded plan of `phase` serving `rows` (key (): the default picks)."""
+    return P.native_plan(build, KEYS, device, phase, key, rows)

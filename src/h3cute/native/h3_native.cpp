@@ -9,7 +9,8 @@
 // h3cute.ops.validate, or runs; the compiled kernel is looked up once per (device, variant) through
 // the Python runtime (prebuilt bundle, disk cache or JIT), which keeps the function alive. Ops on launch plans
 // (h3cute/launch/plan.py: linear, gate_residual, norm_modulate, gate_residual_norm_modulate, adaln_row_gather,
-// timestep_sinusoid) hold only their fast-path predicate here and walk the plan Python wrote (PlanTable, walk).
+// timestep_sinusoid, timestep_mlp, adaln_projection) hold only their fast-path predicate here and walk the plan
+// Python wrote (PlanTable, walk).
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -40,10 +41,8 @@ constexpr int kMaxDevices = 64;
 struct Constants {
   // h3cute.widths
   int64_t hidden, freq, mlp_hidden, temb, block_chunks, block_table, block_projection, final_projection;
-  // launch/timestep_mlp.py SPLITS (the split GEMMs' K slices), WGMMA_K_PAD
-  int64_t fc2_splits, fc2_dgrad_splits, fc1_dgrad_splits, wgmma_k_pad;
-  // launch/adaln_projection.py DGRAD_SPLITS, FOLD_WARPS_LAUNCH, DBIAS_ROW_BLOCK
-  int64_t dgrad_splits, fold_warps, dbias_row_block;
+  // launch/adaln_projection.py DGRAD_SPLITS
+  int64_t dgrad_splits;
   // launch/norm_modulate.py: the largest of FUSED_CAPS, MAX_TABLE_ROWS
   int64_t max_fused_table_rows, max_table_rows;
   // h3cute.widths.LINEAR_SHAPES: h3::linear's weight shapes (N, K), the ones its fast path serves
@@ -57,9 +56,7 @@ void configure(const py::dict& constants) {
       {"hidden", &h3.hidden}, {"freq", &h3.freq}, {"mlp_hidden", &h3.mlp_hidden}, {"temb", &h3.temb},
       {"block_chunks", &h3.block_chunks}, {"block_table", &h3.block_table},
       {"block_projection", &h3.block_projection}, {"final_projection", &h3.final_projection},
-      {"fc2_splits", &h3.fc2_splits}, {"fc2_dgrad_splits", &h3.fc2_dgrad_splits},
-      {"fc1_dgrad_splits", &h3.fc1_dgrad_splits}, {"wgmma_k_pad", &h3.wgmma_k_pad},
-      {"dgrad_splits", &h3.dgrad_splits}, {"fold_warps", &h3.fold_warps}, {"dbias_row_block", &h3.dbias_row_block},
+      {"dgrad_splits", &h3.dgrad_splits},
       {"max_fused_table_rows", &h3.max_fused_table_rows}, {"max_table_rows", &h3.max_table_rows}};
   TORCH_CHECK(constants.size() == std::size(fields) + 1, "h3cute native: install() takes ", std::size(fields) + 1,
               " constants, got ", constants.size());
@@ -149,8 +146,6 @@ class KernelArg {
  public:
   KernelArg(const at::Tensor& t) : view_(t) {}  // NOLINT: implicit, as the call sites list them
   KernelArg(View v) : view_(std::move(v)) {}    // NOLINT
-  template <typename B, typename = decltype(std::declval<const B&>().view())>
-  KernelArg(const B& block) : view_(block.view()) {}  // NOLINT: a carved scratch block (Carver::Block)
   KernelArg(double v) : scalar_(v) {}           // NOLINT
   KernelArg(int64_t v) : int_(v), is_int_(true) {}  // NOLINT: an Int64 scalar such as a check slot's address
   TVMFFIAny any() const {
@@ -313,70 +308,6 @@ bool dense(const at::Tensor& t, at::ScalarType dtype, int device, std::initializ
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// ---- timestep_mlp (h3cute/launch/timestep_mlp.py: the same launches in the same order, PDL) -------------
-
-KernelTable mlp_kernels("h3cute.launch.timestep_mlp");  // variant 0: forward kernels, 1: backward kernels
-
-bool mlp_fast(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, int d) {
-  return dense(x, at::kFloat, d, {-1, h3.freq}) && x.size(0) > 0 &&
-         dense(w1, at::kFloat, d, {h3.mlp_hidden, h3.freq}) && dense(b1, at::kFloat, d, {h3.mlp_hidden}) &&
-         dense(w2, at::kFloat, d, {h3.temb, h3.mlp_hidden});
-}
-
-// Regions of one allocation: each declared once with its shape (`block`, `block3`), then `allocate` makes the
-// one buffer. A region is only the kernels' view of it (`view`, `t`: no ATen call at all, since at small T each
-// ATen call is host time the kernels never needed), or, for what the op returns, a tensor (`tensor`, `vector`:
-// one as_strided call). Every region's size is a multiple of 4 elements, so each stays 16-byte aligned for the
-// kernels' vector accesses.
-class Carver {
- public:
-  // A dense row-major region: (rows, cols), or (depth, rows, cols) when declared with a depth.
-  class Block {
-   public:
-    Block(const at::Tensor& base, int64_t offset, int64_t rows, int64_t cols, int64_t depth)
-        : base_(base), offset_(offset), rows_(rows), cols_(cols), depth_(depth) {}
-    View view() const {
-      if (depth_ > 0) return View(base(), {depth_, rows_, cols_}, {rows_ * cols_, cols_, 1}, offset_);
-      return View(base(), {rows_, cols_}, {cols_, 1}, offset_);
-    }
-    // (cols, rows) with strides (1, cols): the MN-major operand layout of a 2-D region
-    View t() const { return View(base(), {cols_, rows_}, {1, cols_}, offset_); }
-    at::Tensor tensor() const { return base().as_strided({rows_, cols_}, {cols_, 1}, offset_); }
-    at::Tensor vector() const { return base().as_strided({rows_ * cols_}, {1}, offset_); }
-
-   private:
-    const at::Tensor& base() const {
-      TORCH_INTERNAL_ASSERT(base_.defined(), "h3cute: a carved region used before Carver::allocate");
-      return base_;
-    }
-    const at::Tensor& base_;  // the Carver's buffer, defined once it is allocated
-    int64_t offset_, rows_, cols_, depth_;
-  };
-
-  Carver() = default;
-  Carver(const Carver&) = delete;  // Blocks refer to buffer_
-  Carver& operator=(const Carver&) = delete;
-
-  Block block(int64_t rows, int64_t cols) { return block3(0, rows, cols); }
-  Block block3(int64_t depth, int64_t rows, int64_t cols) {
-    TORCH_INTERNAL_ASSERT(!buffer_.defined(), "h3cute: region declared after Carver::allocate");
-    const int64_t numel = (depth > 0 ? depth : 1) * rows * cols;
-    TORCH_CHECK(numel % 4 == 0, "h3cute: carved region of ", numel, " elements breaks 16-byte alignment");
-    const int64_t offset = total_;
-    total_ += numel;
-    return Block(buffer_, offset, rows, cols, depth);
-  }
-  void allocate(const at::TensorOptions& options) { buffer_ = at::empty({total_}, options); }
-
- private:
-  at::Tensor buffer_;
-  int64_t total_ = 0;
-};
-using Block = Carver::Block;
-
-// The (cols, rows) view with strides (1, cols) of a dense (rows, cols) tensor: the MN-major operand layout.
-View transposed(const at::Tensor& t) { return View(t, {t.size(1), t.size(0)}, {1, t.size(1)}); }
-
 // A dense tensor as one flat vector (the folds' output).
 View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
 
@@ -390,10 +321,15 @@ View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
 enum class Layout : int64_t { as_is = 0, t = 1, flat = 2, matrix = 3, first = 4, item0 = 5, strided = 6 };
 constexpr int64_t kLayouts = 7;
 
-// per_row * M + whole * (M / step * step) + konst, for the op's row count M (plan.Dim)
+// per_row * M + whole * (M / step * step) + konst, for the op's row count M; with `up`, M's steps rounded up
+// ((M + step - 1) / step); with `count`, the whole term counts the steps: whole * (M / step) (plan.Dim)
 struct Dim {
   int64_t konst = 0, per_row = 0, whole = 0, step = 1;
-  int64_t at(int64_t m) const { return per_row * m + whole * (m / step * step) + konst; }
+  bool up = false, count = false;
+  int64_t at(int64_t m) const {
+    const int64_t steps = (up ? m + step - 1 : m) / step;
+    return per_row * m + whole * (count ? steps : steps * step) + konst;
+  }
 };
 
 // a step's guard: none, or dim(M) != 0 (nonzero) / == 0 (plan.Cond)
@@ -429,6 +365,7 @@ struct Step {
 struct Buffer {
   at::ScalarType dtype;
   std::vector<Dim> shape;
+  int64_t arena = -1;  // carved from arena `arena`'s one allocation (plan.Buffer.arena), -1: its own
 };
 
 enum class OutputKind : int64_t { view = 0, column_sum = 1 };
@@ -439,7 +376,7 @@ struct Output {
 };
 
 struct Plan {
-  int64_t lo = 0, hi = 0, inputs = 0;
+  int64_t lo = 0, hi = 0, inputs = 0, arenas = 0;
   std::vector<TVMFFIObjectHandle> fns;
   std::vector<Buffer> buffers;
   std::vector<Step> steps;
@@ -462,12 +399,16 @@ int64_t plan_dtype_code(at::ScalarType t) {
 
 Dim decode_dim(const py::handle& h) {
   auto t = h.cast<py::tuple>();
-  TORCH_CHECK(t.size() == 4, "h3cute native: a plan dim has 4 terms");
-  Dim d{t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>()};
+  TORCH_CHECK(t.size() == 4 || t.size() == 6, "h3cute native: a plan dim has 4 terms (and 2 flags)");
+  Dim d{t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
+        t.size() == 6 && t[4].cast<int64_t>() != 0, t.size() == 6 && t[5].cast<int64_t>() != 0};
   TORCH_CHECK(d.step > 0, "h3cute native: a plan dim's row step must be positive");
   return d;
 }
-py::tuple encode_dim(const Dim& d) { return py::make_tuple(d.konst, d.per_row, d.whole, d.step); }
+py::tuple encode_dim(const Dim& d) {
+  return py::make_tuple(d.konst, d.per_row, d.whole, d.step, static_cast<int64_t>(d.up),
+                        static_cast<int64_t>(d.count));
+}
 
 Cond decode_cond(const py::handle& h) {
   auto t = h.cast<py::tuple>();
@@ -536,11 +477,21 @@ Plan decode_plan(const py::tuple& t) {
   p.hi = t[1].cast<int64_t>();
   p.inputs = t[2].cast<int64_t>();
   for (const auto& h : t[3].cast<py::tuple>()) p.fns.push_back(reinterpret_cast<void*>(h.cast<uintptr_t>()));
+  std::vector<at::ScalarType> arena_dtypes;
   for (const auto& h : t[4].cast<py::tuple>()) {
     auto b = h.cast<py::tuple>();
-    Buffer buffer{plan_dtype(b[0].cast<int64_t>()), {}};
+    TORCH_CHECK(b.size() == 2 || b.size() == 3, "h3cute native: a plan buffer has 2 or 3 fields");
+    Buffer buffer{plan_dtype(b[0].cast<int64_t>()), {}, b.size() == 3 ? b[2].cast<int64_t>() : -1};
     for (const auto& d : b[1].cast<py::tuple>()) buffer.shape.push_back(decode_dim(d));
     TORCH_CHECK(buffer.shape.size() <= 3, "h3cute native: a plan buffer has at most 3 dims");
+    // arenas are numbered in order of first use, each of one dtype
+    TORCH_CHECK(-1 <= buffer.arena && buffer.arena <= p.arenas, "h3cute native: plan buffer arena ", buffer.arena);
+    if (buffer.arena == p.arenas) {
+      ++p.arenas;
+      arena_dtypes.push_back(buffer.dtype);
+    }
+    TORCH_CHECK(buffer.arena < 0 || arena_dtypes[buffer.arena] == buffer.dtype,
+                "h3cute native: a plan arena mixes dtypes");
     p.buffers.push_back(std::move(buffer));
   }
   const int64_t sources = p.inputs + static_cast<int64_t>(p.buffers.size());
@@ -582,7 +533,7 @@ py::tuple encode_plan(const Plan& p) {
   for (const Buffer& b : p.buffers) {
     py::list shape;
     for (const Dim& d : b.shape) shape.append(encode_dim(d));
-    buffers.append(py::make_tuple(plan_dtype_code(b.dtype), py::tuple(shape)));
+    buffers.append(py::make_tuple(plan_dtype_code(b.dtype), py::tuple(shape), b.arena));
   }
   for (const Step& s : p.steps) {
     py::list args;
@@ -704,18 +655,42 @@ struct Resolved {
 };
 
 // Runs `p` on `inputs` for m rows (`lead`: the row input's leading dims): allocates its buffers with `options`'
-// device, then each step whose guard holds in order, `launch(kernel index, arguments)` for a launch; returns its
-// outputs. The caller holds the op's StreamScope.
+// device (each on its own, or carved from its arena's one allocation as plan.py's `carve` lays it out: declaration
+// order, each region's start rounded up to 16 bytes), then each step whose guard holds in order,
+// `launch(kernel index, arguments)` for a launch; returns its outputs. The caller holds the op's StreamScope.
 template <typename LaunchFn>
 std::vector<at::Tensor> walk(const Plan& p, std::vector<Operand> env, int64_t m, c10::IntArrayRef lead,
                              const at::TensorOptions& options, LaunchFn&& launch) {
   TORCH_CHECK(static_cast<int64_t>(env.size()) == p.inputs, "h3cute native: a plan of ", p.inputs,
               " inputs given ", env.size());
   for (int64_t i = 0; i < p.inputs; ++i) env[i].source = i;
-  for (const Buffer& b : p.buffers) {
+  std::vector<int64_t> totals(p.arenas, 0), starts(p.buffers.size(), 0);
+  for (size_t i = 0; i < p.buffers.size(); ++i) {
+    const Buffer& b = p.buffers[i];
+    if (b.arena < 0) continue;
+    const int64_t align = 16 / static_cast<int64_t>(c10::elementSize(b.dtype));
+    int64_t numel = 1;
+    for (const Dim& d : b.shape) numel *= d.at(m);
+    starts[i] = (totals[b.arena] + align - 1) / align * align;
+    totals[b.arena] = starts[i] + numel;
+  }
+  std::vector<at::Tensor> arenas(p.arenas);
+  for (size_t i = 0; i < p.buffers.size(); ++i) {
+    const Buffer& b = p.buffers[i];
+    const int64_t ndim = static_cast<int64_t>(b.shape.size());
     int64_t sizes[3];
-    for (size_t d = 0; d < b.shape.size(); ++d) sizes[d] = b.shape[d].at(m);
-    env.emplace_back(at::empty(c10::IntArrayRef(sizes, b.shape.size()), options.dtype(b.dtype)));
+    for (int64_t d = 0; d < ndim; ++d) sizes[d] = b.shape[d].at(m);
+    if (b.arena < 0) {
+      env.emplace_back(at::empty(c10::IntArrayRef(sizes, ndim), options.dtype(b.dtype)));
+    } else {
+      at::Tensor& arena = arenas[b.arena];
+      if (!arena.defined()) arena = at::empty({totals[b.arena]}, options.dtype(b.dtype));
+      Operand region(arena, ndim);  // dense row-major at its start
+      region.offset = starts[i];
+      for (int64_t d = ndim - 1, step = 1; d >= 0; step *= std::max<int64_t>(sizes[d], 1), --d)
+        region.sizes[d] = sizes[d], region.strides[d] = step;
+      env.push_back(region);
+    }
     env.back().source = static_cast<int64_t>(env.size()) - 1;
   }
   std::vector<Resolved> args;
@@ -884,7 +859,15 @@ at::Tensor timestep_sinusoid_cuda(const at::Tensor& t, bool check_range) {
   return walk(plan, {t}, t.size(0), t.sizes(), t.options())[0];
 }
 
-// ---- timestep_mlp (its kernel table and Carver above) -------------------------------------------------------
+// ---- timestep_mlp (h3cute/launch/timestep_mlp.py: its launch plans, the default picks) -------------------
+
+PlanTable mlp_plans("h3cute.launch.timestep_mlp");
+
+bool mlp_fast(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2, int d) {
+  return dense(x, at::kFloat, d, {-1, h3.freq}) && x.size(0) > 0 &&
+         dense(w1, at::kFloat, d, {h3.mlp_hidden, h3.freq}) && dense(b1, at::kFloat, d, {h3.mlp_hidden}) &&
+         dense(w2, at::kFloat, d, {h3.temb, h3.mlp_hidden});
+}
 
 at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                              const at::Tensor& b2) {
@@ -892,106 +875,9 @@ at::Tensor timestep_mlp_cuda(const at::Tensor& x, const at::Tensor& w1, const at
   if (!(mlp_fast(x, w1, b1, w2, d) && dense(b2, at::kFloat, d, {h3.temb}) && !errors_pending(d)))
     return python_impl<at::Tensor>("h3cute.ops.timestep", "_mlp_cuda", x, w1, b1, w2, b2);
   const int64_t rows = x.size(0);
-  const auto& kernels = mlp_kernels.get(d, 0, rows);
-  const TVMFFIObjectHandle* fn = kernels.fns;
-  at::Tensor out = at::empty({rows, h3.temb}, x.options());
-  if (kernels.params[0] == 1) {  // sm_90a, small T: fc1_split writes h's TF32 operand pair, fc2 on wgmma
-    Carver scratch;
-    Block h_big = scratch.block(rows, h3.mlp_hidden), h_small = scratch.block(rows, h3.mlp_hidden);
-    Block partials = scratch.block3(h3.fc2_splits, rows, h3.temb);
-    scratch.allocate(x.options());
-    StreamScope stream(d);
-    call_kernel(fn[0], {x, w1, b1, h_big, h_small});
-    call_kernel(fn[1], {w2, h_big, h_small, partials});
-    call_kernel(fn[2], {partials, b2, out});
-    return out;
-  }
-  if (kernels.params[0] == 2) {  // sm_90a, T >= WGMMA_MIN_ROWS: split x, fc1_split and fc2 on wgmma, fold
-    Carver scratch;
-    Block x_big = scratch.block(rows, h3.freq), x_small = scratch.block(rows, h3.freq);
-    Block h_big = scratch.block(rows, h3.mlp_hidden), h_small = scratch.block(rows, h3.mlp_hidden);
-    Block partials = scratch.block3(h3.fc2_splits, rows, h3.temb);
-    scratch.allocate(x.options());
-    StreamScope stream(d);
-    call_kernel(fn[0], {x, x_big, x_small});
-    call_kernel(fn[1], {w1, x_big, x_small, b1, h_big, h_small});
-    call_kernel(fn[2], {w2, h_big, h_small, partials});
-    call_kernel(fn[3], {partials, b2, out});
-    return out;
-  }
-  // fc1, fc2, fold_fc2
-  Carver scratch;  // one allocation for h, partials
-  Block h = scratch.block(rows, h3.mlp_hidden), partials = scratch.block3(h3.fc2_splits, rows, h3.temb);
-  scratch.allocate(x.options());
+  const Plan& plan = mlp_plans.get(d, Phase::forward, {}, rows);
   StreamScope stream(d);
-  call_kernel(fn[0], {x, w1, b1, h});
-  call_kernel(fn[1], {h, w2, partials});
-  call_kernel(fn[2], {partials, b2, out});
-  return out;
-}
-
-// The backward's five gradients as views of one allocation (host time at small T), in the op's return order,
-// and the views its kernels write them through.
-struct MlpGrads {
-  MlpGrads(int64_t rows, const at::TensorOptions& options) {
-    // the regions of dx, dw1, db1, dw2, db2, in the op's return order
-    Block gx = carver.block(rows, h3.freq), gw1 = carver.block(h3.mlp_hidden, h3.freq),
-          gb1 = carver.block(1, h3.mlp_hidden), gw2 = carver.block(h3.temb, h3.mlp_hidden),
-          gb2 = carver.block(1, h3.temb);
-    carver.allocate(options);
-    dx = gx.tensor();
-    dw1 = gw1.tensor();
-    db1 = gb1.vector();
-    dw2 = gw2.tensor();
-    db2 = gb2.vector();
-  }
-  // the weight-gradient GEMMs write a (1, N, K) batch
-  View dw2_batch() const { return View(dw2, {1, h3.temb, h3.mlp_hidden}, {h3.temb * h3.mlp_hidden, h3.mlp_hidden, 1}); }
-  View dw1_batch() const { return View(dw1, {1, h3.mlp_hidden, h3.freq}, {h3.mlp_hidden * h3.freq, h3.freq, 1}); }
-  // the "sum" fold takes a (1,) aux operand it never reads
-  View unused_aux() const { return View(dx, {1}, {1}); }
-  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tuple() const {
-    return {dx, dw1, db1, dw2, db2};
-  }
-
-  Carver carver;
-  at::Tensor dx, dw1, db1, dw2, db2;
-};
-
-// The sm_90a backward from WGMMA_MIN_ROWS rows (h3cute/launch/timestep_mlp.py backward, wgmma=True): split x,
-// fc1_zh with w1 split in registers, split grad, fc2_dgrad with w2 split in registers, colsum_dz,
-// fc1_dgrad, fold_dx, transposing split of grad and of h (K = T zero-padded to a multiple of h3.wgmma_k_pad), the
-// wgmma fc2_wgrad, fc1_wgrad, colsum_db2.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_wgmma(
-    const TVMFFIObjectHandle* fn, const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w1,
-    const at::Tensor& b1, const at::Tensor& w2) {
-  const int64_t rows = x.size(0);
-  const int64_t depth = (rows + h3.wgmma_k_pad - 1) / h3.wgmma_k_pad * h3.wgmma_k_pad;
-  Carver scratch;
-  Block x_big = scratch.block(rows, h3.freq), x_small = scratch.block(rows, h3.freq);
-  Block z = scratch.block(rows, h3.mlp_hidden), h = scratch.block(rows, h3.mlp_hidden);
-  Block g_big = scratch.block(rows, h3.temb), g_small = scratch.block(rows, h3.temb);
-  Block dh_partials = scratch.block3(h3.fc2_dgrad_splits, rows, h3.mlp_hidden), dz = scratch.block(rows, h3.mlp_hidden);
-  Block dx_partials = scratch.block3(h3.fc1_dgrad_splits, rows, h3.freq);
-  Block gt_big = scratch.block(h3.temb, depth), gt_small = scratch.block(h3.temb, depth);
-  Block ht_big = scratch.block(h3.mlp_hidden, depth), ht_small = scratch.block(h3.mlp_hidden, depth);
-  scratch.allocate(x.options());
-  MlpGrads g(rows, x.options());
-
-  StreamScope stream(x.get_device());
-  call_kernel(fn[0], {x, x_big, x_small});
-  call_kernel(fn[1], {w1, x_big, x_small, b1, z, h});
-  call_kernel(fn[0], {grad, g_big, g_small});
-  call_kernel(fn[2], {transposed(w2), g_big, g_small, dh_partials});
-  call_kernel(fn[3], {dh_partials, z, dz, g.db1});
-  call_kernel(fn[4], {dz, transposed(w1), dx_partials});
-  call_kernel(fn[5], {dx_partials, g.unused_aux(), g.dx});
-  call_kernel(fn[6], {grad, gt_big, gt_small});
-  call_kernel(fn[6], {h, ht_big, ht_small});
-  call_kernel(fn[7], {gt_big, gt_small, ht_big, ht_small, g.dw2_batch()});
-  call_kernel(fn[8], {dz.t(), transposed(x), g.dw1_batch()});
-  call_kernel(fn[9], {grad, grad, grad, g.db2});
-  return g.tuple();
+  return walk(plan, {x, w1, b1, w2, b2}, rows, x.sizes().slice(0, 1), x.options())[0];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_mlp_backward_cuda(
@@ -1002,28 +888,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
     return python_impl<R>("h3cute.ops.timestep", "_mlp_backward_cuda", grad, x, w1, b1, w2);
   }
   const int64_t rows = x.size(0);
-  const auto& kernels = mlp_kernels.get(d, 1, rows);
-  if (kernels.params[0]) return timestep_mlp_backward_wgmma(kernels.fns, grad, x, w1, b1, w2);
-  // fc1_zh, fc2_dgrad, colsum_dz, fc1_dgrad, fold_dx, fc2_wgrad, fc1_wgrad, colsum_db2
-  const TVMFFIObjectHandle* fn = kernels.fns;
-  // Two allocations (host time at small T): the intermediates, and the five gradients (MlpGrads).
-  Carver scratch;
-  Block z = scratch.block(rows, h3.mlp_hidden), h = scratch.block(rows, h3.mlp_hidden);
-  Block dh_partials = scratch.block3(h3.fc2_dgrad_splits, rows, h3.mlp_hidden), dz = scratch.block(rows, h3.mlp_hidden);
-  Block dx_partials = scratch.block3(h3.fc1_dgrad_splits, rows, h3.freq);
-  scratch.allocate(x.options());
-  MlpGrads g(rows, x.options());
-
+  const Plan& plan = mlp_plans.get(d, Phase::backward, {}, rows);
   StreamScope stream(d);
-  call_kernel(fn[0], {x, w1, b1, z, h});
-  call_kernel(fn[1], {grad, transposed(w2), dh_partials});
-  call_kernel(fn[2], {dh_partials, z, dz, g.db1});
-  call_kernel(fn[3], {dz, transposed(w1), dx_partials});
-  call_kernel(fn[4], {dx_partials, g.unused_aux(), g.dx});
-  call_kernel(fn[5], {transposed(grad), h.t(), g.dw2_batch()});
-  call_kernel(fn[6], {dz.t(), transposed(x), g.dw1_batch()});
-  call_kernel(fn[7], {grad, grad, grad, g.db2});
-  return g.tuple();
+  auto out = walk(plan, {grad, x, w1, b1, w2}, rows, x.sizes().slice(0, 1), x.options());
+  return {out[0], out[1], out[2], out[3], out[4]};
 }
 
 // ---- norm_modulate / final_adaln_out forward (h3cute/launch/norm_modulate.py forward_rows) -------------
@@ -1033,8 +901,8 @@ PlanTable norm_modulate_plans("h3cute.launch.norm_modulate");
 // variant 0: [silu_cast, proj_fwd, norm_modulate_fwd]; 1 (T <= 24): the backward's, see final_adaln_out_backward_cuda
 KernelTable final_kernels("h3cute.launch.final_adaln_out");
 
-// The projection GEMM's launch sequences (h3cute/launch/adaln_projection.py forward, backward), shared by
-// adaln_projection (N = 96768) and final_adaln_out (N = 10752); called inside the op's StreamScope.
+// final_adaln_out's projection (N = 10752; h3cute/launch/adaln_projection.py forward, backward), called inside the
+// op's StreamScope.
 
 // out (T, N) BF16 = bf16(silu(temb)) W^T + b. fn: [adaln_silu_cast, the projection GEMM].
 void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, const at::Tensor& weight,
@@ -1045,34 +913,17 @@ void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, co
 }
 
 // d_temb through h3.dgrad_splits FP32 partials and their in-order fold (which also recomputes bf16(silu(temb))),
-// then dW = grad^T act; the dW GEMM writes db (bias_block = 0) or adaln_bias_grad does, from one FP32 partial per
-// bias_block rows of T (Python decides: kernel_handles' launch constant). bias_block = h3.fold_warps: the dW GEMM's
-// side warps fold d_temb and sum db's 64-row blocks into dbias_blocks while it runs, a second launch of the same
-// function folding the blocks into db (adaln_proj_wgrad_fold), its operand made first.
-// fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM, adaln_bias_grad (read only when bias_block > 0)], or with
-// h3.fold_warps [adaln_silu_cast, the d_temb GEMM, adaln_proj_wgrad_fold].
-std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, int64_t bias_block,
-                                                                   const at::Tensor& grad, const at::Tensor& temb,
-                                                                   const at::Tensor& weight) {
+// then dW = grad^T act, the dW GEMM writing db (T <= 24 here). fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, const at::Tensor& grad,
+                                                                   const at::Tensor& temb, const at::Tensor& weight) {
   const int64_t timesteps = temb.size(0), n = weight.size(0);
   const auto f32 = temb.options(), bf16 = weight.options();
   at::Tensor partial = at::empty({h3.dgrad_splits, timesteps, h3.temb}, f32);
   at::Tensor dtemb = at::empty({timesteps, h3.temb}, f32), act = at::empty({timesteps, h3.temb}, bf16);
   at::Tensor dweight = at::empty_like(weight), dbias = at::empty({n}, bf16);
-  if (bias_block == h3.fold_warps) {
-    call_kernel(fn[0], {temb, act});
-    call_kernel(fn[1], {grad, weight, partial});
-    at::Tensor dbias_blocks = at::empty({(timesteps + h3.dbias_row_block - 1) / h3.dbias_row_block, n}, f32);
-    call_kernel(fn[2], {grad, act, dweight, dbias, partial, temb, dtemb, dbias_blocks});
-    return {dtemb, dweight, dbias};
-  }
   call_kernel(fn[0], {grad, weight, partial});
   call_kernel(fn[1], {partial, temb, dtemb, act});
   call_kernel(fn[2], {grad, act, dweight, dbias});
-  if (bias_block > 0) {
-    at::Tensor bias_partial = at::empty({(timesteps + bias_block - 1) / bias_block, n}, f32);
-    call_kernel(fn[3], {grad, bias_partial, dbias});
-  }
   return {dtemb, dweight, dbias};
 }
 
@@ -1224,7 +1075,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
   if (!table) projection_forward(k.fns, temb, pw, pb, proj);
   View scale(proj, {timesteps, h3.hidden}, {h3.final_projection, 1}, h3.hidden);  // the projection's scale half
   NormGrads g = norm_backward_fused(k, 2, 3, grad, x, nw, scale, ti, eps, timesteps);
-  auto [dtemb, dpw, dpb] = projection_backward(k.fns + 4, 0, g.dtable, temb, pw);  // T <= 24: db fused into dW
+  auto [dtemb, dpw, dpb] = projection_backward(k.fns + 4, g.dtable, temb, pw);  // T <= 24: db fused into dW
   return {g.dx, g.dweight, dtemb, dpw, dpb};
 }
 
@@ -1319,7 +1170,8 @@ at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor
 // ---- adaln_projection (h3cute/launch/adaln_projection.py, N = 96768) ------------------------------------
 
 // variant 0: [silu_cast, proj_fwd]; 1: [proj_dgrad, dtemb_fold, proj_wgrad(, bias_grad)], [db row block, 0: fused]
-KernelTable projection_kernels("h3cute.launch.adaln_projection");
+// adaln_projection (launch plans): key (N,), the default picks
+PlanTable projection_plans("h3cute.launch.adaln_projection");
 
 bool projection_fast(const at::Tensor& temb, const at::Tensor& weight, int d) {
   return dense(temb, at::kFloat, d, {-1, h3.temb}) && aligned16(temb) && temb.size(0) > 0 &&
@@ -1331,11 +1183,9 @@ at::Tensor adaln_projection_cuda(const at::Tensor& temb, const at::Tensor& weigh
   if (!(projection_fast(temb, weight, d) && dense(bias, at::kBFloat16, d, {h3.block_projection}) && aligned16(bias)))
     return python_impl<at::Tensor>("h3cute.ops.adaln", "_projection_cuda", temb, weight, bias);
   const int64_t timesteps = temb.size(0);
-  const TVMFFIObjectHandle* fn = projection_kernels.get(d, 0, timesteps).fns;
-  at::Tensor out = at::empty({timesteps, h3.block_projection}, weight.options());
+  const Plan& plan = projection_plans.get(d, Phase::forward, {h3.block_projection}, timesteps);
   StreamScope stream(d);
-  projection_forward(fn, temb, weight, bias, out);
-  return out;
+  return walk(plan, {temb, weight, bias}, timesteps, temb.sizes().slice(0, 1), temb.options())[0];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_projection_backward_cuda(const at::Tensor& grad,
@@ -1346,9 +1196,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> adaln_projection_backward_cuda(co
         aligned16(grad)))
     return python_impl<std::tuple<at::Tensor, at::Tensor, at::Tensor>>("h3cute.ops.adaln", "_projection_backward_cuda",
                                                                        grad, temb, weight);
-  const KernelTable::Entry& k = projection_kernels.get(d, 1, temb.size(0));
+  const int64_t timesteps = temb.size(0);
+  const Plan& plan = projection_plans.get(d, Phase::backward, {h3.block_projection}, timesteps);
   StreamScope stream(d);
-  return projection_backward(k.fns, k.params[0], grad, temb, weight);
+  auto out = walk(plan, {grad, temb, weight}, timesteps, temb.sizes().slice(0, 1), temb.options());
+  return {out[0], out[1], out[2]};
 }
 
 // ---- linear (h3cute/launch/linear.py, the FP32 heads: launch plans) --------------------------------------
