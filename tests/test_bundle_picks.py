@@ -3,7 +3,7 @@
 `KernelSpec.variants` is what `python -m h3cute build` prebuilds (the configs the row-count pickers can return);
 `KernelSpec.candidates` adds the configs `h3cute-bench sweep` ranks against them, compiled on demand. A pick missing
 from the variants would fail on a device that runs the bundle without the CuTe DSL, so the launchers' kernel
-requests are recorded here (runtime.kernel replaced, no GPU) over every T range of their launch tables, on sm_90a
+requests are recorded here (runtime.kernel replaced, no GPU) over every row range of their launch plans, on sm_90a
 GPUs of 114, 132 and 148 SMs (an H100 PCIe, an H200, a B200-sized one) and on sm_100a, and each must be a variant.
 """
 import pytest
@@ -13,7 +13,7 @@ pytest.importorskip("cutlass", reason="the kernel specs import the CuTe DSL (the
 
 from h3cute import runtime
 from h3cute.kernels._adaln_configs import ADALN_GEMM_CONFIGS, candidates, picks
-from h3cute.launch import adaln_projection, final_adaln_out, timestep_mlp
+from h3cute.launch import adaln_projection, checks, final_adaln_out, norm_modulate, timestep_mlp
 from h3cute.launch import plan as P
 from h3cute.runtime.sources import kernels_package
 from h3cute.runtime.spec import canonical_static
@@ -21,7 +21,6 @@ from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION
 
 SPECS = kernels_package().all_specs()
 SMS = (114, 132, 148)
-LAUNCHERS = (adaln_projection, final_adaln_out, timestep_mlp)
 
 
 def _keys(statics) -> set:
@@ -42,37 +41,38 @@ class _Recorder:
         return 0
 
 
-NATIVE_KEYS = {adaln_projection: (BLOCK_PROJECTION,), timestep_mlp: ()}  # the C++ layer's plan keys
-
-
-def _row_range(launcher, backward: int, rows: int) -> tuple[int, int]:
-    """The T range of what the C++ layer fetches for `rows`: a launch plan (NATIVE_KEYS) or a kernel_handles
-    answer."""
-    if launcher in NATIVE_KEYS:
-        return launcher.native_plan(0, "backward" if backward else "forward", NATIVE_KEYS[launcher], rows)[:2]
-    return launcher.kernel_handles(0, backward, rows)[:2]
+def _plan_sources() -> list:
+    """(launcher module, phase, C++ plan key) of the launch plans whose kernels change with the row count: the
+    projections' and the time MLP's over T, final_adaln_out's parts (its projection over T, its norm rows for every
+    table size T: each fused cap, the unfused kernels of every reduction cap and the windowed ones)."""
+    F = final_adaln_out
+    sources = []
+    for phase in ("forward", "backward"):
+        sources += [(adaln_projection, phase, (BLOCK_PROJECTION,)), (timestep_mlp, phase, ()),
+                    (F, phase, (F.PROJECTION,))]
+    sources += [(F, "forward", (F.ROWS, check)) for check in (0, 1)]
+    sources += [(F, "backward", (F.ROWS, t)) for t in range(1, 2 * norm_modulate.MAX_TABLE_ROWS + 2)]
+    return sources
 
 
 def _requests(monkeypatch, arch: str, sms: int) -> set:
-    """Every (kernel, canonical static) the launchers request for the C++ layer (their plans' kernels or
-    `kernel_handles`) on an `arch` GPU of `sms` SMs, walking each launcher's T ranges (lo..hi) from T = 1 to the
-    last, forward and backward, at both ends (final_adaln_out's C++ backward: to T = 24, where it stops)."""
+    """Every (kernel, canonical static) of the launch plans the launchers walk (and the C++ layer fetches) on an
+    `arch` GPU of `sms` SMs: each plan of `_plan_sources`, walking its row ranges (lo..hi) from 1 to the last,
+    fetching the plan at both ends of each."""
     rec = _Recorder()
     monkeypatch.setattr(runtime, "kernel", rec)
     monkeypatch.setattr(P, "_cache", {})  # plans resolve their kernels through the recorder
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
     monkeypatch.setattr(runtime, "sm_count", lambda device: sms)
-    monkeypatch.setattr(final_adaln_out.norm_modulate, "check_constants", lambda *args: [])  # device memory
-    for launcher in LAUNCHERS:
-        for backward in (0, 1):
-            last = 24 if (launcher, backward) == (final_adaln_out, 1) else runtime.MAX_ROWS
-            rows = 1
-            while rows <= last:
-                lo, hi = _row_range(launcher, backward, rows)
-                assert lo <= rows <= hi, (launcher.__name__, rows, lo, hi)
-                if hi < last:
-                    _row_range(launcher, backward, hi)
-                rows = hi + 1
+    monkeypatch.setattr(checks, "slot_addresses", lambda *args: (0, 0))  # device memory
+    for launcher, phase, key in _plan_sources():
+        rows = 1
+        while rows <= runtime.MAX_ROWS:
+            lo, hi = launcher.native_plan(0, phase, key, rows)[:2]
+            assert lo <= rows <= hi, (launcher.__name__, phase, key, rows, lo, hi)
+            if hi < runtime.MAX_ROWS:
+                launcher.native_plan(0, phase, key, hi)
+            rows = hi + 1
     return rec.calls
 
 
@@ -82,7 +82,11 @@ def test_every_kernel_a_launcher_requests_is_a_bundle_variant(monkeypatch, arch,
     names = {name for name, _ in requests}
     family = {"adaln_proj_fwd_wgmma", "adaln_proj_wgrad_fold", "tf32x3_wgmma_weight_gemm"} if arch == "sm_90a" else \
         {"adaln_proj_fwd", "adaln_proj_dgrad", "adaln_proj_wgrad"}
-    assert family | {"timestep_mlp_gemm", "adaln_silu_cast", "norm_modulate_fwd"} <= names, names
+    rows = {"norm_modulate_fwd", "norm_modulate_bwd_fused", "norm_modulate_bwd_rows", "norm_modulate_bwd_params",
+            "rowwise_fold"}
+    assert family | rows | {"timestep_mlp_gemm", "adaln_silu_cast"} <= names, names
+    assert any(name == "norm_modulate_bwd_params" and dict(static).get("windowed") for name, static in requests), \
+        "the windowed reduction of tables beyond 48 rows"
     missing = sorted((name, static) for name, static in requests
                      if arch not in SPECS[name].archs or static not in _keys(SPECS[name].variants(arch)))
     assert not missing, f"launcher requests that no bundle variant of {arch} serves: {missing}"

@@ -7,8 +7,8 @@ import torch
 
 from h3cute import runtime
 from h3cute.kernels._linear_configs import splits, wgrad_rows
-from h3cute.launch import (adaln_projection, adaln_row_gather, checks, gate_residual, gate_residual_norm_modulate,
-                           linear, norm_modulate, timestep_mlp, timestep_sinusoid)
+from h3cute.launch import (adaln_projection, adaln_row_gather, checks, final_adaln_out, gate_residual,
+                           gate_residual_norm_modulate, linear, norm_modulate, timestep_mlp, timestep_sinusoid)
 from h3cute.launch import plan as P
 from h3cute.launch.norm_modulate import (FUSED_CAPS, FUSED_CLUSTER, FUSED_ROW_GROUPS, FUSED_STEP, FUSED_VEC, fold,
                                          index_vector, reduction_layout, table_view)
@@ -399,6 +399,109 @@ def _old_projection_backward(grad, temb, weight, config=None, fold_warps=None):
     return dtemb, dweight, dbias
 
 
+def _old_final_forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=1e-5,
+                                  check_indices=True):
+    # launch/final_adaln_out.py forward_with_table, its callees the oracles above
+    table = _old_projection_forward(temb, proj_weight, proj_bias)
+    out = _old_norm_modulate_forward_rows(x, norm_weight, table[:, :HIDDEN], table[:, HIDDEN:], timestep_indices, eps,
+                                          op="final_adaln_out", argument="timestep_indices", check=check_indices)
+    return out, table
+
+
+def _old_final_backward(grad, x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps, table=None):
+    # launch/final_adaln_out.py backward, its callees the oracles above
+    if table is None:
+        table = _old_projection_forward(temb, proj_weight, proj_bias)
+    dx, dnorm_weight, dproj = _old_norm_modulate_backward_rows(
+        grad, x, norm_weight, table[:, HIDDEN:], timestep_indices, eps, op="final_adaln_out_backward", table_grad=True
+    )  # dproj (T, 10752) BF16: [dshift | dscale] per timestep, like the table
+    dtemb, dproj_weight, dproj_bias = _old_projection_backward(dproj, temb, proj_weight)
+    return dx, dnorm_weight, dtemb, dproj_weight, dproj_bias
+
+
+def _old_final_kernel_handles(dev, backward, num_rows):
+    """launch/final_adaln_out.py kernel_handles (its kernels and launch constants; the C handles and T range left
+    out): what h3_native.cpp's hand-written final_adaln_out impls launched."""
+    wgmma = adaln_projection._uses_wgmma(dev, None)
+    sms = runtime.sm_count(dev)
+    fwd = adaln_projection.config_for_rows(num_rows, wgmma, sms)
+    head = [runtime.kernel("adaln_silu_cast", dev, width=TEMB),
+            runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", dev, out_features=FINAL_PROJECTION,
+                           config=fwd)]
+    if not backward:
+        fns = head + [runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN)]
+        op, arg = "final_adaln_out", "timestep_indices"
+        return fns, [*checks.slot_addresses(dev, op, arg), *checks.slot_addresses(dev, op, arg, False)]
+    dgrad = adaln_projection.dgrad_config_for_rows(num_rows, wgmma, sms)
+    wgrad = adaln_projection.wgrad_config_for_rows(num_rows, wgmma, sms)
+    cap = norm_modulate.table_rows_cap(num_rows)
+    if cap not in norm_modulate.FUSED_CAPS or num_rows > adaln_projection.FUSED_DBIAS_ROWS:
+        raise ValueError(f"final_adaln_out: the C++ backward takes T <= 24, got {num_rows}")
+    fns = head + [
+        runtime.kernel("norm_modulate_bwd_fused", dev, width=HIDDEN, cap=cap, step=norm_modulate.FUSED_STEP),
+        runtime.kernel("rowwise_fold", dev),
+        runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=FINAL_PROJECTION,
+                       config=dgrad),
+        runtime.kernel("adaln_dtemb_fold", dev, width=TEMB),
+        runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=FINAL_PROJECTION, wgmma=True, config=wgrad) if wgmma
+        else runtime.kernel("adaln_proj_wgrad", dev, out_features=FINAL_PROJECTION, config=wgrad),
+    ]
+    return fns, [FUSED_ROW_GROUPS[runtime.arch_of(dev)][cap]]
+
+
+# h3_native.cpp's hand-written final_adaln_out impls (their launches, transcribed: tensors where it allocated, views
+# where it made Views)
+
+
+def _old_cpp_projection_forward(fn, temb, weight, bias, out):
+    act = torch.empty((temb.shape[0], TEMB), dtype=torch.bfloat16, device=out.device)  # bf16(silu(temb))
+    fn[0](temb, act)
+    fn[1](act, weight, bias, out)
+
+
+def _old_cpp_final_forward(x, norm_weight, temb, proj_weight, proj_bias, ti, eps, check_indices):
+    timesteps = temb.shape[0]
+    fn, params = _old_final_kernel_handles(x.device, 0, timesteps)
+    slot = params[0:2] if check_indices else params[2:4]
+    proj = torch.empty((timesteps, FINAL_PROJECTION), dtype=torch.bfloat16, device=x.device)
+    out = torch.empty_like(x)
+    shift, scale = proj[:, :HIDDEN], proj[:, HIDDEN:]
+    _old_cpp_projection_forward(fn, temb, proj_weight, proj_bias, proj)
+    fn[2](x, norm_weight, shift, scale, ti, out, eps, slot[0], slot[1])
+    return out, proj
+
+
+def _old_cpp_final_backward(grad, x, nw, temb, pw, pb, ti, eps, table=None):
+    timesteps, dev = temb.shape[0], x.device
+    fn, (groups,) = _old_final_kernel_handles(dev, 1, timesteps)
+    proj = table if table is not None else torch.empty((timesteps, FINAL_PROJECTION), dtype=torch.bfloat16,
+                                                       device=dev)
+    if table is None:
+        _old_cpp_projection_forward(fn, temb, pw, pb, proj)
+    scale = proj[:, HIDDEN:]
+    # norm_backward_fused
+    stride = (1 + 2 * timesteps) * HIDDEN
+    dx = torch.empty_like(x)
+    partials = torch.empty((groups, stride), dtype=torch.float32, device=dev)
+    part_w = partials.as_strided((groups, HIDDEN), (stride, 1))
+    part_shift = partials.as_strided((groups, timesteps, HIDDEN), (stride, 2 * HIDDEN, 1), HIDDEN)
+    part_scale = partials.as_strided((groups, timesteps, HIDDEN), (stride, 2 * HIDDEN, 1), 2 * HIDDEN)
+    fn[2](grad, x, nw, scale, ti, dx, part_w, part_shift, part_scale, eps)
+    grads = torch.empty((stride,), dtype=torch.bfloat16, device=dev)
+    fn[3](partials.as_strided((groups, stride), (stride, 1)), grads.view(-1))
+    dweight = grads.narrow(0, 0, HIDDEN)
+    dtable = grads.narrow(0, HIDDEN, 2 * timesteps * HIDDEN).view(timesteps, 2 * HIDDEN)
+    # projection_backward (T <= 24: db fused into dW)
+    partial = torch.empty((adaln_projection.DGRAD_SPLITS, timesteps, TEMB), dtype=torch.float32, device=dev)
+    dtemb = torch.empty((timesteps, TEMB), dtype=torch.float32, device=dev)
+    act = torch.empty((timesteps, TEMB), dtype=torch.bfloat16, device=dev)
+    dpw, dpb = torch.empty_like(pw), torch.empty((pw.shape[0],), dtype=torch.bfloat16, device=dev)
+    fn[4](dtable, pw, partial)
+    fn[5](partial, temb, dtemb, act)
+    fn[6](dtable, act, dpw, dpb)
+    return dx, dweight, dtemb, dpw, dpb
+
+
 # ---- the recorder ---------------------------------------------------------------------------------------------
 
 # The arguments each fake kernel writes (every element of them), by its static args: the launch's outputs, so the
@@ -786,6 +889,79 @@ def test_adaln_projection_plans_launch_what_the_hand_written_launcher_did(monkey
             adaln_projection.backward(grad, temb, weight, fold_warps=True)
 
 
+def _final_part(phase, key, inputs, rows, lead, device):
+    """A walk of final_adaln_out's plan part `key` (the C++ layer's int key) as h3_native.cpp walks it."""
+    build, typed = final_adaln_out.part_plan(phase, key)
+    return P.run(build, phase, typed, inputs, rows, lead, device)
+
+
+def _cpp_final_forward(x, norm_weight, temb, proj_weight, proj_bias, ti, eps, check_indices):
+    # h3_native.cpp final_adaln_out_fwd_cuda's walks: the projection's plan over T, then the norm rows' over S on
+    # the projection's halves (Operand::columns)
+    timesteps, rows = temb.shape[0], x.shape[0]
+    proj = _final_part(P.Phase.FORWARD, (final_adaln_out.PROJECTION,), (temb, proj_weight, proj_bias), timesteps,
+                       (timesteps,), x.device)[0]
+    out = _final_part(P.Phase.FORWARD, (final_adaln_out.ROWS, int(check_indices)),
+                      (x, norm_weight, proj[:, :HIDDEN], proj[:, HIDDEN:], ti, eps), rows, (rows,), x.device)[0]
+    return out, proj
+
+
+def _cpp_final_backward(grad, x, nw, temb, pw, pb, ti, eps, table=None):
+    # h3_native.cpp final_adaln_out_backward_cuda's walks: the projection's forward plan where no table is given, the
+    # norm rows' backward plan on its scale half, the projection's backward plan on the table gradient
+    timesteps, rows, dev = temb.shape[0], x.shape[0], x.device
+    projection = (final_adaln_out.PROJECTION,)
+    if table is None:
+        table = _final_part(P.Phase.FORWARD, projection, (temb, pw, pb), timesteps, (timesteps,), dev)[0]
+    dx, dweight, dtable = _final_part(P.Phase.BACKWARD, (final_adaln_out.ROWS, timesteps),
+                                      (grad, x, nw, table[:, HIDDEN:], ti, eps), rows, (rows,), dev)
+    return (dx, dweight, *_final_part(P.Phase.BACKWARD, projection, (dtable, temb, pw), timesteps, (timesteps,), dev))
+
+
+# every T to 30 (the fused norm backward's caps 12 and 24, unfused beyond; the projection's configs to 16 and 64) on
+# sm_90a, the ends of those ranges on sm_100a (the warp family)
+@pytest.mark.parametrize("arch, timesteps", [("sm_90a", t) for t in range(1, 31)] +
+                         [("sm_100a", t) for t in (1, 12, 13, 16, 17, 24, 25, 30)])
+def test_final_adaln_out_plans_launch_what_the_hand_written_launchers_did(monkeypatch, fake_device,
+                                                                          projection_weights, arch, timesteps):
+    # The Python launcher (its projection and norm rows, the oracles above) and h3_native.cpp's hand-written impls
+    # (transcribed, T <= 24 backward; S >= 1) against the plan walks: the launcher's, and the C++ composition of
+    # final_adaln_out's plan parts.
+    monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
+    monkeypatch.setattr(runtime, "sm_count", lambda device: adaln_projection.H200_SMS)
+    gen = torch.Generator().manual_seed(timesteps)
+    weight, bias = projection_weights
+    temb = torch.randn((timesteps, TEMB), generator=gen)
+    nw = torch.randn((HIDDEN,), generator=gen).bfloat16()
+    table = torch.randn((timesteps, FINAL_PROJECTION), generator=gen).bfloat16()
+    # S = 0: no norm launch; the norm rows' plans serve every S >= 1 (norm_modulate's oracle runs each branch)
+    ends = timesteps in (1, 12, 13, 24, 25, 30)
+    for rows in (0, 7, 1031) if timesteps == 13 else (0, 7) if ends else (7,):
+        x, grad = (torch.randn((rows, HIDDEN), generator=gen).bfloat16() for _ in range(2))
+        ti = torch.randint(0, timesteps, (rows,), generator=gen)
+        inputs = dict(x=x, norm_weight=nw, temb=temb, proj_weight=weight, proj_bias=bias, timestep_indices=ti)
+        for check in (True, False):
+            calls = _same_run(monkeypatch, _old_final_forward_with_table, final_adaln_out.forward_with_table, inputs,
+                              1e-6, check)
+            assert [c[0] for c in calls][2:] == (["norm_modulate_fwd"] if rows else [])
+            if rows:
+                assert _same_run(monkeypatch, _old_cpp_final_forward, _cpp_final_forward, inputs, 1e-6, check) == calls
+        grads = dict(grad=grad, **inputs)
+        for given in (None, table) if ends else (table,):  # None: the projection again, as the forward runs it
+            calls = _same_run(monkeypatch, _old_final_backward, final_adaln_out.backward, grads, 1e-6, given)
+            names = [c[0] for c in calls][0 if given is not None else 2:]
+            fused = ["norm_modulate_bwd_fused", "rowwise_fold"] if timesteps <= 24 else \
+                ["norm_modulate_bwd_rows", "norm_modulate_bwd_params", "rowwise_fold"]
+            if rows:
+                assert names[:len(fused)] == fused
+            else:  # no norm launch: the table gradient zero-filled, the projection's backward on it
+                assert not any(name.startswith("norm_modulate") for name in names) and "adaln_dtemb_fold" in names
+            if rows and timesteps <= 24:
+                assert _same_run(monkeypatch, _old_cpp_final_backward, _cpp_final_backward, grads, 1e-6, given) == calls
+    with pytest.raises(ValueError, match="no plan part"):
+        final_adaln_out.part_plan(P.Phase.FORWARD, (final_adaln_out.PROJECTION, 1))
+
+
 def test_bind_gives_the_steps_the_walk_runs(fake_device):
     # plan.bind (the perf scripts' step list): the steps whose guard holds, in order, with the arguments the walk
     # passes (fills as their targets), on the inputs and buffers it returns by name.
@@ -853,6 +1029,14 @@ def _plans(device="cpu"):
             for table_grad in (False, True):
                 out.append(norm_modulate.build(P.Phase.BACKWARD, device,
                                                norm_modulate.BackwardKey(HIDDEN, table_rows, table_grad), rows))
+    # final_adaln_out's plan parts, as its native_plan serves them to the C++ layer (C++ backward: T <= 24)
+    final = final_adaln_out
+    parts = [(phase, (final.PROJECTION,), t) for phase in P.Phase for t in (1, 16, 17, 24, 65)]
+    parts += [(P.Phase.FORWARD, (final.ROWS, check), rows) for check in (0, 1) for rows in (0, 1, 1031)]
+    parts += [(P.Phase.BACKWARD, (final.ROWS, t), rows) for t in (1, 12, 13, 24) for rows in (0, 1, 1031)]
+    for phase, key, rows in parts:
+        build, typed = final.part_plan(phase, key)
+        out.append(build(phase, device, typed, rows))
     return out
 
 
@@ -1022,5 +1206,23 @@ def test_native_plan_takes_the_cpp_int_keys(monkeypatch, fake_device):
     assert len(encoded[3]) == 1 and encoded[5][0][4][-2:] == tuple((0, a) for a in slot)  # its check slot, vec 4
     assert P.plan_for(gate_residual_norm_modulate.build, P.Phase.FORWARD, torch.device("cuda", 0),
                       gate_residual_norm_modulate.ForwardKey(HIDDEN, True), 5)[0].kernels()[0].static[-1] == ("vec", 4)
+    # final_adaln_out's parts: the plans its Python launcher walks (adaln_projection.forward / backward of its weight,
+    # norm_modulate.forward_rows with its check slot, backward_rows with table_grad), the same cached entries
+    final = final_adaln_out
+    monkeypatch.setattr(P, "_cache", {})
+    for phase, ints, rows, build, key in (
+            ("forward", (final.PROJECTION,), 3, adaln_projection.build, adaln_projection.ForwardKey(FINAL_PROJECTION)),
+            ("backward", (final.PROJECTION,), 3, adaln_projection.build,
+             adaln_projection.BackwardKey(FINAL_PROJECTION)),
+            ("forward", (final.ROWS, 0), 5, norm_modulate.build,
+             norm_modulate.ForwardKey(HIDDEN, False, "final_adaln_out", "timestep_indices")),
+            ("backward", (final.ROWS, 9), 5, norm_modulate.build, norm_modulate.BackwardKey(HIDDEN, 9, True))):
+        encoded = final.native_plan(0, phase, ints, rows)
+        cached = sum(map(len, P._cache.values()))
+        plan, fns = P.plan_for(build, P.Phase(phase), torch.device("cuda", 0), key, rows)
+        assert encoded == P.encode(plan, [fn.__chandle__() for fn in fns]), (phase, ints)
+        assert sum(map(len, P._cache.values())) == cached  # the plan native_plan cached
+    slot = checks.slot_addresses(0, "final_adaln_out", "timestep_indices", False)
+    assert final.native_plan(0, "forward", (final.ROWS, 0), 5)[5][0][4][-2:] == tuple((0, a) for a in slot)
     with pytest.raises(ValueError):
         linear.native_plan(0, "sideways", (5376, 96, 1), 300)

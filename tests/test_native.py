@@ -273,9 +273,14 @@ def test_final_adaln_out_cpp_equals_python_impl(timesteps):
     pw = _seeded((FINAL_PROJECTION, TEMB), 14, torch.bfloat16, 0.02)
     pb = _seeded((FINAL_PROJECTION,), 15, torch.bfloat16, 0.02)
     ti = torch.randint(0, timesteps, (rows,), device="cuda")
-    for check in (False, True):
-        assert same_bits(torch.ops.h3.final_adaln_out(x, nw, temb, pw, pb, ti, 1e-6, check),
-                           adaln.FINAL.cuda_impl(x, nw, temb, pw, pb, ti, 1e-6, check))
+    for check in (False, True):  # both walk the projection's plan, then the norm rows': the same bits, poisoned outputs
+        slow = adaln._final_fwd_cuda(x, nw, temb, pw, pb, ti, 1e-6, check)
+        poison_allocator()
+        assert _finite(slow) and same_bits(torch.ops.h3.final_adaln_out_fwd(x, nw, temb, pw, pb, ti, 1e-6, check), slow)
+        poison_allocator()
+        assert same_bits(torch.ops.h3.final_adaln_out(x, nw, temb, pw, pb, ti, 1e-6, check), slow[0])
+        assert same_bits(slow[0], adaln.FINAL.cuda_impl(x, nw, temb, pw, pb, ti, 1e-6, check))
+    assert _dispatches_to_native("final_adaln_out_fwd") and _dispatches_to_native("final_adaln_out")
 
 
 @gpu
@@ -439,11 +444,14 @@ def test_final_adaln_out_backward_cpp_equals_python_impl(timesteps):
     pb = _seeded((FINAL_PROJECTION,), 36, torch.bfloat16, 0.02)
     ti = torch.randint(0, timesteps, (rows,), device="cuda")
     args = (g, x, nw, temb, pw, pb, ti, 1e-6)
+    slow = adaln._final_backward_cuda(*args)
+    poison_allocator()
     recomputed = torch.ops.h3.final_adaln_out_backward(*args)
-    assert same_bits(recomputed, adaln._final_backward_cuda(*args))
+    assert _finite(slow) and same_bits(recomputed, slow)
     # with the forward's projection (the autograd path): the same bits, C++ and Python
     out, table = torch.ops.h3.final_adaln_out_fwd(x, nw, temb, pw, pb, ti, 1e-6, False)
     assert same_bits((out, table), adaln._final_fwd_cuda(x, nw, temb, pw, pb, ti, 1e-6, False))
+    poison_allocator()
     assert same_bits(torch.ops.h3.final_adaln_out_backward(*args, table), recomputed)
     assert same_bits(adaln._final_backward_cuda(*args, table), recomputed)
 
@@ -606,9 +614,9 @@ def test_linear_cpp_keeps_the_python_messages_and_strided_inputs():
     assert torch.ops.h3.linear(x[:0], weight, bias).shape == (0, weight.shape[0])  # no rows: the Python impl
 
 
-# ---- CPU: the row ranges the C++ kernel tables cache by ---------------------------------------------------
-# A kernel_handles answer (lo, hi, ...) is reused for every row count in [lo, hi]: each launch choice the
-# Python launcher would make must be the same across that whole range.
+# ---- CPU: the row ranges the C++ plan tables cache by ----------------------------------------------------
+# A plan (lo, hi, ...) is reused for every row count in [lo, hi]: each launch choice the Python launcher would make
+# must be the same across that whole range.
 
 def test_mlp_row_ranges_hold_one_config():
     from h3cute.launch import timestep_mlp as L
@@ -617,23 +625,6 @@ def test_mlp_row_ranges_hold_one_config():
         lo, hi, config = L._bucket(rows)
         assert lo <= rows <= hi and config == L.pick_config(rows)
         assert L.pick_config(max(lo, 1)) == config == L.pick_config(min(hi, 4096))
-
-
-@pytest.mark.parametrize("wgmma", [False, True])
-@pytest.mark.parametrize("backward", [False, True])
-def test_final_adaln_out_row_ranges_hold_every_launch_choice(monkeypatch, wgmma, backward):
-    from h3cute.launch import adaln_projection, final_adaln_out as F
-
-    monkeypatch.setattr(adaln_projection, "_uses_wgmma", lambda device, config: wgmma)
-    monkeypatch.setattr(adaln_projection.runtime, "sm_count", lambda device: adaln_projection.H200_SMS)  # T_BOUNDS'
-    top = 24 if backward else 3000  # the C++ backward takes T <= 24 (fused norm backward caps)
-    bounds = (0,) + F.T_BOUNDS
-    for rows in range(1, top + 1):
-        hi = next(b for b in F.T_BOUNDS if rows <= b)
-        lo = bounds[bounds.index(hi) - 1] + 1 if hi != F.T_BOUNDS[0] else 0
-        ends = (max(lo, 1), min(hi, top))
-        assert F._choices(None, rows, backward) == F._choices(None, ends[0], backward) == \
-            F._choices(None, ends[1], backward), (rows, lo, hi)
 
 
 class _FakeKernel:
@@ -650,41 +641,55 @@ class _FakeKernel:
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_kernel_handles_ask_for_the_python_launchers_kernels(monkeypatch, arch):
-    # Each answer the C++ tables cache: which kernels, in launch order, with which launch constants.
+def test_final_adaln_out_plans_ask_for_the_python_launchers_kernels(monkeypatch, arch):
+    # The plan parts the C++ impls fetch (final_adaln_out.native_plan): which kernels, in launch order, over which
+    # row range; the norm rows record bad indices in the op's own check slot.
     from h3cute import runtime
-    # (every op but final_adaln_out is on launch plans: tests/test_launch_plans.py)
-    from h3cute.launch import adaln_projection, final_adaln_out, norm_modulate
+    from h3cute.launch import adaln_projection, final_adaln_out as F
+    from h3cute.launch import plan as P
 
     monkeypatch.setattr(runtime, "kernel", lambda name, device, **static: _FakeKernel(name, static))
     monkeypatch.setattr(runtime, "arch_of", lambda device: arch)
+    monkeypatch.setattr(runtime, "sm_count", lambda device: adaln_projection.H200_SMS)
+    monkeypatch.setattr(P, "_cache", {})
     slots = {}  # check slot addresses as (op, argument, checked) stand-ins: no CUDA memory on a CPU machine
     monkeypatch.setattr(checks, "slot_addresses", lambda device, op, arg, checked=True:
                         slots.setdefault((op, arg, checked), (len(slots) + 1,) * 2))
 
-    def check_constants(op, arg="adaln_indices"):
-        return [*checks.slot_addresses(0, op, arg), *checks.slot_addresses(0, op, arg, False)]
-
-    def asked(module, variant, rows):
+    def asked(phase, key, rows):
         _FakeKernel.asked = []
-        answer = module.kernel_handles(0, variant, rows)
-        assert answer[2] == list(range(1, len(answer[2]) + 1))
-        return [name for name, _ in _FakeKernel.asked], answer[3:] and answer[3]
+        lo, hi, _, handles, _, steps, _ = F.native_plan(0, phase, key, rows)
+        assert handles == tuple(range(1, len(handles) + 1))
+        return (lo, hi), [_FakeKernel.asked[s[1]][0] for s in steps if s[0] == 0], steps
 
-    fused = norm_modulate.FUSED_ROW_GROUPS[arch][12]
     proj = "adaln_proj_fwd_wgmma" if arch == "sm_90a" and adaln_projection.SM90_FAMILY == "wgmma" else "adaln_proj_fwd"
-    assert asked(final_adaln_out, 0, 3) == (["adaln_silu_cast", proj, "norm_modulate_fwd"],
-                                            check_constants("final_adaln_out", "timestep_indices"))
-    names, constants = asked(final_adaln_out, 1, 3)
-    assert names[:4] == ["adaln_silu_cast", proj, "norm_modulate_bwd_fused", "rowwise_fold"]
-    assert names[4:] == [proj.replace("fwd", "dgrad"), "adaln_dtemb_fold", proj.replace("fwd", "wgrad")]
-    assert constants == [fused]
-    with pytest.raises(ValueError):
-        final_adaln_out.kernel_handles(0, 1, 30)  # the C++ backward takes T <= 24
+    assert asked("forward", (F.PROJECTION,), 3)[:2] == ((1, 16), ["adaln_silu_cast", proj])
+    assert asked("forward", (F.PROJECTION,), 17)[0] == (17, 64)
+    for check in (1, 0):
+        span, names, steps = asked("forward", (F.ROWS, check), 1031)
+        assert (span, names) == ((1, runtime.MAX_ROWS), ["norm_modulate_fwd"])
+        slot = checks.slot_addresses(0, "final_adaln_out", "timestep_indices", bool(check))
+        assert steps[0][4][-2:] == tuple((0, a) for a in slot)
+    assert asked("backward", (F.ROWS, 3), 1031)[1] == ["norm_modulate_bwd_fused", "rowwise_fold"]
+    assert asked("backward", (F.ROWS, 30), 7)[1] == ["norm_modulate_bwd_rows", "norm_modulate_bwd_params",
+                                                      "rowwise_fold"]
+    assert asked("backward", (F.PROJECTION,), 3)[1] == [proj.replace("fwd", "dgrad"), "adaln_dtemb_fold",
+                                                         proj.replace("fwd", "wgrad")]
+    with pytest.raises(ValueError, match="no plan part"):
+        F.native_plan(0, "forward", (F.ROWS,), 3)
+
+
+def test_final_adaln_out_plan_parts_are_the_python_ones():
+    # h3_native.cpp names final_adaln_out's plan parts by the ints of launch/final_adaln_out.py
+    from h3cute.launch import final_adaln_out as F
+
+    source = native.SOURCE.read_text()
+    assert f"constexpr int64_t kFinalProjection = {F.PROJECTION}, kFinalRows = {F.ROWS};" in source
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_adaln_projection_plans_hold_one_launch_sequence_per_row_range(monkeypatch, arch):
+@pytest.mark.parametrize("n", [BLOCK_PROJECTION, FINAL_PROJECTION])  # adaln_projection's, final_adaln_out's
+def test_adaln_projection_plans_hold_one_launch_sequence_per_row_range(monkeypatch, arch, n):
     # For every T, the plan the C++ table caches for T's range (built at T) is the one the launcher builds at both
     # ends of that range; the backward's tail: adaln_bias_grad where dW does not write db, the fold-warp dW where
     # wgrad_folds.
@@ -696,7 +701,7 @@ def test_adaln_projection_plans_hold_one_launch_sequence_per_row_range(monkeypat
     monkeypatch.setattr(runtime, "sm_count", lambda device: L.H200_SMS)
     top = 5000
     assert L.T_BOUNDS[-1] == runtime.MAX_ROWS and list(L.T_BOUNDS) == sorted(L.T_BOUNDS)
-    keys = {Phase.FORWARD: L.ForwardKey(BLOCK_PROJECTION), Phase.BACKWARD: L.BackwardKey(BLOCK_PROJECTION)}
+    keys = {Phase.FORWARD: L.ForwardKey(n), Phase.BACKWARD: L.BackwardKey(n)}
     for phase, key in keys.items():
         for rows in [*range(1, 520), 768, 769, 1000, 2048, 4096]:
             plan = L.build(phase, 0, key, rows)

@@ -8,68 +8,47 @@ Backward: the norm backward gives dx, d_norm_weight and the per-timestep table g
 table), the projection's upstream gradient; `adaln_projection.backward` gives d_temb, dW, db. The autograd
 path keeps the forward's projection (`forward_with_table`, op `h3::final_adaln_out_fwd`) for the backward's
 scale half; the backward op computes it again when not given it.
+
+The launches are the two ops' launch plans (h3cute.launch.plan), walked by the launchers above and by the C++ impls,
+which compose them as the launchers do: the projection's plan over M = T, then the norm rows' over M = S with the
+table's halves (or its scale half and the table gradient) passed as row-strided views (`part_plan`, `native_plan`).
 """
 from __future__ import annotations
 
-import torch
-
-from h3cute import runtime
 from h3cute.launch import adaln_projection, norm_modulate
-from h3cute.widths import FINAL_PROJECTION, HIDDEN, NORM_EPS, TEMB
+from h3cute.launch import plan as P
+from h3cute.launch.plan import Phase
+from h3cute.widths import FINAL_PROJECTION, HIDDEN, NORM_EPS
 
 OP = "final_adaln_out"
 
-
-def t_bounds(sms: int = adaln_projection.H200_SMS) -> tuple:
-    """Where some launch choice of the C++ impls changes with T on a GPU of `sms` SMs: the projection configs
-    (adaln_projection.t_bounds) and the fused norm backward's table caps (12, 24)."""
-    return tuple(sorted({12, 24, *adaln_projection.t_bounds(sms)}))
-
-
-T_BOUNDS = t_bounds()  # the H200's
+# The parts of the op's launch plans, the first field of the C++ layer's keys: the op walks two other ops' plans, each
+# over its own row count.
+PROJECTION = 0  # adaln_projection's plans, N = 10752, M = T: key (PROJECTION,)
+ROWS = 1  # norm_modulate's plans, M = S: key (ROWS, check_indices) forward, (ROWS, T) backward
 
 
-def _choices(dev, rows: int, backward: bool) -> tuple:
-    wgmma = adaln_projection._uses_wgmma(dev, None)
-    sms = runtime.sm_count(dev)
-    fwd = adaln_projection.config_for_rows(rows, wgmma, sms)
-    if not backward:
-        return wgmma, fwd
-    return (wgmma, fwd, adaln_projection.dgrad_config_for_rows(rows, wgmma, sms),
-            adaln_projection.wgrad_config_for_rows(rows, wgmma, sms), norm_modulate.table_rows_cap(rows))
+def part_plan(phase: Phase, key: tuple) -> tuple:
+    """(builder, typed key) of the plans of part `key[0]` of the op's `phase`, `key` as the C++ layer passes it (ints):
+    the projection's (the launcher's adaln_projection.forward / backward of the (10752, 2688) weight), or the norm
+    rows' (the launcher's norm_modulate.forward_rows with the op's check slot, final_adaln_out / timestep_indices;
+    backward_rows of a T-row table with the table gradient in the projection's layout)."""
+    part, *fields = key
+    if part == PROJECTION and not fields:
+        return adaln_projection.build, adaln_projection.KEYS[phase](FINAL_PROJECTION)
+    if part == ROWS and len(fields) == 1:
+        if phase is Phase.FORWARD:
+            return norm_modulate.build, norm_modulate.ForwardKey(HIDDEN, bool(fields[0]), OP, "timestep_indices")
+        return norm_modulate.build, norm_modulate.BackwardKey(HIDDEN, fields[0], table_grad=True)
+    raise ValueError(f"final_adaln_out: no plan part of key {key}")
 
 
-def kernel_handles(device: int, backward: int, num_rows: int):
-    """For the C++ impls (h3cute.native): the T range sharing every launch choice, and the C handles of the
-    forward's kernels (`adaln_silu_cast`, the projection GEMM, `norm_modulate_fwd`; with its check_constants) or,
-    for T <= 24, the
-    backward's (silu_cast, projection, `norm_modulate_bwd_fused`, `rowwise_fold`, the d_temb GEMM,
-    `adaln_dtemb_fold`, the dW GEMM; db fused into it) with the fused norm's row-group count."""
-    dev = torch.device("cuda", device)
-    lo, hi = runtime.row_range(t_bounds(runtime.sm_count(dev)), num_rows)
-    choices = _choices(dev, num_rows, bool(backward))
-    assert _choices(dev, max(lo, 1), bool(backward)) == choices == _choices(dev, hi, bool(backward)), "stale T_BOUNDS"
-    wgmma, fwd = choices[:2]
-    head = [runtime.kernel("adaln_silu_cast", dev, width=TEMB),
-            runtime.kernel("adaln_proj_fwd_wgmma" if wgmma else "adaln_proj_fwd", dev, out_features=FINAL_PROJECTION,
-                           config=fwd)]
-    if not backward:
-        fns = head + [runtime.kernel("norm_modulate_fwd", dev, width=HIDDEN)]
-        return lo, hi, [fn.__chandle__() for fn in fns], norm_modulate.check_constants(dev, OP, "timestep_indices")
-    _, _, dgrad, wgrad, cap = choices
-    if cap not in norm_modulate.FUSED_CAPS or num_rows > adaln_projection.FUSED_DBIAS_ROWS:
-        raise ValueError(f"final_adaln_out: the C++ backward takes T <= 24, got {num_rows}")
-    fns = head + [
-        runtime.kernel("norm_modulate_bwd_fused", dev, width=HIDDEN, cap=cap, step=norm_modulate.FUSED_STEP),
-        runtime.kernel("rowwise_fold", dev),
-        runtime.kernel("adaln_proj_dgrad_wgmma" if wgmma else "adaln_proj_dgrad", dev, out_features=FINAL_PROJECTION,
-                       config=dgrad),
-        runtime.kernel("adaln_dtemb_fold", dev, width=TEMB),
-        runtime.kernel("adaln_proj_wgrad_wgmma", dev, out_features=FINAL_PROJECTION, wgmma=True, config=wgrad) if wgmma
-        else runtime.kernel("adaln_proj_wgrad", dev, out_features=FINAL_PROJECTION, config=wgrad),
-    ]
-    groups = norm_modulate.FUSED_ROW_GROUPS[runtime.arch_of(dev)][cap]
-    return lo, hi, [fn.__chandle__() for fn in fns], [groups]
+def native_plan(device: int, phase: str, key: tuple, rows: int) -> tuple:
+    """For the C++ impls (h3cute.native): the encoded plan of (phase, key) serving `rows` (`part_plan`'s keys; rows
+    is T for the projection, S for the norm rows)."""
+    phase = Phase(phase)
+    build, typed = part_plan(phase, tuple(key))
+    return P.native_encoded(build, phase, device, typed, rows)
 
 
 def forward_with_table(x, norm_weight, temb, proj_weight, proj_bias, timestep_indices, eps=NORM_EPS,

@@ -124,12 +124,6 @@ def _check_vector(op: str, name: str, t: torch.Tensor, width: int) -> None:
         raise ValueError(f"h3::{op}: {name} must be a contiguous 16-byte aligned ({width},) BF16 tensor")
 
 
-def check_constants(device: torch.device, op: str, argument: str = "adaln_indices") -> list[int]:
-    """Launch constants of a checking forward for the C++ impls: the check slot addresses of (op, argument) and
-    of the discard slot (h3cute.launch.checks), the kernel's last two arguments when checked and unchecked."""
-    return [*checks.slot_addresses(device, op, argument), *checks.slot_addresses(device, op, argument, False)]
-
-
 @dataclass(frozen=True)
 class ForwardKey:
     width: int

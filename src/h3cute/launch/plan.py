@@ -510,5 +510,11 @@ def native_plan(build: Builder, keys: dict, device: int, phase: str, key: tuple,
     if len(key) > len(fields):
         raise ValueError(f"plan: {kind.__name__} has {len(fields)} fields, given {len(key)}")
     key = kind(*(bool(v) if f.type == "bool" else v for f, v in zip(fields, key)))
+    return native_encoded(build, phase, device, key, rows)
+
+
+def native_encoded(build: Builder, phase: Phase, device: int, key, rows: int) -> tuple:
+    """The encoded plan of (build, phase, CUDA device `device`, typed `key`) serving `rows`, with its kernels' C
+    handles: native_plan's answer, for a module that makes the typed key itself (an op walking other ops' plans)."""
     plan, fns = plan_for(build, phase, torch.device("cuda", device), key, rows)
     return encode(plan, [fn.__chandle__() for fn in fns])

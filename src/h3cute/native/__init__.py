@@ -99,16 +99,15 @@ def load():
 
 
 def constants() -> dict:
-    """What h3_native.cpp computes with (its `Constants`), by field name: H3's widths and launch constants of the
-    ops it launches (ints) and h3::linear's weight shapes ([N, K] pairs), read from the modules that own them."""
+    """What h3_native.cpp computes with (its `Constants`), by field name: H3's widths and its fast paths' limits
+    (ints) and h3::linear's weight shapes ([N, K] pairs), read from the modules that own them."""
     from h3cute import widths
-    from h3cute.launch import adaln_projection, norm_modulate
+    from h3cute.launch import norm_modulate
 
     return dict(
         hidden=widths.HIDDEN, freq=widths.FREQ, mlp_hidden=widths.MLP_HIDDEN, temb=widths.TEMB,
         block_chunks=widths.BLOCK_CHUNKS, block_table=widths.BLOCK_TABLE, block_projection=widths.BLOCK_PROJECTION,
         final_projection=widths.FINAL_PROJECTION,
-        dgrad_splits=adaln_projection.DGRAD_SPLITS,
         max_fused_table_rows=max(norm_modulate.FUSED_CAPS), max_table_rows=norm_modulate.MAX_TABLE_ROWS,
         linear_shapes=[list(shape) for shape in widths.LINEAR_SHAPES],
     )

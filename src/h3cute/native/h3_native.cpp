@@ -6,11 +6,10 @@
 //
 // Python keeps every decision that is not the fast path: any input the fast predicate does not accept
 // goes to the op's Python CUDA impl, which widens, refuses with the exact message of
-// h3cute.ops.validate, or runs; the compiled kernel is looked up once per (device, variant) through
-// the Python runtime (prebuilt bundle, disk cache or JIT), which keeps the function alive. Ops on launch plans
-// (h3cute/launch/plan.py: linear, gate_residual, norm_modulate, gate_residual_norm_modulate, adaln_row_gather,
-// timestep_sinusoid, timestep_mlp, adaln_projection) hold only their fast-path predicate here and walk the plan
-// Python wrote (PlanTable, walk).
+// h3cute.ops.validate, or runs. Every op is on launch plans (h3cute/launch/plan.py): an impl here is its fast-path
+// predicate and a walk of the plans Python wrote (PlanTable, walk), fetched once per (device, phase, key, row range)
+// with the compiled kernels' handles, which the Python runtime (prebuilt bundle, disk cache or JIT) keeps alive;
+// no launch sequence is written here.
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -41,8 +40,6 @@ constexpr int kMaxDevices = 64;
 struct Constants {
   // h3cute.widths
   int64_t hidden, freq, mlp_hidden, temb, block_chunks, block_table, block_projection, final_projection;
-  // launch/adaln_projection.py DGRAD_SPLITS
-  int64_t dgrad_splits;
   // launch/norm_modulate.py: the largest of FUSED_CAPS, MAX_TABLE_ROWS
   int64_t max_fused_table_rows, max_table_rows;
   // h3cute.widths.LINEAR_SHAPES: h3::linear's weight shapes (N, K), the ones its fast path serves
@@ -56,7 +53,6 @@ void configure(const py::dict& constants) {
       {"hidden", &h3.hidden}, {"freq", &h3.freq}, {"mlp_hidden", &h3.mlp_hidden}, {"temb", &h3.temb},
       {"block_chunks", &h3.block_chunks}, {"block_table", &h3.block_table},
       {"block_projection", &h3.block_projection}, {"final_projection", &h3.final_projection},
-      {"dgrad_splits", &h3.dgrad_splits},
       {"max_fused_table_rows", &h3.max_fused_table_rows}, {"max_table_rows", &h3.max_table_rows}};
   TORCH_CHECK(constants.size() == std::size(fields) + 1, "h3cute native: install() takes ", std::size(fields) + 1,
               " constants, got ", constants.size());
@@ -109,15 +105,11 @@ class StreamScope {
   TVMFFIStreamHandle previous_ = nullptr;
 };
 
-// A DLTensor over a tensor's memory: the tensor as it is, or with its own shape and strides (elements) from
-// element `offset` (the views the kernels are compiled for that torch does not hold: transposed operands,
-// column blocks, ...). `any()` points the DLTensor at this object's arrays, so a View may be copied.
+// A DLTensor over a tensor's memory with its own shape and strides (elements) from element `offset` (the views
+// the kernels are compiled for that torch does not hold: transposed operands, column blocks, ...). `any()` points
+// the DLTensor at this object's arrays, so a View may be copied.
 class View {
  public:
-  View(const at::Tensor& t) : View(t, t.sizes(), t.strides(), 0) {}  // NOLINT: implicit, a kernel argument
-  View(const at::Tensor& base, std::initializer_list<int64_t> dims, std::initializer_list<int64_t> steps,
-       int64_t offset = 0)
-      : View(base, c10::IntArrayRef(dims), c10::IntArrayRef(steps), offset) {}
   View(const at::Tensor& base, c10::IntArrayRef dims, c10::IntArrayRef steps, int64_t offset)
       : tensor_(dl_view(base)) {
     TORCH_CHECK(dims.size() == steps.size() && dims.size() <= 3, "h3cute native: bad view");
@@ -140,14 +132,13 @@ class View {
   mutable int64_t shape_[3], strides_[3];
 };
 
-// One kernel argument: a tensor or View (as a DLTensor), or an FP32 scalar such as eps. The arguments of one
-// call live until the end of the call's full expression, so the DLTensor pointers stay valid through it.
+// One kernel argument: a View (as a DLTensor), an FP32 scalar such as eps, or an Int64 one such as a check slot's
+// address. The walk keeps a call's arguments alive through the call, so the DLTensor pointers stay valid.
 class KernelArg {
  public:
-  KernelArg(const at::Tensor& t) : view_(t) {}  // NOLINT: implicit, as the call sites list them
   KernelArg(View v) : view_(std::move(v)) {}    // NOLINT
   KernelArg(double v) : scalar_(v) {}           // NOLINT
-  KernelArg(int64_t v) : int_(v), is_int_(true) {}  // NOLINT: an Int64 scalar such as a check slot's address
+  KernelArg(int64_t v) : int_(v), is_int_(true) {}  // NOLINT
   TVMFFIAny any() const {
     if (view_) return view_->any();
     TVMFFIAny a;
@@ -191,67 +182,6 @@ void call_kernel(TVMFFIObjectHandle fn, const KernelArg* args, size_t count) {
   }
   TORCH_CHECK(false, msg);
 }
-void call_kernel(TVMFFIObjectHandle fn, std::initializer_list<KernelArg> args) {
-  call_kernel(fn, args.begin(), args.size());
-}
-
-// The compiled kernels of one op, per (device, variant, row range): `<module>.kernel_handles(device,
-// variant, rows)` answers (lo, hi, [handles]) or (lo, hi, [handles], [ints]) for the rows range [lo, hi]
-// that shares one tile config; the ints are launch constants decided in Python (e.g. row-group counts).
-// Entries are appended under the GIL and published by the count (readers take no lock).
-class KernelTable {
- public:
-  static constexpr int kMaxKernels = 12, kMaxParams = 4, kMaxEntries = 32;
-  struct Entry {
-    int64_t variant, lo, hi;
-    TVMFFIObjectHandle fns[kMaxKernels];
-    int64_t params[kMaxParams];
-  };
-
-  explicit KernelTable(const char* module) : module_(module) {}
-
-  const Entry& get(int device, int64_t variant, int64_t rows) {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "h3cute native: CUDA device index ", device);
-    const int n = count_[device].load(std::memory_order_acquire);
-    for (int i = 0; i < n; ++i) {
-      const Entry& e = entries_[device][i];
-      if (e.variant == variant && e.lo <= rows && rows <= e.hi) return e;
-    }
-    return fetch(device, variant, rows);
-  }
-
- private:
-  const Entry& fetch(int device, int64_t variant, int64_t rows) {
-    // The lookup may load or compile (and release the GIL meanwhile); a racing thread that fetched the
-    // same entry first is found on the re-scan. The Python runtime memoizes the functions and keeps them alive.
-    py::gil_scoped_acquire gil;
-    auto answer = py::module_::import(module_).attr("kernel_handles")(device, variant, rows).cast<py::tuple>();
-    const int n = count_[device].load(std::memory_order_acquire);
-    for (int i = 0; i < n; ++i) {
-      const Entry& e = entries_[device][i];
-      if (e.variant == variant && e.lo <= rows && rows <= e.hi) return e;
-    }
-    TORCH_CHECK(n < kMaxEntries, "h3cute native: kernel table of ", module_, " is full");
-    Entry& e = entries_[device][n];
-    e.variant = variant;
-    e.lo = answer[0].cast<int64_t>();
-    e.hi = answer[1].cast<int64_t>();
-    auto handles = answer[2].cast<py::list>();
-    TORCH_CHECK(handles.size() <= kMaxKernels && e.lo <= rows && rows <= e.hi, module_, ".kernel_handles: bad answer");
-    for (size_t i = 0; i < handles.size(); ++i) e.fns[i] = reinterpret_cast<void*>(handles[i].cast<uintptr_t>());
-    if (answer.size() > 3) {
-      auto params = answer[3].cast<py::list>();
-      TORCH_CHECK(params.size() <= kMaxParams, module_, ".kernel_handles: too many launch constants");
-      for (size_t i = 0; i < params.size(); ++i) e.params[i] = params[i].cast<int64_t>();
-    }
-    count_[device].store(n + 1, std::memory_order_release);
-    return e;
-  }
-
-  const char* module_;
-  Entry entries_[kMaxDevices][kMaxEntries] = {};
-  std::atomic<int> count_[kMaxDevices] = {};
-};
 
 // Calls `<module>.<fn>(*args)`, the op's Python CUDA impl, for every input off the C++ fast path (and for
 // every call while a check slot is pending: h3cute.launch.checks.raise_pending raises it first).
@@ -307,9 +237,6 @@ bool dense(const at::Tensor& t, at::ScalarType dtype, int device, std::initializ
 }
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
-// A dense tensor as one flat vector (the folds' output).
-View flat(const at::Tensor& t) { return View(t, {t.numel()}, {1}); }
 
 // ---- launch plans (h3cute/launch/plan.py) --------------------------------------------------------------------
 // An op's launch sequence as data: the buffers to allocate, the steps (a kernel launch with its arguments, or a
@@ -568,6 +495,12 @@ struct Operand {
   static Operand rows(const at::Tensor& t, int64_t width) {
     Operand o(t, 2);
     o.sizes[0] = t.numel() / width, o.sizes[1] = width, o.strides[0] = width, o.strides[1] = 1;
+    return o;
+  }
+  // columns [start, start + width) of a 2-D tensor, its row stride kept (e.g. a half of final_adaln_out's table)
+  static Operand columns(const at::Tensor& t, int64_t start, int64_t width) {
+    Operand o(t);
+    o.offset = start * o.strides[1], o.sizes[1] = width;
     return o;
   }
   int64_t numel() const {
@@ -894,38 +827,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> timestep_
   return {out[0], out[1], out[2], out[3], out[4]};
 }
 
-// ---- norm_modulate / final_adaln_out forward (h3cute/launch/norm_modulate.py forward_rows) -------------
+// ---- norm_modulate and final_adaln_out (launch plans: h3cute/launch/norm_modulate.py, final_adaln_out.py) ------
 
-// norm_modulate (launch plans): key (width, check_indices) forward, (width, table rows, table_grad 0) backward
+// norm_modulate: key (width, check_indices) forward, (width, table rows, table_grad 0) backward
 PlanTable norm_modulate_plans("h3cute.launch.norm_modulate");
-// variant 0: [silu_cast, proj_fwd, norm_modulate_fwd]; 1 (T <= 24): the backward's, see final_adaln_out_backward_cuda
-KernelTable final_kernels("h3cute.launch.final_adaln_out");
-
-// final_adaln_out's projection (N = 10752; h3cute/launch/adaln_projection.py forward, backward), called inside the
-// op's StreamScope.
-
-// out (T, N) BF16 = bf16(silu(temb)) W^T + b. fn: [adaln_silu_cast, the projection GEMM].
-void projection_forward(const TVMFFIObjectHandle* fn, const at::Tensor& temb, const at::Tensor& weight,
-                        const at::Tensor& bias, const at::Tensor& out) {
-  at::Tensor act = at::empty({temb.size(0), h3.temb}, out.options());  // bf16(silu(temb))
-  call_kernel(fn[0], {temb, act});
-  call_kernel(fn[1], {act, weight, bias, out});
-}
-
-// d_temb through h3.dgrad_splits FP32 partials and their in-order fold (which also recomputes bf16(silu(temb))),
-// then dW = grad^T act, the dW GEMM writing db (T <= 24 here). fn: [the d_temb GEMM, adaln_dtemb_fold, the dW GEMM].
-std::tuple<at::Tensor, at::Tensor, at::Tensor> projection_backward(const TVMFFIObjectHandle* fn, const at::Tensor& grad,
-                                                                   const at::Tensor& temb, const at::Tensor& weight) {
-  const int64_t timesteps = temb.size(0), n = weight.size(0);
-  const auto f32 = temb.options(), bf16 = weight.options();
-  at::Tensor partial = at::empty({h3.dgrad_splits, timesteps, h3.temb}, f32);
-  at::Tensor dtemb = at::empty({timesteps, h3.temb}, f32), act = at::empty({timesteps, h3.temb}, bf16);
-  at::Tensor dweight = at::empty_like(weight), dbias = at::empty({n}, bf16);
-  call_kernel(fn[0], {grad, weight, partial});
-  call_kernel(fn[1], {partial, temb, dtemb, act});
-  call_kernel(fn[2], {grad, act, dweight, dbias});
-  return {dtemb, dweight, dbias};
-}
+// final_adaln_out: the projection's and the norm rows' plans (final_adaln_out.py part_plan): key (kFinalProjection)
+// over M = T; (kFinalRows, check_indices) forward, (kFinalRows, T) backward over M = S
+PlanTable final_plans("h3cute.launch.final_adaln_out");
+constexpr int64_t kFinalProjection = 0, kFinalRows = 1;  // final_adaln_out.py PROJECTION, ROWS
 
 // x (S, H) and out-shaped row tensors: BF16, dense, 16-byte aligned, S >= 1.
 bool rows_fast(const at::Tensor& x, int d) {
@@ -938,10 +847,6 @@ bool table_fast(const at::Tensor& t, int d, int64_t width = h3.hidden) {
          t.size(0) > 0 && t.size(1) == width && t.stride(1) == 1 && t.stride(0) >= width &&
          t.stride(0) % 8 == 0 && aligned16(t);
 }
-
-// A checking forward's last two kernel arguments from its kernel_handles constants (launch/norm_modulate.py
-// check_constants): its check slot's device word and host words, or the discard slot's when unchecked.
-const int64_t* check_slot(const KernelTable::Entry& k, bool check) { return k.params + (check ? 0 : 2); }
 
 at::Tensor norm_modulate_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& shift,
                               const at::Tensor& scale, const at::Tensor& idx, double eps, bool check_indices) {
@@ -959,6 +864,8 @@ at::Tensor norm_modulate_cuda(const at::Tensor& x, const at::Tensor& weight, con
 }
 
 // (out, table): the output and the (T, 2H) projection shift | scale, which the C++ autograd keeps for the backward.
+// The projection's plan over the T timesteps, then the norm rows' over the S rows with the projection's halves as
+// their row-strided (T, H) tables, read in place (final_adaln_out.py forward_with_table).
 std::tuple<at::Tensor, at::Tensor> final_adaln_out_fwd_cuda(const at::Tensor& x, const at::Tensor& norm_weight,
                                                             const at::Tensor& temb, const at::Tensor& proj_weight,
                                                             const at::Tensor& proj_bias, const at::Tensor& ti,
@@ -974,18 +881,15 @@ std::tuple<at::Tensor, at::Tensor> final_adaln_out_fwd_cuda(const at::Tensor& x,
     return python_impl<R>("h3cute.ops.adaln", "_final_fwd_cuda", x, norm_weight, temb, proj_weight, proj_bias, ti,
                           eps, check_indices);
   }
-  const int64_t timesteps = temb.size(0);
-  const KernelTable::Entry& k = final_kernels.get(d, 0, timesteps);
-  const TVMFFIObjectHandle* fn = k.fns;
-  const int64_t* slot = check_slot(k, check_indices);
-  at::Tensor proj = at::empty({timesteps, h3.final_projection}, x.options());  // shift | scale
-  at::Tensor out = at::empty_like(x);
-  // shift | scale halves of the projection, read in place as row-strided (T, H) tables
-  View shift(proj, {timesteps, h3.hidden}, {h3.final_projection, 1});
-  View scale(proj, {timesteps, h3.hidden}, {h3.final_projection, 1}, h3.hidden);
+  const int64_t timesteps = temb.size(0), rows = x.size(0);
+  const Plan& projection = final_plans.get(d, Phase::forward, {kFinalProjection}, timesteps);
+  const Plan& norm = final_plans.get(d, Phase::forward, {kFinalRows, check_indices}, rows);
   StreamScope stream(d);
-  projection_forward(fn, temb, proj_weight, proj_bias, proj);
-  call_kernel(fn[2], {x, norm_weight, shift, scale, ti, out, eps, slot[0], slot[1]});
+  at::Tensor proj = walk(projection, {temb, proj_weight, proj_bias}, timesteps, temb.sizes().slice(0, 1),
+                         temb.options())[0];
+  at::Tensor out = walk(norm, {x, norm_weight, Operand::columns(proj, 0, h3.hidden),
+                               Operand::columns(proj, h3.hidden, h3.hidden), ti, eps},
+                        rows, x.sizes().slice(0, 1), x.options())[0];
   return {out, proj};
 }
 
@@ -995,36 +899,7 @@ at::Tensor final_adaln_out_cuda(const at::Tensor& x, const at::Tensor& norm_weig
   return std::get<0>(final_adaln_out_fwd_cuda(x, norm_weight, temb, proj_weight, proj_bias, ti, eps, check_indices));
 }
 
-// ---- norm_modulate backward and gate_residual (launch plans: h3cute/launch/norm_modulate.py, gate_residual.py) --
-
-// kernels/rowwise.py rowwise_fold: out (N,) = in-order sum over the P rows of partials (P, N), rounded once.
-void fold(TVMFFIObjectHandle fn, View partials, View out) { call_kernel(fn, {partials, out}); }
-
-// final_adaln_out's fused norm backward (norm_modulate.py backward_rows with table_grad: one pass over grad and x,
-// dx and FP32 partials of dweight, dshift, dscale per row group, then one fold into one BF16 buffer); `scale` is
-// the projection's row-strided scale half. Partials per group: [dweight | (dshift row r | dscale row r) per r];
-// views dweight and dtable (R, 2H) = [dshift | dscale], the projection's gradient.
-struct NormGrads {
-  at::Tensor dx, dweight, dtable;
-};
-NormGrads norm_backward_fused(const KernelTable::Entry& k, int fused, int fold_fn, const at::Tensor& grad,
-                              const at::Tensor& x, const at::Tensor& weight, View scale, const at::Tensor& idx,
-                              double eps, int64_t table_rows) {
-  const int64_t groups = k.params[0], stride = (1 + 2 * table_rows) * h3.hidden;
-  NormGrads g;
-  g.dx = at::empty_like(x);
-  at::Tensor partials = at::empty({groups, stride}, x.options().dtype(at::kFloat));  // every element written
-  View part_w(partials, {groups, h3.hidden}, {stride, 1});
-  View part_shift(partials, {groups, table_rows, h3.hidden}, {stride, 2 * h3.hidden, 1}, h3.hidden);
-  View part_scale(partials, {groups, table_rows, h3.hidden}, {stride, 2 * h3.hidden, 1}, 2 * h3.hidden);
-  call_kernel(k.fns[fused], {grad, x, weight, scale, idx, g.dx, part_w, part_shift, part_scale, eps});
-  // One fold over whole partial rows: per element the same in-order sum as a fold per output.
-  at::Tensor grads = at::empty({stride}, x.options());
-  fold(k.fns[fold_fn], View(partials, {groups, stride}, {stride, 1}), flat(grads));
-  g.dweight = grads.narrow(0, 0, h3.hidden);
-  g.dtable = grads.narrow(0, h3.hidden, 2 * table_rows * h3.hidden).view({table_rows, 2 * h3.hidden});
-  return g;
-}
+// ---- norm_modulate and final_adaln_out backward, gate_residual (launch plans: norm_modulate.py, gate_residual.py) -
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
@@ -1045,10 +920,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_modulate_backwar
   return {out[0], out[1], out[2], out[3]};
 }
 
-// final_adaln_out's backward for T <= 24 timesteps (the fused norm backward's table sizes; h3cute/launch/
-// final_adaln_out.py backward): the projection (the forward's `table`, or computed again), the norm backward on
-// its scale half with the table gradient folded in the projection's layout, then the projection's backward
-// (d_temb through FP32 partials and their fold, dW with db fused: T <= 64).
+// final_adaln_out's backward for T <= 24 timesteps (final_adaln_out.py backward; the norm rows' backward plans are
+// keyed by T, and the plan table holds a bounded number of them): the projection (the forward's `table`, or its plan
+// walked again), the norm rows' backward plan on its row-strided scale half, giving the table gradient (T, 2H)
+// [dshift | dscale] in the projection's layout, then the projection's backward plan on that gradient.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_adaln_out_backward_cuda(
     const at::Tensor& grad, const at::Tensor& x, const at::Tensor& nw, const at::Tensor& temb,
     const at::Tensor& pw, const at::Tensor& pb, const at::Tensor& ti, double eps,
@@ -1067,16 +942,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> final_ada
     using R = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
     return python_impl<R>("h3cute.ops.adaln", "_final_backward_cuda", grad, x, nw, temb, pw, pb, ti, eps, table);
   }
-  const int64_t timesteps = temb.size(0);
-  // [silu_cast, proj_fwd, norm_modulate_bwd_fused, rowwise_fold, proj_dgrad, dtemb_fold, proj_wgrad], [row groups]
-  const KernelTable::Entry& k = final_kernels.get(d, 1, timesteps);
+  const int64_t timesteps = temb.size(0), rows = x.size(0);
+  const Plan* recompute = table ? nullptr : &final_plans.get(d, Phase::forward, {kFinalProjection}, timesteps);
+  const Plan& norm = final_plans.get(d, Phase::backward, {kFinalRows, timesteps}, rows);
+  const Plan& projection = final_plans.get(d, Phase::backward, {kFinalProjection}, timesteps);
+  const c10::IntArrayRef lead = temb.sizes().slice(0, 1);
   StreamScope stream(d);
-  at::Tensor proj = table ? *table : at::empty({timesteps, h3.final_projection}, x.options());
-  if (!table) projection_forward(k.fns, temb, pw, pb, proj);
-  View scale(proj, {timesteps, h3.hidden}, {h3.final_projection, 1}, h3.hidden);  // the projection's scale half
-  NormGrads g = norm_backward_fused(k, 2, 3, grad, x, nw, scale, ti, eps, timesteps);
-  auto [dtemb, dpw, dpb] = projection_backward(k.fns + 4, g.dtable, temb, pw);  // T <= 24: db fused into dW
-  return {g.dx, g.dweight, dtemb, dpw, dpb};
+  at::Tensor proj = table ? *table : walk(*recompute, {temb, pw, pb}, timesteps, lead, temb.options())[0];
+  auto g = walk(norm, {grad, x, nw, Operand::columns(proj, h3.hidden, h3.hidden), ti, eps}, rows,
+                x.sizes().slice(0, 1), x.options());  // dx, dweight, dtable
+  auto p = walk(projection, {g[2], temb, pw}, timesteps, lead, temb.options());  // dtemb, dW, db
+  return {g[0], g[1], p[0], p[1], p[2]};
 }
 
 // gate_residual (launch plans): key (width, check_indices) forward, (width, table rows) backward
@@ -1169,7 +1045,6 @@ at::Tensor adaln_row_gather_backward_cuda(at::TensorList grads, const at::Tensor
 
 // ---- adaln_projection (h3cute/launch/adaln_projection.py, N = 96768) ------------------------------------
 
-// variant 0: [silu_cast, proj_fwd]; 1: [proj_dgrad, dtemb_fold, proj_wgrad(, bias_grad)], [db row block, 0: fused]
 // adaln_projection (launch plans): key (N,), the default picks
 PlanTable projection_plans("h3cute.launch.adaln_projection");
 

@@ -19,14 +19,14 @@ __all__ = ["MAX_ROWS", "row_range", "KernelSpec", "compile_for", "kernel", "kern
 
 log = logging.getLogger("h3cute.runtime")
 
-# Row-count bound of `kernel_handles` answers (h3cute.native's kernel tables): "any number of rows".
+# Row-count bound of launch plans' row ranges (h3cute.launch.plan; h3cute.native's plan tables): "any number of rows".
 MAX_ROWS = 1 << 62
 
 
 def row_range(bounds, rows: int) -> tuple[int, int]:
     """The range [lo, hi] of ascending upper `bounds` (the last MAX_ROWS) that holds `rows`: hi is the first
     bound >= rows, lo the bound before it + 1 (0 below the first). Launchers cut their row-count choices
-    (tile configs) at such bounds; the C++ kernel tables cache one answer per range."""
+    (tile configs) at such bounds; the launch plans serve one range each."""
     lo = 0
     for hi in bounds:
         if rows <= hi:
