@@ -12,17 +12,16 @@ the backward's d_table zero-filled, as it is for a table of no rows) and S >= 1.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from h3cute import runtime
 from h3cute.launch import checks
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, view
 from h3cute.widths import BLOCK_CHUNKS
 
-from .norm_modulate import check_rows, fold_step, index_vector, reduction, reduction_layout, table_view
+from .norm_modulate import (RowKey, TableKey, check_rows, fold_step, index_vector, reduction, reduction_layout,
+                            table_view)
 
 OP = "adaln_row_gather"
 OUTS = tuple(f"out{c}" for c in range(BLOCK_CHUNKS))
@@ -30,24 +29,13 @@ GRADS = tuple(f"grad{c}" for c in range(BLOCK_CHUNKS))
 INPUTS = {Phase.FORWARD: ("table", "adaln_indices"), Phase.BACKWARD: (*GRADS, "adaln_indices")}
 
 
-@dataclass(frozen=True)
-class ForwardKey:
-    width: int  # H: the table has BLOCK_CHUNKS * H columns
-    check_indices: bool  # False: a bad index writes the discard check slot
-
-
-@dataclass(frozen=True)
-class BackwardKey:
-    width: int
-    table_rows: int
-
-
+ForwardKey, BackwardKey = RowKey, TableKey
 KEYS = {Phase.FORWARD: ForwardKey, Phase.BACKWARD: BackwardKey}
 
 
 def build(phase: Phase, device, key, rows: int) -> P.Plan:
     """The launch plan of h3::adaln_row_gather's `phase` for `rows` rows (indices; the inputs of INPUTS[phase])."""
-    lo, hi = (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+    lo, hi = P.any_rows(rows)
     width = key.width
     if phase is Phase.FORWARD:
         steps = ()

@@ -12,39 +12,27 @@ and S >= 1.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
-from h3cute import runtime
 from h3cute.launch import checks
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, view
 
-from .norm_modulate import check_rows, fold_step, index_vector, reduction, reduction_layout, table_view
+from .norm_modulate import (RowKey, TableKey, check_rows, fold_step, index_vector, reduction, reduction_layout,
+                            table_view)
 
 OP = "gate_residual"
 INPUTS = {"forward": ("residual", "y", "gate", "adaln_indices"), "backward": ("grad", "y", "gate", "adaln_indices")}
 
 
-@dataclass(frozen=True)
-class ForwardKey:
-    width: int
-    check_indices: bool  # False: a bad index writes the discard check slot
-
-
-@dataclass(frozen=True)
-class BackwardKey:
-    width: int
-    table_rows: int
-
-
+ForwardKey, BackwardKey = RowKey, TableKey
 KEYS = {Phase.FORWARD: ForwardKey, Phase.BACKWARD: BackwardKey}
 
 
 def build(phase: Phase, device, key, rows: int) -> P.Plan:
     """The launch plan of h3::gate_residual's `phase` for `rows` rows (the inputs of INPUTS[phase])."""
-    lo, hi = (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+    lo, hi = P.any_rows(rows)
     width = key.width
     if phase is Phase.FORWARD:
         steps = ()

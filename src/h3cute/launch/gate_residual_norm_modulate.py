@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from h3cute import runtime
 from h3cute.launch import checks, gate_residual, norm_modulate
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, Kernel, Launch, Output, Phase, Scalar, view
@@ -45,7 +44,7 @@ def build(phase: Phase, device, key, rows: int) -> P.Plan:
     """The launch plan of h3::gate_residual_norm_modulate's forward for `rows` rows (the inputs of INPUTS)."""
     if phase is not Phase.FORWARD:
         raise ValueError(f"h3::{OP}: the backward runs norm_modulate's and gate_residual's plans")
-    lo, hi = (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+    lo, hi = P.any_rows(rows)
     steps = ()
     if rows:
         slot = checks.slot_addresses(device, OP, "adaln_indices", key.check_indices)

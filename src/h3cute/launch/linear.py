@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from h3cute import runtime
 from h3cute.kernels._linear_configs import gemm_static, splits, wgrad_step
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, ColumnSum, Cond, Fill, Kernel, Launch, Layout, Output, Phase, view
@@ -60,7 +59,7 @@ def build(phase: Phase, device, key, rows: int) -> P.Plan:
     key.in_features): inputs x (M, K) and weight (and bias with key.bias) forward; grad (M, N), x (M, K) and weight
     backward."""
     n, k = key.out_features, key.in_features
-    lo, hi = (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+    lo, hi = P.any_rows(rows)
     if phase is Phase.FORWARD:
         inputs = ("x", "weight", "bias") if key.bias else ("x", "weight")
         buffers, steps = [Buffer("y", F32, (M, n))], []

@@ -125,6 +125,20 @@ def _check_vector(op: str, name: str, t: torch.Tensor, width: int) -> None:
 
 
 @dataclass(frozen=True)
+class RowKey:
+    """The static key of a row op's forward (h3::gate_residual's, h3::adaln_row_gather's)."""
+    width: int  # H
+    check_indices: bool  # False: a bad index writes the discard check slot
+
+
+@dataclass(frozen=True)
+class TableKey:
+    """The static key of a row op's backward reduction over a table of `table_rows` rows."""
+    width: int
+    table_rows: int
+
+
+@dataclass(frozen=True)
 class ForwardKey:
     width: int
     check_indices: bool  # False: a bad index writes the discard check slot
@@ -144,7 +158,7 @@ KEYS = {Phase.FORWARD: ForwardKey, Phase.BACKWARD: BackwardKey}
 
 def build(phase: Phase, device, key, rows: int) -> P.Plan:
     """The launch plan of h3::norm_modulate's `phase` for `rows` rows (the inputs of INPUTS[phase])."""
-    lo, hi = (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+    lo, hi = P.any_rows(rows)
     width = key.width
     if phase is Phase.FORWARD:
         steps = ()

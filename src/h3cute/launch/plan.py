@@ -94,6 +94,12 @@ def dim(value: Dim | int) -> Dim:
 M = Dim(per_row=1)  # the op's row count
 
 
+def any_rows(rows: int) -> tuple[int, int]:
+    """The row range [lo, hi] serving `rows` of a plan that is the same at every row count from 1: [0, 0] for no
+    rows (no launch), else [1, MAX_ROWS]."""
+    return (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+
+
 def whole_rows(step: int) -> Dim:
     """M // step * step: the rows in whole steps."""
     return Dim(whole=1, step=step)

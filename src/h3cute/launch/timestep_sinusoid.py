@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from h3cute import runtime
 from h3cute.launch import checks
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, Kernel, Launch, Output, Phase, view
@@ -35,7 +34,7 @@ def build(phase: Phase, device, key, rows: int) -> P.Plan:
     """The launch plan of h3::timestep_sinusoid for `rows` timesteps: input t (T,) FP32, output (T, 256) FP32."""
     if phase is not Phase.FORWARD:
         raise ValueError(f"h3::{KERNEL} has no backward")
-    lo, hi = (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+    lo, hi = P.any_rows(rows)
     steps = ()
     if rows:
         slot = checks.slot_addresses(device, KERNEL, "t", key.check_range)
