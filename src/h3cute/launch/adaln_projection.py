@@ -201,6 +201,15 @@ def dense16(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def silu_bf16(temb: torch.Tensor) -> torch.Tensor:
+    """(T, 2688) FP32 -> bf16(silu(temb)), SiLU in FP32: the GEMM's activation operand alone, as the plans' first
+    step makes it (tests and the ncu probe feed it to single kernels)."""
+    temb = dense16(temb)
+    act = torch.empty(temb.shape, dtype=BF16, device=temb.device)
+    runtime.kernel("adaln_silu_cast", temb.device, width=TEMB)(temb, act)
+    return act
+
+
 def _sweep_family(device) -> str:
     cuda = device is not None and torch.device(device).type == "cuda"
     wgmma = _uses_wgmma(torch.device(device), None) if cuda else SM90_FAMILY == "wgmma"
