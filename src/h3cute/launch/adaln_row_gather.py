@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from h3cute.launch import checks
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, view
 from h3cute.widths import BLOCK_CHUNKS
@@ -35,16 +34,14 @@ KEYS = {Phase.FORWARD: ForwardKey, Phase.BACKWARD: BackwardKey}
 
 def build(phase: Phase, device, key, rows: int) -> P.Plan:
     """The launch plan of h3::adaln_row_gather's `phase` for `rows` rows (indices; the inputs of INPUTS[phase])."""
-    lo, hi = P.any_rows(rows)
     width = key.width
     if phase is Phase.FORWARD:
-        steps = ()
-        if rows:
-            slot = checks.slot_addresses(device, OP, "adaln_indices", key.check_indices)
-            steps = (Launch(Kernel.of("adaln_row_gather_fwd", width=width),
-                            (view("table"), view("adaln_indices"), *(view(o) for o in OUTS), *slot)),)
-        return P.Plan(OP, phase, key, lo, hi, INPUTS[phase], tuple(Buffer(o, torch.bfloat16, (M, width)) for o in OUTS),
-                      steps, tuple(Output(view(o)) for o in OUTS))
+        return P.checked_launch(
+            OP, phase, key, device, rows, INPUTS[phase], tuple(Buffer(o, torch.bfloat16, (M, width)) for o in OUTS),
+            Kernel.of("adaln_row_gather_fwd", width=width),
+            (view("table"), view("adaln_indices"), *(view(o) for o in OUTS)),
+            tuple(Output(view(o)) for o in OUTS), (OP, "adaln_indices", key.check_indices))
+    lo, hi = P.any_rows(rows)
     table_rows = key.table_rows
     buffers = [Buffer("d_table", torch.bfloat16, (table_rows, BLOCK_CHUNKS * width))]
     if rows == 0 or table_rows == 0:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from h3cute.launch import checks
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, view
 
@@ -32,16 +31,13 @@ KEYS = {Phase.FORWARD: ForwardKey, Phase.BACKWARD: BackwardKey}
 
 def build(phase: Phase, device, key, rows: int) -> P.Plan:
     """The launch plan of h3::gate_residual's `phase` for `rows` rows (the inputs of INPUTS[phase])."""
-    lo, hi = P.any_rows(rows)
     width = key.width
     if phase is Phase.FORWARD:
-        steps = ()
-        if rows:
-            slot = checks.slot_addresses(device, OP, "adaln_indices", key.check_indices)
-            steps = (Launch(Kernel.of("gate_residual_fwd", width=width),
-                            (view("residual"), view("y"), view("gate"), view("adaln_indices"), view("out"), *slot)),)
-        return P.Plan(OP, phase, key, lo, hi, INPUTS[phase.value], (Buffer("out", torch.bfloat16, (M, width)),), steps,
-                      (Output(view("out")),))
+        return P.checked_launch(
+            OP, phase, key, device, rows, INPUTS[phase.value], (Buffer("out", torch.bfloat16, (M, width)),),
+            Kernel.of("gate_residual_fwd", width=width), (*(view(name) for name in INPUTS["forward"]), view("out")),
+            (Output(view("out")),), (OP, "adaln_indices", key.check_indices))
+    lo, hi = P.any_rows(rows)
     buffers = [Buffer("dy", torch.bfloat16, (M, width)), Buffer("dgate", torch.bfloat16, (key.table_rows, width))]
     if rows == 0:
         steps = (Fill(view("dgate"), 0.0),)

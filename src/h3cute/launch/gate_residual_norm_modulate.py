@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from h3cute.launch import checks, gate_residual, norm_modulate
+from h3cute.launch import gate_residual, norm_modulate
 from h3cute.launch import plan as P
-from h3cute.launch.plan import M, Buffer, Kernel, Launch, Output, Phase, Scalar, view
+from h3cute.launch.plan import M, Buffer, Kernel, Output, Phase, Scalar, view
 from h3cute.widths import NORM_EPS
 
 OP = "gate_residual_norm_modulate"
@@ -44,14 +44,11 @@ def build(phase: Phase, device, key, rows: int) -> P.Plan:
     """The launch plan of h3::gate_residual_norm_modulate's forward for `rows` rows (the inputs of INPUTS)."""
     if phase is not Phase.FORWARD:
         raise ValueError(f"h3::{OP}: the backward runs norm_modulate's and gate_residual's plans")
-    lo, hi = P.any_rows(rows)
-    steps = ()
-    if rows:
-        slot = checks.slot_addresses(device, OP, "adaln_indices", key.check_indices)
-        steps = (Launch(Kernel.of(f"{OP}_fwd", width=key.width, vec=key.vec),
-                        (*(view(name) for name in INPUTS[:-1]), view("h"), view("out"), Scalar("eps"), *slot)),)
     buffers = (Buffer("h", torch.bfloat16, (M, key.width)), Buffer("out", torch.bfloat16, (M, key.width)))
-    return P.Plan(OP, phase, key, lo, hi, INPUTS, buffers, steps, (Output(view("h")), Output(view("out"))))
+    return P.checked_launch(OP, phase, key, device, rows, INPUTS, buffers,
+                            Kernel.of(f"{OP}_fwd", width=key.width, vec=key.vec),
+                            (*(view(name) for name in INPUTS[:-1]), view("h"), view("out"), Scalar("eps")),
+                            (Output(view("h")), Output(view("out"))), (OP, "adaln_indices", key.check_indices))
 
 
 def forward(residual, y, gate, weight, shift, scale, adaln_indices, eps=NORM_EPS, check_indices=True, vec=FORWARD_VEC):

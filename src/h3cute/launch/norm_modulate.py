@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from h3cute import runtime
-from h3cute.launch import checks
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, Scalar, strided, view
 from h3cute.widths import NORM_EPS
@@ -158,17 +157,14 @@ KEYS = {Phase.FORWARD: ForwardKey, Phase.BACKWARD: BackwardKey}
 
 def build(phase: Phase, device, key, rows: int) -> P.Plan:
     """The launch plan of h3::norm_modulate's `phase` for `rows` rows (the inputs of INPUTS[phase])."""
-    lo, hi = P.any_rows(rows)
     width = key.width
     if phase is Phase.FORWARD:
-        steps = ()
-        if rows:
-            slot = checks.slot_addresses(device, key.op, key.argument, key.check_indices)
-            steps = (Launch(Kernel.of("norm_modulate_fwd", width=width),
-                            (view("x"), view("weight"), view("shift"), view("scale"), view("adaln_indices"),
-                             view("out"), Scalar("eps"), *slot)),)
-        return P.Plan(OP, phase, key, lo, hi, INPUTS[phase], (Buffer("out", torch.bfloat16, (M, width)),), steps,
-                      (Output(view("out")),))
+        return P.checked_launch(
+            OP, phase, key, device, rows, INPUTS[phase], (Buffer("out", torch.bfloat16, (M, width)),),
+            Kernel.of("norm_modulate_fwd", width=width),
+            (*(view(name) for name in INPUTS[phase][:-1]), view("out"), Scalar("eps")), (Output(view("out")),),
+            (key.op, key.argument, key.check_indices))
+    lo, hi = P.any_rows(rows)
     table_rows = key.table_rows
     stride = (1 + 2 * table_rows) * width  # one BF16 buffer, one fold: [dweight | the table rows' gradients]
     buffers = [Buffer("dx", torch.bfloat16, (M, width)), Buffer("grads", torch.bfloat16, (stride,))]

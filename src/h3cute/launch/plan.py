@@ -33,6 +33,7 @@ from typing import Callable, Union
 import torch
 
 from h3cute import runtime
+from h3cute.launch import checks
 
 
 class Phase(str, enum.Enum):
@@ -98,6 +99,16 @@ def any_rows(rows: int) -> tuple[int, int]:
     """The row range [lo, hi] serving `rows` of a plan that is the same at every row count from 1: [0, 0] for no
     rows (no launch), else [1, MAX_ROWS]."""
     return (0, 0) if rows == 0 else (1, runtime.MAX_ROWS)
+
+
+def checked_launch(op: str, phase: Phase, key, device, rows: int, inputs: tuple, buffers: tuple, kernel: Kernel,
+                   args: tuple, outputs: tuple, check: tuple[str, str, bool]) -> Plan:
+    """The plan of a forward that is one launch over its rows at any row count (`any_rows`), none at zero rows (a
+    zero-sized grid is not a valid launch); the kernel's last arguments are the addresses of the check slot
+    `check` = (op, argument, checked) names (h3cute.launch.checks.slot_addresses), asked only when it launches."""
+    lo, hi = any_rows(rows)
+    steps = (Launch(kernel, (*args, *checks.slot_addresses(device, *check))),) if rows else ()
+    return Plan(op, phase, key, lo, hi, inputs, buffers, steps, outputs)
 
 
 def whole_rows(step: int) -> Dim:

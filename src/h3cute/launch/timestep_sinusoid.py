@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from h3cute.launch import checks
 from h3cute.launch import plan as P
-from h3cute.launch.plan import M, Buffer, Kernel, Launch, Output, Phase, view
+from h3cute.launch.plan import M, Buffer, Kernel, Output, Phase, view
 from h3cute.widths import FREQ
 
 KERNEL = "timestep_sinusoid"
@@ -34,13 +33,9 @@ def build(phase: Phase, device, key, rows: int) -> P.Plan:
     """The launch plan of h3::timestep_sinusoid for `rows` timesteps: input t (T,) FP32, output (T, 256) FP32."""
     if phase is not Phase.FORWARD:
         raise ValueError(f"h3::{KERNEL} has no backward")
-    lo, hi = P.any_rows(rows)
-    steps = ()
-    if rows:
-        slot = checks.slot_addresses(device, KERNEL, "t", key.check_range)
-        steps = (Launch(Kernel.of(KERNEL, width=FREQ, check_range=key.check_range), (view("t"), view("out"), *slot)),)
-    return P.Plan(KERNEL, phase, key, lo, hi, ("t",), (Buffer("out", torch.float32, (M, FREQ)),), steps,
-                  (Output(view("out")),))
+    return P.checked_launch(KERNEL, phase, key, device, rows, ("t",), (Buffer("out", torch.float32, (M, FREQ)),),
+                            Kernel.of(KERNEL, width=FREQ, check_range=key.check_range), (view("t"), view("out")),
+                            (Output(view("out")),), (KERNEL, "t", key.check_range))
 
 
 def forward(t: torch.Tensor, check_range: bool = True) -> torch.Tensor:
