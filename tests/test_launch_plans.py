@@ -844,6 +844,36 @@ def test_carved_regions_start_16_byte_aligned():
                                                       P.Buffer("b", torch.int64, (4,), "x")), (), ())
 
 
+def test_walks_worked_out_once_per_row_count_match_the_plan_at_every_row_count():
+    # The walk keeps each plan's buffer geometry and strided views per row count (P._layout, the getters): a plan
+    # walked at row counts in any order, past the number of row counts kept (the caches then start again), lays out
+    # and views exactly what the plan says at each.
+    strided = P.strided("b", (P.M, 2), (P.Dim(per_row=0, const=2), 1), P.Dim(per_row=1))
+    plan = P.Plan("op", P.Phase.FORWARD, None, 0, 10_000, ("x",),
+                  (P.Buffer("a", torch.float32, (P.M, 3), "arena"), P.Buffer("b", torch.float32, (P.Dim(per_row=3),),
+                                                                             "arena"),
+                   P.Buffer("c", torch.int64, (P.M,))),
+                  (P.Launch(P.Kernel.of("k"), (P.view("x"), P.view("a"), strided, P.view("c"))),), ())
+    seen = []
+    fns = (lambda *args: seen.append(args),)
+    counts = [5, 1, 5, *range(2, P._LAYOUTS_KEPT + 9), 5, 1]
+    for rows in counts:
+        x = torch.zeros(rows)
+        P.walk(plan, fns, (x,), rows, (rows,), "cpu")
+        _, a, b, c = seen[-1]
+        regions, totals = P.carve(plan, rows)
+        assert a.shape == (rows, 3) and a.stride() == (3, 1) and a.storage_offset() == regions["a"][1]
+        assert a.untyped_storage().nbytes() == 4 * totals[0]
+        assert b.shape == (rows, 2) and b.stride() == (2, 1), rows
+        assert b.storage_offset() == regions["b"][1] + rows
+        assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        assert c.shape == (rows,) and c.dtype == torch.int64 and c.untyped_storage().data_ptr() not in (
+            a.untyped_storage().data_ptr(),)
+    assert len(plan._layouts) <= P._LAYOUTS_KEPT
+    for shape in ((), (0,), (3,), (0, 5), (4, 0, 2), (1, 7), (2, 3, 4)):
+        assert P._contiguous_strides(shape) == torch.empty(shape).stride(), shape
+
+
 @pytest.fixture(scope="module")
 def projection_weights():
     # final_adaln_out's N (the block projection's 520 MB weight is walked on meta tensors in the C++ test)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Callable, Union
@@ -295,11 +296,36 @@ class Plan:
 
     def arenas(self) -> tuple[str, ...]:
         """The arenas of the buffers, in order of first use."""
+        return self._arenas
+
+    @functools.cached_property
+    def _layouts(self) -> dict:
+        """rows -> the buffers' geometry at that row count (`_layout`): a plan serves a row range, and a workload
+        calls it at a few row counts."""
+        return {}
+
+    @functools.cached_property
+    def _arenas(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(b.arena for b in self.buffers if b.arena))
 
     def kernels(self) -> tuple[Kernel, ...]:
         """The plan's kernels, each once, in first-launch order."""
+        return self._kernels
+
+    @functools.cached_property
+    def _kernels(self) -> tuple[Kernel, ...]:
         return tuple(dict.fromkeys(s.kernel for s in self.steps if isinstance(s, Launch)))
+
+    @functools.cached_property
+    def _program(self) -> tuple:
+        """The walk's per-call work, worked out once per plan (a plan is built once per row range): for each step
+        (when, kernel index or -1 for a fill, argument getters, fill value), and for each output (getter, lead)."""
+        index = {k: i for i, k in enumerate(self.kernels())}
+        steps = tuple((s.when, index[s.kernel], tuple(_getter(a) for a in s.args), 0.0) if isinstance(s, Launch)
+                      else (s.when, -1, (_getter(s.target),), s.value) for s in self.steps)
+        outputs = tuple((_getter(o.source.of), True, o.lead) if isinstance(o.source, ColumnSum)
+                        else (_getter(o.source), False, o.lead) for o in self.outputs)
+        return steps, outputs
 
     def __str__(self) -> str:
         hi = "MAX" if self.hi == runtime.MAX_ROWS else self.hi
@@ -375,21 +401,72 @@ def allocate(plan: Plan, rows: int, device, given: dict | None = None) -> dict:
     """{buffer name: tensor} of `plan`'s buffers for `rows` rows: each on its own, or a region of its arena's one
     allocation (made at the arena's first buffer); those named in `given` are the caller's tensors, taken as they
     are (e.g. a test's guarded output)."""
-    regions, totals = carve(plan, rows)
+    totals, buffers = _layout(plan, rows)
     arenas, env = [None] * len(totals), {}
-    for b in plan.buffers:
-        shape = tuple(d(rows) for d in b.shape)
-        if given and b.name in given:
-            env[b.name] = given[b.name]
-            continue
-        if not b.arena:
-            env[b.name] = torch.empty(shape, dtype=b.dtype, device=device)
-            continue
-        i, start = regions[b.name]
-        if arenas[i] is None:
-            arenas[i] = torch.empty((totals[i],), dtype=b.dtype, device=device)
-        env[b.name] = arenas[i][start:start + _numel(shape)].view(shape)
+    for name, dtype, shape, arena, start, strides in buffers:
+        if given and name in given:
+            env[name] = given[name]
+        elif arena < 0:
+            env[name] = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            if arenas[arena] is None:
+                arenas[arena] = torch.empty((totals[arena],), dtype=dtype, device=device)
+            env[name] = arenas[arena].as_strided(shape, strides, start)  # its region, contiguous
     return env
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    """torch's strides of a contiguous tensor of `shape` (a size 0 counts as 1)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+_LAYOUTS_KEPT = 64  # row counts whose geometry a plan keeps (`_layout`)
+
+
+def _layout(plan: Plan, rows: int) -> tuple:
+    """([elements per arena], [(name, dtype, shape, arena index or -1, element offset, contiguous strides)] per
+    buffer) of `plan` at `rows` rows (`carve`'s regions), worked out once per row count."""
+    layout = plan._layouts.get(rows)
+    if layout is None:
+        regions, totals = carve(plan, rows)
+        buffers = []
+        for b in plan.buffers:
+            shape = tuple(d(rows) for d in b.shape)
+            arena, start = regions.get(b.name, (-1, 0))
+            buffers.append((b.name, b.dtype, shape, arena, start, _contiguous_strides(shape)))
+        if len(plan._layouts) >= _LAYOUTS_KEPT:
+            plan._layouts.clear()
+        layout = plan._layouts[rows] = (tuple(totals), tuple(buffers))
+    return layout
+
+
+def _getter(a: Arg) -> Callable[[dict, int], object]:
+    """(env, rows) -> the argument `a` resolves to: what `_arg` computes, with the common cases decided once."""
+    if isinstance(a, View):
+        if a.rows is None and a.layout is Layout.AS_IS:
+            return lambda env, rows: env[a.of]
+        if a.rows is None and a.layout is Layout.STRIDED:  # its geometry worked out once per row count
+            g, geometry = a.strided, {}
+
+            def strided_view(env, rows):
+                sizes_strides_offset = geometry.get(rows)
+                if sizes_strides_offset is None:
+                    if len(geometry) >= _LAYOUTS_KEPT:
+                        geometry.clear()
+                    sizes_strides_offset = geometry[rows] = (tuple(d(rows) for d in g.sizes),
+                                                             tuple(d(rows) for d in g.strides), g.offset(rows))
+                t = env[a.of]
+                sizes, strides, offset = sizes_strides_offset
+                return t.as_strided(sizes, strides, t.storage_offset() + offset)
+            return strided_view
+        return lambda env, rows: _view(env, a, rows)
+    if isinstance(a, Scalar):
+        return lambda env, rows: float(env[a.of])
+    return lambda env, rows: a
 
 
 def _arg(env: dict, a: Arg, rows: int):
@@ -416,16 +493,18 @@ def walk(plan: Plan, fns: tuple, inputs, rows: int, lead: tuple, device, given: 
     the steps in order, returns the outputs (`lead`: the row input's leading dims, for outputs made as rows)."""
     env = dict(zip(plan.inputs, inputs, strict=True))
     env.update(allocate(plan, rows, device, given))
-    index = {k: i for i, k in enumerate(plan.kernels())}
-    for step, args in _bound(plan, env, rows):
-        if isinstance(step, Launch):
-            fns[index[step.kernel]](*args)
+    steps, outs = plan._program
+    for when, kernel, getters, value in steps:  # each step's arguments resolved when the previous one has run
+        if when is not None and not when(rows):
+            continue
+        if kernel >= 0:
+            fns[kernel](*[get(env, rows) for get in getters])
         else:
-            args[0].fill_(step.value)
+            getters[0](env, rows).fill_(value)
     outputs = []
-    for o in plan.outputs:
-        t = _view(env, o.source.of, rows).sum(0) if isinstance(o.source, ColumnSum) else _view(env, o.source, rows)
-        outputs.append(t.view(*lead, t.shape[-1]) if o.lead else t)
+    for get, column_sum, with_lead in outs:
+        t = get(env, rows).sum(0) if column_sum else get(env, rows)
+        outputs.append(t.view(*lead, t.shape[-1]) if with_lead else t)
     return tuple(outputs)
 
 
