@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from h3cute.bench import checks, prior_art, report, timing
 from h3cute.bench.candidates import Candidate, candidates_for, modes_for
 from h3cute.bench.cli import main
 from h3cute.bench.problems import PROBLEMS, Problem, randn, row_layout, take_rows
-from h3cute.bench.sweep import sweep
+from h3cute.bench.sweep import sweep, sweep_markdown
 from h3cute.widths import BLOCK_PROJECTION, FINAL_PROJECTION, HIDDEN
 
 # The B200 seed reports the harness must read (copied from the project's shared/seeds).
@@ -241,7 +242,32 @@ def test_sweep_flags_configs_that_change_bits():
     assert res["all_invariant"] is True
     assert res["all_identical"] is False
     assert [res["configs"][n]["identical_to_first"] for n, _ in configs] == [True, True, False]
-    assert sorted(res["ranking"]) == ["exact", "off", "same"]
+    assert sorted(res["ranking"]) == ["exact", "off", "same"] and res["failed"] == []
+
+
+def test_sweep_names_configs_that_fail_and_proves_nothing_when_none_ran():
+    """A config that raises (e.g. a tile that does not compile) is named as failed, the others still ranked; a sweep
+    in which no config ran is neither identical nor invariant, and the command exits non-zero either way."""
+    def forward(x, w, b, config):
+        if config is None:
+            raise RuntimeError("no kernel")
+        return x * w + b + config
+    res = sweep(TOY, [("exact", 0.0), ("broken", None), ("same", 0.0)], forward, TINY, CPU)
+    assert res["failed"] == ["broken"] and sorted(res["ranking"]) == ["exact", "same"]
+    assert res["all_identical"] is True and res["all_invariant"] is True
+    assert "2 of 3 configs ran" in sweep_markdown(res) and "`broken` failed: RuntimeError: no kernel" in \
+        sweep_markdown(res)
+    none = sweep(TOY, [("broken", None)], forward, TINY, CPU)
+    assert none["ranking"] == [] and none["all_identical"] is False and none["all_invariant"] is False
+
+
+def test_cli_sweep_exits_non_zero_when_a_config_fails(tmp_path, monkeypatch):
+    """On a CPU the launchers cannot run: every config fails, and the command says so by its exit status."""
+    monkeypatch.setattr(prior_art, "default_device", lambda: CPU)
+    out = tmp_path / "sweep.json"
+    assert main(["sweep", "--op", "timestep_mlp", "--config", "MID_T", "--out", str(out)]) == 1
+    res = json.loads(out.read_text())
+    assert res["failed"] == ["MID_T"] and res["all_identical"] is False
 
 
 def test_cli_quick_prior_art_sinusoid_subprocess(tmp_path):
@@ -536,8 +562,8 @@ def test_sweep_names_configs_by_short_names():
 
 def test_sweep_selects_named_configs_and_command_line_configs_after_the_picks():
     """`--config` names declared configs; a text the op does not declare goes to the launcher's `sweep_config`
-    (adaln_projection: field overrides of a named config), and then the shipped picks run first, so the new config's
-    bits are compared with theirs; an op without `sweep_config` refuses it."""
+    (adaln_projection, timestep_mlp: field overrides of a named config), and then the shipped picks run first, so the
+    new config's bits are compared with theirs; an op without `sweep_config` refuses it."""
     from h3cute.bench.sweep import op_configs, select_configs
     from h3cute.launch import adaln_projection
 
@@ -550,6 +576,12 @@ def test_sweep_selects_named_configs_and_command_line_configs_after_the_picks():
     with pytest.raises(ValueError, match="not a named config"):
         select_configs(mod, configs, ["huge:stages=4"], CPU)
     mlp, mlp_configs = op_configs("timestep_mlp")
-    with pytest.raises(ValueError, match="unknown configs"):
-        select_configs(mlp, mlp_configs, ["SMALL_T:stages=4"], CPU)
     assert select_configs(mlp, mlp_configs, ["WIDE_T"], CPU) == [("WIDE_T", mlp.WIDE_T)]
+    got = select_configs(mlp, mlp_configs, ["MID_T:fc2.stages=5"], CPU)
+    assert got == [*((n, getattr(mlp, n)) for n in mlp.sweep_picks(CPU)),
+                   ("MID_T:fc2.stages=5", mlp.parse_config("MID_T:fc2.stages=5"))]
+    with pytest.raises(ValueError, match="not a named config"):
+        select_configs(mlp, mlp_configs, ["HUGE_T:stages=4"], CPU)
+    without = types.SimpleNamespace(**{k: v for k, v in vars(mlp).items() if k != "sweep_config"})
+    with pytest.raises(ValueError, match="unknown configs"):
+        select_configs(without, mlp_configs, ["SMALL_T:stages=4"], CPU)

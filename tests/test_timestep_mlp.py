@@ -10,7 +10,10 @@ the TF32-wgmma path (fc2, fc2_dgrad, fc2_wgrad; the default from WGMMA_MIN_ROWS 
 mma.sync path's bits for the whole op, forward and all five gradients, at any T.
 """
 
+import importlib.util
+
 import numpy as np
+
 import pytest
 import torch
 
@@ -126,6 +129,43 @@ def test_gemm_config_rejects_tiles_the_kernel_cannot_run():
                 dict(tile_m=16, tile_n=64, stages=2), dict(tile_m=16, tile_n=16, warps_n=4)):
         with pytest.raises(ValueError):
             GemmConfig(**bad)
+
+
+def test_configs_written_on_the_command_line():
+    """`h3cute-bench sweep --op timestep_mlp --config TEXT`: a named config, or field overrides of its GEMM tiles for
+    one role (`ROLE.FIELD=N`) or for every role (`FIELD=N`); bad text fails naming the op, the text and what it
+    takes; the picks a command-line config is checked against are the T picks' configs."""
+    import dataclasses
+
+    roles = [f.name for f in dataclasses.fields(L.MlpConfig)]
+    assert L.parse_config("MID_T") is L.MID_T and sorted(L.CONFIG_NAMES) == sorted(
+        n for n, v in vars(L).items() if n.isupper() and isinstance(v, L.MlpConfig))
+    assert set(map(id, L.CONFIG_NAMES.values())) == set(map(id, L.CONFIGS))
+    c = L.parse_config("MID_T:fc2.stages=5")
+    assert c.fc2 == dataclasses.replace(L.MID_T.fc2, stages=5)
+    assert all(getattr(c, r) == getattr(L.MID_T, r) for r in roles if r != "fc2")
+    c = L.parse_config("SMALL_T:tile_k=64,fc1.stages=3")
+    assert all(getattr(c, r).tile_k == 64 for r in roles) and c.fc1.stages == 3
+    assert c.fc2.stages == L.SMALL_T.fc2.stages
+    assert L.sweep_config("MID_T:fc2.stages=5", None) == ("MID_T:fc2.stages=5", L.parse_config("MID_T:fc2.stages=5"))
+    for text, msg in (("HUGE_T", "not a named config"), ("MID_T:stages", r"\[ROLE.\]FIELD=N"),
+                      ("MID_T:fc3.stages=5", "a role of"), ("MID_T:fc2.colour=1", "a field of"),
+                      ("MID_T:stages=four", "stages takes an integer"), ("MID_T:fc2.stages=2", "at least 3 stages")):
+        with pytest.raises(ValueError, match=msg) as e:
+            L.parse_config(text)
+        named = text.partition(":")[0] if "named" in msg else text
+        assert f"timestep_mlp config {named!r}" in str(e.value), e.value
+    assert L.sweep_picks(None) == ("SMALL_T", "WIDE_T", "MID_T", "LARGE_T")
+
+
+@pytest.mark.slow
+def test_a_command_line_tile_compiles_on_demand(K):
+    """A tile no config declares (what a command-line config asks for) compiles like the declared ones."""
+    tile = L.parse_config("MID_T:fc2.stages=5").fc2.astuple()
+    assert tile not in K.GEMM_TILES["fc2"]
+    spec = next(s for s in K.SPECS if s.name == "timestep_mlp_gemm")
+    ptx = "\n".join(ptx_of(spec, "sm_90a", dict(role="fc2", tile=tile)))
+    assert ptx.count("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32") == _expected_mma_per_k_tile(tile)
 
 
 def _expected_mma_per_k_tile(tile):
@@ -437,6 +477,25 @@ def test_every_config_gives_identical_bits(num_rows):
         assert same_bits(out, fwd[0]), run
         for name, g, g0 in zip(("dx", "dw1", "db1", "dw2", "db2"), grads, bwd[0]):
             assert same_bits(g, g0), (run, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", (1, 100))
+def test_configs_written_as_overrides_give_the_picks_bits(num_rows):
+    """Configs written on `h3cute-bench sweep`'s command line compile on demand and give the shipped picks' bits
+    (forced onto the mma.sync path, whose tiles they change)."""
+    if importlib.util.find_spec("cutlass") is None:
+        pytest.skip("compiling a config on demand needs the CuTe DSL (the device's bundle holds the picks)")
+    w1, b1, w2, b2 = _params(5)
+    x = _randn((num_rows, F1), 41)
+    grad = _randn((num_rows, D), 42)
+    want, want_grads = L.forward(x, w1, b1, w2, b2, wgmma=False), L.backward(grad, x, w1, b1, w2, wgmma=False)
+    for text in ("MID_T:fc2.stages=5", "SMALL_T:stages=5", "LARGE_T:fc2_dgrad.tile_n=64"):
+        config = L.parse_config(text)
+        assert same_bits(L.forward(x, w1, b1, w2, b2, config=config, wgmma=False), want), text
+        for name, g, g0 in zip(("dx", "dw1", "db1", "dw2", "db2"),
+                               L.backward(grad, x, w1, b1, w2, config=config, wgmma=False), want_grads):
+            assert same_bits(g, g0), (text, name)
 
 
 def _both_paths(x, w1, b1, w2, b2, grad):

@@ -10,8 +10,9 @@
   h3cute-bench status DIR
       the fastest-peer table (each op, size, phase) over every prior-art report in DIR: the README's status table.
   h3cute-bench sweep --op OP [--config NAME ...] [--full] [--out FILE.json]
-      every tile config of an op (or those named), ranked; adaln_projection also takes field overrides of a named
-      config (--config tma_wide:stages=4), compiled on demand and checked against the shipped picks.
+      every tile config of an op (or those named), ranked; adaln_projection and timestep_mlp also take field
+      overrides of a named config (--config tma_wide:stages=4, --config MID_T:fc2.stages=5), compiled on demand and
+      checked against the shipped picks.
   h3cute-bench model [--quick] [--out FILE.json] [--resume] [--budget-s SECONDS] [--sizes S ...] [--batches B ...]
       diffusers' MiniMax-H3 model with h3cute.patch against it unpatched (2 blocks at H3's widths): FILE.json,
       FILE.md, FILE.png. --resume continues FILE.json; --budget-s stops starting configurations after that long.
@@ -165,7 +166,7 @@ def _sweep(args) -> int:
     out.with_suffix(".md").write_text(md)
     sys.stdout.write(md)
     console.print(f"wrote {out} and {out.with_suffix('.md')}")
-    return 0 if res["all_identical"] and res["all_invariant"] else 1
+    return 0 if res["all_identical"] and res["all_invariant"] and not res["failed"] else 1
 
 
 def _model(args) -> int:
@@ -207,7 +208,8 @@ def parser() -> argparse.ArgumentParser:
     sw.add_argument("--op", required=True, choices=OPS)
     sw.add_argument("--config", action="append",
                     help="only these configs (repeatable): names, or where the op allows field overrides of a named "
-                         "config (adaln_projection: tma_wide:stages=4), compiled on demand and run after the picks")
+                         "config (adaln_projection: tma_wide:stages=4; timestep_mlp: MID_T:fc2.stages=5), compiled on "
+                         "demand and run after the picks")
     sw.add_argument("--full", action="store_true", help="the full invariance method instead of the quick one")
     sw.add_argument("--out", type=Path)
     sw.add_argument("--plan", action="append", metavar="FIELD=JSON", help="override a field of the check plan")

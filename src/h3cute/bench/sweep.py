@@ -100,21 +100,24 @@ def sweep(problem: Problem, configs: list[tuple[str, object]], forward, plan: ch
     largest = str(max(plan.accuracy_sizes))
     ok = [n for n, e in results.items() if "unavailable" not in e]
     ranking = sorted(ok, key=lambda n: results[n]["fwd_us"][largest])
+    # over the configs that ran; none ran proves nothing (False), and the failed ones are named
     return {
         "kind": "h3_config_sweep",
         "op": problem.op,
         "environment": report.environment(device, {"plain": {}}),
         "configs": results,
         "ranking": ranking,
-        "all_identical": all(results[n]["identical_to_first"] for n in ok),
-        "all_invariant": all(results[n]["batch_invariant"] for n in ok),
+        "failed": [n for n in results if n not in ok],
+        "all_identical": bool(ok) and all(results[n]["identical_to_first"] for n in ok),
+        "all_invariant": bool(ok) and all(results[n]["batch_invariant"] for n in ok),
     }
 
 
 def sweep_markdown(res: dict) -> str:
     sizes = sorted({int(s) for e in res["configs"].values() for s in e.get("fwd_us", {})})
     lines = [f"# {res['op']}: tile-config sweep", "",
-             f"all configs identical bits: {res['all_identical']}; all batch-invariant: {res['all_invariant']}", "",
+             f"{len(res['ranking'])} of {len(res['configs'])} configs ran; identical bits across them: "
+             f"{res['all_identical']}; all batch-invariant: {res['all_invariant']}", "",
              "| rank | config | invariant | identical | " + " | ".join(f"fwd_us@{n}" for n in sizes) + " |",
              "| --- | --- | --- | --- | " + " | ".join("---" for _ in sizes) + " |"]
     for i, name in enumerate(res["ranking"], 1):

@@ -33,6 +33,7 @@ layer validates shapes/dtypes/devices; here inputs are contiguous FP32 on one CU
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,57 @@ def pick_config(num_rows: int) -> MlpConfig:
 def _bucket(num_rows: int) -> tuple[int, int, MlpConfig]:
     lo, hi = runtime.row_range([bound for bound, _ in T_BOUNDS], num_rows)
     return lo, hi, dict(T_BOUNDS)[hi]
+
+
+# ---- `h3cute-bench sweep`'s configs: CONFIGS by name, and configs written on its command line ----------------
+
+CONFIG_NAMES = {"SMALL_T": SMALL_T, "WIDE_T": WIDE_T, "MID_T": MID_T, "LARGE_T": LARGE_T, "SMALL_T_K64": SMALL_T_K64,
+                "LARGE_T_S5": LARGE_T_S5}
+_TILE_FIELDS = tuple(f.name for f in dataclasses.fields(GemmConfig))
+_ROLES = tuple(f.name for f in dataclasses.fields(MlpConfig))
+
+
+def parse_config(text: str) -> MlpConfig:
+    """A config named in CONFIG_NAMES, or written as `NAME:field=value,...`: field overrides of the named config's
+    GEMM tiles, `ROLE.FIELD=N` for one role's tile (`MID_T:fc2.stages=5`) or `FIELD=N` for every role's
+    (`SMALL_T:tile_k=64`); GemmConfig checks the tiles. Every config gives the same bits."""
+    base, _, overrides = text.partition(":")
+    if base not in CONFIG_NAMES:
+        raise ValueError(f"timestep_mlp config {base!r} is not a named config; one of {list(CONFIG_NAMES)}")
+    config = CONFIG_NAMES[base]
+    if not overrides:
+        return config
+    tiles = {role: {} for role in _ROLES}
+    for item in overrides.split(","):
+        key, eq, value = item.partition("=")
+        role, dot, field = key.rpartition(".")
+        roles = (role,) if dot else _ROLES
+        if not eq or field not in _TILE_FIELDS or (dot and role not in _ROLES):
+            raise ValueError(f"timestep_mlp config {text!r}: {item!r} is not [ROLE.]FIELD=N with a role of {_ROLES} "
+                             f"and a field of {_TILE_FIELDS}")
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"timestep_mlp config {text!r}: {field} takes an integer, not {value!r}") from None
+        for r in roles:
+            tiles[r][field] = number
+    try:
+        return MlpConfig(**{r: dataclasses.replace(getattr(config, r), **tiles[r]) for r in _ROLES})
+    except ValueError as e:
+        raise ValueError(f"timestep_mlp config {text!r}: {e}") from None
+
+
+def sweep_picks(device) -> tuple[str, ...]:
+    """The configs the T picks ship (T_BOUNDS), by name in T order: what `h3cute-bench sweep` checks a command-line
+    config against."""
+    names = {id(config): name for name, config in CONFIG_NAMES.items()}
+    return tuple(dict.fromkeys(names[id(config)] for _, config in T_BOUNDS))
+
+
+def sweep_config(text: str, device) -> tuple[str, MlpConfig]:
+    """(name, config) of a config written on `h3cute-bench sweep`'s command line (`parse_config`); its tiles
+    compile on demand."""
+    return text, parse_config(text)
 
 
 def uses_wgmma(device, num_rows: int) -> bool:
