@@ -319,10 +319,11 @@ class Plan:
     @functools.cached_property
     def _program(self) -> tuple:
         """The walk's per-call work, worked out once per plan (a plan is built once per row range): for each step
-        (when, kernel index or -1 for a fill, argument getters, fill value), and for each output (getter, lead)."""
+        (step, kernel index or -1 for a fill, argument getters: a fill's target), and for each output (getter,
+        column sum, lead)."""
         index = {k: i for i, k in enumerate(self.kernels())}
-        steps = tuple((s.when, index[s.kernel], tuple(_getter(a) for a in s.args), 0.0) if isinstance(s, Launch)
-                      else (s.when, -1, (_getter(s.target),), s.value) for s in self.steps)
+        steps = tuple((s, index[s.kernel], tuple(_getter(a) for a in s.args)) if isinstance(s, Launch)
+                      else (s, -1, (_getter(s.target),)) for s in self.steps)
         outputs = tuple((_getter(o.source.of), True, o.lead) if isinstance(o.source, ColumnSum)
                         else (_getter(o.source), False, o.lead) for o in self.outputs)
         return steps, outputs
@@ -427,40 +428,45 @@ def _contiguous_strides(shape: tuple) -> tuple:
 _LAYOUTS_KEPT = 64  # row counts whose geometry a plan keeps (`_layout`)
 
 
+def _per_rows(cache: dict, rows: int, compute: Callable[[int], tuple]) -> tuple:
+    """compute(rows), kept in `cache` for up to _LAYOUTS_KEPT row counts (then the cache starts again)."""
+    value = cache.get(rows)
+    if value is None:
+        if len(cache) >= _LAYOUTS_KEPT:
+            cache.clear()
+        value = cache[rows] = compute(rows)
+    return value
+
+
 def _layout(plan: Plan, rows: int) -> tuple:
     """([elements per arena], [(name, dtype, shape, arena index or -1, element offset, contiguous strides)] per
     buffer) of `plan` at `rows` rows (`carve`'s regions), worked out once per row count."""
-    layout = plan._layouts.get(rows)
-    if layout is None:
+    def compute(rows):
         regions, totals = carve(plan, rows)
         buffers = []
         for b in plan.buffers:
             shape = tuple(d(rows) for d in b.shape)
             arena, start = regions.get(b.name, (-1, 0))
             buffers.append((b.name, b.dtype, shape, arena, start, _contiguous_strides(shape)))
-        if len(plan._layouts) >= _LAYOUTS_KEPT:
-            plan._layouts.clear()
-        layout = plan._layouts[rows] = (tuple(totals), tuple(buffers))
-    return layout
+        return tuple(totals), tuple(buffers)
+    return _per_rows(plan._layouts, rows, compute)
 
 
 def _getter(a: Arg) -> Callable[[dict, int], object]:
-    """(env, rows) -> the argument `a` resolves to: what `_arg` computes, with the common cases decided once."""
+    """(env, rows) -> the argument `a` resolves to (a view of an input or buffer, a Scalar's float, an int), the
+    common cases decided once."""
     if isinstance(a, View):
         if a.rows is None and a.layout is Layout.AS_IS:
             return lambda env, rows: env[a.of]
         if a.rows is None and a.layout is Layout.STRIDED:  # its geometry worked out once per row count
             g, geometry = a.strided, {}
 
+            def compute(rows):
+                return tuple(d(rows) for d in g.sizes), tuple(d(rows) for d in g.strides), g.offset(rows)
+
             def strided_view(env, rows):
-                sizes_strides_offset = geometry.get(rows)
-                if sizes_strides_offset is None:
-                    if len(geometry) >= _LAYOUTS_KEPT:
-                        geometry.clear()
-                    sizes_strides_offset = geometry[rows] = (tuple(d(rows) for d in g.sizes),
-                                                             tuple(d(rows) for d in g.strides), g.offset(rows))
                 t = env[a.of]
-                sizes, strides, offset = sizes_strides_offset
+                sizes, strides, offset = _per_rows(geometry, rows, compute)
                 return t.as_strided(sizes, strides, t.storage_offset() + offset)
             return strided_view
         return lambda env, rows: _view(env, a, rows)
@@ -469,22 +475,13 @@ def _getter(a: Arg) -> Callable[[dict, int], object]:
     return lambda env, rows: a
 
 
-def _arg(env: dict, a: Arg, rows: int):
-    if isinstance(a, View):
-        return _view(env, a, rows)
-    return float(env[a.of]) if isinstance(a, Scalar) else a
-
-
 def _bound(plan: Plan, env: dict, rows: int):
-    """(step, its arguments on `env`'s tensors: a launch's kernel arguments, a fill's target) for each step of `plan`
-    that runs at `rows` rows, in order (each resolved when the previous one has run)."""
-    for step in plan.steps:
-        if step.when is not None and not step.when(rows):
-            continue
-        if isinstance(step, Launch):
-            yield step, tuple(_arg(env, a, rows) for a in step.args)
-        else:
-            yield step, (_view(env, step.target, rows),)
+    """(step, kernel index or -1 for a fill, its arguments on `env`'s tensors: a launch's kernel arguments, a fill's
+    target) for each step of `plan` that runs at `rows` rows, in order (each resolved when the previous one has
+    run)."""
+    for step, kernel, getters in plan._program[0]:
+        if step.when is None or step.when(rows):
+            yield step, kernel, [get(env, rows) for get in getters]
 
 
 def walk(plan: Plan, fns: tuple, inputs, rows: int, lead: tuple, device, given: dict | None = None) -> tuple:
@@ -493,16 +490,13 @@ def walk(plan: Plan, fns: tuple, inputs, rows: int, lead: tuple, device, given: 
     the steps in order, returns the outputs (`lead`: the row input's leading dims, for outputs made as rows)."""
     env = dict(zip(plan.inputs, inputs, strict=True))
     env.update(allocate(plan, rows, device, given))
-    steps, outs = plan._program
-    for when, kernel, getters, value in steps:  # each step's arguments resolved when the previous one has run
-        if when is not None and not when(rows):
-            continue
+    for step, kernel, args in _bound(plan, env, rows):
         if kernel >= 0:
-            fns[kernel](*[get(env, rows) for get in getters])
+            fns[kernel](*args)
         else:
-            getters[0](env, rows).fill_(value)
+            args[0].fill_(step.value)
     outputs = []
-    for get, column_sum, with_lead in outs:
+    for get, column_sum, with_lead in plan._program[1]:
         t = get(env, rows).sum(0) if column_sum else get(env, rows)
         outputs.append(t.view(*lead, t.shape[-1]) if with_lead else t)
     return tuple(outputs)
@@ -513,7 +507,7 @@ def bind(plan: Plan, inputs, rows: int, device) -> tuple[dict, list[tuple[Step, 
     that run at `rows` rows, in order): for the perf scripts, which time a plan's launches one at a time."""
     env = dict(zip(plan.inputs, inputs, strict=True))
     env.update(allocate(plan, rows, device))
-    return env, list(_bound(plan, env, rows))
+    return env, [(step, tuple(args)) for step, _, args in _bound(plan, env, rows)]
 
 
 # ---- the cache: one plan per (op, phase, device, key, row range) ---------------------------------------------
