@@ -41,6 +41,7 @@ import torch
 from h3cute import runtime
 from h3cute.kernels._tiles import (CONFIGS, LARGE_T, LARGE_T_S5, MID_T, SMALL_T, SMALL_T_K64,  # noqa: F401
                                    T_BOUNDS, WIDE_T, GemmConfig, MlpConfig)
+from h3cute.kernels import _tiles
 from h3cute.launch import plan as P
 from h3cute.launch.plan import M, Buffer, Fill, Kernel, Launch, Layout, Output, Phase, view
 from h3cute.widths import FREQ, MLP_HIDDEN, TEMB
@@ -98,8 +99,7 @@ def _bucket(num_rows: int) -> tuple[int, int, MlpConfig]:
 
 # ---- `h3cute-bench sweep`'s configs: CONFIGS by name, and configs written on its command line ----------------
 
-CONFIG_NAMES = {"SMALL_T": SMALL_T, "WIDE_T": WIDE_T, "MID_T": MID_T, "LARGE_T": LARGE_T, "SMALL_T_K64": SMALL_T_K64,
-                "LARGE_T_S5": LARGE_T_S5}
+CONFIG_NAMES = {name: value for name, value in vars(_tiles).items() if isinstance(value, MlpConfig)}  # CONFIGS'
 _TILE_FIELDS = tuple(f.name for f in dataclasses.fields(GemmConfig))
 _ROLES = tuple(f.name for f in dataclasses.fields(MlpConfig))
 
