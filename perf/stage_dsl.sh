@@ -21,7 +21,7 @@ WHEELS=(nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cut
 DEPS=(cuda-bindings==13.5.0 protobuf==7.36.2)
 LIMIT_MIB=64
 
-grep -qx '/.devdsl/' .git/info/exclude 2>/dev/null || git check-ignore -q .devdsl \
+grep -qx '/.devdsl/' .git/info/exclude 2>/dev/null || git check-ignore -q .devdsl/ \
   || { echo "stage_dsl: .devdsl is not git-ignored" >&2; exit 2; }
 mkdir -p "$CACHE/whl" "$CACHE/deps" .devdsl .devstage/dsl
 fetch() {   # fetch DIR SPEC...: each wheel for the device (CPython 3.12, x86-64 Linux) into DIR, once

@@ -24,7 +24,7 @@ FILES=("sglang==0.5.21 sglang/srt/batch_invariant_ops/batch_invariant_ops.py"
 LIMIT_MIB=64
 
 mkdir -p "$CACHE" .devstage/whl .devstage/peers
-grep -qx '/.devstage/' .git/info/exclude 2>/dev/null || git check-ignore -q .devstage \
+grep -qx '/.devstage/' .git/info/exclude 2>/dev/null || git check-ignore -q .devstage/ \
   || { echo "stage_peers: .devstage is not git-ignored" >&2; exit 2; }
 
 download() {   # download SPEC into DIR (a wheel for the device: CPython 3.12, x86-64 Linux)
