@@ -437,8 +437,9 @@ def test_fastest_peer_names_the_peer_that_beats_h3cute_plainly():
 
 
 def test_status_table_gathers_every_report_in_a_folder(tmp_path, capsys):
-    """`h3cute-bench status DIR`: one row per op, size and phase, each op with its report's commit; other JSON files
-    in the folder (row_kernels.json, model.json) are passed over; a folder without reports is a usage error."""
+    """`h3cute-bench status DIR`: one row per op, size and phase, each op with its report's commit (a full hash as
+    its first 7 characters); other JSON files in the folder (row_kernels.json, model.json) are passed over; a folder
+    without reports is a usage error."""
     from h3cute.bench import cli
     assert cli.main(["status", str(tmp_path)]) == 2
     assert "no prior-art report" in capsys.readouterr().err
@@ -452,13 +453,14 @@ def test_status_table_gathers_every_report_in_a_folder(tmp_path, capsys):
                 "results": {"plain": {"h3cute": _cand(h3), "diffusers": _cand(peer, err=err)}}}
     (tmp_path / "gate_residual.json").write_text(json.dumps(rep("gate_residual", (10.0, 30.0), (20.0, 20.0), "abc1",
                                                                 err=2e-2)))
-    (tmp_path / "norm_modulate.json").write_text(json.dumps(rep("norm_modulate", (5.0, 9.0), (6.0, 12.0), "abc2")))
+    (tmp_path / "norm_modulate.json").write_text(json.dumps(rep("norm_modulate", (5.0, 9.0), (6.0, 12.0),
+                                                                "abc2def" + "0" * 33)))
     (tmp_path / "model.json").write_text(json.dumps({"kind": "h3_model_bench"}))
     assert cli.main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = [line for line in out if line.startswith("| `")]
     assert [r.split(" | ")[0] for r in rows] == ["| `norm_modulate`"] * 2 + ["| `gate_residual`"] * 2  # OPS order
-    assert rows[0].startswith("| `norm_modulate` | abc2 | 64 | fwd | 5.00 | ")
+    assert rows[0].startswith("| `norm_modulate` | abc2def | 64 | fwd | 5.00 | ")
     assert "| `diffusers` | 6.00 | " in rows[0] and rows[0].split(" | ")[9] == "0.83"
     assert ("A peer is faster than h3cute at: `gate_residual` fwd_bwd_us at 64 rows: `diffusers` 20.00 µs "
             "against h3cute 30.00 µs (1.50x); its forward error against FP64 is 0.02, 20x h3cute's 0.001.") in out

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -356,12 +357,15 @@ _PHASE_LABEL = {"fwd_us": "fwd", "fwd_bwd_us": "fwd+bwd"}
 
 def status_markdown(reports: dict[str, dict]) -> list[str]:
     """One fastest-peer table over several ops' reports ({op: report}, in the order given): the README's status
-    table. Each op's row names the commit its report measured, so a stale report shows as one."""
+    table. Each op's row names the commit its report measured (a full hash shortened to 7), so a stale report shows
+    as one."""
     lines = [_row("op", "report's commit", "size", "phase", *_FASTEST_HEADER),
              _row(*["---"] * (4 + len(_FASTEST_HEADER)))]
     faster = []
     for op, rep in reports.items():
         commit = ((rep.get("environment") or {}).get("h3cute") or {}).get("commit") or "–"
+        if re.fullmatch(r"[0-9a-f]{40}", commit):
+            commit = commit[:7]
         for n, phase, cells, beaten in _fastest_rows(rep):
             lines.append(_row(f"`{op}`", commit, n, _PHASE_LABEL.get(phase, phase), *cells))
             if beaten:
