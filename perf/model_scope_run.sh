@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
-# The device runs behind h3cute.patch(scope="model")'s committed reports, in two calls to one warm machine
+# The device runs behind h3cute.patch(scope="model")'s committed speed report, in two calls to one warm machine
 # (docs/DEVICE.md: the DSL travels in a call of its own). Run through perf/device_run.sh, from the repo root.
 #
-#   plain   (first call, carry .snap)   h3::linear against cuBLAS (perf/linear_bench.py); h3cute-bench model's
-#           unpatched and conditioning-patched variants, eager, in a process without vLLM's settings; its JSON
-#           stays on the machine for the second call
-#   model   (second call, carry .devdsl, H3CUTE_GPU_TESTS=tests/test_patch_model_gpu.py: the five proofs, whose
-#           fixture runs perf/model_invariance.py) the model bench's scope="model" variant, added with --resume in a
-#           process started with vLLM's cuBLASLt settings
+#   plain   (a call carrying .snap) h3-bench model's unpatched variant (diffusers) eager, compiled and with CUDA
+#           graphs (reduce-overhead, the forward), in a process without vLLM's settings; its JSON stays on the
+#           machine for the second call
+#   model   (a later call, the DSL staged) the scope="model" variant in the same modes, added with --resume in a process
+#           started with vLLM's cuBLASLt settings
 #
-# Reports go to $H3CUTE_OUT: linear_bench.json, model_invariance.json (the GPU tests), model_scope.{json,md,png}.
+# H3CUTE_MODEL_SIZES (default "4097 32768") and H3CUTE_MODEL_BATCHES (default "1") pick the configurations;
+# H3CUTE_MODEL_BUDGET_S (default 400) stops starting new ones. Reports go to $H3CUTE_OUT: model_scope.{json,md,png}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STATE=/tmp/h3-model-scope.json   # the bench report between the two calls (the machine keeps /tmp while warm)
-BENCH=(python3 -m h3cute.bench model --modes eager --no-share --budget-s "${H3CUTE_MODEL_BUDGET_S:-400}")
+# shellcheck disable=SC2206
+BENCH=(python3 -m h3cute.bench model --modes eager compile cudagraphs --no-share
+       --sizes ${H3CUTE_MODEL_SIZES:-4097 32768} --batches ${H3CUTE_MODEL_BATCHES:-1}
+       --budget-s "${H3CUTE_MODEL_BUDGET_S:-400}")
 rc=0
 case "${1:?plain or model}" in
   plain)
-    python3 perf/linear_bench.py || rc=1
-    "${BENCH[@]}" --variants unpatched patched --out "$STATE" || rc=1
+    "${BENCH[@]}" --variants unpatched --out "$STATE" || rc=1
     ;;
   model)
     [ -f "$STATE" ] || { echo "model_scope_run: $STATE missing (run 'plain' first on this machine)" >&2; exit 2; }

@@ -26,7 +26,11 @@ BACKWARD = {  # ops with an autograd formula -> their backward op
     "gate_residual_norm_modulate": "gate_residual_norm_modulate_backward",
 }
 FORWARD = {"final_adaln_out": "final_adaln_out_fwd"}  # ops whose autograd runs another forward op (saving more)
-MODEL_OPS = {"linear", "linear_backward"}  # the model-scope FP32 linear: not a conditioning op (tests/test_linear.py)
+# the model scope's ops, not conditioning ops: the FP32 linear (tests/test_linear.py) and h3cute.ops.model's
+# (tests/test_model_ops.py)
+MODEL_OPS = {"linear", "linear_backward", "attention", "attention_with_lse", "attention_backward", "dense",
+             "dense_backward", "rms_norm", "rms_norm_backward", "rotary", "rotary_backward", "swiglu",
+             "swiglu_backward", "rotary_table"}
 ROWS = {"timestep_sinusoid": 5, "timestep_mlp": 3, "adaln_projection": 2}  # T for the T-ops; S = 7 otherwise
 _INPUTS = {}
 
@@ -80,7 +84,7 @@ def documented_schemas():
 
 def test_every_documented_schema_is_registered_exactly():
     schemas = documented_schemas()
-    assert len(schemas) == 18
+    assert len(schemas) == 18 + 12
     for s in schemas:
         name = s.split("(", 1)[0]
         assert getattr(torch.ops.h3, name).default._schema == torch._C.parse_schema("h3::" + s), name
@@ -231,7 +235,9 @@ def test_cpu_gradients_match_fp64_autograd(op):
         assert x.grad is not None and x.grad.dtype == x.dtype and x.grad.shape == x.shape
         assert not x.grad.isnan().any()
         err = (x.grad.double() - x64.grad).abs().max() / x64.grad.abs().max().clamp_min(1e-30)
-        tol = 2e-6 if x.dtype == torch.float32 and op == "timestep_mlp" else 1.2e-2
+        # FP32 sums of up to 5376 products (~sqrt(K) u = 4e-6 of the largest gradient, seen up to 2.8e-6 with one
+        # CPU's BLAS): 1e-5 holds FP32, and still fails a TF32 path (~5e-4) by far
+        tol = 1e-5 if x.dtype == torch.float32 and op == "timestep_mlp" else 1.2e-2
         assert err < tol, (op, tuple(x.shape), float(err))
         checked += 1
     assert checked >= 1

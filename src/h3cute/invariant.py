@@ -1,22 +1,20 @@
-"""The mechanisms `h3cute.patch(transformer, scope="model")` uses for the call sites that are not h3 ops.
+"""The kernels `h3cute.patch(transformer, scope="model")` relies on beyond h3cute's own, and what they need.
 
-Each was measured per call site on the H200 (perf/call_site_invariance.py: a row computed alone against inside
-larger row counts, a sample alone against inside a batch, gradients computed twice) and is proven end to end by
-tests/test_patch_model_gpu.py:
+Under the model scope every computation is an h3 op (`h3cute.ops.model`), and these are the kernels inside the
+ops that are not h3cute's:
 
-- BF16 linears (attention projections, the SwiGLU feed-forward, the token refiner, context_embedder): cuBLASLt
-  without split-K, as vLLM's batch-invariant mode sets it. Two environment variables, read when CUDA's BLAS
-  handles are made, so they are process-wide and must be set before the process's first CUDA GEMM
-  (`set_environment()` does that, or refuses once CUDA is initialized), and three torch switches, also
+- `h3::dense` (the BF16 linears: attention projections, the SwiGLU feed-forward, the token refiner,
+  context_embedder): cuBLASLt without split-K, as vLLM's batch-invariant mode sets it. Two environment variables,
+  read when CUDA's BLAS handles are made, so they are process-wide and must be set before the process's first CUDA
+  GEMM (`set_environment()` does that, or refuses once CUDA is initialized), and three torch switches, also
   process-wide, which `blas_settings()` holds while a model-scope patch is active.
-- Attention: FlashAttention-4 (`flash-attn-4`, CuTe DSL kernels) with `deterministic=True`, set as the attention
-  processor of each patched `MiniMaxH3Attention` only. Its forward tiles a sample's rows the same way at every
-  batch size (no split of the key dimension), and its deterministic backward accumulates dQ in a fixed order.
-- RMSNorm (the attention's q/k norms, the refiner's norms), the rotary embedding and the model's elementwise and
-  indexing ops: torch's own kernels are row-wise, nothing to change.
+- `h3::attention`: FlashAttention-4 (`flash-attn-4`, CuTe DSL kernels). Its forward tiles a sample's rows the same
+  way at every batch size (no split of the key dimension), and its deterministic backward accumulates dQ in a fixed
+  order.
+- `h3::rms_norm`, `h3::rotary`, `h3::swiglu`, `h3::rotary_table`: torch's own row-wise and elementwise kernels.
 
-The FP32 heads (proj_in, audio_proj_in, proj_out, audio_proj_out) are invariant under none of cuBLAS's settings:
-they run `torch.ops.h3.linear`.
+`perf/call_site_invariance.py` measured each per call site; tests/test_patch_model_gpu.py proves the whole model.
+`AttnProcessor` is the attention processor the patch sets on every `MiniMaxH3Attention`.
 """
 from __future__ import annotations
 
@@ -88,6 +86,34 @@ def release_blas_settings() -> None:
         _HOLDS[1] = None
 
 
+# Inductor's emulation of eager's roundings: between the model scope's ops a compiled graph keeps only views, copies,
+# casts and adds, and the adds that matter are the backward's sums of a BF16 tensor's gradients where it fans out
+# (the q/k/v projections' input: three of them). Eager rounds each partial sum to BF16; Inductor, fusing the sum into
+# one kernel, would otherwise add in FP32 and round once. Held like the BLAS switches, while a model-scope patch is
+# active; read when torch.compile compiles (the first call of a compiled model), and part of Inductor's cache key.
+_COMPILE_HOLDS = [0, None]
+
+
+def hold_compile_settings() -> None:
+    """`torch._inductor.config.emulate_precision_casts = True`, process-wide while at least one model-scope patch
+    is active; `release_compile_settings` restores what was there before."""
+    from torch._inductor import config
+    if _COMPILE_HOLDS[0] == 0:
+        _COMPILE_HOLDS[1] = config.emulate_precision_casts
+    _COMPILE_HOLDS[0] += 1
+    config.emulate_precision_casts = True
+
+
+def release_compile_settings() -> None:
+    if _COMPILE_HOLDS[0] == 0:
+        return
+    from torch._inductor import config
+    _COMPILE_HOLDS[0] -= 1
+    if _COMPILE_HOLDS[0] == 0:
+        config.emulate_precision_casts = _COMPILE_HOLDS[1]
+        _COMPILE_HOLDS[1] = None
+
+
 @contextlib.contextmanager
 def blas_settings():
     """`hold_blas_settings()` for the duration of a block."""
@@ -110,20 +136,9 @@ def fa4_problem() -> str | None:
     return None
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Softmax attention of (B, S, heads, head_dim) BF16 / FP16 rows, no mask, 1/sqrt(head_dim) scale: FA4's
-    forward and its deterministic backward."""
-    from flash_attn.cute import flash_attn_func
-    out = flash_attn_func(query, key, value, causal=False, deterministic=True)
-    return out[0] if isinstance(out, tuple) else out  # (out, lse) in some releases
-
-
 class AttnProcessor:
-    """MiniMaxH3AttnProcessor's computation (q/k/v projections, q/k RMSNorm, rotary embedding, attention, output
-    projection) with `attention` above in place of diffusers' dispatch."""
-
-    def __init__(self, apply_rotary_emb):
-        self._rotary = apply_rotary_emb
+    """MiniMaxH3AttnProcessor's computation on h3 ops: the q/k/v projections (the modules, on h3::dense), the q/k
+    norms (the modules, on h3::rms_norm), h3::rotary, h3::attention, the output projection (h3::dense)."""
 
     def __call__(self, attn, hidden_states: torch.Tensor, rotary_emb=None, attention_mask=None) -> torch.Tensor:
         if attention_mask is not None:
@@ -137,10 +152,10 @@ class AttnProcessor:
         key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
         value = value.unflatten(-1, (attn.heads, -1))
         if rotary_emb is not None:
-            query, key = self._rotary(query, *rotary_emb), self._rotary(key, *rotary_emb)
+            query, key = torch.ops.h3.rotary(query, *rotary_emb), torch.ops.h3.rotary(key, *rotary_emb)
         if query.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"h3cute.patch(scope='model'): attention rows are {query.dtype}; FlashAttention-4 "
                             "takes BF16 or FP16 (run the model in BF16, the checkpoint's dtype)")
-        out = attention(query.contiguous(), key.contiguous(), value.contiguous())
+        out = torch.ops.h3.attention(query.contiguous(), key.contiguous(), value.contiguous())
         hidden_states = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](hidden_states))

@@ -21,13 +21,14 @@ The six chunks stay row-strided views of the projection's (3T, 6H) table and are
 gather pass); the rope, the input projections, the token refiner, every block's attention and feed-forward and
 the output heads are not conditioning ops and stay diffusers'.
 
-`patch(transformer, scope="model")` makes the rest of the forward batch-invariant too: the FP32 heads
-(proj_in, audio_proj_in, proj_out, audio_proj_out) switch to `torch.ops.h3.linear` the same way; every
-`MiniMaxH3Attention`'s processor becomes `h3cute.invariant.AttnProcessor` (FlashAttention-4, deterministic;
-`unpatch()` puts the previous processor back); the BF16 linears and the remaining RMSNorms stay diffusers' and are
-reported with the mechanism that keeps them invariant (`h3cute.invariant`: cuBLASLt's process-wide settings, torch's
-row-wise kernels). A missing mechanism (the environment variables, FlashAttention-4) is one refusal per reason,
-naming every site it concerns.
+`patch(transformer, scope="model")` puts the rest of the forward on h3 ops too (`h3cute.ops.model`), so that
+nothing is left for torch.compile to regenerate: the FP32 heads (proj_in, audio_proj_in, proj_out,
+audio_proj_out) switch to `torch.ops.h3.linear` the same way, the BF16 linears to `h3::dense`, the remaining
+RMSNorms (q/k norms, the token refiner's) to `h3::rms_norm`, every SwiGLU to `h3::swiglu` after its projection,
+the rope to `h3::rotary_table`; every `MiniMaxH3Attention`'s processor becomes `h3cute.invariant.AttnProcessor`
+(`h3::rotary`, `h3::attention` on FlashAttention-4; `unpatch()` puts the previous processor back). Each site is
+reported with the kernels inside its op. A missing requirement (vLLM's cuBLASLt environment, FlashAttention-4)
+is one refusal per reason, naming every site it concerns.
 
 How a module is switched. Its class becomes a subclass of its own class, made once per class, with the same
 `__name__` (diffusers' `_no_split_modules` / `_repeated_blocks` match names) and a `forward` of the same
@@ -97,9 +98,9 @@ class PatchError(ValueError):
 
 @dataclass(frozen=True)
 class CallSite:
-    """One place where the model computes something the patch makes invariant. `op` is the h3 op that computes
-    it, or None where `mechanism` (scope="model": cuBLASLt's settings, FlashAttention-4, torch's row-wise kernels)
-    keeps diffusers' computation invariant. `left` is None when the site is served, else why it is not."""
+    """One place where the model computes something the patch makes invariant: `op` is the h3 op that computes
+    it; `mechanism` (scope="model" sites) names the kernels inside that op (cuBLASLt under vLLM's settings,
+    FlashAttention-4, torch's row-wise kernels). `left` is None when the site is served, else why it is not."""
     module: str
     computes: str
     op: str | None
@@ -191,10 +192,36 @@ def _norm_out_forward(self, hidden_states: torch.Tensor, temb: torch.Tensor,
 
 
 def _linear_forward(self, input: torch.Tensor) -> torch.Tensor:
-    """An FP32 head under scope="model": torch.ops.h3.linear (cuBLAS's FP32 GEMMs are not row-invariant)."""
-    if not getattr(self, _ARMED, False):
+    """scope="model": an FP32 head on torch.ops.h3.linear (cuBLAS's FP32 GEMMs are not row-invariant), a BF16
+    linear on torch.ops.h3.dense (cuBLASLt under vLLM's settings, opaque to torch.compile)."""
+    armed = getattr(self, _ARMED, False)
+    if not armed:
         return _base_forward(self)(self, input)
+    if armed == "dense":
+        return torch.ops.h3.dense(input, self.weight, self.bias)
     return torch.ops.h3.linear(input, self.weight, self.bias)
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """scope="model": an nn.RMSNorm outside the conditioning path (q/k norms, the token refiner's) on
+    torch.ops.h3.rms_norm."""
+    if not getattr(self, _ARMED, False):
+        return _base_forward(self)(self, hidden_states)
+    return torch.ops.h3.rms_norm(hidden_states, self.weight, _eps(self))
+
+
+def _swiglu_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """scope="model": diffusers' SwiGLU, its projection (an armed BF16 linear) then torch.ops.h3.swiglu."""
+    if not getattr(self, _ARMED, False):
+        return _base_forward(self)(self, hidden_states)
+    return torch.ops.h3.swiglu(self.proj(hidden_states))
+
+
+def _rope_forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scope="model": MiniMaxH3RotaryPosEmbed's (cos, sin) from torch.ops.h3.rotary_table."""
+    if not getattr(self, _ARMED, False):
+        return _base_forward(self)(self, position_ids)
+    return torch.ops.h3.rotary_table(position_ids, self.inv_freq)
 
 
 # ---- the patched classes -------------------------------------------------------------------------------
@@ -206,7 +233,7 @@ _CLASS_NAMES = ("Timesteps", "TimestepEmbedding", "MiniMaxH3TransformerBlock", "
 @functools.cache
 def _diffusers() -> SimpleNamespace:
     """diffusers' classes (imported on first use: `import h3cute` does not import diffusers)."""
-    from diffusers.models import embeddings
+    from diffusers.models import activations, embeddings
     from diffusers.models.transformers import transformer_minimax_h3 as module
 
     def base(cls):
@@ -215,6 +242,7 @@ def _diffusers() -> SimpleNamespace:
         module=module, Model=module.MiniMaxH3Transformer3DModel, Modulation=module.MiniMaxH3AdaLayerNormModulation,
         Attention=module.MiniMaxH3Attention, AttnProcessor=module.MiniMaxH3AttnProcessor,
         Timesteps=embeddings.Timesteps, TimestepEmbedding=embeddings.TimestepEmbedding,
+        SwiGLU=activations.SwiGLU, RotaryPosEmbed=module.MiniMaxH3RotaryPosEmbed,
         Block=base(module.MiniMaxH3TransformerBlock), NormOut=base(module.MiniMaxH3AdaLayerNormOut),
     )
 
@@ -382,10 +410,10 @@ def _targets(model) -> list[tuple[str, nn.Module, str]]:
 # ---- scope="model": the rest of the forward --------------------------------------------------------------
 
 SCOPES = ("conditioning", "model")
-_BLAS = ("cuBLASLt without split-K (vLLM's settings: "
-         + ", ".join(f"{k}={v}" for k, v in invariant.ENVIRONMENT.items()) + "; process-wide)")
-_FA4 = "FlashAttention-4, deterministic=True (this model's attention processors)"
-_ROWWISE = "torch's row-wise kernel (nothing to change)"
+_BLAS = "cuBLASLt without split-K under vLLM's settings"
+_FA4 = "FlashAttention-4's forward and deterministic backward"
+_ROWWISE = "torch's row-wise kernels"
+_ELEMENTWISE = "torch's elementwise kernels"
 
 
 def _conditioning_modules(model) -> set[int]:
@@ -411,9 +439,16 @@ def _attention_problems(name, m) -> list[tuple[str, str]]:
     return []
 
 
-def _model_plan(model) -> tuple[list, list[tuple[str, str]]]:
-    """[(name, module, kind, problems)] for the model scope's sites beyond the conditioning path, and the
-    problems that hold for every site of a kind (a missing mechanism)."""
+def _module_kind_problems(name, m, cls, forward) -> list[tuple[str, str]]:
+    """A module the model scope switches to an h3 op: a plain instance of `cls` whose forward is not wrapped."""
+    if type(m).forward not in (cls.forward, forward):
+        return [(name, f"its class {type(m).__qualname__} overrides {cls.__qualname__}.forward")]
+    return _module_problems(name, m, cls, forward)
+
+
+def _model_plan(model) -> list:
+    """[(name, module, kind, problems)] for the model scope's sites beyond the conditioning path (see
+    h3cute.ops.model: each computes with an op torch.compile cannot see into)."""
     d = _diffusers()
     taken = _conditioning_modules(model)
     plan = []
@@ -432,22 +467,43 @@ def _model_plan(model) -> tuple[list, list[tuple[str, str]]]:
                 probs = [(name, "the environment lacks vLLM's cuBLASLt settings (" + "; ".join(env) + "): call "
                                 "h3cute.invariant.set_environment() before CUDA initializes, or export them")]
             else:
-                probs = []
+                probs = _module_kind_problems(name, m, nn.Linear, _linear_forward)
             plan.append((name, m, "linear", probs))
         elif isinstance(m, nn.RMSNorm) and id(m) not in taken:
-            plan.append((name, m, "rms_norm", []))
+            probs = _module_kind_problems(name, m, nn.RMSNorm, _rms_norm_forward)
+            if not probs and m.weight is None:
+                probs = [(name, "has no weight (elementwise_affine=False); h3::rms_norm scales by one")]
+            plan.append((name, m, "rms_norm", probs))
+        elif isinstance(m, d.SwiGLU):
+            probs = _module_kind_problems(name, m, d.SwiGLU, _swiglu_forward) or _bypassed(
+                f"{name}.activation", m.activation)
+            if not probs and type(m.activation) is not nn.SiLU:
+                probs = [(f"{name}.activation", f"is {type(m.activation).__name__}; h3::swiglu applies SiLU")]
+            plan.append((name, m, "swiglu", probs))
+        elif isinstance(m, d.RotaryPosEmbed):
+            plan.append((name, m, "rope", _module_kind_problems(name, m, d.RotaryPosEmbed, _rope_forward)))
     return plan
 
 
+# kind -> (h3 op, what diffusers computes there, what keeps it invariant, the patched forward or None)
+_MODEL_KINDS = {
+    "attention": ("attention", "softmax attention over each sample's packed sequence; q/k norms and rotary "
+                               "embedding as h3::rms_norm and h3::rotary", _FA4, None),
+    "head": ("linear", "linear {i} -> {o} (FP32)", "h3cute's row-invariant FP32 GEMM", _linear_forward),
+    "linear": ("dense", "linear {i} -> {o} (BF16)", _BLAS, _linear_forward),
+    "rms_norm": ("rms_norm", "rms_norm over {shape}", _ROWWISE, _rms_norm_forward),
+    "swiglu": ("swiglu", "SwiGLU: proj, then a * silu(g)", _ELEMENTWISE, _swiglu_forward),
+    "rope": ("rotary_table", "rotary angles (cos, sin) of the (t, h, w) positions", _ELEMENTWISE, _rope_forward),
+}
+
+
 def _model_sites(kind: str, name: str, m, left: str | None = None) -> CallSite:
-    if kind == "attention":
-        return CallSite(name, "softmax attention over the packed sequence (q/k norms, rope in the processor)", None,
-                        left, _FA4)
-    if kind == "head":
-        return CallSite(name, f"linear {m.in_features} -> {m.out_features} (FP32)", "linear", left)
-    if kind == "linear":
-        return CallSite(name, f"linear {m.in_features} -> {m.out_features} (BF16)", None, left, _BLAS)
-    return CallSite(name, f"rms_norm over {tuple(m.normalized_shape)}", None, left, _ROWWISE)
+    op, what, mechanism, _ = _MODEL_KINDS[kind]
+    if kind in ("head", "linear"):
+        what = what.format(i=m.in_features, o=m.out_features)
+    elif kind == "rms_norm":
+        what = what.format(shape=tuple(m.normalized_shape))
+    return CallSite(name, what, op, left, mechanism)
 
 
 # ---- row validation, once per forward --------------------------------------------------------------------
@@ -497,11 +553,6 @@ class Patch:
         return tuple(s for s in self.sites if s.left is None and s.op is not None)
 
     @property
-    def by_mechanism(self) -> tuple[CallSite, ...]:
-        """The sites diffusers still computes, kept invariant by a mechanism (scope="model")."""
-        return tuple(s for s in self.sites if s.left is None and s.op is None)
-
-    @property
     def left(self) -> tuple[CallSite, ...]:
         return tuple(s for s in self.sites if s.left is not None)
 
@@ -518,6 +569,8 @@ class Patch:
                 m.set_processor(processor)
         if self._blas:
             invariant.release_blas_settings()
+        if self.scope == "model":
+            invariant.release_compile_settings()
         if self._hook is not None:
             self._hook.remove()
         model = self._model()
@@ -532,14 +585,13 @@ class Patch:
     def report(self) -> str:
         model = self._model()
         title = type(model).__name__ if model is not None else "model"
-        mechanism = f", {len(self.by_mechanism)} invariant by a mechanism" if self.scope == "model" else ""
         lines = [f"h3cute.patch of {title} (scope={self.scope!r}, {'active' if self.active else 'unpatched'}, "
-                 f"strict={self.strict}): {len(self.replaced)} call sites on torch.ops.h3{mechanism}, "
+                 f"strict={self.strict}): {len(self.replaced)} call sites on torch.ops.h3, "
                  f"{len(self.left)} left to diffusers"]
         width = max(len(s.module) for s in self.sites)
         for s in self.sites:
-            state = "left" if s.left is not None else "replaced" if s.op is not None else "kept"
-            by = f"h3::{s.op}" if s.op is not None else s.mechanism
+            state = "left" if s.left is not None else "replaced"
+            by = f"h3::{s.op}" + (f" ({s.mechanism})" if s.mechanism else "")
             lines.append(f"  {state:<8}  {s.module:<{width}}  {s.computes}  ->  {by}")
             if s.left is not None:
                 lines.append(f"  {'':<8}  {'':<{width}}  left to diffusers: {s.left}")
@@ -548,11 +600,14 @@ class Patch:
                          "in a forward pre-hook of the model; the block and norm_out ops run with check_indices=False")
         if self.scope == "conditioning":
             lines.append(f"  not conditioning ops, diffusers' own: {_NOT_CONDITIONING}")
+        else:
+            lines.append("  between the ops only views, index copies, dtype casts and single BF16 adds remain: "
+                         "torch.compile (any mode, CUDA graphs included) gives the eager bits")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (f"<h3cute.Patch scope={self.scope!r} {len(self.replaced)} replaced, {len(self.by_mechanism)} by a "
-                f"mechanism, {len(self.left)} left, active={self.active}>")
+        return (f"<h3cute.Patch scope={self.scope!r} {len(self.replaced)} replaced, {len(self.left)} left, "
+                f"active={self.active}>")
 
     def __enter__(self) -> "Patch":
         return self
@@ -569,10 +624,11 @@ def patch(transformer, *, strict: bool = True, scope: str = "conditioning") -> P
     AdaLN projection, norm/modulates and gated residuals, norm_out) with `torch.ops.h3` (see the module
     docstring). A model that is already patched with this scope returns its Patch unchanged.
 
-    scope: "conditioning" (the h3 ops' sites only) or "model": every op of the forward and backward
-    batch-invariant, the conditioning path as above plus the FP32 heads on `torch.ops.h3.linear`, attention on
-    FlashAttention-4's deterministic kernels (this model's attention processors), the BF16 linears on cuBLASLt
-    under vLLM's settings (process-wide: `h3cute.invariant`), the remaining norms on torch's row-wise kernels.
+    scope: "conditioning" (the h3 ops' sites only) or "model": every computation of the forward and backward on
+    an h3 op, batch-invariant and the same bits eager and under torch.compile: the conditioning path as above plus
+    the FP32 heads on `h3::linear`, attention on `h3::attention` (FlashAttention-4, deterministic backward), the
+    BF16 linears on `h3::dense` (cuBLASLt under vLLM's settings, process-wide: `h3cute.invariant`), the remaining
+    norms, the rotary embedding and the SwiGLU activation on their h3 ops (`h3cute.ops.model`).
 
     strict: a module h3cute cannot serve raises PatchError (each module and reason) before anything changes;
     with strict=False such a module stays diffusers' and `report()` says why.
@@ -618,23 +674,26 @@ def patch(transformer, *, strict: bool = True, scope: str = "conditioning") -> P
         sites.append(_model_sites(kind, name, m, left))
         if left is not None:
             continue
-        if kind == "head":
-            _switch(m, _linear_forward, changed)
-        elif kind == "attention" and not isinstance(m.processor, invariant.AttnProcessor):
-            processors.append((m, m.processor))
-            m.set_processor(invariant.AttnProcessor(d.module._apply_rotary_emb))
+        if kind == "attention":
+            if not isinstance(m.processor, invariant.AttnProcessor):
+                processors.append((m, m.processor))
+                m.set_processor(invariant.AttnProcessor())
+        else:
+            _switch(m, _MODEL_KINDS[kind][3], changed, armed="dense" if kind == "linear" else True)
     rows_indexed = any(kind in ("block", "norm_out") and not probs for _, _, kind, probs in plan)
     hook = (transformer.register_forward_pre_hook(_check_rows, with_kwargs=True, prepend=True)
             if rows_indexed else None)
     blas = scope == "model" and any(kind == "linear" and not probs for _, _, kind, probs in model_plan)
     if blas:
         invariant.hold_blas_settings()
+    if scope == "model":
+        invariant.hold_compile_settings()
     result = Patch(transformer, sites, changed, hook, strict, scope=scope, processors=processors, blas=blas)
     _PATCHES[transformer] = result
     return result
 
 
-def _switch(m: nn.Module, forward, changed: list) -> None:
+def _switch(m: nn.Module, forward, changed: list, armed=True) -> None:
     """Arms m, switching its class to the patched subclass unless a patched forward is already in its MRO (a
     class built under apply_to_minimax_h3, or FSDP2's subclass of one patched earlier: a patched class over it
     would call the patched forward as its base's)."""
@@ -642,7 +701,7 @@ def _switch(m: nn.Module, forward, changed: list) -> None:
     if getattr(type(m), "_h3cute_base", None) is None:
         before = type(m)
         m.__class__ = _patched_class(before, forward)
-    m.__dict__[_ARMED] = True
+    m.__dict__[_ARMED] = armed  # True, or which op a class with several serves ("dense": a BF16 linear)
     changed.append((m, before))
 
 

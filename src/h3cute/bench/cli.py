@@ -223,7 +223,8 @@ def parser() -> argparse.ArgumentParser:
                     help="start no configuration after this many seconds (default 480: a 10-minute device call)")
     mb.add_argument("--sizes", type=int, nargs="+", metavar="S", help="packed rows (default 4097 32768)")
     mb.add_argument("--batches", type=int, nargs="+", metavar="B", help="replicas (default 1 4)")
-    mb.add_argument("--modes", nargs="+", choices=("eager", "compile"))
+    mb.add_argument("--modes", nargs="+", choices=("eager", "compile", "cudagraphs"),
+                    help="default eager compile; cudagraphs: torch.compile(mode='reduce-overhead'), forward only")
     mb.add_argument("--phases", nargs="+", choices=("fwd", "fwd_bwd"))
     mb.add_argument("--backend", help="torch.compile backend (default inductor; --quick: aot_eager)")
     mb.add_argument("--no-share", action="store_true", help="skip the conditioning path's instrumented call")

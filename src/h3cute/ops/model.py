@@ -1,0 +1,396 @@
+"""The model scope's ops: everything `h3cute.patch(transformer, scope="model")` computes outside the conditioning
+path, each one opaque to `torch.compile`.
+
+Why ops. Inductor regenerates whatever it can trace: it fuses pointwise chains without the intermediate BF16
+roundings eager makes, differently in a no-grad graph (the rollout) than in a training graph that saves
+activations; it picks a reduction's block shape and warp count from the row count, so a norm's backward sums a
+row in another order at another batch size; and `max-autotune` swaps cuBLAS for its own GEMM templates by timing.
+Each of those changes bits. An op it cannot see through runs the same kernels in every graph, mode and batch, and
+the same as in eager. So under the model scope every computation of the forward and backward is an h3 op, and
+all that is left for Inductor between them is exact: views, index copies, dtype casts and single BF16 adds.
+
+- `attention(q, k, v)`: softmax attention over (B, S, heads, head_dim) rows, scale head_dim^-0.5 (every
+  `MiniMaxH3Attention`): FlashAttention-4's forward, always with the LSE the backward needs (so a rollout runs the
+  training forward's kernel), and its deterministic backward.
+- `dense(x, weight, bias)`: `F.linear` of the BF16 linears (q/k/v/out projections, the SwiGLU's, context_embedder):
+  cuBLASLt under vLLM's settings (`h3cute.invariant`).
+- `rms_norm(x, weight, eps)`: `F.rms_norm` (q/k norms, the token refiner's norms): torch's row-wise kernels.
+- `rotary(x, cos, sin)`: diffusers' `_apply_rotary_emb`: torch's elementwise kernels.
+- `swiglu(x)`: `a * silu(g)` with `a, g = x.chunk(2, -1)` (diffusers' `SwiGLU` after its projection): torch's
+  elementwise kernels.
+- `rotary_table(position_ids, inv_freq)`: `MiniMaxH3RotaryPosEmbed`'s (cos, sin): torch's elementwise kernels.
+
+Every row of every output, and of every input gradient, depends on that row alone (attention: on that sample's
+rows alone), never on the batch size or the neighbours; weight gradients are deterministic. The eager-kernel ops
+compute diffusers' own expressions, so their outputs are diffusers' eager bits; their backward ops recompute the
+forward under autograd and differentiate it, so their gradients are eager autograd's bits too. `dense`'s backward
+is two GEMMs and a column sum (no recomputation): dx = g w, dw = g^T x, db = sum of g's rows.
+
+CPU impls: the same expressions; `attention` on a CPU is an FP32 reference (the tests' and `--quick` runs'
+stand-in for FlashAttention-4, which needs a GPU).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from h3cute.invariant import FA4_DISTRIBUTION
+from h3cute.ops._library import Op, declare
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def _fail(op: str, what: str):
+    raise ValueError(f"h3::{op}: {what}")
+
+
+def _same_device(op: str, tensors: dict) -> None:
+    devices = {n: t.device for n, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        _fail(op, "inputs on different devices: " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+
+
+def _width(op: str, name: str, t, width: int, last: str) -> None:
+    if t.dim() < 1 or t.shape[-1] != width:
+        _fail(op, f"{name} has shape {tuple(t.shape)}; its last dimension must be {last} ({width})")
+
+
+# ---- attention ------------------------------------------------------------------------------------------------
+
+def _check_attention(q, k, v, *more):
+    op = "attention"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            _fail(op, f"{name} has shape {tuple(t.shape)}; attention takes (batch, rows, heads, head_dim)")
+        if t.dtype not in LOW:
+            _fail(op, f"{name} is {t.dtype}; FlashAttention-4 takes bfloat16 or float16 (run the model in BF16, the "
+                      "checkpoint's dtype)")
+    if not (q.shape == k.shape == v.shape) or not (q.dtype == k.dtype == v.dtype):
+        _fail(op, f"q, k, v must share shape and dtype, got {tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, "
+                  f"{tuple(v.shape)} {v.dtype}")
+    _same_device(op, {"q": q, "k": k, "v": v})
+
+
+def _fa4():
+    try:
+        from flash_attn.cute import interface
+    except ImportError as e:
+        raise RuntimeError(f"h3::attention on CUDA runs FlashAttention-4, which is not importable ({e}); install "
+                           f"{FA4_DISTRIBUTION} (pip install 'h3cute[model]')") from e
+    return interface
+
+
+def _attention_cuda(q, k, v):
+    # Always with the LSE: the no-grad forward (a rollout) runs the kernel the training forward runs.
+    out, lse, *_ = _fa4()._flash_attn_fwd(q, k, v, causal=False, return_lse=True)
+    return out.contiguous(), lse.contiguous()
+
+
+def _attention_math(q, k, v):
+    """FP32 softmax attention of (B, S, heads, head_dim) rows: out (q's dtype) and lse (B, heads, S) FP32."""
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))  # (B, heads, S, head_dim)
+    scores = qf @ kf.transpose(-1, -2) * (q.shape[-1] ** -0.5)
+    lse = scores.logsumexp(-1)
+    out = (torch.exp(scores - lse[..., None]) @ vf).transpose(1, 2).to(q.dtype)
+    return out.contiguous(), lse
+
+
+def _attention_fake(q, k, v):
+    b, s, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+def _attention_backward_cuda(grad, q, k, v, out, lse):
+    grads = _fa4()._flash_attn_bwd(q, k, v, out, grad.contiguous(), lse, causal=False, deterministic=True)
+    return tuple(g.contiguous() for g in grads)
+
+
+def _attention_backward_math(grad, q, k, v, out, lse):
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        grads = torch.autograd.grad(_attention_math_f32(*leaves), leaves, grad.float())
+    return tuple(g.to(q.dtype).contiguous() for g in grads)
+
+
+def _attention_math_f32(q, k, v):
+    qf, kf, vf = (t.transpose(1, 2) for t in (q, k, v))
+    scores = qf @ kf.transpose(-1, -2) * (q.shape[-1] ** -0.5)
+    return (scores.softmax(-1) @ vf).transpose(1, 2)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+
+
+def _attention_backward(ctx, grad):
+    q, k, v, out, lse = ctx.saved_tensors
+    return torch.ops.h3.attention_backward(grad, q, k, v, out, lse)
+
+
+ATTENTION = declare(Op(
+    "attention(Tensor q, Tensor k, Tensor v) -> Tensor",
+    check=_check_attention,
+    cpu=lambda q, k, v: _attention_math(q, k, v)[0],
+    cuda=lambda q, k, v: _attention_cuda(q, k, v)[0],
+    fake=lambda q, k, v: q.new_empty(q.shape),
+    forward_op=Op(
+        "attention_with_lse(Tensor q, Tensor k, Tensor v) -> (Tensor out, Tensor lse)",
+        check=_check_attention, cpu=_attention_math, cuda=_attention_cuda, fake=_attention_fake,
+    ),
+    backward_op=Op(
+        "attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) "
+        "-> (Tensor dq, Tensor dk, Tensor dv)",
+        check=lambda grad, q, k, v, out, lse: _check_attention(q, k, v),
+        cpu=_attention_backward_math,
+        cuda=_attention_backward_cuda,
+        fake=lambda grad, q, k, v, out, lse: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)),
+    ),
+    setup_context=_attention_setup_context,
+    backward=_attention_backward,
+))
+
+
+# ---- dense: the BF16 linears ----------------------------------------------------------------------------------
+
+def _check_dense(x, weight, bias=None, *more):
+    op = "dense"
+    if weight.dim() != 2:
+        _fail(op, f"weight has shape {tuple(weight.shape)}; it must be (out_features, in_features)")
+    _width(op, "x", x, weight.shape[1], "weight's in_features")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        _fail(op, f"bias has shape {tuple(bias.shape)}; it must be ({weight.shape[0]},)")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        _fail(op, f"x is {x.dtype}, weight {weight.dtype}" + (f", bias {bias.dtype}" if bias is not None else "")
+              + "; they must share a dtype (F.linear's rule)")
+    _same_device(op, {"x": x, "weight": weight, "bias": bias})
+
+
+def _dense_backward(grad, x, weight, x_grad=True, weight_grad=True, bias_grad=True):
+    n, k = weight.shape
+    g = grad.reshape(-1, n)
+    dx = torch.mm(g, weight).view(x.shape) if x_grad else x.new_empty((0,))
+    dw = torch.mm(g.t(), x.reshape(-1, k)) if weight_grad else weight.new_empty((0,))
+    db = g.sum(0) if bias_grad else weight.new_empty((0,))
+    return dx, dw, db
+
+
+def _dense_backward_fake(grad, x, weight, x_grad=True, weight_grad=True, bias_grad=True):
+    empty = weight.new_empty((0,))
+    return (x.new_empty(x.shape) if x_grad else x.new_empty((0,)), weight.new_empty(weight.shape) if weight_grad
+            else empty, weight.new_empty((weight.shape[0],)) if bias_grad else empty)
+
+
+def _dense_setup_context(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, weight)
+
+
+def _dense_grads(ctx, grad):
+    x, weight = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dx, dw, db = torch.ops.h3.dense_backward(grad, x, weight, need[0], need[1], ctx.has_bias and need[2])
+    return dx if need[0] else None, dw if need[1] else None, db if ctx.has_bias and need[2] else None
+
+
+DENSE = declare(Op(
+    "dense(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+    check=_check_dense,
+    cpu=lambda x, weight, bias=None: F.linear(x, weight, bias).contiguous(),
+    cuda=lambda x, weight, bias=None: F.linear(x, weight, bias).contiguous(),
+    fake=lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])),
+    bf16=("x", "weight", "bias"),
+    backward_op=Op(
+        "dense_backward(Tensor grad, Tensor x, Tensor weight, bool x_grad=True, bool weight_grad=True, "
+        "bool bias_grad=True) -> (Tensor dx, Tensor dweight, Tensor dbias)",
+        check=lambda grad, x, weight, *flags: _check_dense(x, weight),
+        cpu=_dense_backward, cuda=_dense_backward, fake=_dense_backward_fake,
+    ),
+    setup_context=_dense_setup_context,
+    backward=_dense_grads,
+))
+
+
+# ---- row-wise and elementwise ops: diffusers' own expressions, differentiated by eager autograd ----------------
+
+def _recomputed_grads(forward, grad, inputs, needs):
+    """The gradients eager autograd gives `forward(*inputs)` for the inputs flagged in `needs` (others: empty)."""
+    leaves = [t.detach().requires_grad_(bool(n)) if t is not None else None for t, n in zip(inputs, needs)]
+    wanted = [t for t, n in zip(leaves, needs) if n]
+    with torch.enable_grad():
+        got = iter(torch.autograd.grad(forward(*leaves), wanted, grad) if wanted else ())
+    return tuple(next(got).contiguous() if n else t.new_empty((0,)) for t, n in zip(inputs, needs))
+
+
+def _rms_norm(x, weight, eps):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps).contiguous()
+
+
+def _check_rms_norm(x, weight, eps, *more):
+    if weight.dim() != 1:
+        _fail("rms_norm", f"weight has shape {tuple(weight.shape)}; it must be (width,)")
+    _width("rms_norm", "x", x, weight.shape[0], "weight's width")
+    if x.dtype != weight.dtype:
+        _fail("rms_norm", f"x is {x.dtype}, weight {weight.dtype}; they must share a dtype")
+    if not eps > 0:
+        _fail("rms_norm", f"eps is {eps}; it must be positive")
+    _same_device("rms_norm", {"x": x, "weight": weight})
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, weight, eps = inputs
+    ctx.eps = eps
+    ctx.save_for_backward(x, weight)
+
+
+def _rms_norm_grads(ctx, grad):
+    x, weight = ctx.saved_tensors
+    dx, dw = torch.ops.h3.rms_norm_backward(grad, x, weight, ctx.eps, ctx.needs_input_grad[0],
+                                           ctx.needs_input_grad[1])
+    return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None, None)
+
+
+def _rms_norm_backward(grad, x, weight, eps, x_grad=True, weight_grad=True):
+    return _recomputed_grads(lambda a, w: _rms_norm(a, w, eps), grad, (x, weight), (x_grad, weight_grad))
+
+
+def _rms_norm_backward_fake(grad, x, weight, eps, x_grad=True, weight_grad=True):
+    return (x.new_empty(x.shape) if x_grad else x.new_empty((0,)),
+            weight.new_empty(weight.shape) if weight_grad else weight.new_empty((0,)))
+
+
+RMS_NORM = declare(Op(
+    "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    check=_check_rms_norm,
+    cpu=_rms_norm, cuda=_rms_norm,
+    fake=lambda x, weight, eps: x.new_empty(x.shape),
+    bf16=("x", "weight"),
+    backward_op=Op(
+        "rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps, bool x_grad=True, "
+        "bool weight_grad=True) -> (Tensor dx, Tensor dweight)",
+        check=lambda grad, x, weight, eps, *flags: _check_rms_norm(x, weight, eps),
+        cpu=_rms_norm_backward, cuda=_rms_norm_backward, fake=_rms_norm_backward_fake,
+    ),
+    setup_context=_rms_norm_setup_context,
+    backward=_rms_norm_grads,
+))
+
+
+def _rotary(x, cos, sin):
+    """diffusers' `_apply_rotary_emb`: the leading cos.shape[-1] channels of each (B, S, heads, head_dim) head
+    rotated by the row's angles (cos / sin (S, rotary_dim), cast to x's dtype), the rest passed through."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd], x[..., rd:]
+    c = cos.to(x.dtype)[None, :, None, :]
+    s = sin.to(x.dtype)[None, :, None, :]
+    x1, x2 = rot.chunk(2, dim=-1)
+    return torch.cat((rot * c + torch.cat((-x2, x1), dim=-1) * s, rest), dim=-1).contiguous()
+
+
+def _rotary_backward(grad, cos, sin):
+    """The transpose of `_rotary`, as eager autograd computes it: g c + [ (g s)_2, -(g s)_1 ] (each product and the
+    sum rounded to the dtype, exactly as the autograd graph of `_rotary` does)."""
+    rd = cos.shape[-1]
+    g, rest = grad[..., :rd], grad[..., rd:]
+    c = cos.to(grad.dtype)[None, :, None, :]
+    s = sin.to(grad.dtype)[None, :, None, :]
+    gs1, gs2 = (g * s).chunk(2, dim=-1)
+    return torch.cat((g * c + torch.cat((gs2, -gs1), dim=-1), rest), dim=-1).contiguous()
+
+
+def _check_rotary(x, cos, sin):
+    op = "rotary"
+    if x.dim() != 4:
+        _fail(op, f"x has shape {tuple(x.shape)}; it must be (batch, rows, heads, head_dim)")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[1] or cos.shape[1] > x.shape[-1] \
+            or cos.shape[1] % 2:
+        _fail(op, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both be (rows = {x.shape[1]}, "
+                  f"rotary_dim), rotary_dim even and at most head_dim = {x.shape[-1]}")
+    _same_device(op, {"x": x, "cos": cos, "sin": sin})
+
+
+def _rotary_setup_context(ctx, inputs, output):
+    _, cos, sin = inputs
+    ctx.save_for_backward(cos, sin)
+
+
+def _rotary_grads(ctx, grad):
+    cos, sin = ctx.saved_tensors
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        raise RuntimeError("h3::rotary: gradients reach the rotated rows only, not the angles (MiniMax-H3's cos / "
+                           "sin come from fixed position ids)")
+    return torch.ops.h3.rotary_backward(grad, cos, sin), None, None
+
+
+ROTARY = declare(Op(
+    "rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor",
+    check=_check_rotary,
+    cpu=_rotary, cuda=_rotary,
+    fake=lambda x, cos, sin: x.new_empty(x.shape),
+    backward_op=Op(
+        "rotary_backward(Tensor grad, Tensor cos, Tensor sin) -> Tensor",
+        check=lambda grad, cos, sin: _check_rotary(grad, cos, sin),
+        cpu=_rotary_backward, cuda=_rotary_backward,
+        fake=lambda grad, cos, sin: grad.new_empty(grad.shape),
+    ),
+    setup_context=_rotary_setup_context,
+    backward=_rotary_grads,
+))
+
+
+def _swiglu(x):
+    a, gate = x.chunk(2, dim=-1)
+    return (a * F.silu(gate)).contiguous()
+
+
+def _check_swiglu(x, *more):
+    if x.dim() < 1 or x.shape[-1] % 2:
+        _fail("swiglu", f"x has shape {tuple(x.shape)}; its last dimension must be even (the value | gate halves)")
+
+
+SWIGLU = declare(Op(
+    "swiglu(Tensor x) -> Tensor",
+    check=_check_swiglu,
+    cpu=_swiglu, cuda=_swiglu,
+    fake=lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)),
+    backward_op=Op(
+        "swiglu_backward(Tensor grad, Tensor x) -> Tensor",
+        check=lambda grad, x: _check_swiglu(x),
+        cpu=lambda grad, x: _recomputed_grads(_swiglu, grad, (x,), (True,))[0],
+        cuda=lambda grad, x: _recomputed_grads(_swiglu, grad, (x,), (True,))[0],
+        fake=lambda grad, x: x.new_empty(x.shape),
+    ),
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]),
+    backward=lambda ctx, grad: torch.ops.h3.swiglu_backward(grad, ctx.saved_tensors[0]),
+))
+
+
+def _rotary_table(position_ids, inv_freq):
+    """`MiniMaxH3RotaryPosEmbed.forward`: (S, 3) positions -> cos, sin (S, 2 * 3 * len(inv_freq)) FP32."""
+    freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq.view(1, 1, -1)
+    freqs = torch.cat(freqs.unbind(dim=1), dim=-1)
+    freqs = torch.cat((freqs, freqs), dim=-1)
+    return freqs.cos().contiguous(), freqs.sin().contiguous()
+
+
+def _check_rotary_table(position_ids, inv_freq):
+    if position_ids.dim() != 2 or position_ids.shape[-1] != 3:
+        _fail("rotary_table", f"position_ids has shape {tuple(position_ids.shape)}; it must be (rows, 3)")
+    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32:
+        _fail("rotary_table", f"inv_freq is {inv_freq.dtype} {tuple(inv_freq.shape)}; it must be FP32 (freqs,)")
+    _same_device("rotary_table", {"position_ids": position_ids, "inv_freq": inv_freq})
+
+
+def _rotary_table_fake(position_ids, inv_freq):
+    shape = (position_ids.shape[0], 6 * inv_freq.shape[0])
+    return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
+
+
+ROTARY_TABLE = declare(Op(
+    "rotary_table(Tensor position_ids, Tensor inv_freq) -> (Tensor cos, Tensor sin)",
+    check=_check_rotary_table,
+    cpu=_rotary_table, cuda=_rotary_table, fake=_rotary_table_fake,
+))
+
