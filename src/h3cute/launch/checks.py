@@ -48,7 +48,7 @@ class DeviceSlots:
 
     def __init__(self, device: int):
         self.device = device
-        self.rows = torch.full((NUM_SLOTS,), NO_ROW, dtype=torch.int64, device=torch.device("cuda", device))
+        self.rows = _persistent_full((NUM_SLOTS,), NO_ROW, torch.device("cuda", device))
         self.host = torch.zeros((NUM_SLOTS, HOST_WORDS), dtype=torch.int64, pin_memory=True)
         self.flags = self.host.numpy()  # a view: reads the pinned words with no CUDA call
 
@@ -58,6 +58,20 @@ class DeviceSlots:
 
     def pending(self) -> bool:
         return bool(self.flags[:DISCARD, 0].any())
+
+
+def _persistent_full(shape, value, device: torch.device) -> torch.Tensor:
+    """A device tensor that lives as long as the process, allocated on a stream of its own: torch.compile's CUDA
+    graphs (mode="reduce-overhead") warm up by running the graph once with the current stream's allocations sent
+    to the graphs' private pool, and a tensor that outlives the warm-up there fails the graphs' pool check. (Not
+    inside a capture: the first h3 call of a process must run outside one, as its kernels' first load does.)"""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        t = torch.full(shape, value, dtype=torch.int64, device=device)
+    current.wait_stream(side)
+    return t
 
 
 _slots: dict[int, DeviceSlots] = {}
