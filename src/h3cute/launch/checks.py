@@ -61,17 +61,22 @@ class DeviceSlots:
 
 
 def _persistent_full(shape, value, device: torch.device) -> torch.Tensor:
-    """A device tensor that lives as long as the process, allocated on a stream of its own: torch.compile's CUDA
-    graphs (mode="reduce-overhead") warm up by running the graph once with the current stream's allocations sent
-    to the graphs' private pool, and a tensor that outlives the warm-up there fails the graphs' pool check. (Not
-    inside a capture: the first h3 call of a process must run outside one, as its kernels' first load does.)"""
-    current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        t = torch.full(shape, value, dtype=torch.int64, device=device)
-    current.wait_stream(side)
-    return t
+    """A device tensor that lives as long as the process, allocated by a thread of its own: torch.compile's CUDA
+    graphs (mode="reduce-overhead") warm up by running the graph once with the calling thread's allocations sent to
+    the graphs' private pool, and a tensor that outlives the warm-up there fails the graphs' pool check. (Not inside
+    a capture: the first h3 call of a process must run outside one, as its kernels' first load does.)"""
+    made = []
+
+    def allocate():
+        made.append(torch.full(shape, value, dtype=torch.int64, device=device))
+        torch.cuda.synchronize(device)  # filled before any stream of the caller reads it
+
+    worker = threading.Thread(target=allocate, name="h3cute-check-slots")
+    worker.start()
+    worker.join()
+    if not made:
+        raise RuntimeError(f"h3cute: could not allocate the check slots on {device}")
+    return made[0]
 
 
 _slots: dict[int, DeviceSlots] = {}
