@@ -4,10 +4,10 @@ text 5120).
 
 The proofs, each run in the child process of its (variant, mode) (vLLM's cuBLASLt settings,
 `h3cute.invariant.ENVIRONMENT`, are process-wide and read when CUDA starts, so every child starts with them).
-A mode is `eager` or a `torch.compile` mode (`default`, `reduce-overhead`: CUDA graphs,
-`max-autotune-no-cudagraphs`); compiled, the model-scope model is compiled with `fullgraph=True` (a graph break
-fails the run) and every call below is the compiled module's, so the no-grad calls run the rollout graph and the
-grad calls the training graphs:
+A mode is `eager` or a `torch.compile` mode (`default`, `max-autotune-no-cudagraphs`, or `reduce-overhead`: the
+rollout under CUDA graphs, the training steps compiled in the default mode); compiled, the model-scope model is
+compiled with `fullgraph=True` (a graph break fails the run) and every call below is a compiled module's, so the
+no-grad calls run the rollout graph and the grad calls the training graphs:
 
 1. batch    B = 8 samples (different video, audio and text inputs, one packed layout, T = 3). Each sample's video
             and audio outputs, computed alone (B = 1, no_grad: the rollout), inside the batch (B = 8, no_grad), and
@@ -94,16 +94,17 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.reshape(-1) != b.reshape(-1)).sum())
 
 
-def batch_proof(model, fn, inputs, device) -> dict:
-    """Proof 1 (see the module docstring) of `fn` (the model or its compiled module): {"invariant", "checked",
-    "differ": [where, ...]}, and the samples' outputs and input gradients alone (`_alone`, for proof 6)."""
+def batch_proof(model, fn, train, inputs, device) -> dict:
+    """Proof 1 (see the module docstring) of the rollout `fn` (no-grad calls) and the training `train` (grad calls):
+    the model or its compiled modules. {"invariant", "checked", "differ": [where, ...]}, and the samples' outputs
+    and input gradients alone (`_alone`, for proof 6)."""
     model.zero_grad(set_to_none=True)
     n = inputs["hidden_states"].shape[0]
     with torch.no_grad():
         together = _forward(fn, inputs)
         alone = [_forward(fn, _sample(inputs, [i])) for i in range(n)]
     ups = {i: _upstream(together, i, device) for i in range(n)}
-    alone_grad = [_fwd_bwd(fn, inputs, [i], ups) for i in range(n)]
+    alone_grad = [_fwd_bwd(train, inputs, [i], ups) for i in range(n)]
     model.zero_grad(set_to_none=True)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()
     micro, start = {}, 0
@@ -112,7 +113,7 @@ def batch_proof(model, fn, inputs, device) -> dict:
         for size in MICRO_BATCHES:
             group = order[start:start + size]
             start += size
-            out, grads = _fwd_bwd(fn, inputs, group, ups)
+            out, grads = _fwd_bwd(train, inputs, group, ups)
             for j, s in enumerate(group):
                 micro[s] = ({k: v[j] for k, v in out.items()}, {k: v[j] for k, v in grads.items()})
     finally:
@@ -224,20 +225,22 @@ def run_variant(variant: str, quick: bool, mode: str = "eager") -> dict:
                                                              else "conditioning")
     if patch is not None:
         rep["patch_report"] = patch.report()
-    fn = model
+    fn = train = model  # the rollout's (no-grad) callable and the training steps'
     if mode != "eager":
         for name in ("cache_size_limit", "recompile_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
         # the model scope must trace whole (a graph break fails the run); diffusers' own model may break
-        fn = torch.compile(model, mode=mode, fullgraph=variant == "model")
-        fn._h3_compiled = True
+        fn = train = torch.compile(model, mode=mode, fullgraph=variant == "model")
+        if mode == "reduce-overhead":  # CUDA graphs serve the rollout; training steps run the default mode's graphs
+            train = torch.compile(model, fullgraph=variant == "model")
+        fn._h3_compiled = train._h3_compiled = True
     started = time.perf_counter()
-    rep["batch"] = batch_proof(model, fn, inputs, device)
+    rep["batch"] = batch_proof(model, fn, train, inputs, device)
     alone = rep["batch"].pop("_alone")
     if variant == "model":
         rep["timesteps"] = timestep_proof(fn, inputs)
-        rep["gradients"] = gradient_proof(model, fn, inputs, device)
+        rep["gradients"] = gradient_proof(model, train, inputs, device)
         if mode != "eager":
             rep["vs_eager"] = eager_proof(model, inputs, *alone)
     if accuracy:

@@ -1,7 +1,8 @@
 """The proof on the GPU that `h3cute.patch(transformer, scope="model")` makes MiniMax-H3's whole forward and backward
-batch-invariant, eager and under torch.compile (default, reduce-overhead: CUDA graphs, max-autotune-no-cudagraphs),
-with the rollout's no-grad graph giving the training graphs' bits (perf/model_invariance.py runs the proofs, each
-(variant, mode) in a process started with vLLM's cuBLASLt settings; these tests read its report)."""
+batch-invariant, eager and under torch.compile (default, max-autotune-no-cudagraphs, and reduce-overhead: the rollout
+under CUDA graphs against training compiled), with the rollout's no-grad graph giving the training graphs' bits
+(perf/model_invariance.py runs the proofs, each (variant, mode) in a process started with vLLM's cuBLASLt settings;
+these tests read its report)."""
 import importlib.util
 import json
 import os
