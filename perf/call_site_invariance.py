@@ -191,7 +191,7 @@ def _attention_entries(g, device) -> dict:
 
     for backend in SDPA_BACKENDS + ("fa4",):
         e = {"kind": "attention", "sites": g["sites"], "shape": f"q {tuple(q.shape)}, k {tuple(k.shape)}, {q.dtype}"}
-        if backend == "fa4":  # h3cute.invariant.attention: what scope="model" runs
+        if backend == "fa4":  # torch.ops.h3.attention: what scope="model" runs
             extra = any(v not in (None, False) for v in kw.values())
             if mask is not None or causal or scale is not None or extra:
                 out[backend] = {**e, "unavailable": "FA4 is run here as scope='model' runs it: no mask, not causal, "
@@ -204,7 +204,7 @@ def _attention_entries(g, device) -> dict:
         try:
             if backend == "fa4":  # the same measurements on (B, S, H, D) copies, made outside the timings
                 bshd = (t.transpose(1, 2).contiguous() for t in (q, k, v, qb, kb, vb, upstream))
-                e = {**e, **_measure(invariant.attention, *bshd, device)}
+                e = {**e, **_measure(torch.ops.h3.attention, *bshd, device)}
                 out[backend] = e
                 continue
             with sdpa_kernel([getattr(SDPBackend, {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
-from h3cute.widths import (BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ, HIDDEN as H, MLP_HIDDEN,
-                           MODALITIES, NORM_EPS, TEMB, VIDEO_PATCH)
+from h3cute.widths import (ATTENTION_HEAD_DIM, BLOCK_CHUNKS, BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FREQ,
+                           HIDDEN as H, MLP_HIDDEN, MODALITIES, NORM_EPS, TEMB, VIDEO_PATCH)
 
 ops = torch.ops.h3
 BF16, F32, I64 = torch.bfloat16, torch.float32, torch.int64
@@ -59,14 +59,45 @@ def _build_valid_args(op):
                                                          _z(H), _z(TABLE_ROWS, H), _idx(S), NORM_EPS, TABLE_ROWS],
         "linear": lambda: [_z(S, VIDEO_PATCH, dtype=F32), _z(H, VIDEO_PATCH, dtype=F32), _z(H, dtype=F32)],
         "linear_backward": lambda: [_z(S, H, dtype=F32), _z(S, VIDEO_PATCH, dtype=F32), _z(H, VIDEO_PATCH, dtype=F32)],
+        # the model scope's ops (h3cute.ops.model): q/k/v (1, S, heads, head_dim), small linears and widths
+        "attention": lambda: _heads(3),
+        "attention_with_lse": lambda: _heads(3),
+        "attention_backward": lambda: _heads(5) + [_z(1, HEADS, S, dtype=F32)],
+        "dense": lambda: [_z(S, 64), _z(32, 64), _z(32)],
+        "dense_backward": lambda: [_z(S, 32), _z(S, 64), _z(32, 64)],
+        "rms_norm": lambda: [_z(S, ATTENTION_HEAD_DIM), _z(ATTENTION_HEAD_DIM), NORM_EPS],
+        "rms_norm_backward": lambda: [_z(S, ATTENTION_HEAD_DIM), _z(S, ATTENTION_HEAD_DIM), _z(ATTENTION_HEAD_DIM),
+                                      NORM_EPS],
+        "rotary": lambda: [*_heads(), _z(S, 96, dtype=F32), _z(S, 96, dtype=F32)],
+        "rotary_backward": lambda: [*_heads(), _z(S, 96, dtype=F32), _z(S, 96, dtype=F32)],
+        "swiglu": lambda: [_z(S, 64)],
+        "swiglu_backward": lambda: [_z(S, 32), _z(S, 64)],
+        "rotary_table": lambda: [_idx(S * 3).view(S, 3), _z(16, dtype=F32)],
     }[op]()
+
+
+HEADS = 2
+
+
+def _heads(n=1):
+    """n (1, S, heads, head_dim) BF16 zeros: q / k / v and their gradients."""
+    return [_z(1, S, HEADS, ATTENTION_HEAD_DIM) for _ in range(n)]
 
 
 ALL_OPS = ["timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "adaln_projection",
            "adaln_projection_backward", "adaln_row_gather", "adaln_row_gather_backward", "norm_modulate",
            "norm_modulate_backward", "gate_residual", "gate_residual_backward", "final_adaln_out",
            "final_adaln_out_fwd", "final_adaln_out_backward", "adaln_indices", "gate_residual_norm_modulate",
-           "gate_residual_norm_modulate_backward", "linear", "linear_backward"]
+           "gate_residual_norm_modulate_backward", "linear", "linear_backward"] + [
+    "attention", "attention_with_lse", "attention_backward", "dense", "dense_backward", "rms_norm",
+    "rms_norm_backward", "rotary", "rotary_backward", "swiglu", "swiglu_backward", "rotary_table"]
+FA4_OPS = ("attention", "attention_with_lse", "attention_backward")  # on CUDA: FlashAttention-4, when importable
+
+
+def _fa4_or_skip(op):
+    import importlib.util
+    if op in FA4_OPS and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("FlashAttention-4 (flash-attn-4) is not importable: h3::attention runs it on CUDA")
 
 
 def test_all_ops_lists_every_registered_op():
@@ -78,6 +109,11 @@ def tensor_args(op):
     """(position, name) of every required `Tensor` argument of `h3::<op>`."""
     schema = getattr(ops, op).default._schema
     return [(i, a.name) for i, a in enumerate(schema.arguments) if str(a.type) == "Tensor"]
+
+
+def one_tensor(op) -> bool:
+    """The op takes a single tensor (no Tensor[] either): given None there, the dispatcher has nothing to go on."""
+    return sum("Tensor" in str(a.type) for a in getattr(ops, op).default._schema.arguments) == 1
 
 
 def shown(op):
@@ -102,8 +138,8 @@ def test_none_for_a_required_tensor_names_the_op_and_argument(op, i, name):
     """The dispatcher hands a `Tensor` argument given as None to the impls as None: every op refuses it."""
     args = valid_args(op)
     args[i] = None
-    if op == "timestep_sinusoid":  # no tensor left to dispatch on: the dispatcher itself refuses, naming the op
-        with pytest.raises(NotImplementedError, match=r"no tensor arguments.*schema h3::timestep_sinusoid"):
+    if one_tensor(op):  # no tensor left to dispatch on: the dispatcher itself refuses, naming the op
+        with pytest.raises(NotImplementedError, match=rf"no tensor arguments.*schema h3::{op}"):
             getattr(ops, op)(*args)
         return
     with pytest.raises(TypeError, match=rf"^h3::{shown(op)}: {name} is None; the op takes a"):
@@ -155,7 +191,7 @@ def test_all_meta_inputs_give_meta_outputs(op):
 # ---- forward-mode AD ----------------------------------------------------------------------------------------
 
 FORWARD_OPS = ["timestep_sinusoid", "timestep_mlp", "adaln_projection", "adaln_row_gather", "norm_modulate",
-               "gate_residual", "final_adaln_out", "linear"]
+               "gate_residual", "final_adaln_out", "linear", "attention", "dense", "rms_norm", "rotary", "swiglu"]
 
 
 def _split_floating(args):
@@ -998,11 +1034,12 @@ def _cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_gpu_none_and_meta_are_refused_on_cuda(op):
+    _fa4_or_skip(op)
     dev = _cuda()
     args = _to(valid_args(op), dev)
     getattr(ops, op)(*args)  # the valid call runs
     torch.cuda.synchronize()
-    if op == "timestep_sinusoid":
+    if one_tensor(op):
         return  # one tensor argument: None leaves nothing to dispatch on, meta alone is the meta call
     for i, name in tensor_args(op):
         bad = list(args)
@@ -1020,6 +1057,7 @@ def test_gpu_none_and_meta_are_refused_on_cuda(op):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op, dtype", AUTOCAST_CASES, ids=[f"{op}-{str(d)[6:]}" for op, d in AUTOCAST_CASES])
 def test_gpu_autocast_keeps_the_ops_dtypes_and_bits(op, dtype):
+    _fa4_or_skip(op)
     args = _to(random_args(op), _cuda())
     want = _outs(getattr(ops, op)(*args))
     with torch.autocast("cuda", dtype=dtype):
@@ -1031,6 +1069,7 @@ def test_gpu_autocast_keeps_the_ops_dtypes_and_bits(op, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", WITH_BF16)
 def test_gpu_autocast_casts_fp32_into_bf16_arguments(op):
+    _fa4_or_skip(op)
     args = _to(random_args(op), _cuda())
     widened = list(args)
     for i, _ in _bf16_args(op):

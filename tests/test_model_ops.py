@@ -137,21 +137,28 @@ def test_attention_reference_and_its_gradients_on_a_cpu():
 
 
 def test_bad_inputs_name_the_op_and_the_argument():
+    """Shapes the ops cannot serve (tests/test_hardening.py holds dtypes, None and devices for every op)."""
     x = torch.randn(2, 5, 3, 128).to(BF16)
-    with pytest.raises(ValueError, match=r"h3::attention: q is torch.float32; FlashAttention-4 takes bfloat16"):
+    with pytest.raises(TypeError, match=r"h3::attention: q must be bfloat16, got float32"):
         ops.attention(x.float(), x.float(), x.float())
-    with pytest.raises(ValueError, match=r"h3::attention: q has shape \(5, 3, 128\)"):
+    with pytest.raises(ValueError, match=r"h3::attention: q has shape \(5, 3, 128\); it must have 4 dimensions"):
         ops.attention(x[0], x[0], x[0])
+    with pytest.raises(ValueError, match=r"h3::attention: k has shape \(2, 4, 3, 128\); it must be q's"):
+        ops.attention(x, x[:, :4], x)
     with pytest.raises(ValueError, match=r"h3::rms_norm: x has shape .*its last dimension must be weight's width"):
         ops.rms_norm(x, torch.ones(64, dtype=BF16), 1e-5)
-    with pytest.raises(ValueError, match=r"h3::rms_norm: x is torch.bfloat16, weight torch.float32"):
+    with pytest.raises(TypeError, match=r"h3::rms_norm: weight must be bfloat16, got float32"):
         ops.rms_norm(x, torch.ones(128), 1e-5)
+    with pytest.raises(ValueError, match=r"h3::rms_norm: eps must be > 0, got nan"):
+        ops.rms_norm(x, torch.ones(128, dtype=BF16), float("nan"))
     with pytest.raises(ValueError, match=r"h3::dense: x has shape .*in_features"):
         ops.dense(x, torch.ones(4, 64, dtype=BF16))
     with pytest.raises(ValueError, match=r"h3::swiglu: x has shape \(2, 5, 3, 127\)"):
-        ops.swiglu(torch.ones(2, 5, 3, 127))
+        ops.swiglu(torch.ones(2, 5, 3, 127, dtype=BF16))
     with pytest.raises(ValueError, match=r"h3::rotary: cos \(4, 96\) and sin \(4, 96\) must both be \(rows = 5"):
         ops.rotary(x, torch.ones(4, 96), torch.ones(4, 96))
+    with pytest.raises(TypeError, match=r"h3::rotary_table: position_ids must be int64 or int32, got float32"):
+        ops.rotary_table(torch.ones(5, 3), torch.ones(16))
     with pytest.raises(RuntimeError, match=r"h3::rotary: gradients reach the rotated rows only"):
         cos = torch.ones(5, 96, requires_grad=True)
         ops.rotary(x, cos, torch.ones(5, 96)).sum().backward()

@@ -473,6 +473,9 @@ def _model_plan(model) -> list:
             probs = _module_kind_problems(name, m, nn.RMSNorm, _rms_norm_forward)
             if not probs and m.weight is None:
                 probs = [(name, "has no weight (elementwise_affine=False); h3::rms_norm scales by one")]
+            elif not probs and m.weight.dtype != BF16:
+                probs = [(name, f"weight is {_dtype_name(m.weight.dtype)}; the checkpoint's norm weights are "
+                                "bfloat16 (h3::rms_norm computes BF16 rows)")]
             plan.append((name, m, "rms_norm", probs))
         elif isinstance(m, d.SwiGLU):
             probs = _module_kind_problems(name, m, d.SwiGLU, _swiglu_forward) or _bypassed(

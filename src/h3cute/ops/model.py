@@ -35,19 +35,31 @@ import torch
 import torch.nn.functional as F
 
 from h3cute.invariant import FA4_DISTRIBUTION
+from h3cute.ops import validate
 from h3cute.ops._library import Op, declare
 
-LOW = (torch.bfloat16, torch.float16)
+BF16, F32 = torch.bfloat16, torch.float32
+_INTEGER = (torch.int64, torch.int32)
 
 
 def _fail(op: str, what: str):
     raise ValueError(f"h3::{op}: {what}")
 
 
-def _same_device(op: str, tensors: dict) -> None:
-    devices = {n: t.device for n, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        _fail(op, "inputs on different devices: " + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+def _tensor(op: str, name: str, t, dtype, device: int, rank: int | None = None) -> None:
+    """One argument's dtype, device (a key from `validate.device_of`: the first tensor argument's) and rank, with the
+    messages every h3 op gives (`h3cute.ops.validate`)."""
+    if t is None:
+        want = "int64 or int32" if dtype is _INTEGER else validate._name(dtype)
+        raise TypeError(f"h3::{op}: {name} is None; the op takes a {want} tensor there")
+    if t.dtype != dtype and not (dtype is _INTEGER and t.dtype in _INTEGER):
+        want = "int64 or int32" if dtype is _INTEGER else validate._name(dtype)
+        raise TypeError(f"h3::{op}: {name} must be {want}, got {validate._name(t.dtype)}")
+    if validate._key(t) != device:
+        raise ValueError(f"h3::{op}: {name} is on {t.device}, expected {validate._device_name(device)} "
+                         "(the device of the other inputs)")
+    if rank is not None and t.dim() != rank:
+        _fail(op, f"{name} has shape {tuple(t.shape)}; it must have {rank} dimensions")
 
 
 def _width(op: str, name: str, t, width: int, last: str) -> None:
@@ -55,20 +67,32 @@ def _width(op: str, name: str, t, width: int, last: str) -> None:
         _fail(op, f"{name} has shape {tuple(t.shape)}; its last dimension must be {last} ({width})")
 
 
+def _like(op: str, name: str, t, shape, what: str) -> None:
+    if tuple(t.shape) != tuple(shape):
+        _fail(op, f"{name} has shape {tuple(t.shape)}; it must be {what}'s, {tuple(shape)}")
+
+
 # ---- attention ------------------------------------------------------------------------------------------------
 
-def _check_attention(q, k, v, *more):
-    op = "attention"
+def _check_attention(q, k, v, op="attention", d=None):
+    """q, k, v: (batch, rows, heads, head_dim) BF16 of one shape."""
+    d = validate.device_of(op, "q", q) if d is None else d
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            _fail(op, f"{name} has shape {tuple(t.shape)}; attention takes (batch, rows, heads, head_dim)")
-        if t.dtype not in LOW:
-            _fail(op, f"{name} is {t.dtype}; FlashAttention-4 takes bfloat16 or float16 (run the model in BF16, the "
-                      "checkpoint's dtype)")
-    if not (q.shape == k.shape == v.shape) or not (q.dtype == k.dtype == v.dtype):
-        _fail(op, f"q, k, v must share shape and dtype, got {tuple(q.shape)} {q.dtype}, {tuple(k.shape)} {k.dtype}, "
-                  f"{tuple(v.shape)} {v.dtype}")
-    _same_device(op, {"q": q, "k": k, "v": v})
+        _tensor(op, name, t, BF16, d, rank=4)
+    _like(op, "k", k, q.shape, "q")
+    _like(op, "v", v, q.shape, "q")
+
+
+def _check_attention_backward(grad, q, k, v, out, lse):
+    op = "attention_backward"
+    d = validate.device_of(op, "grad", grad)
+    _tensor(op, "grad", grad, BF16, d, rank=4)
+    _check_attention(q, k, v, op, d)
+    _tensor(op, "out", out, BF16, d)
+    _tensor(op, "lse", lse, F32, d)
+    _like(op, "grad", grad, q.shape, "q")
+    _like(op, "out", out, q.shape, "q")
+    _like(op, "lse", lse, (q.shape[0], q.shape[2], q.shape[1]), "(batch, heads, rows) of q")
 
 
 def _fa4():
@@ -135,17 +159,20 @@ ATTENTION = declare(Op(
     cpu=lambda q, k, v: _attention_math(q, k, v)[0],
     cuda=lambda q, k, v: _attention_cuda(q, k, v)[0],
     fake=lambda q, k, v: q.new_empty(q.shape),
+    bf16=("q", "k", "v"),
     forward_op=Op(
         "attention_with_lse(Tensor q, Tensor k, Tensor v) -> (Tensor out, Tensor lse)",
-        check=_check_attention, cpu=_attention_math, cuda=_attention_cuda, fake=_attention_fake,
+        check=lambda q, k, v: _check_attention(q, k, v, "attention_with_lse"), cpu=_attention_math,
+        cuda=_attention_cuda, fake=_attention_fake, bf16=("q", "k", "v"),
     ),
     backward_op=Op(
         "attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) "
         "-> (Tensor dq, Tensor dk, Tensor dv)",
-        check=lambda grad, q, k, v, out, lse: _check_attention(q, k, v),
+        check=_check_attention_backward,
         cpu=_attention_backward_math,
         cuda=_attention_backward_cuda,
         fake=lambda grad, q, k, v, out, lse: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)),
+        bf16=("grad", "q", "k", "v", "out"),
     ),
     setup_context=_attention_setup_context,
     backward=_attention_backward,
@@ -154,17 +181,23 @@ ATTENTION = declare(Op(
 
 # ---- dense: the BF16 linears ----------------------------------------------------------------------------------
 
-def _check_dense(x, weight, bias=None, *more):
-    op = "dense"
-    if weight.dim() != 2:
-        _fail(op, f"weight has shape {tuple(weight.shape)}; it must be (out_features, in_features)")
+def _check_dense(x, weight, bias=None, op="dense", d=None):
+    """x (..., in_features), weight (out_features, in_features), bias (out_features,) or None: BF16."""
+    d = validate.device_of(op, "x", x) if d is None else d
+    _tensor(op, "x", x, BF16, d)
+    _tensor(op, "weight", weight, BF16, d, rank=2)
     _width(op, "x", x, weight.shape[1], "weight's in_features")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        _fail(op, f"bias has shape {tuple(bias.shape)}; it must be ({weight.shape[0]},)")
-    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        _fail(op, f"x is {x.dtype}, weight {weight.dtype}" + (f", bias {bias.dtype}" if bias is not None else "")
-              + "; they must share a dtype (F.linear's rule)")
-    _same_device(op, {"x": x, "weight": weight, "bias": bias})
+    if bias is not None:
+        _tensor(op, "bias", bias, BF16, d)
+        _like(op, "bias", bias, weight.shape[:1], "(out_features,) of weight")
+
+
+def _check_dense_backward(grad, x, weight, *flags):
+    op = "dense_backward"
+    d = validate.device_of(op, "grad", grad)
+    _tensor(op, "grad", grad, BF16, d)
+    _check_dense(x, weight, None, op, d)
+    _like(op, "grad", grad, (*x.shape[:-1], weight.shape[0]), "(x's rows, out_features)")
 
 
 def _dense_backward(grad, x, weight, x_grad=True, weight_grad=True, bias_grad=True):
@@ -205,8 +238,8 @@ DENSE = declare(Op(
     backward_op=Op(
         "dense_backward(Tensor grad, Tensor x, Tensor weight, bool x_grad=True, bool weight_grad=True, "
         "bool bias_grad=True) -> (Tensor dx, Tensor dweight, Tensor dbias)",
-        check=lambda grad, x, weight, *flags: _check_dense(x, weight),
-        cpu=_dense_backward, cuda=_dense_backward, fake=_dense_backward_fake,
+        check=_check_dense_backward,
+        cpu=_dense_backward, cuda=_dense_backward, fake=_dense_backward_fake, bf16=("grad", "x", "weight"),
     ),
     setup_context=_dense_setup_context,
     backward=_dense_grads,
@@ -228,15 +261,21 @@ def _rms_norm(x, weight, eps):
     return F.rms_norm(x, (x.shape[-1],), weight, eps).contiguous()
 
 
-def _check_rms_norm(x, weight, eps, *more):
-    if weight.dim() != 1:
-        _fail("rms_norm", f"weight has shape {tuple(weight.shape)}; it must be (width,)")
-    _width("rms_norm", "x", x, weight.shape[0], "weight's width")
-    if x.dtype != weight.dtype:
-        _fail("rms_norm", f"x is {x.dtype}, weight {weight.dtype}; they must share a dtype")
-    if not eps > 0:
-        _fail("rms_norm", f"eps is {eps}; it must be positive")
-    _same_device("rms_norm", {"x": x, "weight": weight})
+def _check_rms_norm(x, weight, eps, op="rms_norm", d=None):
+    """x (..., width), weight (width,): BF16; eps > 0."""
+    d = validate.device_of(op, "x", x) if d is None else d
+    _tensor(op, "x", x, BF16, d)
+    _tensor(op, "weight", weight, BF16, d, rank=1)
+    _width(op, "x", x, weight.shape[0], "weight's width")
+    validate._eps(op, eps)
+
+
+def _check_rms_norm_backward(grad, x, weight, eps, *flags):
+    op = "rms_norm_backward"
+    d = validate.device_of(op, "grad", grad)
+    _tensor(op, "grad", grad, BF16, d)
+    _check_rms_norm(x, weight, eps, op, d)
+    _like(op, "grad", grad, x.shape, "x")
 
 
 def _rms_norm_setup_context(ctx, inputs, output):
@@ -270,8 +309,8 @@ RMS_NORM = declare(Op(
     backward_op=Op(
         "rms_norm_backward(Tensor grad, Tensor x, Tensor weight, float eps, bool x_grad=True, "
         "bool weight_grad=True) -> (Tensor dx, Tensor dweight)",
-        check=lambda grad, x, weight, eps, *flags: _check_rms_norm(x, weight, eps),
-        cpu=_rms_norm_backward, cuda=_rms_norm_backward, fake=_rms_norm_backward_fake,
+        check=_check_rms_norm_backward,
+        cpu=_rms_norm_backward, cuda=_rms_norm_backward, fake=_rms_norm_backward_fake, bf16=("grad", "x", "weight"),
     ),
     setup_context=_rms_norm_setup_context,
     backward=_rms_norm_grads,
@@ -300,15 +339,16 @@ def _rotary_backward(grad, cos, sin):
     return torch.cat((g * c + torch.cat((gs2, -gs1), dim=-1), rest), dim=-1).contiguous()
 
 
-def _check_rotary(x, cos, sin):
-    op = "rotary"
-    if x.dim() != 4:
-        _fail(op, f"x has shape {tuple(x.shape)}; it must be (batch, rows, heads, head_dim)")
+def _check_rotary(x, cos, sin, op="rotary", name="x"):
+    """x (batch, rows, heads, head_dim) BF16; cos, sin (rows, rotary_dim) FP32, rotary_dim even, <= head_dim."""
+    d = validate.device_of(op, name, x)
+    _tensor(op, name, x, BF16, d, rank=4)
+    _tensor(op, "cos", cos, F32, d)
+    _tensor(op, "sin", sin, F32, d)
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[1] or cos.shape[1] > x.shape[-1] \
             or cos.shape[1] % 2:
         _fail(op, f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both be (rows = {x.shape[1]}, "
                   f"rotary_dim), rotary_dim even and at most head_dim = {x.shape[-1]}")
-    _same_device(op, {"x": x, "cos": cos, "sin": sin})
 
 
 def _rotary_setup_context(ctx, inputs, output):
@@ -329,11 +369,12 @@ ROTARY = declare(Op(
     check=_check_rotary,
     cpu=_rotary, cuda=_rotary,
     fake=lambda x, cos, sin: x.new_empty(x.shape),
+    bf16=("x",),
     backward_op=Op(
         "rotary_backward(Tensor grad, Tensor cos, Tensor sin) -> Tensor",
-        check=lambda grad, cos, sin: _check_rotary(grad, cos, sin),
+        check=lambda grad, cos, sin: _check_rotary(grad, cos, sin, "rotary_backward", "grad"),
         cpu=_rotary_backward, cuda=_rotary_backward,
-        fake=lambda grad, cos, sin: grad.new_empty(grad.shape),
+        fake=lambda grad, cos, sin: grad.new_empty(grad.shape), bf16=("grad",),
     ),
     setup_context=_rotary_setup_context,
     backward=_rotary_grads,
@@ -345,9 +386,20 @@ def _swiglu(x):
     return (a * F.silu(gate)).contiguous()
 
 
-def _check_swiglu(x, *more):
+def _check_swiglu(x, op="swiglu", d=None):
+    """x (..., 2 F) BF16: the value | gate halves."""
+    d = validate.device_of(op, "x", x) if d is None else d
+    _tensor(op, "x", x, BF16, d)
     if x.dim() < 1 or x.shape[-1] % 2:
-        _fail("swiglu", f"x has shape {tuple(x.shape)}; its last dimension must be even (the value | gate halves)")
+        _fail(op, f"x has shape {tuple(x.shape)}; its last dimension must be even (the value | gate halves)")
+
+
+def _check_swiglu_backward(grad, x):
+    op = "swiglu_backward"
+    d = validate.device_of(op, "grad", grad)
+    _tensor(op, "grad", grad, BF16, d)
+    _check_swiglu(x, op, d)
+    _like(op, "grad", grad, (*x.shape[:-1], x.shape[-1] // 2), "swiglu's output of x")
 
 
 SWIGLU = declare(Op(
@@ -355,9 +407,10 @@ SWIGLU = declare(Op(
     check=_check_swiglu,
     cpu=_swiglu, cuda=_swiglu,
     fake=lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)),
+    bf16=("x",),
     backward_op=Op(
         "swiglu_backward(Tensor grad, Tensor x) -> Tensor",
-        check=lambda grad, x: _check_swiglu(x),
+        check=_check_swiglu_backward, bf16=("grad", "x"),
         cpu=lambda grad, x: _recomputed_grads(_swiglu, grad, (x,), (True,))[0],
         cuda=lambda grad, x: _recomputed_grads(_swiglu, grad, (x,), (True,))[0],
         fake=lambda grad, x: x.new_empty(x.shape),
@@ -376,11 +429,12 @@ def _rotary_table(position_ids, inv_freq):
 
 
 def _check_rotary_table(position_ids, inv_freq):
-    if position_ids.dim() != 2 or position_ids.shape[-1] != 3:
-        _fail("rotary_table", f"position_ids has shape {tuple(position_ids.shape)}; it must be (rows, 3)")
-    if inv_freq.dim() != 1 or inv_freq.dtype != torch.float32:
-        _fail("rotary_table", f"inv_freq is {inv_freq.dtype} {tuple(inv_freq.shape)}; it must be FP32 (freqs,)")
-    _same_device("rotary_table", {"position_ids": position_ids, "inv_freq": inv_freq})
+    """position_ids (rows, 3) int64 / int32, inv_freq (freqs,) FP32."""
+    op = "rotary_table"
+    d = validate.device_of(op, "position_ids", position_ids)
+    _tensor(op, "position_ids", position_ids, _INTEGER, d, rank=2)
+    _tensor(op, "inv_freq", inv_freq, F32, d, rank=1)
+    _width(op, "position_ids", position_ids, 3, "the (t, h, w) axes")
 
 
 def _rotary_table_fake(position_ids, inv_freq):
