@@ -151,11 +151,11 @@ class AttnProcessor:
         query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
         key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
         value = value.unflatten(-1, (attn.heads, -1))
-        if rotary_emb is not None:
-            query, key = torch.ops.h3.rotary(query, *rotary_emb), torch.ops.h3.rotary(key, *rotary_emb)
         if query.dtype != torch.bfloat16:
             raise TypeError(f"h3cute.patch(scope='model'): attention rows are {query.dtype}; h3::attention takes "
                             "BF16 (run the model in BF16, the checkpoint's dtype)")
+        if rotary_emb is not None:
+            query, key = torch.ops.h3.rotary(query, *rotary_emb), torch.ops.h3.rotary(key, *rotary_emb)
         out = torch.ops.h3.attention(query.contiguous(), key.contiguous(), value.contiguous())
         hidden_states = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](hidden_states))
