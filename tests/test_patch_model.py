@@ -62,7 +62,7 @@ def test_missing_mechanisms_refuse_before_any_change(model, monkeypatch):
         assert {s.module for s in p.replaced} >= {"proj_in", "audio_proj_in", "proj_out", "audio_proj_out"}
         left = {s.module for s in p.left}
         assert {"transformer_blocks.0.attn", "context_embedder", "transformer_blocks.1.ff.net.2"} <= left
-        assert not invariant._HOLDS[0]  # no BF16 linear served: the BLAS switches are not held
+        assert not invariant._BLAS.count  # no BF16 linear served: the BLAS switches are not held
 
 
 def test_model_scope_switches_every_site_and_unpatch_restores_them(model, fa4_stand_in, blas_environment):

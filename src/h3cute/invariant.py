@@ -51,8 +51,30 @@ def set_environment() -> None:
     os.environ.update(ENVIRONMENT)
 
 
+class _Held:
+    """A process-wide setting held while at least one model-scope patch is active: the first hold saves what was
+    there, every hold applies the held value, the last release puts the saved one back."""
+
+    def __init__(self, read, write, held):
+        self._read, self._write, self._held = read, write, held
+        self.count, self._saved = 0, None
+
+    def hold(self) -> None:
+        if self.count == 0:
+            self._saved = self._read()
+        self.count += 1
+        self._write(self._held())
+
+    def release(self) -> None:
+        if self.count == 0:
+            return
+        self.count -= 1
+        if self.count == 0:
+            self._write(self._saved)
+            self._saved = None
+
+
 _FLAGS = ("allow_bf16_reduced_precision_reduction", "allow_fp16_reduced_precision_reduction")
-_HOLDS = [0, None]  # active model-scope patches, the settings saved when the first one began
 
 
 def _current():
@@ -61,29 +83,31 @@ def _current():
     return {f: getattr(m, f) for f in _FLAGS}, blas
 
 
-def _apply(flags: dict, blas) -> None:
+def _apply(settings) -> None:
+    flags, blas = settings
     for f, v in flags.items():
         setattr(torch.backends.cuda.matmul, f, v)
     if blas is not None:
         torch.backends.cuda.preferred_blas_library(blas)
 
 
+# the torch switches of vLLM's mode: no reduced-precision reductions, cuBLASLt preferred
+_BLAS = _Held(_current, _apply, lambda: ({f: False for f in _FLAGS}, "cublaslt" if torch.cuda.is_available() else None))
+
+
 def hold_blas_settings() -> None:
     """The torch switches of vLLM's mode (no reduced-precision reductions, cuBLASLt preferred), process-wide while
     at least one model-scope patch is active; `release_blas_settings` restores what was there before."""
-    if _HOLDS[0] == 0:
-        _HOLDS[1] = _current()
-    _HOLDS[0] += 1
-    _apply({f: False for f in _FLAGS}, "cublaslt" if torch.cuda.is_available() else None)
+    _BLAS.hold()
 
 
 def release_blas_settings() -> None:
-    if _HOLDS[0] == 0:
-        return
-    _HOLDS[0] -= 1
-    if _HOLDS[0] == 0:
-        _apply(*_HOLDS[1])
-        _HOLDS[1] = None
+    _BLAS.release()
+
+
+def _inductor_config():
+    from torch._inductor import config
+    return config
 
 
 # Inductor's emulation of eager's roundings: between the model scope's ops a compiled graph keeps only views, copies,
@@ -91,27 +115,18 @@ def release_blas_settings() -> None:
 # (the q/k/v projections' input: three of them). Eager rounds each partial sum to BF16; Inductor, fusing the sum into
 # one kernel, would otherwise add in FP32 and round once. Held like the BLAS switches, while a model-scope patch is
 # active; read when torch.compile compiles (the first call of a compiled model), and part of Inductor's cache key.
-_COMPILE_HOLDS = [0, None]
+_COMPILE = _Held(lambda: _inductor_config().emulate_precision_casts,
+                 lambda v: setattr(_inductor_config(), "emulate_precision_casts", v), lambda: True)
 
 
 def hold_compile_settings() -> None:
     """`torch._inductor.config.emulate_precision_casts = True`, process-wide while at least one model-scope patch
     is active; `release_compile_settings` restores what was there before."""
-    from torch._inductor import config
-    if _COMPILE_HOLDS[0] == 0:
-        _COMPILE_HOLDS[1] = config.emulate_precision_casts
-    _COMPILE_HOLDS[0] += 1
-    config.emulate_precision_casts = True
+    _COMPILE.hold()
 
 
 def release_compile_settings() -> None:
-    if _COMPILE_HOLDS[0] == 0:
-        return
-    from torch._inductor import config
-    _COMPILE_HOLDS[0] -= 1
-    if _COMPILE_HOLDS[0] == 0:
-        config.emulate_precision_casts = _COMPILE_HOLDS[1]
-        _COMPILE_HOLDS[1] = None
+    _COMPILE.release()
 
 
 @contextlib.contextmanager

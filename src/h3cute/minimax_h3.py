@@ -439,13 +439,6 @@ def _attention_problems(name, m) -> list[tuple[str, str]]:
     return []
 
 
-def _module_kind_problems(name, m, cls, forward) -> list[tuple[str, str]]:
-    """A module the model scope switches to an h3 op: a plain instance of `cls` whose forward is not wrapped."""
-    if type(m).forward not in (cls.forward, forward):
-        return [(name, f"its class {type(m).__qualname__} overrides {cls.__qualname__}.forward")]
-    return _module_problems(name, m, cls, forward)
-
-
 def _model_plan(model) -> list:
     """[(name, module, kind, problems)] for the model scope's sites beyond the conditioning path (see
     h3cute.ops.model: each computes with an op torch.compile cannot see into)."""
@@ -467,10 +460,10 @@ def _model_plan(model) -> list:
                 probs = [(name, "the environment lacks vLLM's cuBLASLt settings (" + "; ".join(env) + "): call "
                                 "h3cute.invariant.set_environment() before CUDA initializes, or export them")]
             else:
-                probs = _module_kind_problems(name, m, nn.Linear, _linear_forward)
+                probs = _module_problems(name, m, nn.Linear, _linear_forward)
             plan.append((name, m, "linear", probs))
         elif isinstance(m, nn.RMSNorm) and id(m) not in taken:
-            probs = _module_kind_problems(name, m, nn.RMSNorm, _rms_norm_forward)
+            probs = _module_problems(name, m, nn.RMSNorm, _rms_norm_forward)
             if not probs and m.weight is None:
                 probs = [(name, "has no weight (elementwise_affine=False); h3::rms_norm scales by one")]
             elif not probs and m.weight.dtype != BF16:
@@ -478,13 +471,13 @@ def _model_plan(model) -> list:
                                 "bfloat16 (h3::rms_norm computes BF16 rows)")]
             plan.append((name, m, "rms_norm", probs))
         elif isinstance(m, d.SwiGLU):
-            probs = _module_kind_problems(name, m, d.SwiGLU, _swiglu_forward) or _bypassed(
+            probs = _module_problems(name, m, d.SwiGLU, _swiglu_forward) or _bypassed(
                 f"{name}.activation", m.activation)
             if not probs and type(m.activation) is not nn.SiLU:
                 probs = [(f"{name}.activation", f"is {type(m.activation).__name__}; h3::swiglu applies SiLU")]
             plan.append((name, m, "swiglu", probs))
         elif isinstance(m, d.RotaryPosEmbed):
-            plan.append((name, m, "rope", _module_kind_problems(name, m, d.RotaryPosEmbed, _rope_forward)))
+            plan.append((name, m, "rope", _module_problems(name, m, d.RotaryPosEmbed, _rope_forward)))
     return plan
 
 
