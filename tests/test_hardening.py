@@ -70,6 +70,10 @@ def _build_valid_args(op):
                                       NORM_EPS],
         "rotary": lambda: [*_heads(), _z(S, 96, dtype=F32), _z(S, 96, dtype=F32)],
         "rotary_backward": lambda: [*_heads(), _z(S, 96, dtype=F32), _z(S, 96, dtype=F32)],
+        "qk_norm_rotary": lambda: [*_heads(), _z(ATTENTION_HEAD_DIM), _z(S, 96, dtype=F32), _z(S, 96, dtype=F32),
+                                   NORM_EPS],
+        "qk_norm_rotary_backward": lambda: [*_heads(2), _z(ATTENTION_HEAD_DIM), _z(S, 96, dtype=F32),
+                                            _z(S, 96, dtype=F32), NORM_EPS],
         "swiglu": lambda: [_z(S, 64)],
         "swiglu_backward": lambda: [_z(S, 32), _z(S, 64)],
         "rotary_table": lambda: [_idx(S * 3).view(S, 3), _z(16, dtype=F32)],
@@ -90,7 +94,8 @@ ALL_OPS = ["timestep_sinusoid", "timestep_mlp", "timestep_mlp_backward", "adaln_
            "final_adaln_out_fwd", "final_adaln_out_backward", "adaln_indices", "gate_residual_norm_modulate",
            "gate_residual_norm_modulate_backward", "linear", "linear_backward"] + [
     "attention", "attention_with_lse", "attention_backward", "dense", "dense_backward", "rms_norm",
-    "rms_norm_backward", "rotary", "rotary_backward", "swiglu", "swiglu_backward", "rotary_table"]
+    "rms_norm_backward", "rotary", "rotary_backward", "qk_norm_rotary", "qk_norm_rotary_backward", "swiglu",
+    "swiglu_backward", "rotary_table"]
 FA4_OPS = ("attention", "attention_with_lse", "attention_backward")  # on CUDA: FlashAttention-4, when importable
 
 
@@ -191,7 +196,8 @@ def test_all_meta_inputs_give_meta_outputs(op):
 # ---- forward-mode AD ----------------------------------------------------------------------------------------
 
 FORWARD_OPS = ["timestep_sinusoid", "timestep_mlp", "adaln_projection", "adaln_row_gather", "norm_modulate",
-               "gate_residual", "final_adaln_out", "linear", "attention", "dense", "rms_norm", "rotary", "swiglu"]
+               "gate_residual", "final_adaln_out", "linear", "attention", "dense", "rms_norm", "rotary", "qk_norm_rotary",
+               "swiglu"]
 
 
 def _split_floating(args):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import h3cute  # noqa: F401  (registers torch.ops.h3)
 from bitwise import assert_same_bits
-from h3cute.widths import ATTENTION_HEAD_DIM, HIDDEN
+from h3cute.widths import ATTENTION_HEAD_DIM, FFN, HIDDEN
 
 ops = torch.ops.h3
 BF16 = torch.bfloat16
@@ -49,7 +49,11 @@ def _cases(device, rows=37, batch=2, g=None):
          [randn(batch, rows, HIDDEN), 1 + randn(HIDDEN, scale=0.1)], (0, 1)),
         ("rotary", lambda x: ops.rotary(x, cos, sin), lambda x: _rotary_reference(x, cos, sin),
          [randn(batch, rows, heads, ATTENTION_HEAD_DIM)], (0,)),
+        ("qk_norm_rotary", lambda x, w: ops.qk_norm_rotary(x, w, cos, sin, 1e-5),
+         lambda x, w: _rotary_reference(F.rms_norm(x, (x.shape[-1],), w, 1e-5), cos, sin),
+         [randn(batch, rows, heads, ATTENTION_HEAD_DIM), 1 + randn(ATTENTION_HEAD_DIM, scale=0.1)], (0, 1)),
         ("swiglu", ops.swiglu, _swiglu_reference, [randn(batch, rows, 2 * 96)], (0,)),
+        ("swiglu_ffn", ops.swiglu, _swiglu_reference, [randn(batch, rows, 2 * FFN, scale=3.0)], (0,)),
         ("dense", lambda x, w, b: ops.dense(x, w, b), F.linear,
          [randn(batch, rows, 64), randn(96, 64, scale=0.125), randn(96, scale=0.02)], (0, 1, 2)),
         ("rotary_table", lambda p: ops.rotary_table(p, inv_freq), lambda p: _rope_reference(p)[0], [positions], ()),
@@ -76,12 +80,24 @@ def _check_eager_and_compiled(device):
         for i, (a, b) in enumerate(zip(out + grads, ref_out + ref_grads)):
             if name == "dense" and i > 0:  # dense's backward is two GEMMs and a sum, not F.linear's autograd
                 torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+            elif name == "qk_norm_rotary" and i > 0 and device == "cuda":  # the kernel's own backward
+                _closer_to_fp64_than_eager(a, b, reference, inputs, diff, i - 1, name)
             else:
                 assert_same_bits(a, b, f"{name}: output / gradient {i} against diffusers' eager expression")
         compiled = torch.compile(op, fullgraph=True, dynamic=False)
         c_out, c_grads = _grads(compiled, inputs, diff)
         for i, (a, b) in enumerate(zip(c_out + c_grads, out + grads)):
             assert_same_bits(a, b, f"{name}: compiled against eager, output / gradient {i}")
+
+
+def _closer_to_fp64_than_eager(got, eager, reference, inputs, diff, which, name):
+    """A gradient that is not eager autograd's bits: within twice eager's own distance of the FP64 gradient, never
+    NaN."""
+    _, exact = _grads(reference, [t.double() for t in inputs], diff)
+    exact = exact[which]
+    err, eager_err = ((t.double() - exact).abs().max().item() for t in (got, eager))
+    assert err == err and err <= 2 * eager_err + 1e-6 * exact.abs().max().item(), (
+        f"{name}: gradient {which} is {err:.3g} from FP64, eager autograd's {eager_err:.3g}")
 
 
 def test_each_op_is_its_eager_expression_and_compiles_to_the_same_bits():
@@ -114,6 +130,44 @@ def test_each_row_alone_is_bitwise_the_row_inside_a_batch_on_cuda():
             (d_b,) = torch.autograd.grad(op(x_b, *rest), x_b, up)
             (d_1,) = torch.autograd.grad(op(x_1, *rest), x_1, up[:1])
             assert_same_bits(d_1[0], d_b[0], f"{name}: input gradient of sample 0 alone vs in B=5")
+
+
+@pytest.mark.gpu
+def test_fused_kernels_write_every_element_at_h3_sizes_on_cuda():
+    """h3cute's kernels behind qk_norm_rotary and swiglu, at a model's size (S = 4097, 56 heads; the FFN's
+    14336 halves) with outputs carved from NaN-poisoned memory: forward bitwise eager torch's expression (swiglu's
+    backward too, over inputs out to exp's overflow), qk_norm_rotary's backward finite and the same bits at every
+    call (its weight gradient a fixed-order sum)."""
+    from poison import poison_allocator
+    g = torch.Generator(device="cuda").manual_seed(11)
+    rows, heads = 4097, 56
+    positions = torch.stack([torch.randint(0, 4097, (rows,), generator=g, device="cuda") for _ in range(3)], -1)
+    (cos, sin), _ = _rope_reference(positions)
+    x = (torch.randn(1, rows, heads, ATTENTION_HEAD_DIM, generator=g, device="cuda") * 4).to(BF16)
+    w = (1 + 0.1 * torch.randn(ATTENTION_HEAD_DIM, generator=g, device="cuda")).to(BF16)
+    up = torch.randn(x.shape, generator=g, device="cuda").to(BF16)
+    poison_allocator()
+    out = ops.qk_norm_rotary(x, w, cos, sin, 1e-6)
+    assert_same_bits(out, _rotary_reference(F.rms_norm(x, (128,), w, 1e-6), cos, sin), "qk_norm_rotary forward")
+    poison_allocator()
+    first = ops.qk_norm_rotary_backward(up, x, w, cos, sin, 1e-6)
+    poison_allocator()
+    again = ops.qk_norm_rotary_backward(up, x, w, cos, sin, 1e-6)
+    for a, b, what in zip(first, again, ("dx", "dweight")):
+        assert a.isfinite().all(), f"qk_norm_rotary backward: {what} has non-finite elements"
+        assert_same_bits(a, b, f"qk_norm_rotary backward: {what} of two calls")
+
+    v = torch.randn(rows, 2 * FFN, generator=g, device="cuda") * 3
+    v[:, FFN::97] = torch.linspace(-1e4, 1e4, v[:, FFN::97].shape[1], device="cuda")  # exp(-g) overflows / vanishes
+    v = v.to(BF16)
+    grad = torch.randn(rows, FFN, generator=g, device="cuda").to(BF16)
+    poison_allocator()
+    assert_same_bits(ops.swiglu(v), _swiglu_reference(v), "swiglu forward at the FFN's width")
+    poison_allocator()
+    leaf = v.clone().requires_grad_(True)
+    (eager,) = torch.autograd.grad(_swiglu_reference(leaf), leaf, grad)
+    poison_allocator()
+    assert_same_bits(ops.swiglu_backward(grad, v), eager, "swiglu backward at the FFN's width")
 
 
 def test_attention_reference_and_its_gradients_on_a_cpu():

@@ -11,7 +11,8 @@ ops that are not h3cute's:
 - `h3::attention`: FlashAttention-4 (`flash-attn-4`, CuTe DSL kernels). Its forward tiles a sample's rows the same
   way at every batch size (no split of the key dimension), and its deterministic backward accumulates dQ in a fixed
   order.
-- `h3::rms_norm`, `h3::rotary`, `h3::swiglu`, `h3::rotary_table`: torch's own row-wise and elementwise kernels.
+- `h3::rms_norm` (outside attention), `h3::rotary_table`: torch's own row-wise and elementwise kernels.
+  `h3::qk_norm_rotary` and `h3::swiglu` run h3cute's CuTe DSL kernels (eager torch's bits, one pass each).
 
 `perf/call_site_invariance.py` measured each per call site; tests/test_patch_model_gpu.py proves the whole model.
 `AttnProcessor` is the attention processor the patch sets on every `MiniMaxH3Attention`.
@@ -151,9 +152,15 @@ def fa4_problem() -> str | None:
     return None
 
 
+def rms_norm_eps(norm: torch.nn.RMSNorm) -> float:
+    """An nn.RMSNorm's eps: its own, else what F.rms_norm uses for BF16 rows."""
+    return norm.eps if norm.eps is not None else torch.finfo(torch.bfloat16).eps
+
+
 class AttnProcessor:
-    """MiniMaxH3AttnProcessor's computation on h3 ops: the q/k/v projections (the modules, on h3::dense), the q/k
-    norms (the modules, on h3::rms_norm), h3::rotary, h3::attention, the output projection (h3::dense)."""
+    """MiniMaxH3AttnProcessor's computation on h3 ops: the q/k/v projections (the modules, on h3::dense), each head's
+    q/k norm and rotary embedding (h3::qk_norm_rotary with the norm modules' weights; without rotary angles the norm
+    modules, on h3::rms_norm), h3::attention, the output projection (h3::dense)."""
 
     def __call__(self, attn, hidden_states: torch.Tensor, rotary_emb=None, attention_mask=None) -> torch.Tensor:
         if attention_mask is not None:
@@ -163,14 +170,15 @@ class AttnProcessor:
             query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
         else:
             query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
-        query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
-        key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
-        value = value.unflatten(-1, (attn.heads, -1))
         if query.dtype != torch.bfloat16:
             raise TypeError(f"h3cute.patch(scope='model'): attention rows are {query.dtype}; h3::attention takes "
                             "BF16 (run the model in BF16, the checkpoint's dtype)")
-        if rotary_emb is not None:
-            query, key = torch.ops.h3.rotary(query, *rotary_emb), torch.ops.h3.rotary(key, *rotary_emb)
+        query, key, value = (t.unflatten(-1, (attn.heads, -1)) for t in (query, key, value))
+        if rotary_emb is not None:  # each head's norm and rotation in one pass
+            query = torch.ops.h3.qk_norm_rotary(query, attn.norm_q.weight, *rotary_emb, rms_norm_eps(attn.norm_q))
+            key = torch.ops.h3.qk_norm_rotary(key, attn.norm_k.weight, *rotary_emb, rms_norm_eps(attn.norm_k))
+        else:
+            query, key = attn.norm_q(query), attn.norm_k(key)
         out = torch.ops.h3.attention(query.contiguous(), key.contiguous(), value.contiguous())
         hidden_states = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](hidden_states))

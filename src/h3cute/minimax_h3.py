@@ -24,9 +24,10 @@ the output heads are not conditioning ops and stay diffusers'.
 `patch(transformer, scope="model")` puts the rest of the forward on h3 ops too (`h3cute.ops.model`), so that
 nothing is left for torch.compile to regenerate: the FP32 heads (proj_in, audio_proj_in, proj_out,
 audio_proj_out) switch to `torch.ops.h3.linear` the same way, the BF16 linears to `h3::dense`, the remaining
-RMSNorms (q/k norms, the token refiner's) to `h3::rms_norm`, every SwiGLU to `h3::swiglu` after its projection,
+RMSNorms (the token refiner's) to `h3::rms_norm`, every SwiGLU to `h3::swiglu` after its projection,
 the rope to `h3::rotary_table`; every `MiniMaxH3Attention`'s processor becomes `h3cute.invariant.AttnProcessor`
-(`h3::rotary`, `h3::attention` on FlashAttention-4; `unpatch()` puts the previous processor back). Each site is
+(`h3::qk_norm_rotary` with the q/k norms' weights, `h3::attention` on FlashAttention-4; `unpatch()` puts the
+previous processor back). Each site is
 reported with the kernels inside its op. A missing requirement (vLLM's cuBLASLt environment, FlashAttention-4)
 is one refusal per reason, naming every site it concerns.
 
@@ -132,8 +133,7 @@ def _row_index(index: torch.Tensor, rows: int) -> torch.Tensor:
     return index.repeat(rows // n)
 
 
-def _eps(norm: nn.RMSNorm) -> float:
-    return norm.eps if norm.eps is not None else torch.finfo(BF16).eps  # what F.rms_norm uses for BF16 rows
+_eps = invariant.rms_norm_eps
 
 
 def _base_forward(self):
@@ -414,6 +414,7 @@ _BLAS = "cuBLASLt without split-K under vLLM's settings"
 _FA4 = "FlashAttention-4's forward and deterministic backward"
 _ROWWISE = "torch's row-wise kernels"
 _ELEMENTWISE = "torch's elementwise kernels"
+_H3_ELEMENTWISE = "h3cute's elementwise kernels (eager torch's bits)"
 
 
 def _conditioning_modules(model) -> set[int]:
@@ -483,12 +484,12 @@ def _model_plan(model) -> list:
 
 # kind -> (h3 op, what diffusers computes there, what keeps it invariant, the patched forward or None)
 _MODEL_KINDS = {
-    "attention": ("attention", "softmax attention over each sample's packed sequence; q/k norms and rotary "
-                               "embedding as h3::rms_norm and h3::rotary", _FA4, None),
+    "attention": ("attention", "softmax attention over each sample's packed sequence; each head's q/k norm and "
+                               "rotary embedding as h3::qk_norm_rotary", _FA4, None),
     "head": ("linear", "linear {i} -> {o} (FP32)", "h3cute's row-invariant FP32 GEMM", _linear_forward),
     "linear": ("dense", "linear {i} -> {o} (BF16)", _BLAS, _linear_forward),
     "rms_norm": ("rms_norm", "rms_norm over {shape}", _ROWWISE, _rms_norm_forward),
-    "swiglu": ("swiglu", "SwiGLU: proj, then a * silu(g)", _ELEMENTWISE, _swiglu_forward),
+    "swiglu": ("swiglu", "SwiGLU: proj, then a * silu(g)", _H3_ELEMENTWISE, _swiglu_forward),
     "rope": ("rotary_table", "rotary angles (cos, sin) of the (t, h, w) positions", _ELEMENTWISE, _rope_forward),
 }
 

@@ -24,6 +24,8 @@ NORM_EPS = 1e-5  # [norm_eps, final_norm_eps]: the RMSNorm eps, the default of t
 # ---- the rest of the transformer (diffusers computes it; the model benchmark builds it at these widths) ----
 ATTENTION_HEADS = 56  # [num_attention_heads]
 ATTENTION_HEAD_DIM = 128  # [attention_head_dim]: heads x head_dim = 7168 attention channels
+ROPE_FREQ_DIM = 16  # [rope_freq_dim]: frequencies per (t, h, w) axis
+ROTARY_DIM = 2 * 3 * ROPE_FREQ_DIM  # 96: the leading channels of each head the rope rotates (rotate_half)
 FFN = 14336  # [ffn_dim]: the SwiGLU feed-forward's inner width
 TEXT = 5120  # [text_dim]: the text encoder's width, context_embedder's in_features
 

@@ -14,16 +14,21 @@ all that is left for Inductor between them is exact: views, index copies, dtype 
   training forward's kernel), and its deterministic backward.
 - `dense(x, weight, bias)`: `F.linear` of the BF16 linears (q/k/v/out projections, the SwiGLU's, context_embedder):
   cuBLASLt under vLLM's settings (`h3cute.invariant`).
-- `rms_norm(x, weight, eps)`: `F.rms_norm` (q/k norms, the token refiner's norms): torch's row-wise kernels.
+- `rms_norm(x, weight, eps)`: `F.rms_norm` (the token refiner's norms): torch's row-wise kernels.
 - `rotary(x, cos, sin)`: diffusers' `_apply_rotary_emb`: torch's elementwise kernels.
-- `swiglu(x)`: `a * silu(g)` with `a, g = x.chunk(2, -1)` (diffusers' `SwiGLU` after its projection): torch's
-  elementwise kernels.
+- `qk_norm_rotary(x, weight, cos, sin, eps)`: `rotary(rms_norm(x, weight, eps), cos, sin)` over each head (every
+  attention's q and k): on CUDA one pass of h3cute's kernels (kernels/qk_norm_rotary.py) with eager torch's forward
+  bits at H3's heads (head_dim 128, 96 rotated channels; other widths take the eager expressions), a backward of
+  its own (dx per row, the weight's gradient as a fixed-order sum).
+- `swiglu(x)`: `a * silu(g)` with `a, g = x.chunk(2, -1)` (diffusers' `SwiGLU` after its projection): on CUDA one
+  pass of h3cute's kernels (kernels/swiglu.py) with eager torch's bits, forward and backward.
 - `rotary_table(position_ids, inv_freq)`: `MiniMaxH3RotaryPosEmbed`'s (cos, sin): torch's elementwise kernels.
 
 Every row of every output, and of every input gradient, depends on that row alone (attention: on that sample's
 rows alone), never on the batch size or the neighbours; weight gradients are deterministic. The eager-kernel ops
 compute diffusers' own expressions, so their outputs are diffusers' eager bits; their backward ops recompute the
-forward under autograd and differentiate it, so their gradients are eager autograd's bits too. `dense`'s backward
+forward under autograd and differentiate it, so their gradients are eager autograd's bits too (the fused kernels
+reproduce those bits, but for qk_norm_rotary's gradients, which are the kernel's own). `dense`'s backward
 is two GEMMs and a column sum (no recomputation): dx = g w, dw = g^T x, db = sum of g's rows.
 
 CPU impls: the same expressions; `attention` on a CPU is an FP32 reference (the tests' and `--quick` runs'
@@ -37,6 +42,8 @@ import torch.nn.functional as F
 from h3cute.invariant import FA4_DISTRIBUTION
 from h3cute.ops import validate
 from h3cute.ops._library import Op, declare
+from h3cute.runtime import SM_COUNT, arch_of, kernel
+from h3cute.widths import ATTENTION_HEAD_DIM, ROTARY_DIM
 
 BF16, F32 = torch.bfloat16, torch.float32
 _INTEGER = (torch.int64, torch.int32)
@@ -381,9 +388,147 @@ ROTARY = declare(Op(
 ))
 
 
+_QK_GRAD_CTAS_PER_SM = 8  # qk_norm_rotary_bwd's grid: enough CTAs per SM to keep HBM busy
+
+
+def _kernel_rows(t, width: int):
+    """t as contiguous (rows, width) rows at a 16-byte aligned address: what the kernels' 16-byte accesses need."""
+    t = t.contiguous()
+    if t.data_ptr() % 16:
+        t = t.clone()
+    return t.view(-1, width)
+
+
+def _qk_norm_rotary(x, weight, cos, sin, eps):
+    """The attention's q / k norm then the rotary embedding, as diffusers evaluates them (eager kernels)."""
+    return _rotary(_rms_norm(x, weight, eps), cos, sin)
+
+
+def _qk_kernels_serve(x, cos) -> bool:
+    """The fused kernels serve H3's heads (head_dim 128, 96 rotated channels); other widths take the eager
+    expressions (the same forward bits)."""
+    return x.is_cuda and x.shape[-1] == ATTENTION_HEAD_DIM and cos.shape[-1] == ROTARY_DIM
+
+
+def _qk_norm_rotary_cuda(x, weight, cos, sin, eps):
+    if not _qk_kernels_serve(x, cos) or x.numel() == 0:
+        return _qk_norm_rotary(x, weight, cos, sin, eps)
+    b, s, heads, d = x.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    kernel("qk_norm_rotary_fwd", x.device)(_kernel_rows(x, d), _kernel_rows(weight, d)[0],
+                                           _kernel_rows(cos, ROTARY_DIM), _kernel_rows(sin, ROTARY_DIM), out.view(-1, d),
+                                           float(eps), heads, s)
+    return out
+
+
+def _qk_norm_rotary_backward(grad, x, weight, cos, sin, eps, x_grad=True, weight_grad=True):
+    """Eager autograd of the rotary's transpose, then the norm's (the CPU impl and other widths')."""
+    g = _rotary_backward(grad, cos, sin)
+    return _rms_norm_backward(g, x, weight, eps, x_grad, weight_grad)
+
+
+def _qk_norm_rotary_backward_cuda(grad, x, weight, cos, sin, eps, x_grad=True, weight_grad=True):
+    if not _qk_kernels_serve(x, cos) or x.numel() == 0:
+        return _qk_norm_rotary_backward(grad, x, weight, cos, sin, eps, x_grad, weight_grad)
+    b, s, heads, d = x.shape
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    # the weight gradient's partial rows: one per CTA of a grid fixed per arch (never per GPU or row count)
+    partials = torch.empty((_QK_GRAD_CTAS_PER_SM * SM_COUNT[arch_of(x.device)], d), dtype=F32, device=x.device)
+    kernel("qk_norm_rotary_bwd", x.device)(_kernel_rows(grad, d), _kernel_rows(x, d), _kernel_rows(weight, d)[0],
+                                           _kernel_rows(cos, ROTARY_DIM), _kernel_rows(sin, ROTARY_DIM), dx.view(-1, d),
+                                           partials, float(eps), heads, s)
+    dweight = torch.empty_like(weight)
+    if weight_grad:
+        kernel("rowwise_fold", x.device)(partials, dweight)
+    return (dx if x_grad else x.new_empty((0,)), dweight if weight_grad else weight.new_empty((0,)))
+
+
+def _check_qk_norm_rotary(x, weight, cos, sin, eps, op="qk_norm_rotary", d=None):
+    """x (batch, rows, heads, head_dim) BF16, weight (head_dim,) BF16, cos / sin (rows, rotary_dim) FP32, eps > 0."""
+    d = validate.device_of(op, "x", x) if d is None else d
+    _tensor(op, "x", x, BF16, d, rank=4)
+    _check_rotary(x, cos, sin, op)
+    _tensor(op, "weight", weight, BF16, d, rank=1)
+    _width(op, "x", x, weight.shape[0], "weight's width")
+    validate._eps(op, eps)
+
+
+def _check_qk_norm_rotary_backward(grad, x, weight, cos, sin, eps, *flags):
+    op = "qk_norm_rotary_backward"
+    d = validate.device_of(op, "grad", grad)
+    _tensor(op, "grad", grad, BF16, d, rank=4)
+    _check_qk_norm_rotary(x, weight, cos, sin, eps, op, d)
+    _like(op, "grad", grad, x.shape, "x")
+
+
+def _qk_norm_rotary_setup_context(ctx, inputs, output):
+    x, weight, cos, sin, eps = inputs
+    ctx.eps = eps
+    ctx.save_for_backward(x, weight, cos, sin)
+
+
+def _qk_norm_rotary_grads(ctx, grad):
+    x, weight, cos, sin = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if need[2] or need[3]:
+        raise RuntimeError("h3::qk_norm_rotary: gradients reach the rows and the norm's weight, not the angles "
+                           "(MiniMax-H3's cos / sin come from fixed position ids)")
+    dx, dw = torch.ops.h3.qk_norm_rotary_backward(grad, x, weight, cos, sin, ctx.eps, need[0], need[1])
+    return dx if need[0] else None, dw if need[1] else None, None, None, None
+
+
+QK_NORM_ROTARY = declare(Op(
+    "qk_norm_rotary(Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps) -> Tensor",
+    check=_check_qk_norm_rotary,
+    cpu=_qk_norm_rotary, cuda=_qk_norm_rotary_cuda,
+    fake=lambda x, weight, cos, sin, eps: x.new_empty(x.shape),
+    bf16=("x", "weight"),
+    backward_op=Op(
+        "qk_norm_rotary_backward(Tensor grad, Tensor x, Tensor weight, Tensor cos, Tensor sin, float eps, "
+        "bool x_grad=True, bool weight_grad=True) -> (Tensor dx, Tensor dweight)",
+        check=_check_qk_norm_rotary_backward,
+        cpu=_qk_norm_rotary_backward, cuda=_qk_norm_rotary_backward_cuda,
+        fake=lambda grad, x, weight, cos, sin, eps, x_grad=True, weight_grad=True: _rms_norm_backward_fake(
+            grad, x, weight, eps, x_grad, weight_grad),
+        bf16=("grad", "x", "weight"),
+    ),
+    setup_context=_qk_norm_rotary_setup_context,
+    backward=_qk_norm_rotary_grads,
+))
+
+
 def _swiglu(x):
     a, gate = x.chunk(2, dim=-1)
     return (a * F.silu(gate)).contiguous()
+
+
+def _swiglu_rows(x):
+    """x as (rows, 2 F) rows for the kernels (None where they do not serve: F % 8 != 0, or no rows)."""
+    if x.numel() == 0 or x.shape[-1] % 16:
+        return None
+    return _kernel_rows(x, x.shape[-1])
+
+
+def _swiglu_cuda(x):
+    rows = _swiglu_rows(x)
+    if rows is None:
+        return _swiglu(x)
+    out = x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+    kernel("swiglu_fwd", x.device)(rows, out.view(-1, out.shape[-1]))
+    return out
+
+
+def _swiglu_backward(grad, x):
+    return _recomputed_grads(_swiglu, grad, (x,), (True,))[0]
+
+
+def _swiglu_backward_cuda(grad, x):
+    rows = _swiglu_rows(x)
+    if rows is None:
+        return _swiglu_backward(grad, x)
+    dx = x.new_empty(x.shape)
+    kernel("swiglu_bwd", x.device)(_kernel_rows(grad, grad.shape[-1]), rows, dx.view(-1, dx.shape[-1]))
+    return dx
 
 
 def _check_swiglu(x, op="swiglu", d=None):
@@ -405,14 +550,13 @@ def _check_swiglu_backward(grad, x):
 SWIGLU = declare(Op(
     "swiglu(Tensor x) -> Tensor",
     check=_check_swiglu,
-    cpu=_swiglu, cuda=_swiglu,
+    cpu=_swiglu, cuda=_swiglu_cuda,
     fake=lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)),
     bf16=("x",),
     backward_op=Op(
         "swiglu_backward(Tensor grad, Tensor x) -> Tensor",
         check=_check_swiglu_backward, bf16=("grad", "x"),
-        cpu=lambda grad, x: _recomputed_grads(_swiglu, grad, (x,), (True,))[0],
-        cuda=lambda grad, x: _recomputed_grads(_swiglu, grad, (x,), (True,))[0],
+        cpu=_swiglu_backward, cuda=_swiglu_backward_cuda,
         fake=lambda grad, x: x.new_empty(x.shape),
     ),
     setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]),
