@@ -1,5 +1,6 @@
-"""qk_norm_rotary: the attention's q / k RMSNorm over each head and the rotary embedding, in one pass (h3::qk_norm_rotary),
-and its backward. x is (B, S, heads, head_dim) BF16 rows, head_dim = 128; cos / sin (S, rotary_dim) FP32.
+"""qk_norm_rotary: the attention's q / k RMSNorm over each head and the rotary embedding in one pass
+(h3::qk_norm_rotary), and its backward. x is (B, S, heads, head_dim) BF16 rows, head_dim = 128; cos / sin
+(S, rotary_dim) FP32.
 
 Forward (`qk_norm_rotary_fwd`) computes eager diffusers' bits, `_apply_rotary_emb(norm_q(x), cos, sin)`:
     ss   = sum x^2 in torch's fused rms_norm order for a 128-wide row (below), FP32
@@ -21,9 +22,10 @@ Backward (`qk_norm_rotary_bwd`): the transpose of the rotation with the forward'
 (gy = bf16(bf16(g c) + [bf16(g s)[i + rd/2], -bf16(g s)[i - rd/2]]), the same as h3::rotary_backward), then the
 RMSNorm's: dxhat = gy w, dx = bf16((dxhat - xhat mean(dxhat xhat)) rstd) with xhat = x rstd (rstd recomputed in the
 forward's order), and the weight's FP32 partials sum_rows gy xhat. The dx of a row depends on that row alone. The
-weight gradient never uses atomics: a grid of one CTA per partial row (the launcher fixes it per arch) walks contiguous token ranges in
-order, each thread adding its 16 columns over its heads in order; the CTA's 16 head slots fold in slot order into
-one FP32 partial row per CTA, and `rowwise_fold` sums the partials in CTA order: a fixed function of (inputs, rows).
+weight gradient never uses atomics: one CTA per partial row (a grid the launcher fixes per arch) walks a contiguous
+token range in order, each thread adding its 16 columns over its heads in order; the CTA's 16 head slots fold in
+slot order into the CTA's FP32 partial row, and `rowwise_fold` sums the partials in CTA order: a fixed function of
+(inputs, rows).
 """
 from __future__ import annotations
 

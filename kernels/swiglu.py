@@ -99,9 +99,8 @@ def build_forward(arch: str):
 
 def build_backward(arch: str):
     rows, width = cute.sym_int(), cute.sym_int(divisibility=VEC)
-    return compile_for(arch, _backward_launch, _fake_rows(rows, width),
-                       _fake_rows(rows, cute.sym_int(divisibility=VEC)), _fake_rows(rows, cute.sym_int(divisibility=VEC)),
-                       env_stream())
+    x, dx = (_fake_rows(rows, cute.sym_int(divisibility=VEC)) for _ in range(2))
+    return compile_for(arch, _backward_launch, _fake_rows(rows, width), x, dx, env_stream())
 
 
 _ELEMENTWISE_PTX = ("ld.global.v4.b32", "st.global.v4.b32", "div.rn.f32", "ex2.approx")

@@ -196,8 +196,8 @@ def test_all_meta_inputs_give_meta_outputs(op):
 # ---- forward-mode AD ----------------------------------------------------------------------------------------
 
 FORWARD_OPS = ["timestep_sinusoid", "timestep_mlp", "adaln_projection", "adaln_row_gather", "norm_modulate",
-               "gate_residual", "final_adaln_out", "linear", "attention", "dense", "rms_norm", "rotary", "qk_norm_rotary",
-               "swiglu"]
+               "gate_residual", "final_adaln_out", "linear", "attention", "dense", "rms_norm", "rotary",
+               "qk_norm_rotary", "swiglu"]
 
 
 def _split_floating(args):

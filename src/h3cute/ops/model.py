@@ -415,8 +415,8 @@ def _qk_norm_rotary_cuda(x, weight, cos, sin, eps):
         return _qk_norm_rotary(x, weight, cos, sin, eps)
     b, s, heads, d = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    kernel("qk_norm_rotary_fwd", x.device)(_kernel_rows(x, d), _kernel_rows(weight, d)[0],
-                                           _kernel_rows(cos, ROTARY_DIM), _kernel_rows(sin, ROTARY_DIM), out.view(-1, d),
+    cos, sin = _kernel_rows(cos, ROTARY_DIM), _kernel_rows(sin, ROTARY_DIM)
+    kernel("qk_norm_rotary_fwd", x.device)(_kernel_rows(x, d), _kernel_rows(weight, d)[0], cos, sin, out.view(-1, d),
                                            float(eps), heads, s)
     return out
 
