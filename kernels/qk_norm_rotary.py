@@ -8,7 +8,8 @@ Forward (`qk_norm_rotary_fwd`) computes eager diffusers' bits, `_apply_rotary_em
     y    = bf16(w * (rstd * x))                           (torch: gamma * (rstd * x), one rounding)
     out  = bf16(bf16(y c) + bf16(r s)) on the leading rotary_dim channels, y on the rest,
 with c = bf16(cos), s = bf16(sin) (diffusers casts the angles to the rows' dtype) and r the rotate_half partner
-(-y[i + rd/2] in the first half, y[i - rd/2] in the second): three BF16 ops, each rounded once, as torch does them.
+(-y[i + rd/2] in the first half, y[i - rd/2] in the second): three BF16 ops as torch does them, the products rounded
+once, the sum in FP32 then rounded (an opaque add.rn.f32: LLVM would narrow it to add.bf16x2, other bits on sm_90).
 
 Layout: a 128-thread CTA holds ROWS_PER_CTA = 16 heads of one token, LANES = 8 threads per head; lane u owns the
 16-byte vectors u and u + 8 of its head. torch's rms_norm block reduces a 128-wide row over its first warp alone:
@@ -32,7 +33,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_tensor
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from h3cute.runtime import KernelSpec
 from h3cute.runtime.dsl import compile_for, env_stream
@@ -82,6 +85,24 @@ def _rstd(xs, eps: Float32):
     return cute.math.rsqrt((lo + hi) / Float32(HEAD_DIM) + eps, approx=True)
 
 
+@dsl_user_op
+def _add_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """a + b in FP32 (add.rn.f32), opaque to LLVM: torch adds two BF16 tensors in FP32 and rounds the sum to BF16;
+    LLVM would narrow that to add.bf16x2, which rounds differently on sm_90 (measured on an H100)."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                                   "add.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def _sum_f32(a, b):
+    """The FP32 sums of two 8-vectors, element by element (_add_rn)."""
+    out = cute.make_rmem_tensor((VEC,), Float32)
+    for i in cutlass.range_constexpr(VEC):
+        out[i] = _add_rn(a[i], b[i])
+    return out.load()
+
+
 @cute.jit
 def _angles(mAng: cute.Tensor, pos, v):
     """bf16(angle) of rotary channels [8 v, 8 v + 8) at position `pos`, widened back to FP32."""
@@ -127,7 +148,7 @@ def _forward_kernel(mX: cute.Tensor, mW: cute.Tensor, mCos: cute.Tensor, mSin: c
                 r, sign = _partner(sRow, v)
                 c = _angles(mCos, pos, v)
                 s = _angles(mSin, pos, v)
-                store_bf16(mOut, base + v * VEC, round_bf16(ys[k] * c) + round_bf16(r * s) * sign)
+                store_bf16(mOut, base + v * VEC, _sum_f32(round_bf16(ys[k] * c), round_bf16(r * s) * sign))
             else:
                 store_bf16(mOut, base + v * VEC, ys[k])
 
@@ -185,7 +206,7 @@ def _backward_kernel(mG: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, mCos: cu
             gy = gcs[k]
             if v < ROTARY_DIM // VEC:
                 r, sign = _partner(sRow, v)
-                gy = round_bf16(gcs[k] - r * sign)  # the transpose of rotate_half flips the partner's sign
+                gy = round_bf16(_sum_f32(gcs[k], r * -sign))  # rotate_half's transpose flips the partner's sign
             gys.append(gy)
         cute.arch.sync_threads()  # the next row's products reuse sRow
         # RMSNorm backward
@@ -253,9 +274,9 @@ def build_backward(arch: str):
 SPECS = [
     KernelSpec(name="qk_norm_rotary_fwd", build=build_forward, variants=lambda arch: [dict()],
                # rsqrt.approx is torch's rsqrtf; the rotation's products narrow to mul.bf16x2 (exact, one rounding)
-               ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "shfl.sync.bfly"),
-               ptx_forbidden=("atom.", "red.global", "red.shared")),
+               ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "shfl.sync.bfly", "add.rn.f32"),
+               ptx_forbidden=("atom.", "red.global", "red.shared", "add.bf16x2")),
     KernelSpec(name="qk_norm_rotary_bwd", build=build_backward, variants=lambda arch: [dict()],
-               ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "shfl.sync.bfly"),
-               ptx_forbidden=("atom.", "red.global", "red.shared")),
+               ptx_markers=("ld.global.v4.b32", "st.global.v4.b32", "rsqrt.approx.f32", "shfl.sync.bfly", "add.rn.f32"),
+               ptx_forbidden=("atom.", "red.global", "red.shared", "add.bf16x2")),
 ]
