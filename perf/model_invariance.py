@@ -275,8 +275,11 @@ def _yes(run: dict, key: str, field: str) -> str:
 
 def summary(report: dict) -> str:
     runs = _runs(report)
+    env, commit = report.get("environment", {}), report.get("h3cute")
+    commit = commit.get("commit") if isinstance(commit, dict) else commit
     lines = [f"# scope='model' invariance ({report['model']}, layout {report['runs'][0]['layout']})", "",
-             "| proof | holds |", "| --- | --- |"]
+             f"{env.get('gpu', 'no GPU')}, torch {env.get('torch')}, h3cute {commit}, modes "
+             f"{', '.join(report.get('modes', ()))}.", "", "| proof | holds |", "| --- | --- |"]
     lines += [f"| {k} | {'yes' if v else '**no**'} |" for k, v in report["verdict"].items()]
     lines += ["", "| variant | mode | 1 batch, rollout = training | 2 timesteps | 3 gradients | 6 bits = eager's | s |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
