@@ -29,7 +29,8 @@ FORWARD = {"final_adaln_out": "final_adaln_out_fwd"}  # ops whose autograd runs 
 # the model scope's ops, not conditioning ops: the FP32 linear (tests/test_linear.py) and h3cute.ops.model's
 # (tests/test_model_ops.py)
 MODEL_OPS = {"linear", "linear_backward", "attention", "attention_with_lse", "attention_backward", "dense",
-             "dense_backward", "rms_norm", "rms_norm_backward", "rotary", "rotary_backward", "swiglu",
+             "dense_backward", "rms_norm", "rms_norm_backward", "rotary", "rotary_backward", "qk_norm_rotary",
+             "qk_norm_rotary_backward", "swiglu",
              "swiglu_backward", "rotary_table"}
 ROWS = {"timestep_sinusoid": 5, "timestep_mlp": 3, "adaln_projection": 2}  # T for the T-ops; S = 7 otherwise
 _INPUTS = {}
@@ -84,7 +85,7 @@ def documented_schemas():
 
 def test_every_documented_schema_is_registered_exactly():
     schemas = documented_schemas()
-    assert len(schemas) == 18 + 12
+    assert len(schemas) == 18 + 14  # the conditioning ops, the model scope's
     for s in schemas:
         name = s.split("(", 1)[0]
         assert getattr(torch.ops.h3, name).default._schema == torch._C.parse_schema("h3::" + s), name

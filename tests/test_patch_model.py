@@ -77,7 +77,8 @@ def test_model_scope_switches_every_site_and_unpatch_restores_them(model, fa4_st
             ops = {s.module: s.op for s in p.replaced}
             assert all(ops[h] == "linear" for h in ("proj_in", "audio_proj_in", "proj_out", "audio_proj_out"))
             assert ops["transformer_blocks.0.attn"] == "attention" and ops["transformer_blocks.0.ff.net.2"] == "dense"
-            assert ops["token_refiner.refiner_blocks.0.attn.norm_q"] == "rms_norm"
+            assert ops["token_refiner.refiner_blocks.0.attn.norm_q"] == "rms_norm"  # the refiner has no angles
+            assert ops["transformer_blocks.1.attn.norm_k"] == "qk_norm_rotary"
             assert ops["context_embedder"] == "dense"
             assert ops["transformer_blocks.1.ff.net.0"] == "swiglu" and ops["rope"] == "rotary_table"
             assert ops["token_refiner.final_norm"] == "rms_norm"

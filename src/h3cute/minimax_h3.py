@@ -415,6 +415,7 @@ _FA4 = "FlashAttention-4's forward and deterministic backward"
 _ROWWISE = "torch's row-wise kernels"
 _ELEMENTWISE = "torch's elementwise kernels"
 _H3_ELEMENTWISE = "h3cute's elementwise kernels (eager torch's bits)"
+_H3_ROWWISE = "h3cute's row kernels (eager torch's forward bits)"
 
 
 def _conditioning_modules(model) -> set[int]:
@@ -448,6 +449,9 @@ def _model_plan(model) -> list:
     plan = []
     env = invariant.environment_problems()
     fa4 = invariant.fa4_problem()
+    # the q/k norms of the attentions that get rotary angles (the transformer blocks'; the token refiner's get none)
+    qk_norms = {id(getattr(b.attn, n, None)) for b in getattr(model, "transformer_blocks", ())
+                for n in ("norm_q", "norm_k")}
     for name, m in model.named_modules():
         if isinstance(m, d.Attention):
             plan.append((name, m, "attention", [(name, fa4)] if fa4 else _attention_problems(name, m)))
@@ -470,7 +474,7 @@ def _model_plan(model) -> list:
             elif not probs and m.weight.dtype != BF16:
                 probs = [(name, f"weight is {_dtype_name(m.weight.dtype)}; the checkpoint's norm weights are "
                                 "bfloat16 (h3::rms_norm computes BF16 rows)")]
-            plan.append((name, m, "rms_norm", probs))
+            plan.append((name, m, "qk_norm" if id(m) in qk_norms else "rms_norm", probs))
         elif isinstance(m, d.SwiGLU):
             probs = _module_problems(name, m, d.SwiGLU, _swiglu_forward) or _bypassed(
                 f"{name}.activation", m.activation)
@@ -489,6 +493,8 @@ _MODEL_KINDS = {
     "head": ("linear", "linear {i} -> {o} (FP32)", "h3cute's row-invariant FP32 GEMM", _linear_forward),
     "linear": ("dense", "linear {i} -> {o} (BF16)", _BLAS, _linear_forward),
     "rms_norm": ("rms_norm", "rms_norm over {shape}", _ROWWISE, _rms_norm_forward),
+    "qk_norm": ("qk_norm_rotary", "rms_norm over {shape} of each head, then the rotary embedding, in the attention "
+                                  "processor", _H3_ROWWISE, _rms_norm_forward),
     "swiglu": ("swiglu", "SwiGLU: proj, then a * silu(g)", _H3_ELEMENTWISE, _swiglu_forward),
     "rope": ("rotary_table", "rotary angles (cos, sin) of the (t, h, w) positions", _ELEMENTWISE, _rope_forward),
 }
@@ -498,7 +504,7 @@ def _model_sites(kind: str, name: str, m, left: str | None = None) -> CallSite:
     op, what, mechanism, _ = _MODEL_KINDS[kind]
     if kind in ("head", "linear"):
         what = what.format(i=m.in_features, o=m.out_features)
-    elif kind == "rms_norm":
+    elif kind in ("rms_norm", "qk_norm"):
         what = what.format(shape=tuple(m.normalized_shape))
     return CallSite(name, what, op, left, mechanism)
 
