@@ -33,12 +33,18 @@ def _silu(g):
     return round_bf16(g / (1.0 + cute.math.exp(-g)))
 
 
-@cute.kernel
-def _forward_kernel(mX: cute.Tensor, mOut: cute.Tensor):
+@cute.jit
+def _row_column():
+    """(row, first output column) of this thread's 8-vector: one CTA per (row, block of COLUMN_THREADS vectors)."""
     tidx, _, _ = cute.arch.thread_idx()
     row, block, _ = cute.arch.block_idx()
+    return row, (block * COLUMN_THREADS + tidx) * VEC
+
+
+@cute.kernel
+def _forward_kernel(mX: cute.Tensor, mOut: cute.Tensor):
     width = mOut.shape[1]
-    col = (block * COLUMN_THREADS + tidx) * VEC
+    row, col = _row_column()
     if col < width:
         x_base = Int64(row) * mX.stride[0]
         a = load_f32(mX, x_base + col)
@@ -48,10 +54,8 @@ def _forward_kernel(mX: cute.Tensor, mOut: cute.Tensor):
 
 @cute.kernel
 def _backward_kernel(mGrad: cute.Tensor, mX: cute.Tensor, mDx: cute.Tensor):
-    tidx, _, _ = cute.arch.thread_idx()
-    row, block, _ = cute.arch.block_idx()
     width = mGrad.shape[1]
-    col = (block * COLUMN_THREADS + tidx) * VEC
+    row, col = _row_column()
     if col < width:
         x_base = Int64(row) * mX.stride[0]
         dx_base = Int64(row) * mDx.stride[0]
@@ -59,7 +63,7 @@ def _backward_kernel(mGrad: cute.Tensor, mX: cute.Tensor, mDx: cute.Tensor):
         a = load_f32(mX, x_base + col)
         g = load_f32(mX, x_base + width + col)
         sig = 1.0 / (1.0 + cute.math.exp(-g))
-        s = round_bf16(g / (1.0 + cute.math.exp(-g)))
+        s = _silu(g)
         dy = round_bf16(grad * a)
         store_bf16(mDx, dx_base + col, grad * s)
         # nvcc contracts torch's `1 + x * (1 - sig)` into one fma

@@ -82,6 +82,7 @@ import torch
 from torch import nn
 
 from h3cute import invariant
+from h3cute.invariant import rms_norm_eps
 from h3cute.ops.adaln import adaln_indices
 from h3cute.widths import (BLOCK_PROJECTION, BLOCK_TABLE, FINAL_PROJECTION, FP32_HEADS, FREQ, HIDDEN, MLP_HIDDEN,
                            TEMB)
@@ -133,9 +134,6 @@ def _row_index(index: torch.Tensor, rows: int) -> torch.Tensor:
     return index.repeat(rows // n)
 
 
-_eps = invariant.rms_norm_eps
-
-
 def _base_forward(self):
     """diffusers' forward of this module: its class is the patched one, a subclass of it (FSDP2), or after
     `unpatch()` the base itself (a wrapper that captured the patched forward still calls it)."""
@@ -172,10 +170,11 @@ def _block_forward(
     proj = self.adaln_proj.linear
     table = torch.ops.h3.adaln_projection(temb, proj.weight, proj.bias).view(-1, BLOCK_TABLE)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = table.chunk(6, dim=-1)
-    normed = torch.ops.h3.norm_modulate(x, self.norm1.weight, shift_msa, scale_msa, idx, _eps(self.norm1), False)
+    normed = torch.ops.h3.norm_modulate(x, self.norm1.weight, shift_msa, scale_msa, idx, rms_norm_eps(self.norm1),
+                                        False)
     attn_output = self.attn(normed.view(shape), rotary_emb, attention_mask)
     h, normed = torch.ops.h3.gate_residual_norm_modulate(x, _rows(attn_output), gate_msa, self.norm2.weight,
-                                                         shift_mlp, scale_mlp, idx, _eps(self.norm2), False)
+                                                         shift_mlp, scale_mlp, idx, rms_norm_eps(self.norm2), False)
     ff_output = self.ff(normed.view(shape))
     return torch.ops.h3.gate_residual(h, _rows(ff_output), gate_mlp, idx, False).view(shape)
 
@@ -187,7 +186,7 @@ def _norm_out_forward(self, hidden_states: torch.Tensor, temb: torch.Tensor,
     x = _rows(hidden_states)
     ti = _row_index(timestep_indices, x.shape[0])
     out = torch.ops.h3.final_adaln_out(x, self.norm.weight, temb, self.linear.weight, self.linear.bias, ti,
-                                       _eps(self.norm), False)
+                                       rms_norm_eps(self.norm), False)
     return out.view(hidden_states.shape)
 
 
@@ -207,7 +206,7 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     torch.ops.h3.rms_norm."""
     if not getattr(self, _ARMED, False):
         return _base_forward(self)(self, hidden_states)
-    return torch.ops.h3.rms_norm(hidden_states, self.weight, _eps(self))
+    return torch.ops.h3.rms_norm(hidden_states, self.weight, rms_norm_eps(self))
 
 
 def _swiglu_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -405,13 +405,13 @@ def _qk_norm_rotary(x, weight, cos, sin, eps):
 
 
 def _qk_kernels_serve(x, cos) -> bool:
-    """The fused kernels serve H3's heads (head_dim 128, 96 rotated channels); other widths take the eager
-    expressions (the same forward bits)."""
-    return x.is_cuda and x.shape[-1] == ATTENTION_HEAD_DIM and cos.shape[-1] == ROTARY_DIM
+    """The fused kernels serve H3's heads (head_dim 128, 96 rotated channels), some rows of them; other widths take
+    the eager expressions (the same forward bits)."""
+    return x.is_cuda and x.shape[-1] == ATTENTION_HEAD_DIM and cos.shape[-1] == ROTARY_DIM and x.numel() > 0
 
 
 def _qk_norm_rotary_cuda(x, weight, cos, sin, eps):
-    if not _qk_kernels_serve(x, cos) or x.numel() == 0:
+    if not _qk_kernels_serve(x, cos):
         return _qk_norm_rotary(x, weight, cos, sin, eps)
     b, s, heads, d = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -428,7 +428,7 @@ def _qk_norm_rotary_backward(grad, x, weight, cos, sin, eps, x_grad=True, weight
 
 
 def _qk_norm_rotary_backward_cuda(grad, x, weight, cos, sin, eps, x_grad=True, weight_grad=True):
-    if not _qk_kernels_serve(x, cos) or x.numel() == 0:
+    if not _qk_kernels_serve(x, cos):
         return _qk_norm_rotary_backward(grad, x, weight, cos, sin, eps, x_grad, weight_grad)
     b, s, heads, d = x.shape
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -437,10 +437,11 @@ def _qk_norm_rotary_backward_cuda(grad, x, weight, cos, sin, eps, x_grad=True, w
     kernel("qk_norm_rotary_bwd", x.device)(_kernel_rows(grad, d), _kernel_rows(x, d), _kernel_rows(weight, d)[0],
                                            _kernel_rows(cos, ROTARY_DIM), _kernel_rows(sin, ROTARY_DIM), dx.view(-1, d),
                                            partials, float(eps), heads, s)
-    dweight = torch.empty_like(weight)
+    dweight = weight.new_empty((0,))
     if weight_grad:
+        dweight = torch.empty_like(weight)
         kernel("rowwise_fold", x.device)(partials, dweight)
-    return (dx if x_grad else x.new_empty((0,)), dweight if weight_grad else weight.new_empty((0,)))
+    return dx if x_grad else x.new_empty((0,)), dweight
 
 
 def _check_qk_norm_rotary(x, weight, cos, sin, eps, op="qk_norm_rotary", d=None):
